@@ -1,0 +1,88 @@
+"""The project's exception hierarchy.
+
+Foreign exceptions (requests, grpc, torch.distributed, safetensors) are translated into these at the
+boundary where they happen, so callers handle one small family:
+
+    BridgeError
+    ├── ConfigError          a flag, config field or argument is wrong (also a ValueError)
+    ├── ServerError          an inference server answered with an error, or could not be reached
+    ├── SyncTimeout          something did not finish within its configured timeout (also a TimeoutError)
+    ├── SyncError            a weight sync failed; servers keep serving their previous version
+    ├── VersionError         a version was refused (not strictly increasing, unknown, ...)
+    ├── SnapshotError        a snapshot on disk is missing, incomplete or corrupt
+    └── NameResolveError     the name-resolution backend failed
+        └── NameEntryNotFound
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BridgeError",
+    "ConfigError",
+    "NameEntryExists",
+    "NameEntryNotFound",
+    "NameResolveError",
+    "ServerError",
+    "SnapshotError",
+    "SyncError",
+    "SyncTimeout",
+    "VersionError",
+]
+
+
+class BridgeError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class ConfigError(BridgeError, ValueError):
+    """A user-supplied value is wrong; the message names the value, the expectation and the fix."""
+
+
+class ServerError(BridgeError):
+    """An inference server answered with an error or could not be reached.
+
+    Attributes:
+        server: the server's base URL.
+        status: the HTTP status code, or None when no answer came back.
+        message: the server's own message (SGLang's ``message`` field), or the transport error.
+    """
+
+    def __init__(self, server: str, message: str, status: int | None = None, route: str | None = None):
+        self.server = server
+        self.status = status
+        self.route = route
+        self.message = message
+        where = f"{server}{route or ''}"
+        code = f" (HTTP {status})" if status is not None else ""
+        super().__init__(f"{where}{code}: {message}")
+
+
+class SyncTimeout(BridgeError, TimeoutError):
+    """A step of a sync (HTTP call, rendezvous, broadcast) exceeded its timeout."""
+
+
+class SyncError(BridgeError):
+    """A weight sync failed part-way; the servers keep serving the last complete version."""
+
+
+class VersionError(BridgeError, ValueError):
+    """A version was refused, e.g. publishing a version that is not newer than the last one."""
+
+
+class SnapshotError(BridgeError):
+    """A snapshot directory is missing, incomplete, or fails verification against its manifest."""
+
+
+class NameResolveError(BridgeError):
+    """The name-resolution backend (etcd, directory, memory) failed."""
+
+
+class NameEntryNotFound(NameResolveError, KeyError):
+    """A key does not exist (or did not appear before the wait timed out)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return Exception.__str__(self)
+
+
+class NameEntryExists(NameResolveError):
+    """A key already exists and replace=False was asked."""

@@ -1,0 +1,61 @@
+"""Logging that says which rank and which version a line is about.
+
+``get_logger(__name__)`` returns a logger whose lines start with ``[wsync rank R]`` (R from ``RANK`` or
+the default process group). ``setup_logging()`` is called once by the command-line entry points.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["fmt_bytes", "get_logger", "setup_logging"]
+
+_FORMAT = "%(asctime)s %(levelname).1s [%(name)s rank %(rank)s] %(message)s"
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = _rank()
+        return True
+
+
+def _rank() -> str:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return str(dist.get_rank())
+    except Exception:
+        pass
+    return os.environ.get("RANK", "-")
+
+
+def setup_logging(level: str | int | None = None) -> None:
+    """Configure the root logger once (level from ``WSYNC_LOG_LEVEL``, default INFO)."""
+    level = level or os.environ.get("WSYNC_LOG_LEVEL", "INFO")
+    root = logging.getLogger()
+    if any(getattr(h, "_wsync", False) for h in root.handlers):
+        root.setLevel(level)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+    handler.addFilter(_RankFilter())
+    handler._wsync = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level)
+    for noisy in ("httpx", "urllib3", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def get_logger(name: str) -> logging.Logger:
+    return logging.getLogger(name)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"

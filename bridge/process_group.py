@@ -1,0 +1,115 @@
+"""The custom process group that joins trainer rank 0 with the inference ranks.
+
+It is built exactly as SGLang builds its side (``init_custom_process_group`` in SGLang's
+``srt/utils/common.py``): a TCP rendezvous, the store wrapped in ``PrefixStore(group_name, ...)``, then
+``_new_process_group_helper`` and an identity rank map. Both sides must use the same ``group_name``
+because it is the store prefix. It is independent of the default (FSDP) group, which already exists
+in every process and could only be subdivided by ``new_group``.
+
+Every collective on it is bounded by ``timeout``: when a peer dies or never joins, the caller gets an
+exception after at most that long, instead of SGLang's default 30 minutes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from bridge.errors import ConfigError, SyncTimeout
+
+__all__ = ["default_backend", "destroy_custom_process_group", "find_free_port", "init_custom_process_group"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_backend() -> str:
+    """``"nccl"`` where CUDA is available, otherwise ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tcp_url(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
+def init_custom_process_group(
+    *,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    backend: str | None = None,
+    timeout: float = 60.0,
+) -> dist.ProcessGroup:
+    """Create (or join) the weight-update group; rank 0 hosts the TCP store.
+
+    Args:
+        master_address: host of group rank 0 (the trainer), reachable from every server.
+        master_port: free TCP port on that host.
+        world_size: 1 + the total number of inference ranks.
+        rank: this process's rank in the group (0 for the trainer).
+        group_name: store prefix; must equal the name sent in ``/init_weights_update_group``.
+        backend: ``"nccl"`` or ``"gloo"``; default: :func:`default_backend`.
+        timeout: seconds for the rendezvous and for every later collective on the group.
+
+    Raises:
+        ConfigError: bad rank/world size or an unknown backend.
+        SyncTimeout: the other ranks did not join within ``timeout``.
+    """
+    backend = backend or default_backend()
+    if backend not in ("nccl", "gloo"):
+        raise ConfigError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend 'nccl' needs CUDA, which this process does not have; use backend='gloo'")
+    if world_size < 2 or not 0 <= rank < world_size:
+        raise ConfigError(f"need world_size >= 2 and 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+    # torchrun sets this to True for its workers, and then rank 0 would not host a TCP store for the new
+    # group: the servers would wait forever. It must be False before the rendezvous.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    td = timedelta(seconds=timeout)
+    try:
+        store, rank, world_size = next(
+            c10d.rendezvous(_tcp_url(master_address, master_port), rank, world_size, timeout=td)
+        )
+        store.set_timeout(td)
+        store = c10d.PrefixStore(group_name, store)
+        kwargs = {"group_name": group_name, "timeout": td}
+        params = inspect.signature(c10d._new_process_group_helper).parameters
+        # torch 2.6 renamed pg_options -> backend_options.
+        kwargs["backend_options" if "backend_options" in params else "pg_options"] = None
+        pg = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store, **kwargs)
+        pg = pg[0] if isinstance(pg, tuple) else pg
+    except (RuntimeError, dist.DistStoreError) as e:  # DistStoreError subclasses RuntimeError on new torch
+        if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+            raise SyncTimeout(
+                f"weight-update group {group_name!r}: not all {world_size} ranks joined "
+                f"tcp://{master_address}:{master_port} within {timeout:.0f} s ({e})"
+            ) from e
+        raise
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    logger.info("joined weight-update group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
+    return pg
+
+
+def destroy_custom_process_group(pg: dist.ProcessGroup | None) -> None:
+    """Tear a group down; without this gloo aborts the process at exit."""
+    if pg is None:
+        return
+    try:
+        dist.destroy_process_group(pg)
+    except Exception as e:  # a broken group (peer died) may fail to destroy cleanly; nothing left to do
+        logger.debug("destroying weight-update group failed: %s", e)

@@ -1,0 +1,75 @@
+"""Parameter metadata that crosses process boundaries: names, shapes and dtypes as plain JSON values."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from bridge.errors import ConfigError
+
+__all__ = ["ParamSpec", "dtype_from_str", "dtype_to_str"]
+
+# The dtypes a weight update may carry. SGLang resolves each with getattr(torch, name), so the wire form
+# is the bare attribute name ("bfloat16"), never "torch.bfloat16".
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (SGLang's wire form)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_str(name: str | torch.dtype) -> torch.dtype:
+    """Parse a dtype name as SGLang does, accepting common aliases (``bf16``) and a ``torch.`` prefix.
+
+    Raises:
+        ConfigError: the name is not a supported dtype.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.")
+    key = _ALIASES.get(key, key)
+    try:
+        return _DTYPES[key]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """One tensor of a weight update: HF name, full (unsharded) shape and dtype on the wire."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def with_dtype(self, dtype: torch.dtype) -> ParamSpec:
+        return ParamSpec(self.name, self.shape, dtype)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_to_str(self.dtype)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> ParamSpec:
+        return cls(str(d["name"]), tuple(int(x) for x in d["shape"]), dtype_from_str(d["dtype"]))

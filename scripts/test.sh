@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs everything the test suite needs on a fresh machine (Python 3.11, Debian), then runs it.
+# Usage: bash scripts/test.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# A real etcd server for the name-resolution tests (the tests start it themselves on a loopback port).
+if ! command -v etcd >/dev/null 2>&1; then
+    echo "== installing etcd-server (Debian package)"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+fi
+
+# torch==2.13.0 is the CPU build on this kind of machine's disk; a bare `torch` would pull a CUDA build.
+echo "== installing the project and its test dependencies"
+python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev]"
+
+echo "== running the tests (GPU tests deselected)"
+# 'not gpu': tests that need CUDA, NCCL or a real SGLang server run only on GPU hosts.
+python -m pytest -m "not gpu" -p no:cacheprovider "$@"

@@ -1,0 +1,21 @@
+"""Shared fixtures. Component fixtures live in their own plugin modules, listed here."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+pytest_plugins = [p for p in ("tests.fixtures_server", "tests.fixtures_etcd") if os.path.exists(
+    os.path.join(os.path.dirname(__file__), p.split(".")[1] + ".py"))]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A complete HF directory of the tiny preset (seed 0), built once per session."""
+    from bridge.presets import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("tiny-model"), "tiny", seed=0)

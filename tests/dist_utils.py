@@ -1,0 +1,78 @@
+"""Run a function on N ranks of a real torch.distributed (gloo) job, as torchrun would.
+
+Each rank is a spawned process with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK set; the function
+runs with the default process group already initialised and its return value (picklable) comes back.
+An exception on any rank fails the call with that rank's traceback; a hang fails after ``timeout``.
+
+    results = run_ranks(_my_test_body, world_size=2, args=(tmp_path,))
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from typing import Any, Callable
+
+from bridge.process_group import find_free_port
+
+
+def _entry(fn, rank, world_size, port, args, kwargs, q, init_pg):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(*args, **kwargs)
+        q.put((rank, True, out))
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        if init_pg and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = 300.0,
+    init_pg: bool = True,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, kwargs or {}, q, init_pg), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, out = q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout} s")
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{out}")
+            results[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
