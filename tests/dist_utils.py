@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import traceback
 from typing import Any, Callable
@@ -31,7 +32,8 @@ def _entry(fn, rank, world_size, port, args, kwargs, q, init_pg):
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(*args, **kwargs)
-        q.put((rank, True, out))
+        # Plain pickle: tensors travel as bytes, not as shared-memory handles that die with the rank.
+        q.put((rank, True, pickle.dumps(out)))
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -69,7 +71,7 @@ def run_ranks(
                 raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout} s")
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{out}")
-            results[rank] = out
+            results[rank] = pickle.loads(out)
     finally:
         for p in procs:
             p.join(timeout=10)

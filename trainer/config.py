@@ -1,0 +1,123 @@
+"""Configuration of the FSDP2 trainer engine: one dataclass per concern, every field checked on creation.
+
+Example:
+    >>> cfg = EngineConfig(preset="tiny", optimizer=OptimizerConfig(lr=1e-4, warmup_steps=10))
+    >>> cfg.optimizer.schedule
+    'constant'
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from bridge.errors import ConfigError
+from bridge.presets import PRESETS
+from bridge.tensors import dtype_from_str
+
+__all__ = ["EngineConfig", "OptimizerConfig"]
+
+SCHEDULES = ("constant", "linear", "cosine")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule.
+
+    The schedule multiplies ``lr`` by a factor that depends on ``s``, the number of successful optimizer
+    steps taken so far (0 for the first step):
+
+    - warmup, ``s < warmup_steps``: ``(s + 1) / warmup_steps``, so the first step never uses lr 0;
+    - then, with ``p = min(1, (s - warmup_steps) / (total_steps - warmup_steps))``:
+      ``constant``: 1; ``linear``: ``r + (1 - r) * (1 - p)``; ``cosine``: ``r + (1 - r) * (1 + cos(pi p)) / 2``,
+      where ``r`` is ``min_lr_ratio``.
+    """
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay, applied to every parameter."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment coefficients, each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW denominator term."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr/warmup_steps up to lr."""
+    schedule: str = "constant"
+    """Shape after warmup: "constant", "linear" or "cosine"."""
+    total_steps: int | None = None
+    """Total optimizer steps of the run; required by "linear" and "cosine", which decay until it."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decay as a fraction of lr (linear and cosine end at lr * min_lr_ratio)."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient L2 norm to this; None or 0 disables clipping (the norm is still reported)."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"optimizer.lr must be a positive finite number, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        self.betas = tuple(float(b) for b in self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            raise ConfigError(f"optimizer.eps must be > 0, got {self.eps}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"optimizer.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule != "constant":
+            if self.total_steps is None:
+                raise ConfigError(f"optimizer.schedule={self.schedule!r} decays until total_steps; set total_steps")
+            if self.total_steps <= self.warmup_steps:
+                raise ConfigError(
+                    f"optimizer.total_steps ({self.total_steps}) must exceed warmup_steps ({self.warmup_steps})"
+                )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise ConfigError(f"optimizer.max_grad_norm must be >= 0 or None, got {self.max_grad_norm}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """The FSDP2 engine: which model, how it is sharded, and how it is trained."""
+
+    model_path: str | None = None
+    """A local Hugging Face model directory (config.json + weights + tokenizer). Exclusive with preset."""
+    preset: str | None = None
+    """A model built in memory by bridge.presets ("tiny", "small", "medium"). Exclusive with model_path."""
+    param_dtype: str = "float32"
+    """Dtype of the parameters during forward/backward (MixedPrecisionPolicy.param_dtype). The sharded
+    master weights, the gradient reduction and the optimizer stay in float32."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy)."""
+    mb_max_tokens: int = 8192
+    """Token budget of one micro-batch, counted with padding (sequences x longest length). A single
+    sequence longer than this gets a micro-batch of its own."""
+    seed: int = 0
+    """Seed of the preset's initial weights and of torch's RNG on every rank."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW, clipping and learning-rate schedule."""
+    init_timeout: float = 1800.0
+    """Seconds the default process group waits for its peers (rendezvous and every collective)."""
+
+    def __post_init__(self) -> None:
+        if (self.model_path is None) == (self.preset is None):
+            raise ConfigError(
+                f"set exactly one of model_path (a local HF directory) or preset ({', '.join(PRESETS)}); "
+                f"got model_path={self.model_path!r}, preset={self.preset!r}"
+            )
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if dtype_from_str(self.param_dtype) not in _FLOAT_DTYPES:
+            raise ConfigError(f"param_dtype must be float32, bfloat16 or float16, got {self.param_dtype!r}")
+        if self.mb_max_tokens < 1:
+            raise ConfigError(f"mb_max_tokens must be >= 1, got {self.mb_max_tokens}")
+        if not self.init_timeout > 0:
+            raise ConfigError(f"init_timeout must be > 0 seconds, got {self.init_timeout}")
+        if not isinstance(self.optimizer, OptimizerConfig):
+            raise ConfigError(f"optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")

@@ -1,0 +1,714 @@
+"""The FSDP2 trainer engine: a Hugging Face causal LM sharded with ``fully_shard``, trained from TensorDicts.
+
+One code path serves CPU (gloo) and GPU (NCCL); the device is CUDA exactly when CUDA is available.
+
+Lifecycle, run identically on every rank (launch with torchrun, or call from an already initialised
+default process group):
+
+1. ``FSDPEngine(config).initialize()``: checks the model directory, joins (or creates) the default
+   process group, builds the model on every rank, shards each decoder layer and then the root with
+   ``fully_shard``, and creates AdamW with its schedule.
+2. ``train_batch(batch)`` per step with this rank's part of the global batch. Every rank runs the same
+   number of forward/backward passes (the FSDP collectives need it), so a rank with fewer micro-batches
+   runs zero-weight dummies.
+3. ``param_specs()`` / ``iter_full_tensors()`` feed a weight sync: the specs come from DTensor metadata
+   without any communication; the iterator gathers one tensor at a time (a collective per tensor) and
+   hands the full tensor to rank 0 only.
+4. ``save`` / ``load`` in HF safetensors or DCP, optionally with optimizer and schedule state;
+   ``destroy()`` at the end.
+
+Example (``torchrun --nproc-per-node 2 script.py``):
+
+    engine = FSDPEngine(EngineConfig(preset="tiny")).initialize()
+    stats = engine.train_batch(TensorDict(input_ids=ids, attention_mask=mask, batch_size=[len(ids)]))
+    for spec, tensor in engine.iter_full_tensors():  # tensor is None except on rank 0
+        ...
+    engine.destroy()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from tensordict import TensorDictBase
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from bridge.errors import ConfigError
+from bridge.log import get_logger
+from bridge.process_group import find_free_port
+from bridge.tensors import ParamSpec, dtype_from_str
+from trainer.config import EngineConfig
+from trainer.data import (
+    MicroBatch,
+    dummy_micro_batch,
+    loss_token_count,
+    next_token_loss,
+    pack_micro_batches,
+    validate_batch,
+)
+from trainer.optim import build_optimizer, build_scheduler
+
+__all__ = ["FSDPEngine", "LossFn", "LossWeightFn"]
+
+logger = get_logger(__name__)
+
+LossFn = Callable[[torch.Tensor, TensorDictBase], torch.Tensor]
+"""``loss_fn(logits [b, l, V], micro_batch) -> scalar``: the mean loss over the micro-batch's tokens."""
+LossWeightFn = Callable[[TensorDictBase], float]
+"""``loss_weight_fn(micro_batch) -> float``: how much the micro-batch's mean loss weighs (e.g. its token count)."""
+
+WEIGHT_FORMATS = ("hf", "dcp")
+_OPTIM_FILE = "optimizer.pt"  # HF format: full optimizer + scheduler state, written by rank 0
+_MAX_SHARD_SIZE = "5GB"  # safetensors shard size, as transformers' save_pretrained
+
+
+class FSDPEngine:
+    """A causal LM trained with FSDP2 on every rank of the default process group. See the module docstring."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self._model: torch.nn.Module | None = None
+        self._tokenizer = None
+        self._model_config = None
+        self._generation_config = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._device = torch.device("cpu")
+        self._owns_process_group = False
+        self._version = 0
+        self._step = 0  # successful optimizer steps
+        self._tied_output_name: str | None = None  # e.g. "lm_head.weight" when it shares the embedding
+        self._tied_input_name: str | None = None
+        self._pad_token_id = 0
+
+    # ------------------------------------------------------------------ set-up
+
+    def initialize(self) -> FSDPEngine:
+        """Join the process group, build and shard the model, create the optimizer. Returns ``self``.
+
+        Raises:
+            ConfigError: ``model_path`` does not exist or is not a causal-LM directory.
+        """
+        cfg = self.config
+        start = time.perf_counter()
+        hf_config = _check_model_dir(cfg.model_path) if cfg.model_path is not None else None
+        self._init_distributed()
+        torch.manual_seed(cfg.seed)
+
+        if cfg.model_path is not None:
+            from transformers import AutoModelForCausalLM
+
+            # Master weights are float32 whatever the checkpoint holds; MixedPrecisionPolicy casts for compute.
+            model = AutoModelForCausalLM.from_pretrained(cfg.model_path, config=hf_config, dtype=torch.float32)
+            self._tokenizer = _load_tokenizer(cfg.model_path)
+        else:
+            from bridge.presets import build_model, build_tokenizer
+
+            model = build_model(cfg.preset, cfg.seed)
+            self._tokenizer = build_tokenizer()
+        self._model_config = model.config
+        # Recorded before fully_shard, which renames the class to FSDP<name>.
+        self._model_config.architectures = [type(model).__name__]
+        self._generation_config = getattr(model, "generation_config", None)
+        self._find_tied_names(model)
+        pad = getattr(self._tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self._model_config, "pad_token_id", None)
+        self._pad_token_id = int(pad) if pad is not None else 0
+
+        self._shard(model)
+        self._model = model
+        self._optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+        self._scheduler = build_scheduler(self._optimizer, cfg.optimizer)
+        if self.rank == 0:
+            n_params = sum(s.numel for s in self.param_specs())
+            logger.info(
+                "FSDP2 engine ready in %.1f s: %s (%.1f M params, tied=%s) on %d rank(s), device %s, param_dtype %s",
+                time.perf_counter() - start, cfg.model_path or f"preset {cfg.preset}", n_params / 1e6,
+                self.tie_word_embeddings, self.world_size, self._device, cfg.param_dtype,
+            )
+        return self
+
+    def _init_distributed(self) -> None:
+        cuda = torch.cuda.is_available()
+        if cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            self._device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self._device)
+        else:
+            self._device = torch.device("cpu")
+        if not dist.is_initialized():
+            backend = "nccl" if cuda else "gloo"
+            kwargs = dict(backend=backend, timeout=timedelta(seconds=self.config.init_timeout))
+            if cuda:
+                kwargs["device_id"] = self._device
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                dist.init_process_group(**kwargs)  # torchrun's env:// rendezvous
+            else:
+                # A plain `python script.py`: a world of one, so the same code runs without torchrun.
+                port = find_free_port()
+                dist.init_process_group(**kwargs, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            self._owns_process_group = True
+        self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+
+    def _find_tied_names(self, model: torch.nn.Module) -> None:
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+        if out is None or inp is None or out.weight is not inp.weight:
+            return
+        names = {id(m): n for n, m in model.named_modules()}
+        self._tied_input_name = f"{names[id(inp)]}.weight"
+        self._tied_output_name = f"{names[id(out)]}.weight"
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        cfg = self.config
+        mp = MixedPrecisionPolicy(param_dtype=dtype_from_str(cfg.param_dtype), reduce_dtype=torch.float32)
+        # Pinned memory needs an accelerator; on CPU the offload policy only keeps what is already there.
+        offload = CPUOffloadPolicy(pin_memory=self._device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+        # The decoder layers are what transformers refuses to split across devices: each becomes one
+        # FSDP unit, so only one layer is unsharded at a time. What is left (embeddings, norm, head)
+        # belongs to the root unit, which keeps tied embeddings in one place.
+        block_names = set(getattr(model, "_no_split_modules", None) or ())
+        blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+        if not blocks:
+            logger.warning(
+                "%s names no decoder layers (_no_split_modules); sharding it as one unit", type(model).__name__
+            )
+        for block in blocks:
+            fully_shard(block, mesh=self._mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=self._mesh, mp_policy=mp, offload_policy=offload)
+
+    def destroy(self) -> None:
+        """Drop the model and optimizer; destroy the default process group if this engine created it."""
+        self._model = self._optimizer = self._scheduler = None
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def model(self) -> torch.nn.Module:
+        self._check_initialized()
+        return self._model
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def model_config(self):
+        return self._model_config
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """Whether the output head shares the input embedding (SGLang then skips ``lm_head.weight``)."""
+        return self._tied_output_name is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def version(self) -> int:
+        """The weight version the caller assigned to the current weights (starts at 0)."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = int(value)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        self._check_initialized()
+        return self._optimizer
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        self._check_initialized()
+        return self._scheduler
+
+    @property
+    def global_step(self) -> int:
+        """Successful optimizer steps so far (skipped steps do not count)."""
+        return self._step
+
+    def _check_initialized(self) -> None:
+        if self._model is None:
+            raise RuntimeError("FSDPEngine is not initialized (call initialize(), and not after destroy())")
+
+    # ------------------------------------------------------------------ training
+
+    def train_batch(
+        self,
+        input: TensorDictBase,
+        loss_fn: LossFn | None = None,
+        loss_weight_fn: LossWeightFn | None = None,
+    ) -> dict:
+        """One optimizer step on this rank's ``input`` (a collective: every rank calls it).
+
+        Each micro-batch's mean loss is scaled by its weight over the total weight of all ranks, times
+        the world size (FSDP averages gradients over ranks), so the step equals one unsharded process
+        training on the concatenation of every rank's batch.
+
+        Args:
+            input: ``input_ids`` and ``attention_mask`` ``[B, L]``, optionally ``loss_mask`` and any other
+                ``[B, L, ...]`` or ``[B, ...]`` tensors the loss needs.
+            loss_fn: ``(logits, micro_batch) -> mean loss``; default :func:`trainer.data.next_token_loss`.
+            loss_weight_fn: ``micro_batch -> weight``; default: the number of target tokens.
+
+        Returns:
+            ``loss`` (weighted mean over all ranks), ``grad_norm``, ``lr`` (used by this step),
+            ``update_successful`` (False when the gradient norm was not finite: nothing was changed),
+            ``n_tokens`` (over all ranks) and ``n_microbatches`` (forward passes per rank).
+
+        Raises:
+            ConfigError: on every rank, when any rank's batch is empty or malformed, or when the loss
+                weights sum to zero.
+        """
+        self._check_initialized()
+        loss_fn = loss_fn or next_token_loss
+        mbs, weights, total_weight, n_tokens, _ = self._plan(input, loss_weight_fn or loss_token_count)
+        model, optimizer = self._model, self._optimizer
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        lr = self._scheduler.get_last_lr()[0]
+        scale = self.world_size / total_weight
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
+        for mb, weight in zip(mbs, weights):
+            logits = self._logits(mb)
+            if weight > 0:
+                loss = loss_fn(logits, mb)
+                loss_sum += loss.detach().double() * (weight / total_weight)
+                loss = loss * (weight * scale)
+            else:
+                # Padding micro-batch: it must still run backward so that the reduce-scatters match the
+                # other ranks', but it contributes exactly zero (user loss_fn may give NaN on no tokens).
+                loss = logits.sum() * 0.0
+            loss.backward()
+            del logits, loss
+
+        grad_norm = self._clip_grad_norm()
+        update_successful = math.isfinite(grad_norm)
+        if update_successful:
+            optimizer.step()
+            self._scheduler.step()
+            self._step += 1
+        elif self.rank == 0:  # the norm is global: every rank skips, one line says so
+            logger.warning("gradient norm is %s: skipping the optimizer step (weights unchanged)", grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        return dict(
+            loss=float(loss_sum),
+            grad_norm=grad_norm,
+            lr=lr,
+            update_successful=update_successful,
+            n_tokens=n_tokens,
+            n_microbatches=len(mbs),
+        )
+
+    @torch.no_grad()
+    def eval_batch(
+        self, input: TensorDictBase, loss_fn: LossFn | None = None, loss_weight_fn: LossWeightFn | None = None
+    ) -> float:
+        """The loss on ``input``, weighted over all ranks exactly as ``train_batch`` would (collective)."""
+        self._check_initialized()
+        loss_fn = loss_fn or next_token_loss
+        mbs, weights, total_weight, _, _ = self._plan(input, loss_weight_fn or loss_token_count)
+        self._model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
+        for mb, weight in zip(mbs, weights):
+            logits = self._logits(mb)
+            if weight > 0:
+                loss_sum += loss_fn(logits, mb).double() * (weight / total_weight)
+        self._reshard()
+        dist.all_reduce(loss_sum)
+        return float(loss_sum)
+
+    @torch.no_grad()
+    def forward(self, input: TensorDictBase) -> torch.Tensor:
+        """Logits ``[B, L, V]`` laid out like ``input`` (zeros at padding); a collective."""
+        self._check_initialized()
+        mbs, _, _, _, packed = self._plan(input, lambda mb: 1.0)
+        self._model.eval()
+        out = None
+        n_rows, n_cols = input["input_ids"].shape
+        for i, mb in enumerate(mbs):
+            logits = self._logits(mb)
+            if i >= len(packed):
+                continue  # a padding micro-batch
+            if out is None:
+                out = logits.new_zeros((n_rows, n_cols, logits.shape[-1]))
+            real = mb["attention_mask"].bool()
+            src = packed[i]
+            rows = src.rows.to(logits.device).unsqueeze(1).expand_as(real)[real]
+            cols = src.cols.to(logits.device)[real]
+            out[rows, cols] = logits[real]
+        self._reshard()
+        return out
+
+    def _plan(
+        self, input: TensorDictBase, loss_weight_fn: LossWeightFn
+    ) -> tuple[list[TensorDictBase], list[float], float, int, list[MicroBatch]]:
+        """Validate and pack this rank's batch and agree with the other ranks on the work (collective).
+
+        Returns the micro-batches to run (on this rank's device, padded with dummies up to the largest
+        count of any rank), their weights (0 for dummies), the total weight and the token count over
+        all ranks, and the packed real micro-batches (which rows and columns each came from).
+        Any rank's error is raised on every rank, so no rank is left waiting in a collective.
+        """
+        error: ConfigError | None = None
+        packed: list[MicroBatch] = []
+        weights: list[float] = []
+        try:
+            validate_batch(input)
+            packed = pack_micro_batches(input, self.config.mb_max_tokens)
+            for mb in packed:
+                w = float(loss_weight_fn(mb.data))
+                if not (w >= 0 and math.isfinite(w)):
+                    raise ConfigError(f"loss_weight_fn returned {w}; a micro-batch weight must be finite and >= 0")
+                weights.append(w)
+        except ConfigError as e:
+            error = e
+        n_tokens = sum(mb.n_tokens for mb in packed)
+        local = torch.tensor(
+            [float(error is not None), len(packed), sum(weights), n_tokens],
+            dtype=torch.float64,
+            device=self._device,
+        )
+        everyone = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(everyone, local)  # one collective answers all four questions
+        stats = torch.stack(everyone).cpu()
+        bad = [r for r in range(self.world_size) if stats[r, 0] > 0]
+        if error is not None:
+            raise error
+        if bad:
+            raise ConfigError(f"rank(s) {bad} rejected their batch (see their error); no step was taken")
+        total_weight = float(stats[:, 2].sum())
+        if total_weight <= 0:
+            raise ConfigError(
+                "the loss weights sum to 0 over all ranks (no target token anywhere: check loss_mask and "
+                "attention_mask); no step was taken"
+            )
+        n_mbs = int(stats[:, 1].max())
+        mbs = [mb.data.to(self._device) for mb in packed]
+        dummy = dummy_micro_batch(self._pad_token_id, self._device)
+        mbs += [dummy] * (n_mbs - len(mbs))
+        weights += [0.0] * (n_mbs - len(weights))
+        return mbs, weights, total_weight, int(stats[:, 3].sum()), packed
+
+    def _logits(self, mb: TensorDictBase) -> torch.Tensor:
+        return self._model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
+
+    def _reshard(self) -> None:
+        # FSDP2 keeps the root unit unsharded after a forward, expecting the backward; without one
+        # (eval, forward) the full root parameters would stay allocated and replace the DTensors.
+        self._model.reshard()
+
+    def _clip_grad_norm(self) -> float:
+        """Global L2 norm of the gradients (clipped to ``max_grad_norm`` when finite), as a plain float."""
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        value = float(norm)
+        max_norm = self.config.optimizer.max_grad_norm
+        if max_norm and math.isfinite(value):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return value
+
+    # ------------------------------------------------------------------ weights for a sync
+
+    def param_specs(self) -> list[ParamSpec]:
+        """HF names, global shapes and dtypes of the parameters, in the same order on every rank.
+
+        Read from DTensor metadata; nothing is gathered. The tied output head (``lm_head.weight`` when
+        it shares the embedding) is left out, as SGLang expects.
+        """
+        self._check_initialized()
+        return [
+            ParamSpec(name, tuple(p.shape), p.dtype)
+            for name, p in self._model.named_parameters()  # FSDP2 adds no prefix to the HF names
+            if name != self._tied_output_name
+        ]
+
+    def iter_full_tensors(
+        self, specs: Sequence[ParamSpec] | None = None
+    ) -> Iterator[tuple[ParamSpec, torch.Tensor | None]]:
+        """Gather each parameter in ``specs`` order: the full tensor on rank 0, None elsewhere.
+
+        A collective: every rank must call it with the same specs and consume it to the end. A spec
+        whose dtype differs from the parameter's is cast before the gather (half the traffic for a
+        bfloat16 sync of float32 weights). Only the current tensor is alive at any time.
+
+        Raises:
+            ConfigError: a spec names no parameter or has the wrong shape.
+        """
+        self._check_initialized()
+        specs = self.param_specs() if specs is None else specs
+        params = dict(self._model.named_parameters(remove_duplicate=False))
+        rank0 = self.rank == 0
+        for spec in specs:
+            param = params.get(spec.name)
+            if param is None:
+                raise ConfigError(f"no parameter named {spec.name!r}; use names from param_specs()")
+            if tuple(param.shape) != tuple(spec.shape):
+                raise ConfigError(f"{spec.name!r} has shape {tuple(param.shape)}, the spec says {tuple(spec.shape)}")
+            full = self._gather(param.detach(), spec.dtype)
+            if rank0:
+                yield spec, full
+                del full  # the consumer decides how long the tensor lives, not this frame
+            else:
+                del full  # nothing to hand out: free it before yielding
+                yield spec, None
+
+    def _gather(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if not isinstance(param, DTensor):
+            return param.to(dtype).contiguous()
+        if param.dtype != dtype:
+            param = param.to(dtype)
+        if param.device.type != self._mesh.device_type:
+            # CPU-offloaded shards under NCCL: the collective needs them on the device.
+            param = DTensor.from_local(
+                param.to_local().to(self._device), param.device_mesh, param.placements,
+                shape=param.shape, stride=param.stride(),
+            )
+        return param.full_tensor().contiguous()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, path: str | os.PathLike, weight_format: str = "hf", with_optim: bool = False) -> None:
+        """Write the weights (and optionally optimizer + schedule state) to ``path``; a collective.
+
+        ``"hf"``: rank 0 writes safetensors shards, config, generation config and tokenizer, loadable by
+        ``AutoModelForCausalLM.from_pretrained`` (tied heads are not stored), and with ``with_optim``
+        the full optimizer and scheduler state to ``optimizer.pt``. ``"dcp"``: every rank writes its
+        shards with ``torch.distributed.checkpoint`` (needs a filesystem all ranks share).
+        """
+        self._check_initialized()
+        _check_format(weight_format)
+        path = Path(path)
+        if weight_format == "dcp":
+            state = {"model": get_model_state_dict(self._model)}
+            if with_optim:
+                state["optim"] = get_optimizer_state_dict(self._model, self._optimizer)
+                state["extra"] = {"scheduler": self._scheduler.state_dict(), "step": self._step}
+            dcp.save(state, checkpoint_id=str(path))
+            dist.barrier()
+            return
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(self._model, options=full)  # {} on ranks other than 0
+        optim = get_optimizer_state_dict(self._model, self._optimizer, options=full) if with_optim else None
+
+        def write() -> None:
+            path.mkdir(parents=True, exist_ok=True)
+            if self._tied_output_name is not None:
+                weights.pop(self._tied_output_name, None)
+            _write_safetensors(weights, path)
+            self._model_config.save_pretrained(path)
+            if self._generation_config is not None:
+                self._generation_config.save_pretrained(path)
+            if self._tokenizer is not None:
+                self._tokenizer.save_pretrained(path)
+            if with_optim:
+                torch.save(
+                    {"optimizer": optim, "scheduler": self._scheduler.state_dict(), "step": self._step},
+                    path / _OPTIM_FILE,
+                )
+
+        self._on_rank0(write, what=f"saving to {path}")
+        if self.rank == 0:
+            logger.info("saved %s checkpoint to %s (optimizer: %s)", weight_format, path, with_optim)
+
+    def load(self, path: str | os.PathLike, weight_format: str = "hf", with_optim: bool = False) -> None:
+        """Load what :meth:`save` wrote (in place, bit-exact); a collective.
+
+        Raises:
+            ConfigError: the path does not exist, misses files, or holds weights of another model.
+        """
+        self._check_initialized()
+        _check_format(weight_format)
+        path = Path(path)
+        if weight_format == "dcp":
+            self._load_dcp(path, with_optim)
+            return
+
+        expected = {n: tuple(p.shape) for n, p in self._model.named_parameters()}
+        loaded: dict = {}
+
+        def read() -> None:
+            if not path.is_dir():
+                raise ConfigError(f"checkpoint {str(path)!r} does not exist (or is not a directory)")
+            weights = _read_safetensors(path)
+            if self._tied_output_name is not None and self._tied_output_name not in weights:
+                weights[self._tied_output_name] = weights.get(self._tied_input_name)
+            _check_weights(weights, expected, path)
+            loaded["weights"] = weights
+            if with_optim:
+                if not (path / _OPTIM_FILE).is_file():
+                    raise ConfigError(f"{path} has no {_OPTIM_FILE}; it was saved without with_optim=True")
+                loaded.update(torch.load(path / _OPTIM_FILE, map_location="cpu", weights_only=True))
+
+        self._on_rank0(read, what=f"reading {path}")
+        from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self._model, loaded.get("weights", {}), options=from_rank0)
+        if with_optim:
+            self._set_optim_state(loaded.get("optimizer", {}), options=from_rank0)
+            extra = [{"scheduler": loaded.get("scheduler"), "step": loaded.get("step")}]
+            dist.broadcast_object_list(extra, src=0)
+            self._scheduler.load_state_dict(extra[0]["scheduler"])
+            self._step = int(extra[0]["step"])
+        if self.rank == 0:
+            logger.info("loaded hf checkpoint from %s (optimizer: %s)", path, with_optim)
+
+    def _load_dcp(self, path: Path, with_optim: bool) -> None:
+        missing = torch.tensor([0 if (path / ".metadata").is_file() else 1], device=self._device)
+        dist.all_reduce(missing)  # every rank reads DCP files: agree before the collective load
+        if int(missing):
+            raise ConfigError(f"DCP checkpoint {str(path)!r} does not exist on every rank (no .metadata)")
+        state = {"model": get_model_state_dict(self._model)}
+        if with_optim:
+            state["optim"] = get_optimizer_state_dict(self._model, self._optimizer)
+            state["extra"] = {"scheduler": self._scheduler.state_dict(), "step": self._step}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self._model, state["model"])
+        if with_optim:
+            self._set_optim_state(state["optim"])
+            self._scheduler.load_state_dict(state["extra"]["scheduler"])
+            self._step = int(state["extra"]["step"])
+
+    def _set_optim_state(self, state: dict, options: StateDictOptions | None = None) -> None:
+        set_optimizer_state_dict(self._model, self._optimizer, state, options=options)
+        # Serialisation turns the betas tuple into a list; keep param_groups exactly as AdamW builds them.
+        for group in self._optimizer.param_groups:
+            group["betas"] = tuple(group["betas"])
+
+    def _on_rank0(self, fn: Callable[[], None], what: str) -> None:
+        """Run ``fn`` on rank 0 and raise its error on every rank (instead of leaving them waiting)."""
+        status: list = [None]
+        error: Exception | None = None
+        if self.rank == 0:
+            try:
+                fn()
+            except Exception as e:
+                error = e
+                status[0] = (isinstance(e, ConfigError), f"{type(e).__name__}: {e}")
+        dist.broadcast_object_list(status, src=0)
+        if error is not None:
+            raise error
+        if status[0] is not None:
+            is_config, message = status[0]
+            raise (ConfigError if is_config else RuntimeError)(f"rank 0 failed {what}: {message}")
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _check_format(weight_format: str) -> None:
+    if weight_format not in WEIGHT_FORMATS:
+        raise ConfigError(f"unknown weight_format {weight_format!r}; use one of {', '.join(WEIGHT_FORMATS)}")
+
+
+def _check_model_dir(path: str):
+    """The transformers config of a local causal-LM directory, or a ConfigError saying what is wrong."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    p = Path(path)
+    fix = "give a local Hugging Face causal-LM directory (as written by save_pretrained) or use preset="
+    if not p.exists():
+        raise ConfigError(f"model_path {path!r} does not exist; {fix}")
+    if not p.is_dir():
+        raise ConfigError(f"model_path {path!r} is a file, not a model directory; {fix}")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model_path {path!r} has no config.json, so it is not a Hugging Face model directory; {fix}")
+    try:
+        config = AutoConfig.from_pretrained(p)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model_path {path!r}: config.json is not a transformers config ({e}); {fix}") from None
+    archs = list(getattr(config, "architectures", None) or [])
+    causal_arch = not archs or any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or not causal_arch:
+        raise ConfigError(
+            f"model_path {path!r} holds a {config.model_type!r} model ({', '.join(archs) or 'no architectures'}), "
+            f"which is not a causal language model; {fix}"
+        )
+    if not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
+        raise ConfigError(f"model_path {path!r} has a config but no weights (*.safetensors); {fix}")
+    return config
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("no tokenizer in %s (%s); saved checkpoints will not include one", path, e)
+        return None
+
+
+def _write_safetensors(weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``weights`` as safetensors shards (+ index when more than one), like save_pretrained."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(weights, max_shard_size=_MAX_SHARD_SIZE)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: weights[n].contiguous() for n in names}, str(path / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+                 "weight_map": split.tensor_to_filename}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"checkpoint {str(path)!r} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f), device="cpu"))
+    return weights
+
+
+def _check_weights(weights: dict, expected: dict[str, tuple[int, ...]], path: Path) -> None:
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ConfigError(
+            f"checkpoint {str(path)!r} lacks {len(missing)} parameter(s) of this model, e.g. {missing[:3]}; "
+            "was it written for another model?"
+        )
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ConfigError(
+                f"checkpoint {str(path)!r}: {name} has shape {tuple(weights[name].shape)}, the model expects {shape}"
+            )
