@@ -1,0 +1,342 @@
+"""``wsync watch``: follow disk announcements and load each new snapshot into the servers.
+
+The serving side of the disk transport. The trainer (``bridge.disk``) writes a snapshot, then announces
+it under ``<root>/<experiment>/<trial>/update_weights_from_disk/<version>``; this watcher, one per
+group of servers:
+
+1. watches that prefix through the name-resolution backend (etcd watch; the directory backend's stat
+   loop), starting with the announcements that already exist (so starting late catches up);
+2. parses each announcement (``Announcement.from_json``) and drops versions not newer than the one
+   loaded; when several are waiting, only the newest is loaded;
+3. verifies the snapshot against its manifest and the announced manifest sha256
+   (``verify_snapshot``); a snapshot that fails is refused, logged naming the file, and the servers
+   keep their version;
+4. asks every server concurrently to ``/update_weights_from_disk`` with ``weight_version=str(version)``
+   and records, per server, the version it loaded (``status()``);
+5. records the latency from the announcement's ``created_at`` to the first request (``latencies``,
+   ``median_latency``).
+
+Versions never go backwards: a duplicate or out-of-order announcement is ignored. A version that no
+server accepted is not "loaded", so announcing it again retries it.
+
+Example (a callable instead of servers, as in the tests):
+    >>> from bridge.name_resolve import make_name_resolve
+    >>> loaded = []
+    >>> w = DiskWatcher(make_name_resolve("memory://watch-doc"), "exp", "t0", lambda path, v: loaded.append(v))
+    >>> w.catch_up() is None, w.status()
+    (True, {'apply': None})
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from bridge.errors import BridgeError, ConfigError, SnapshotError
+from bridge.log import fmt_bytes, get_logger, setup_logging
+from bridge.name_resolve import DEFAULT_URL, Announcement, NameResolve, WatchEvent, make_name_resolve, names
+from bridge.snapshot import verify_snapshot
+
+__all__ = ["DiskWatcher", "add_arguments", "main", "run"]
+
+log = get_logger(__name__)
+
+ApplyFn = Callable[[str, int], object]
+"""``apply(path, version)``: load the snapshot at ``path``; raise to report a failure."""
+
+
+class DiskWatcher:
+    """Loads every new announced snapshot of one trial into a group of servers (see the module docstring).
+
+    Args:
+        name_resolve: a ``NameResolve`` or its URL (a URL's client is closed by ``stop()``).
+        experiment, trial: whose announcements to follow.
+        servers: a ``bridge.client.ServerGroup`` (anything with ``.clients`` whose items have ``.url`` and
+            ``update_weights_from_disk``, and ``.map(fn)``), or a callable ``apply(path, version)``.
+        on_loaded: called with the ``Announcement`` after a version was loaded by at least one server.
+        root: the key root (``names``' default ``wsync``).
+        abort_all_requests: passed to ``/update_weights_from_disk`` (in-flight requests are aborted first).
+        request_timeout: seconds per load request (None: the client's default).
+    """
+
+    def __init__(
+        self,
+        name_resolve: NameResolve | str,
+        experiment: str,
+        trial: str,
+        servers,
+        *,
+        on_loaded: Callable[[Announcement], object] | None = None,
+        root: str = "wsync",
+        abort_all_requests: bool = False,
+        request_timeout: float | None = None,
+    ) -> None:
+        self._owns_nr = isinstance(name_resolve, str)
+        self.nr = make_name_resolve(name_resolve) if self._owns_nr else name_resolve
+        self.prefix = names.update_weights_from_disk_root(experiment, trial, root)
+        if callable(servers) and not hasattr(servers, "clients"):
+            self._apply: ApplyFn | None = servers
+            self._group = None
+            targets = ["apply"]
+        elif hasattr(servers, "clients") and hasattr(servers, "map"):
+            self._apply, self._group = None, servers
+            targets = [c.url for c in servers.clients]
+        else:
+            raise ConfigError(f"servers must be a ServerGroup or a callable apply(path, version), got {servers!r}")
+        self.on_loaded = on_loaded
+        self.abort_all_requests = abort_all_requests
+        self.request_timeout = request_timeout
+        self.latencies: list[float] = []
+        """Seconds from each loaded announcement's ``created_at`` to its first load request."""
+        self._status: dict[str, int | None] = dict.fromkeys(targets)
+        self._latest: int | None = None
+        self._pending: dict[int, Announcement] = {}
+        self._rejected: set[tuple[int, str]] = set()
+        self._cond = threading.Condition()
+        self._load_lock = threading.Lock()  # one load at a time, whoever calls
+        self._stop = threading.Event()
+        self._watch = None
+        self._thread: threading.Thread | None = None
+
+    # -- what it has done ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, int | None]:
+        """Server URL (``"apply"`` for a callable) -> the version it last loaded, None before any."""
+        with self._cond:
+            return dict(self._status)
+
+    @property
+    def latest_version(self) -> int | None:
+        """The newest version loaded by at least one server."""
+        with self._cond:
+            return self._latest
+
+    @property
+    def median_latency(self) -> float | None:
+        """Median seconds from announcement to first load request, None before any load."""
+        with self._cond:
+            return statistics.median(self.latencies) if self.latencies else None
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
+        """Block until ``version`` (or a newer one) is loaded; False after ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._latest is not None and self._latest >= version, timeout)
+
+    # -- running -------------------------------------------------------------------------------
+
+    def catch_up(self) -> int | None:
+        """Load the newest announcement that exists now, if newer than the loaded one; returns the latest."""
+        newest = None
+        for key in self.nr.find_subtree(self.prefix):
+            try:
+                ann = self._parse(key, self.nr.get(key))
+            except BridgeError as e:  # deleted meanwhile, or malformed (already logged)
+                log.debug("skipping %s: %s", key, e)
+                continue
+            if ann is not None and (newest is None or ann.version > newest.version):
+                newest = ann
+        if newest is not None:
+            self._load(newest)
+        return self.latest_version
+
+    def run_forever(self) -> None:
+        """Follow announcements until ``stop()``; existing ones are caught up first. Runs once per watcher."""
+        self._watch = self.nr.watch(self.prefix, self._on_event, include_existing=True)
+        log.info("watching %s in %s for %d target(s)", self.prefix, self.nr.url, len(self._status))
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._pending or self._stop.is_set())
+                    if self._stop.is_set():
+                        return
+                    newest = max(self._pending)
+                    ann = self._pending.pop(newest)
+                    skipped = sorted(self._pending)
+                    self._pending.clear()
+                if skipped:
+                    log.info("versions %s superseded by version %d before loading; loading only %d",
+                             skipped, newest, newest)
+                self._load(ann)
+        finally:
+            self._watch.cancel()
+
+    def start(self) -> threading.Thread:
+        """Run ``run_forever`` on a daemon thread; ``stop()`` ends it."""
+        self._thread = threading.Thread(target=self.run_forever, name="wsync-disk-watcher", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self) -> None:
+        """End ``run_forever`` (after a load in progress), cancel the watch, close an owned client."""
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+        if self._owns_nr:
+            self.nr.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _parse(self, key: str, value: str) -> Announcement | None:
+        version = names.version_of(key)
+        if version is None or key.rsplit("/", 1)[0] != self.prefix:
+            return None  # not an announcement key
+        try:
+            ann = Announcement.from_json(value)
+        except ConfigError as e:
+            log.error("ignoring the announcement at %s: %s", key, e)
+            return None
+        if ann.version != version:
+            log.error("ignoring the announcement at %s: it names version %d", key, ann.version)
+            return None
+        return ann
+
+    def _on_event(self, ev: WatchEvent) -> None:
+        if ev.type != "put":
+            return
+        ann = self._parse(ev.key, ev.value)
+        if ann is None:
+            return
+        with self._cond:
+            if self._latest is not None and ann.version <= self._latest:
+                log.debug("ignoring version %d: version %d is loaded", ann.version, self._latest)
+                return
+            self._pending[ann.version] = ann
+            self._cond.notify_all()
+
+    def _load(self, ann: Announcement) -> bool:
+        with self._load_lock:
+            v = ann.version
+            with self._cond:
+                if self._latest is not None and v <= self._latest:
+                    return False
+            if (v, ann.manifest_sha256) in self._rejected:
+                return False
+            try:
+                verify_snapshot(ann.path, ann.manifest_sha256)
+            except SnapshotError as e:
+                self._rejected.add((v, ann.manifest_sha256))
+                log.error("refusing version %d: %s; the servers keep version %s", v, e, self.latest_version)
+                return False
+            latency = time.time() - ann.created_at
+            t0 = time.perf_counter()
+            results = self._send(ann)
+            seconds = time.perf_counter() - t0
+            ok = [target for target, err in results if err is None]
+            for target, err in results:
+                if err is not None:
+                    log.error(
+                        "%s failed to load version %d from %s: %s. A failed disk load may leave a server's "
+                        "weights undefined: it is retried with the next version; restart it if it keeps failing",
+                        target, v, ann.path, err,
+                    )
+            if not ok:
+                return False
+            with self._cond:
+                for target in ok:
+                    self._status[target] = v
+                self._latest = v
+                self.latencies.append(latency)
+                self._cond.notify_all()
+            log.info(
+                "version %d loaded on %d/%d target(s): announce->request %.3f s, load %.2f s (%s, %.2f GiB/s)",
+                v, len(ok), len(results), latency, seconds, fmt_bytes(ann.total_bytes),
+                ann.total_bytes / max(seconds, 1e-9) / 2**30,
+            )
+            if self.on_loaded is not None:
+                try:
+                    self.on_loaded(ann)
+                except Exception:
+                    log.exception("on_loaded callback failed for version %d", v)
+            return True
+
+    def _send(self, ann: Announcement) -> list[tuple[str, BaseException | None]]:
+        if self._apply is not None:
+            try:
+                self._apply(ann.path, ann.version)
+                return [("apply", None)]
+            except Exception as e:
+                return [("apply", e)]
+
+        def one(client):
+            # Errors come back as data, so that one server's failure does not hide the others' results.
+            try:
+                client.update_weights_from_disk(model_path=ann.path, weight_version=str(ann.version),
+                                                abort_all_requests=self.abort_all_requests,
+                                                timeout=self.request_timeout)
+                return client.url, None
+            except Exception as e:
+                return client.url, e
+
+        return list(self._group.map(one))
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``wsync watch``."""
+    p.add_argument("--name-resolve", default=DEFAULT_URL, metavar="URL",
+                   help="etcd://host:port, file:///dir or memory://name (default: %(default)s)")
+    p.add_argument("--experiment", required=True, help="experiment name the trainer publishes under")
+    p.add_argument("--trial", required=True, help="trial name the trainer publishes under")
+    p.add_argument("--server", action="append", required=True, metavar="URL", dest="servers",
+                   help="a server to load every version into (repeat for several)")
+    p.add_argument("--root", default="wsync", help="key root in name resolution (default: %(default)s)")
+    p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one server may take to load a version (default: %(default)s)")
+    p.add_argument("--abort-all-requests", action="store_true",
+                   help="abort in-flight generation requests before each load")
+    p.add_argument("--once", action="store_true", help="load the newest announced version, then exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``wsync watch`` with parsed flags; returns the exit code."""
+    from bridge.client import ServerGroup
+
+    group = ServerGroup(args.servers, api_key=args.api_key, timeout=args.timeout)
+    watcher = DiskWatcher(args.name_resolve, args.experiment, args.trial, group, root=args.root,
+                          abort_all_requests=args.abort_all_requests, request_timeout=args.timeout)
+    if args.once:
+        try:
+            version = watcher.catch_up()
+        finally:
+            watcher.stop()
+        print(f"loaded version {version}" if version is not None else "no version announced yet")
+        return 0 if version is not None else 1
+
+    def on_signal(signum, frame):
+        log.info("signal %d: stopping", signum)
+        threading.Thread(target=watcher.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    watcher.start()
+    watcher._thread.join()  # signal handlers still run while the main thread waits here
+    watcher.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``wsync watch --name-resolve URL --experiment E --trial T --server URL [--server URL ...]``."""
+    p = argparse.ArgumentParser(prog="wsync watch", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    setup_logging()
+    try:
+        return run(args)
+    except BridgeError as e:
+        log.error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
