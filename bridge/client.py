@@ -1,0 +1,495 @@
+"""HTTP client for SGLang's weight-update API: one server (:class:`ServerClient`) or many (:class:`ServerGroup`).
+
+A real SGLang server and the project's reference server look the same to the caller. The client reads
+the server's SGLang version once (``/server_info`` ``version``) and speaks that version's dialect
+(:class:`bridge.protocol.ProtocolFeatures`): it omits fields an old server does not know, turns
+``begin/end_weight_update`` into no-ops where sessions do not exist, and refuses up front what the
+server cannot do (a flattened bucket for a server older than 0.5.10), so the trainer learns it before
+it starts a broadcast.
+
+Errors are the project's own (:mod:`bridge.errors`): an HTTP error or ``success: false`` raises
+``ServerError(server, message, status, route)`` with the server's message; a connection failure raises
+``ServerError`` with ``status=None``; an answer that does not come within the call's timeout raises
+``SyncTimeout`` naming the server and route.
+
+Example:
+    >>> c = ServerClient("http://127.0.0.1:30000")                      # doctest: +SKIP
+    >>> c.features.needs_session                                         # doctest: +SKIP
+    True
+    >>> group = ServerGroup(["127.0.0.1:30000", "127.0.0.1:30001"])     # doctest: +SKIP
+    >>> group.rank_offsets(), group.world_size()                         # doctest: +SKIP
+    ([1, 2], 3)
+    >>> group.weight_versions()                                          # doctest: +SKIP
+    {'http://127.0.0.1:30000': 'default', 'http://127.0.0.1:30001': 'default'}
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import requests
+import torch
+
+from bridge.errors import BridgeError, ConfigError, ServerError, SyncTimeout
+from bridge.log import get_logger
+from bridge.protocol import DEFAULT_GROUP_NAME, ProtocolFeatures
+from bridge.tensors import dtype_to_str
+
+__all__ = ["ServerClient", "ServerGroup"]
+
+logger = get_logger(__name__)
+T = TypeVar("T")
+
+_PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def _normalize_url(url: str) -> str:
+    url = str(url).strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+def _wire_dtype(d: str | torch.dtype) -> str:
+    # SGLang resolves getattr(torch, name): the bare attribute name, never "torch.bfloat16".
+    return dtype_to_str(d) if isinstance(d, torch.dtype) else str(d).removeprefix("torch.")
+
+
+class ServerClient:
+    """One inference server (real SGLang or the reference server).
+
+    Args:
+        url: base URL, e.g. ``http://10.0.0.3:30000`` (``host:port`` is accepted).
+        api_key: sent as ``Authorization: Bearer <key>``; give the admin key where the server has one,
+            because SGLang's weight-update routes then accept only that key.
+        timeout: seconds for every call that does not take its own ``timeout``.
+        version: the server's SGLang version, to skip the ``/server_info`` lookup (mostly for tests).
+
+    Attributes:
+        url: the normalized base URL (no trailing slash); error messages and ``ServerGroup`` use it.
+    """
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 60.0, version: str | None = None):
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be positive, got {timeout}")
+        self.url = _normalize_url(url)
+        self.api_key = api_key
+        self.timeout = float(timeout)
+        self._version = version
+        self._features: ProtocolFeatures | None = None
+        self._tp_size: int | None = None
+        self._local = threading.local()  # one requests.Session per thread: Session is not thread-safe
+
+    def __repr__(self) -> str:
+        return f"ServerClient({self.url!r}, version={self._version!r})"
+
+    # ------------------------------------------------------------------ transport
+
+    def _session(self) -> requests.Session:
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = requests.Session()
+            if self.api_key:
+                s.headers["Authorization"] = f"Bearer {self.api_key}"
+            self._local.session = s
+        return s
+
+    def _call(
+        self,
+        method: str,
+        route: str,
+        body: dict | None = None,
+        *,
+        timeout: float | None = None,
+        text: bool = False,
+        check_success: bool = True,
+    ) -> Any:
+        """One HTTP call; returns the decoded JSON (or text) or raises ServerError/SyncTimeout."""
+        t = self.timeout if timeout is None else float(timeout)
+        try:
+            r = self._session().request(method, self.url + route, json=body, timeout=(min(t, 10.0), t))
+        except requests.exceptions.ConnectTimeout as e:
+            raise ServerError(self.url, f"cannot connect: {e}", None, route) from e
+        except requests.exceptions.Timeout as e:
+            raise SyncTimeout(f"{self.url}{route}: no answer within {t:g} s") from e
+        except requests.exceptions.RequestException as e:
+            raise ServerError(self.url, f"cannot reach server: {e}", None, route) from e
+        try:
+            data = r.json() if r.content else None
+        except ValueError:
+            data = None
+        if not 200 <= r.status_code < 300:
+            raise ServerError(self.url, _message(data, r), r.status_code, route)
+        if check_success and isinstance(data, dict) and data.get("success") is False:
+            raise ServerError(self.url, _message(data, r), r.status_code, route)
+        if text:
+            return r.text
+        return data
+
+    # ------------------------------------------------------------------ discovery
+
+    @property
+    def version(self) -> str:
+        """The server's SGLang version (``/server_info`` ``version``), read once."""
+        if self._version is None:
+            self._load_server_info()
+        return self._version  # type: ignore[return-value]
+
+    @property
+    def features(self) -> ProtocolFeatures:
+        """What this server's protocol version supports."""
+        if self._features is None:
+            self._features = ProtocolFeatures.from_version(self.version)
+        return self._features
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks of this server (its share of the weight-update group's world size)."""
+        if self._tp_size is None:
+            self._load_server_info()
+        return self._tp_size  # type: ignore[return-value]
+
+    def _load_server_info(self) -> None:
+        info = self.server_info()
+        if self._version is None:
+            v = info.get("version")
+            if not v:
+                raise ServerError(self.url, "/server_info has no 'version'; is this an SGLang server?", 200, "/server_info")
+            self._version = str(v)
+        tp = info.get("tp_size") or 1
+        self._tp_size = int(tp)
+
+    def server_info(self) -> dict:
+        return self._call("GET", "/server_info")
+
+    def model_info(self) -> dict:
+        return self._call("GET", "/model_info")
+
+    def health(self, timeout: float = 5.0) -> bool:
+        """True when ``/health`` answers 200 (SGLang's answers 503 while paused or busy updating)."""
+        try:
+            self._call("GET", "/health", timeout=timeout)
+            return True
+        except BridgeError:
+            return False
+
+    def wait_ready(self, timeout: float = 300.0, interval: float = 0.5) -> dict:
+        """Poll ``/model_info`` until it answers 200; return it.
+
+        Raises:
+            SyncTimeout: not ready within ``timeout`` seconds (the message carries the last error).
+        """
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self._call("GET", "/model_info", timeout=max(0.5, min(10.0, left)))
+            except BridgeError as e:
+                last = e
+            if time.monotonic() + interval > deadline:
+                raise SyncTimeout(f"{self.url} not ready within {timeout:g} s (last error: {last})")
+            time.sleep(interval)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        text: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        return_logprob: bool = False,
+        *,
+        timeout: float | None = None,
+        **extra: Any,
+    ) -> dict | list[dict]:
+        """``POST /generate``; a list of results for batched input."""
+        if (text is None) == (input_ids is None):
+            raise ConfigError("generate needs exactly one of text= or input_ids=")
+        body: dict[str, Any] = {"text": text} if text is not None else {"input_ids": input_ids}
+        body["sampling_params"] = sampling_params or {}
+        if return_logprob:
+            body["return_logprob"] = True
+        body.update(extra)
+        return self._call("POST", "/generate", body, timeout=timeout)
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """``/pause_generation``; the mode is sent only to servers that know it (>= 0.5.10)."""
+        if mode not in _PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {_PAUSE_MODES}, got {mode!r}")
+        body = {"mode": mode} if self.features.pause_mode else {}
+        if mode != "abort" and not self.features.pause_mode:
+            logger.warning("%s (SGLang %s) has no pause modes; it pauses in abort mode", self.url, self.version)
+        return self._call("POST", "/pause_generation", body)
+
+    def continue_generation(self) -> dict:
+        return self._call("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> str:
+        return self._call("POST", "/flush_cache", text=True)
+
+    # ------------------------------------------------------------------ weight updates
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+        timeout: float | None = None,
+    ) -> dict:
+        """Ask the server to join the custom process group; blocks until the trainer has joined too.
+
+        Send it from a thread (or ``ServerGroup.submit``) and join the group on the trainer side
+        concurrently (:func:`bridge.process_group.init_custom_process_group`, rank 0).
+        """
+        body = dict(
+            master_address=master_address, master_port=int(master_port), rank_offset=int(rank_offset),
+            world_size=int(world_size), group_name=group_name, backend=backend,
+        )
+        return self._call("POST", "/init_weights_update_group", body, timeout=timeout)
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str | torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = DEFAULT_GROUP_NAME,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        timeout: float | None = None,
+    ) -> dict:
+        """Announce one broadcast request; the trainer broadcasts the tensors concurrently.
+
+        Per tensor (``load_format=None``): one ``dist.broadcast(src=0)`` per tensor in ``names`` order.
+        ``load_format="flattened_bucket"``: one uint8 buffer (:mod:`bridge.buckets` layout).
+
+        Raises:
+            ConfigError: the server's version cannot take this request (checked before sending, so the
+                trainer does not start a broadcast nobody receives).
+        """
+        names = [str(n) for n in names]
+        dtypes = [_wire_dtype(d) for d in dtypes]
+        shapes = [[int(x) for x in s] for s in shapes]
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ConfigError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+        f = self.features
+        if load_format is not None and load_format != "flattened_bucket":
+            raise ConfigError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
+        if load_format == "flattened_bucket" and not f.flattened_bucket:
+            raise ConfigError(
+                f"{self.url} runs SGLang {f.version}, which has no load_format='flattened_bucket' (needs >= 0.5.10); "
+                "send one broadcast per tensor (load_format=None)"
+            )
+        if f.batched_distributed:
+            body: dict[str, Any] = dict(
+                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+            )
+        else:
+            if len(names) != 1:
+                raise ConfigError(f"{self.url} runs SGLang {f.version}, which takes one tensor per request; got {len(names)}")
+            body = dict(name=names[0], dtype=dtypes[0], shape=shapes[0])
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            if f.weight_version:
+                body["weight_version"] = str(weight_version)
+            else:
+                logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, f.version, weight_version)
+        return self._call("POST", "/update_weights_from_distributed", body, timeout=timeout)
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
+        """Drop the group on the server; on servers without the route (< 0.5.3) a logged no-op."""
+        if not self.features.destroy_group:
+            msg = f"SGLang {self.version} has no /destroy_weights_update_group; the group stays open on the server"
+            logger.warning("%s: %s", self.url, msg)
+            return {"success": True, "message": msg}
+        return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+        timeout: float | None = None,
+    ) -> dict:
+        """Load an HF checkpoint directory (as seen from the server's host)."""
+        body: dict[str, Any] = dict(model_path=str(model_path), abort_all_requests=abort_all_requests, flush_cache=flush_cache)
+        if weight_version is not None and self.features.weight_version:
+            body["weight_version"] = str(weight_version)
+        return self._call("POST", "/update_weights_from_disk", body, timeout=timeout)
+
+    def begin_weight_update(self) -> dict:
+        """Open an update session (SGLang >= 0.5.21); elsewhere a no-op that reports success."""
+        if not self.features.needs_session:
+            return {"success": True, "message": f"SGLang {self.version} needs no update session"}
+        return self._call("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self) -> dict:
+        """Close the update session (SGLang >= 0.5.21; the reference server swaps weights here)."""
+        if not self.features.needs_session:
+            return {"success": True, "message": f"SGLang {self.version} needs no update session"}
+        return self._call("POST", "/end_weight_update", {})
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        return self._call(
+            "POST", "/update_weight_version", {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+        )
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first ``truncate_size`` rows of a served tensor as (nested) float lists (debug route)."""
+        return self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
+
+    def weights_checksum(self, names: Sequence[str] | None = None) -> dict:
+        """Project extension, reference server only: ``/wsync/weights_checksum``.
+
+        Returns ``{"weight_version", "checksums": {name: sha256}, "dtypes": {name: str}}`` where each
+        checksum is :func:`bridge.protocol.tensor_checksum` of the served tensor.
+        """
+        return self._call("POST", "/wsync/weights_checksum", {"names": list(names) if names is not None else None})
+
+    def close(self) -> None:
+        s = getattr(self._local, "session", None)
+        if s is not None:
+            s.close()
+            self._local.session = None
+
+
+def _message(data: Any, r: requests.Response) -> str:
+    if isinstance(data, dict):
+        for key in ("message", "error", "detail"):
+            v = data.get(key)
+            if isinstance(v, dict):
+                v = v.get("message") or v
+            if v:
+                return str(v)
+    text = (r.text or "").strip()
+    if r.status_code == 404 and not text.startswith("{"):
+        return f"route not found ({text or 'Not Found'})"
+    return text[:2000] or f"HTTP {r.status_code} without a body"
+
+
+class ServerGroup:
+    """A set of servers that receive the same weights; each call fans out to all of them concurrently.
+
+    Rank layout of the weight-update group: the trainer is rank 0, server ``i`` takes ranks
+    ``rank_offsets()[i] .. + tp_size - 1``, ``world_size() = 1 + sum(tp_size)``.
+
+    Args:
+        servers: URLs or ready :class:`ServerClient` objects, in rank order.
+        api_key: for URLs given as strings.
+        timeout: per-call timeout for clients built from URLs.
+    """
+
+    def __init__(self, servers: Sequence[str | ServerClient], *, api_key: str | None = None, timeout: float = 60.0):
+        if not servers:
+            raise ConfigError("a ServerGroup needs at least one server")
+        self.clients: list[ServerClient] = [
+            s if isinstance(s, ServerClient) else ServerClient(s, api_key=api_key, timeout=timeout) for s in servers
+        ]
+        urls = [c.url for c in self.clients]
+        if len(set(urls)) != len(urls):
+            raise ConfigError(f"a server is listed twice: {urls}")
+        self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)), thread_name_prefix="wsync-http")
+
+    @property
+    def urls(self) -> list[str]:
+        return [c.url for c in self.clients]
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def __iter__(self):
+        return iter(self.clients)
+
+    def rank_offsets(self) -> list[int]:
+        """Group rank of each server's first TP rank: ``1 + sum of the previous servers' tp_size``."""
+        offsets, nxt = [], 1
+        for c in self.clients:
+            offsets.append(nxt)
+            nxt += c.tp_size
+        return offsets
+
+    def world_size(self) -> int:
+        return 1 + sum(c.tp_size for c in self.clients)
+
+    def submit(self, fn: Callable[[ServerClient], T]) -> list[cf.Future]:
+        """Start ``fn(client)`` for every server; the futures come back in server order."""
+        return [self._pool.submit(fn, c) for c in self.clients]
+
+    def map(self, fn: Callable[[ServerClient], T], *, timeout: float | None = None) -> list[T]:
+        """Run ``fn(client)`` on every server concurrently and wait for all.
+
+        Raises:
+            ServerError / SyncTimeout: the first failure in server order (each names its server); a
+                foreign exception is wrapped in ServerError naming the server.
+            SyncTimeout: ``timeout`` seconds passed before every server answered.
+        """
+        futures = self.submit(fn)
+        done, pending = cf.wait(futures, timeout=timeout)
+        if pending:
+            late = [c.url for c, f in zip(self.clients, futures) if f in pending]
+            raise SyncTimeout(f"no answer within {timeout:g} s from {late}")
+        results, errors = [], []
+        for c, f in zip(self.clients, futures):
+            e = f.exception()
+            if e is None:
+                results.append(f.result())
+            elif isinstance(e, BridgeError):
+                errors.append(e)
+            else:
+                errors.append(ServerError(c.url, f"{type(e).__name__}: {e}"))
+        if errors:
+            for e in errors[1:]:
+                logger.warning("also failed: %s", e)
+            raise errors[0]
+        return results
+
+    # ------------------------------------------------------------------ fan-out conveniences
+
+    def pause_generation(self, mode: str = "abort") -> list[dict]:
+        return self.map(lambda c: c.pause_generation(mode))
+
+    def continue_generation(self) -> list[dict]:
+        return self.map(lambda c: c.continue_generation())
+
+    def begin_weight_update(self) -> list[dict]:
+        return self.map(lambda c: c.begin_weight_update())
+
+    def end_weight_update(self) -> list[dict]:
+        return self.map(lambda c: c.end_weight_update())
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> list[dict]:
+        return self.map(lambda c: c.update_weight_version(new_version, abort_all_requests))
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **kwargs: Any) -> list[dict]:
+        return self.map(lambda c: c.update_weights_from_disk(model_path, weight_version=weight_version, **kwargs))
+
+    def model_info(self) -> list[dict]:
+        return self.map(lambda c: c.model_info())
+
+    def weight_versions(self) -> dict[str, str]:
+        """url -> the ``weight_version`` each server reports on ``/model_info``."""
+        infos = self.model_info()
+        return {c.url: str(i.get("weight_version")) for c, i in zip(self.clients, infos)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

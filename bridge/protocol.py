@@ -1,0 +1,248 @@
+"""SGLang's HTTP weight-update protocol: version features, request bodies, shared wording.
+
+Both sides use this module: :mod:`bridge.client` decides from :class:`ProtocolFeatures` which fields and
+routes a server of a given SGLang version understands, and the reference server
+(:mod:`inference_adapter.server`) parses request bodies with the pydantic models below, which mirror
+SGLang 0.5.23's request structs field by field (``shared/docs/sglang-0.5.23-request-fields.json``):
+unknown keys are ignored and values are coerced laxly (``"master_port": "29500"`` is an int), as
+SGLang does.
+
+Example:
+    >>> f = ProtocolFeatures.from_version("0.5.10.post1")
+    >>> f.flattened_bucket, f.needs_session
+    (True, False)
+    >>> InitWeightsUpdateGroupReq.model_validate(
+    ...     {"master_address": "h", "master_port": "29500", "rank_offset": 1, "world_size": 2, "x": 0}
+    ... ).master_port
+    29500
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from bridge.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_GROUP_NAME",
+    "SESSION_REQUIRED_MESSAGE",
+    "BeginWeightUpdateReq",
+    "ContinueGenerationReq",
+    "DestroyWeightsUpdateGroupReq",
+    "GenerateReq",
+    "GetWeightsByNameReq",
+    "InitWeightsUpdateGroupReq",
+    "PauseGenerationReq",
+    "ProtocolFeatures",
+    "SamplingParams",
+    "UpdateWeightFromDiskReq",
+    "UpdateWeightVersionReq",
+    "UpdateWeightsFromDistributedReq",
+    "WeightsChecksumReq",
+    "describe_validation_error",
+    "parse_version",
+    "tensor_checksum",
+]
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+# SGLang >= 0.5.21 refuses tensor/distributed updates outside a session with this wording.
+SESSION_REQUIRED_MESSAGE = (
+    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+)
+
+_VERSION_RE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?")
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """``"0.5.10.post1"`` -> ``(0, 5, 10)``; ``"0.5.23rc1"`` -> ``(0, 5, 23)``.
+
+    Pre-, post- and dev-release suffixes are dropped: a release candidate already has the features of
+    its release.
+
+    Raises:
+        ConfigError: the string does not start with a numeric version.
+    """
+    m = _VERSION_RE.match(str(version))
+    if m is None:
+        raise ConfigError(f"cannot parse SGLang version {version!r}; expected something like '0.5.23' or '0.5.10.post1'")
+    return tuple(int(g) if g is not None else 0 for g in m.groups())  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolFeatures:
+    """What a server speaking SGLang version ``version`` supports (see sglang-protocol.md, section 9)."""
+
+    version: str
+    """The version string as the server reported it (``/server_info`` ``version``)."""
+    release: tuple[int, int, int]
+    """The parsed ``(major, minor, patch)``."""
+    needs_session: bool
+    """>= 0.5.21: distributed/tensor updates must run between begin_weight_update and end_weight_update."""
+    flattened_bucket: bool
+    """>= 0.5.10: ``load_format="flattened_bucket"`` (one uint8 broadcast per request) is accepted."""
+    destroy_group: bool
+    """>= 0.5.3: ``/destroy_weights_update_group`` exists."""
+    pause_mode: bool
+    """>= 0.5.10: ``/pause_generation`` takes a ``mode`` (abort, retract, in_place)."""
+    weight_version: bool
+    """>= 0.5.2: ``weight_version`` fields and ``/update_weight_version`` exist."""
+    batched_distributed: bool
+    """>= 0.4.9: ``/update_weights_from_distributed`` takes lists (names/dtypes/shapes), not one tensor."""
+    get_weight_version_route: bool
+    """0.5.2 <= v < 0.5.10: the old ``/get_weight_version`` route works (later 404, then removed)."""
+
+    @classmethod
+    def from_version(cls, version: str) -> ProtocolFeatures:
+        r = parse_version(version)
+        return cls(
+            version=str(version),
+            release=r,
+            needs_session=r >= (0, 5, 21),
+            flattened_bucket=r >= (0, 5, 10),
+            destroy_group=r >= (0, 5, 3),
+            pause_mode=r >= (0, 5, 10),
+            weight_version=r >= (0, 5, 2),
+            batched_distributed=r >= (0, 4, 9),
+            get_weight_version_route=(0, 5, 2) <= r < (0, 5, 10),
+        )
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's raw bytes in its own dtype; equal checksums mean bit-equal tensors.
+
+    The reference server's ``/wsync/weights_checksum`` route reports this for every served tensor, so a
+    trainer can check a sync without pulling the weights back.
+    """
+    t = tensor.detach().contiguous().cpu()
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def describe_validation_error(route: str, e: ValidationError) -> str:
+    """One line naming every bad field: ``/route: field 'master_port': Input should be a valid integer (got 'x')``."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "(body)"
+        if err.get("type") == "missing":
+            parts.append(f"field '{loc}': required")
+            continue
+        shown = repr(err.get("input"))
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        parts.append(f"field '{loc}': {err.get('msg')} (got {shown})")
+    return f"invalid request body for {route}: " + "; ".join(parts)
+
+
+class _Req(BaseModel):
+    # SGLang >= 0.5.16 builds its schemas with extra="ignore"; older dataclass bodies ignore extras too.
+    model_config = ConfigDict(extra="ignore")
+    rid: str | None = None
+
+
+class InitWeightsUpdateGroupReq(_Req):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedReq(_Req):
+    # Lists since SGLang ~0.4.9; the single-tensor form (name/dtype/shape) of older versions is folded
+    # into these by the server when it emulates such a version.
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightFromDiskReq(_Req):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+    manifest: dict[str, Any] | None = None
+
+
+class DestroyWeightsUpdateGroupReq(_Req):
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+class UpdateWeightVersionReq(_Req):
+    new_version: str
+    # SGLang's default is True here (unlike the update routes).
+    abort_all_requests: bool = True
+
+
+class GetWeightsByNameReq(_Req):
+    name: str
+    truncate_size: int = 100
+
+
+class PauseGenerationReq(_Req):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReq(_Req):
+    torch_empty_cache: bool = True
+
+
+class BeginWeightUpdateReq(_Req):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class WeightsChecksumReq(_Req):
+    """Body of the project's ``/wsync/weights_checksum`` extension route (not SGLang)."""
+
+    names: list[str] | None = None
+
+
+class SamplingParams(BaseModel):
+    """The sampling parameters the reference server honours; the others SGLang knows are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    sampling_seed: int | None = None
+    seed: int | None = None
+
+
+class GenerateReq(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None

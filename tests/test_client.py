@@ -1,0 +1,222 @@
+"""ServerClient / ServerGroup / launcher against real reference-server processes, and ProtocolFeatures."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bridge.client import ServerClient, ServerGroup
+from bridge.errors import ConfigError, ServerError, SyncTimeout
+from bridge.process_group import destroy_custom_process_group, find_free_port, init_custom_process_group
+from bridge.protocol import ProtocolFeatures, parse_version, tensor_checksum
+from inference_adapter import launch_server, sglang_available
+from tests.fixtures_server import random_weights
+
+PROMPT = [5, 72, 101, 108, 108, 111]
+
+
+# ---------------------------------------------------------------------------------------------- features
+
+
+@pytest.mark.parametrize(
+    "version, release, flags",
+    [
+        ("0.5.23", (0, 5, 23), dict(needs_session=True, flattened_bucket=True, destroy_group=True, pause_mode=True)),
+        ("0.5.23rc1", (0, 5, 23), dict(needs_session=True)),
+        ("0.5.21", (0, 5, 21), dict(needs_session=True)),
+        ("0.5.20", (0, 5, 20), dict(needs_session=False, flattened_bucket=True)),
+        ("0.5.10.post1", (0, 5, 10), dict(needs_session=False, flattened_bucket=True, pause_mode=True, get_weight_version_route=False)),
+        ("0.5.9", (0, 5, 9), dict(flattened_bucket=False, pause_mode=False, destroy_group=True)),
+        ("0.5.2", (0, 5, 2), dict(destroy_group=False, weight_version=True, get_weight_version_route=True, batched_distributed=True)),
+        ("0.4.10.post2", (0, 4, 10), dict(weight_version=False, batched_distributed=True)),
+        ("0.4.8", (0, 4, 8), dict(batched_distributed=False)),
+    ],
+)
+def test_protocol_features(version, release, flags):
+    f = ProtocolFeatures.from_version(version)
+    assert f.release == release and f.version == version
+    for k, v in flags.items():
+        assert getattr(f, k) is v, k
+
+
+def test_parse_version_refuses_garbage():
+    assert parse_version("v0.5.3.dev4+gabc") == (0, 5, 3)
+    with pytest.raises(ConfigError, match="cannot parse SGLang version"):
+        parse_version("latest")
+
+
+# ---------------------------------------------------------------------------------------------- servers
+
+
+@pytest.fixture(scope="module")
+def servers(server_factory):
+    a, b, old = server_factory.many([{}, {}, {"extra_args": ["--protocol-version", "0.5.2"]}])
+    return {"a": a, "b": b, "old": old}
+
+
+def test_client_discovers_version_and_tp(servers):
+    c = ServerClient(servers["a"].url.removeprefix("http://") + "/")
+    assert c.url == servers["a"].url
+    assert c.version == "0.5.23" and c.features.needs_session and c.tp_size == 1
+    assert ServerClient(servers["old"].url).features.release == (0, 5, 2)
+
+
+def test_client_errors_are_the_projects_own(servers):
+    dead = ServerClient(f"http://127.0.0.1:{find_free_port()}", timeout=5)
+    with pytest.raises(ServerError) as e:
+        dead.model_info()
+    assert e.value.status is None and e.value.route == "/model_info" and dead.url in str(e.value)
+    assert not dead.health()
+
+    c = servers["a"].client
+    with pytest.raises(ServerError) as e:
+        c.update_weights_from_distributed(["x"], ["bfloat16"], [[1]], group_name="nope")
+    assert e.value.status == 400 and e.value.route == "/update_weights_from_distributed"
+    assert "Group nope not in" in e.value.message and c.url in str(e.value)
+    with pytest.raises(ConfigError, match="exactly one of"):
+        c.generate()
+
+    c.pause_generation("abort")
+    try:
+        with pytest.raises(SyncTimeout, match=f"{c.url}/generate"):
+            c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}, timeout=0.5)
+    finally:
+        c.continue_generation()
+    assert c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_old_server_dialect(servers):
+    c = servers["old"].client
+    assert "needs no update session" in c.begin_weight_update()["message"]
+    assert "needs no update session" in c.end_weight_update()["message"]
+    assert "stays open" in c.destroy_weights_update_group("g")["message"]
+    with pytest.raises(ConfigError, match="0.5.10"):
+        c.update_weights_from_distributed(["a"], [torch.bfloat16], [[1]], load_format="flattened_bucket")
+    assert c.pause_generation("retract")["status"] == "ok"  # sent without a mode
+    c.continue_generation()
+    assert c.update_weight_version("old-v")["new_version"] == "old-v"
+
+
+def _sync_group(group: ServerGroup, weights: dict, version: str, *, flattened: bool, name: str) -> None:
+    """What the publisher does: group init through submit, session, one bucket, end, destroy."""
+    port = find_free_port()
+    futures = group.submit(lambda c: c.init_weights_update_group(
+        "127.0.0.1", port, group.rank_offsets()[group.urls.index(c.url)], group.world_size(), name, "gloo", 60))
+    pg = init_custom_process_group(master_address="127.0.0.1", master_port=port, world_size=group.world_size(),
+                                   rank=0, group_name=name, backend="gloo", timeout=30)
+    try:
+        for f in futures:
+            f.result(timeout=60)
+        group.begin_weight_update()
+        items = sorted(weights.items(), key=lambda kv: -kv[1].element_size())
+        fields = dict(names=[n for n, _ in items], dtypes=[t.dtype for _, t in items], shapes=[t.shape for _, t in items])
+        futures = group.submit(lambda c: c.update_weights_from_distributed(
+            **fields, group_name=name, load_format="flattened_bucket" if flattened else None, weight_version=version))
+        if flattened:
+            dist.broadcast(torch.cat([t.reshape(-1).view(torch.uint8) for _, t in items]), src=0, group=pg)
+        else:
+            for _, t in items:
+                dist.broadcast(t.contiguous(), src=0, group=pg)
+        for f in futures:
+            assert f.result(timeout=60)["success"]
+        group.end_weight_update()
+    finally:
+        group.map(lambda c: c.destroy_weights_update_group(name))
+        destroy_custom_process_group(pg)
+
+
+@pytest.mark.parametrize("flattened", [True, False])
+def test_group_broadcast_reaches_every_server(servers, flattened):
+    """Trainer + two servers in one group (world size 3): a broadcast reaches both, bit for bit."""
+    group = ServerGroup([servers["a"].url, servers["b"].url])
+    assert group.rank_offsets() == [1, 2] and group.world_size() == 3
+    w = random_weights(seed=20 + flattened)
+    _sync_group(group, w, f"group-{flattened}", flattened=flattened, name=f"g3-{flattened}")
+    assert group.weight_versions() == {u: f"group-{flattened}" for u in group.urls}
+    for sums in group.map(lambda c: c.weights_checksum()["checksums"]):
+        assert all(sums[n] == tensor_checksum(t) for n, t in w.items())
+    group.close()
+
+
+def test_mixed_version_group_per_tensor(servers):
+    """A 0.5.23 and a 0.5.2 server in one group: the client speaks each one's dialect."""
+    group = ServerGroup([servers["a"].client, servers["old"].client])
+    w = {"model.norm.weight": torch.full((128,), 1.5, dtype=torch.bfloat16),
+         "model.layers.1.mlp.gate_proj.weight": torch.full((256, 128), -0.5, dtype=torch.bfloat16)}
+    _sync_group(group, w, "mixed", flattened=False, name="g-mixed")
+    assert set(group.weight_versions().values()) == {"mixed"}
+    for sums in group.map(lambda c: c.weights_checksum(list(w))["checksums"]):
+        assert sums == {n: tensor_checksum(t) for n, t in w.items()}
+
+
+def test_group_map_and_submit(servers):
+    group = ServerGroup([servers["a"].url, servers["old"].url], timeout=30)
+    assert [f.result()["weight_version"] for f in group.submit(lambda c: c.model_info())] == \
+        [i["weight_version"] for i in group.model_info()]
+    with pytest.raises(ServerError) as e:  # no session open on the 0.5.23 server; the 0.5.2 one has no sessions
+        group.end_weight_update()
+    assert e.value.server == servers["a"].url and "No weight update session is open" in e.value.message
+
+    def boom(c):
+        raise RuntimeError("not a bridge error")
+
+    with pytest.raises(ServerError, match="RuntimeError: not a bridge error") as e:
+        group.map(boom)
+    assert e.value.server == servers["a"].url
+
+    group.pause_generation("abort")
+    try:
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault("e", _catch(lambda: group.map(
+            lambda c: c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}), timeout=0.5))))
+        th.start()
+        th.join(timeout=30)
+        assert isinstance(box["e"], SyncTimeout) and servers["a"].url in str(box["e"])
+    finally:
+        group.continue_generation()
+    versions = group.update_weight_version("gv")
+    assert [v["new_version"] for v in versions] == ["gv", "gv"]
+    assert group.weight_versions() == {servers["a"].url: "gv", servers["old"].url: "gv"}
+    group.close()
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+
+
+def test_launcher_reports_early_exit_with_log_tail(tmp_path):
+    with pytest.raises(ServerError, match="exited with code") as e:
+        launch_server(model=str(tmp_path / "missing"), use_sglang=False, ready_timeout=120)
+    assert "not a directory" in e.value.message
+
+
+def test_launcher_serves_a_model_dir(tiny_model_dir):
+    with launch_server(model=tiny_model_dir, use_sglang=False, dtype="float32", extra_args=["--weight-version", "w0"]) as s:
+        assert s.kind == "reference" and s.alive()
+        assert s.client.model_info()["weight_version"] == "w0"
+        info = s.client.server_info()
+        assert info["dtype"] == "float32" and info["model_path"] == tiny_model_dir
+        sums = s.client.weights_checksum(["model.norm.weight"])
+        assert sums["dtypes"]["model.norm.weight"] == "float32"
+    assert not s.alive()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not sglang_available(), reason="needs sglang and CUDA")
+def test_real_sglang_speaks_the_same_protocol(tiny_model_dir):
+    with launch_server(model=tiny_model_dir, use_sglang=True, ready_timeout=600) as s:
+        assert s.kind == "sglang"
+        c = s.client
+        assert c.features.release >= (0, 5, 10)
+        out = c.generate(input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 4})
+        assert out["meta_info"]["completion_tokens"] == 4 and "weight_version" in out["meta_info"]
