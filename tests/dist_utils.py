@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import time
 import traceback
 from typing import Any, Callable
 
@@ -64,11 +65,17 @@ def run_ranks(
         p.start()
     results: dict[int, Any] = {}
     try:
+        deadline = time.monotonic() + timeout
         while len(results) < world_size:
             try:
-                rank, ok, out = q.get(timeout=timeout)
+                rank, ok, out = q.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout} s")
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead:
+                    raise AssertionError(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout} s")
+                continue
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{out}")
             results[rank] = pickle.loads(out)

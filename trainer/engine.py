@@ -195,8 +195,29 @@ class FSDPEngine:
             fully_shard(block, mesh=self._mesh, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mesh=self._mesh, mp_policy=mp, offload_policy=offload)
 
+    def upload_weights(self, meta):
+        """Publish the current weights as ``meta.version`` (collective: every rank calls it).
+
+        ``meta`` is a :class:`bridge.meta.WeightUpdateMeta` (``type`` ``broadcast``/``nccl`` or ``disk``).
+        The publisher (and, for broadcast, its process group with the servers) is kept across calls
+        with the same settings. Returns the :class:`bridge.publisher.PublishResult`.
+        """
+        from bridge.publisher import WeightPublisher
+
+        key = meta.config_key()
+        if getattr(self, "_publisher_key", None) != key:
+            if getattr(self, "_publisher", None) is not None:
+                self._publisher.close()
+            self._publisher, self._publisher_key = WeightPublisher(meta.publisher_config()), key
+        result = self._publisher.publish(self, meta.version)
+        self.version = meta.version
+        return result
+
     def destroy(self) -> None:
         """Drop the model and optimizer; destroy the default process group if this engine created it."""
+        if getattr(self, "_publisher", None) is not None:
+            self._publisher.close()
+            self._publisher = None
         self._model = self._optimizer = self._scheduler = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

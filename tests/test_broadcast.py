@@ -1,0 +1,220 @@
+"""Broadcast sync end to end: a 2-rank FSDP2 trainer (gloo) publishes into real reference-server processes.
+
+The oracle is the trainer itself: after every step each served tensor must be bit-equal to the
+trainer's gathered full tensor cast to the serving dtype, ``/model_info`` must report the new version,
+and the server's greedy answer must equal the trainer's own greedy answer for the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.dist_utils import run_ranks
+from tests import sync_bodies as sb
+
+pytestmark = pytest.mark.slow
+
+
+# ------------------------------------------------------------------ per-rank bodies (run under spawn)
+
+
+def _train_and_publish(urls: list[str], steps: int, load_format: str, via_meta: bool = False):
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.meta import WeightUpdateMeta
+    from wsync.tasks import make_batch
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.25, load_format=load_format, group_timeout=20, progress=False))
+    reports = []
+    try:
+        for step in range(1, steps + 1):
+            engine.train_batch(make_batch(engine.tokenizer, 8, seed=step * 7 + engine.rank))
+            if via_meta:  # the AReaL-style entry point: engine.upload_weights(meta), "nccl" as an alias
+                res = engine.upload_weights(WeightUpdateMeta(type="nccl", version=step, servers=urls, bucket_mb=0.25,
+                                                             group_timeout=20, progress=False))
+            else:
+                res = pub.publish(engine, version=step)
+            reports.append((res.version, res.buckets, res.servers, sb.check_served(engine, urls, step)))
+    finally:
+        pub.close()
+        engine.destroy()
+    return reports
+
+
+def _assert_all_synced(reports, urls, steps):
+    assert [r[0] for r in reports] == list(range(1, steps + 1))
+    for version, buckets, servers, checks in reports:
+        assert buckets > 1  # the tiny model spans several 0.25 MiB buckets
+        assert servers == {u: "ok" for u in urls}
+        for url in urls:
+            c = checks[url]
+            assert c["tensors_equal"], f"v{version} on {url}: served tensors differ from the trainer's"
+            assert c["version"] == c["generate_version"] == str(version)
+            assert c["answer_equal"], f"v{version} on {url}: greedy answer differs from the trainer's"
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.fixture(scope="module")
+def servers(server_factory, tiny_model_dir):
+    # Two current servers and one that speaks SGLang 0.5.2 (no sessions, no flattened buckets).
+    return server_factory.many([
+        dict(model=tiny_model_dir), dict(model=tiny_model_dir),
+        dict(model=tiny_model_dir, extra_args=["--protocol-version", "0.5.2"]),
+    ])
+
+
+def test_sync_into_one_server_after_every_step(servers):
+    urls = [servers[0].url]
+    rank0, _ = run_ranks(_train_and_publish, 2, args=(urls, 3, "auto"), timeout=240)
+    _assert_all_synced(rank0, urls, 3)
+
+
+def test_sync_into_two_servers_after_every_step(servers):
+    urls = [servers[0].url, servers[1].url]
+    rank0, _ = run_ranks(_train_and_publish, 2, args=(urls, 2, "auto", True), timeout=240)
+    _assert_all_synced(rank0, urls, 2)
+
+
+def test_per_tensor_mode_for_servers_older_than_0_5_10(servers):
+    urls = [servers[2].url]
+    rank0, _ = run_ranks(_train_and_publish, 2, args=(urls, 2, "auto"), timeout=240)
+    _assert_all_synced(rank0, urls, 2)
+
+
+def _versions(urls):
+    from bridge.client import ServerGroup
+
+    return ServerGroup(urls).weight_versions()
+
+
+# ------------------------------------------------------------------ faults
+
+
+def _kill_server_mid_sync(urls: list[str], victim_pid: int):
+    from bridge import PublisherConfig, SyncError, WeightPublisher
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=10, http_timeout=10, progress=False))
+    try:
+        pub.publish(engine, version=100)
+        n = len(engine.param_specs())
+        source = sb.Sabotage(engine, after=n // 2, act=lambda: os.kill(victim_pid, signal.SIGKILL))
+        t0 = time.monotonic()
+        try:
+            pub.publish(source, version=101)
+            return ("no error", 0.0, "")
+        except SyncError as e:
+            return ("SyncError", time.monotonic() - t0, str(e))
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_server_killed_mid_sync(server_factory, tiny_model_dir):
+    victim, survivor = server_factory.many([dict(model=tiny_model_dir), dict(model=tiny_model_dir)])
+    urls = [survivor.url, victim.url]
+    rank0, rank1 = run_ranks(_kill_server_mid_sync, 2, args=(urls, victim.process.pid), timeout=240)
+    for kind, seconds, message in (rank0, rank1):
+        assert kind == "SyncError", "every rank gets the same error"
+        assert seconds < 60
+    assert victim.url in rank0[2] or "broadcast" in rank0[2]
+    # The survivor never serves a torn model: it still serves the last complete version.
+    assert _versions([survivor.url]) == {survivor.url: "100"}
+
+
+def _die_mid_sync(urls: list[str]):
+    engine = sb.engine()
+    from bridge import PublisherConfig, WeightPublisher
+
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=10, progress=False))
+    pub.publish(engine, version=7)
+    pub.publish(sb.Sabotage(engine, after=len(engine.param_specs()) // 2, act=lambda: os._exit(3)), version=8)
+    return "unreachable"
+
+
+def test_trainer_killed_mid_sync_leaves_previous_version(server_factory, tiny_model_dir):
+    from bridge.client import ServerClient
+
+    (server,) = server_factory.many([dict(model=tiny_model_dir)])
+    with pytest.raises((AssertionError, TimeoutError)):
+        run_ranks(_die_mid_sync, 2, args=([server.url],), timeout=60)
+    c = ServerClient(server.url)
+    before = c.weights_checksum()
+    # The server notices the dead peer (connection reset or its group timeout) and keeps version 7.
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        if c.model_info()["weight_version"] == "7":
+            break
+        time.sleep(0.5)
+    assert c.model_info()["weight_version"] == "7"
+    out = c.generate(input_ids=[1, 4, 5], sampling_params={"temperature": 0, "max_new_tokens": 2})
+    assert out["meta_info"]["weight_version"] == "7"
+    assert c.weights_checksum() == before
+    # A new trainer can sync again (the stale session and group are cleaned up).
+    rank0, _ = run_ranks(_train_and_publish, 2, args=([server.url], 1, "auto"), timeout=240)
+    assert rank0[0][2] == {server.url: "ok"}
+
+
+def _publish_once(urls, group_timeout):
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(servers=urls, group_timeout=group_timeout, http_timeout=5, progress=False))
+    t0 = time.monotonic()
+    try:
+        pub.publish(engine, version=1)
+        return ("ok", 0.0, "")
+    except BridgeError as e:
+        return (type(e).__name__, time.monotonic() - t0, str(e))
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_server_that_never_joins(server_factory, tiny_model_dir):
+    good, frozen = server_factory.many([dict(model=tiny_model_dir), dict(model=tiny_model_dir)])
+    os.kill(frozen.process.pid, signal.SIGSTOP)  # alive, but answers nothing and never joins
+    try:
+        rank0, rank1 = run_ranks(_publish_once, 2, args=([good.url, frozen.url], 4), timeout=120)
+    finally:
+        os.kill(frozen.process.pid, signal.SIGCONT)
+    for kind, seconds, message in (rank0, rank1):
+        assert kind in ("SyncTimeout", "SyncError", "ServerError"), message
+        assert seconds < 30
+    assert frozen.url in rank0[2]
+    assert _versions([good.url]) == {good.url: "default"}
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _medium_sync(url: str, bucket_mb: float):
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine("medium")
+    pub = WeightPublisher(PublisherConfig(servers=[url], bucket_mb=bucket_mb, group_timeout=60, progress=False))
+    try:
+        pub.publish(engine, version=1)  # warm-up: group creation and gloo connections
+        res = pub.publish(engine, version=2)
+        return res.peak_extra_bytes, res.bytes, res.buckets
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_rank0_peak_memory_is_bounded_by_buckets_not_the_model(server_factory):
+    bucket_mb = 48.0
+    (server,) = server_factory.many([dict(preset="medium", ready_timeout=300)])
+    (peak, total, buckets), _ = run_ranks(_medium_sync, 2, args=(server.url, bucket_mb), timeout=400)
+    bucket = bucket_mb * 2**20
+    print(f"medium preset: {total / 2**20:.0f} MiB in {buckets} buckets of {bucket_mb:.0f} MiB; "
+          f"rank-0 peak extra memory {peak / 2**20:.1f} MiB = {peak / bucket:.2f} x bucket")
+    assert total > 5 * bucket  # the model is much larger than a bucket...
+    assert peak < 3.5 * bucket  # ...but rank 0 never holds more than about two buckets (generous bound)
