@@ -1,0 +1,276 @@
+"""The driver of ``wsync bench``: models, server, etcd, watchers and one trainer job per model size.
+
+Step by step, and which process runs each step:
+
+1. driver: builds each preset's HF directory once, cached under ``<workdir>/models/<preset>``;
+   starts etcd on free loopback ports when an ``etcd`` binary is on PATH (temp data dir, stopped at
+   the end).
+2. driver, per model size: starts the reference server on that directory, serving the serving dtype,
+   (whose ``/wsync/bench/recv_raw`` route times the raw broadcast); starts one :class:`~inference_adapter.watcher.DiskWatcher`
+   thread per name-resolution backend (directory, and etcd when present) that loads each announced
+   snapshot into the server.
+3. torchrun job of ``nproc`` ranks (``wsync bench --_worker-spec JSON``): FSDP2 trainer; rank 0 measures
+   every method and floor (:mod:`bench.worker`) and writes the size's results JSON.
+4. driver: stops the watchers and the server; after the last size, builds the rows, the table, the
+   target checks, the JSON and the plot (:mod:`bench.report`), and removes the run's snapshots.
+
+Example:
+    >>> report = run_bench(BenchConfig(sizes=["tiny"], repeats=1, bucket_mb=[128]))   # doctest: +SKIP
+    >>> print(report["table"])                                                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from bridge.errors import BridgeError, ConfigError
+from bridge.log import get_logger
+
+__all__ = ["BenchConfig", "run_bench"]
+
+logger = get_logger(__name__)
+
+
+def _default_workdir() -> str:
+    return os.path.join(tempfile.gettempdir(), "wsync-bench")
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What to measure and where. Checked in ``__post_init__``."""
+
+    sizes: list[str] = field(default_factory=lambda: ["small", "medium"])
+    """Preset names (``bridge.presets.PRESETS``) to measure, in this order."""
+    models: list[str] = field(default_factory=list)
+    """Extra HF model directories to measure after the presets (labelled by their folder name)."""
+    bucket_mb: list[float] = field(default_factory=lambda: [32.0, 128.0, 512.0])
+    """Bucket sizes (MiB) of the flattened broadcast; the first is also the warm-up's."""
+    per_tensor_bucket_mb: float = 1e-6
+    """Bucket budget of the per-tensor method: below any tensor, so every tensor is its own request."""
+    repeats: int = 5
+    """Timed syncs per method and size, after one warm-up round."""
+    nproc: int = 2
+    """FSDP ranks of the trainer."""
+    etcd: bool = True
+    """Also measure disk with etcd name resolution when an ``etcd`` binary is on PATH."""
+    serving_dtype: str = "bfloat16"
+    """dtype the server serves and every method sends."""
+    workdir: str = field(default_factory=_default_workdir)
+    """Model cache (``models/``) and this run's snapshots, logs and results (``runs/<id>/``)."""
+    keep_run: bool = False
+    """Keep this run's folder (snapshots, logs) instead of deleting it at the end."""
+    timeout: float = 300.0
+    """Seconds any single HTTP call, broadcast or disk load may take before the run fails."""
+    log_level: str = "WARNING"
+    """Log level of the server and trainer processes."""
+
+    def __post_init__(self) -> None:
+        from bridge.presets import PRESETS
+        from bridge.tensors import dtype_from_str
+
+        unknown = [s for s in self.sizes if s not in PRESETS]
+        if unknown:
+            raise ConfigError(f"unknown size(s) {unknown}; choose from {', '.join(PRESETS)} (or pass --model DIR)")
+        for m in self.models:
+            if not os.path.isfile(os.path.join(m, "config.json")):
+                raise ConfigError(f"--model {m}: not a Hugging Face model directory (no config.json)")
+        if not self.sizes and not self.models:
+            raise ConfigError("nothing to measure: give --sizes and/or --model DIR")
+        if not self.bucket_mb or any(not b > 0 for b in self.bucket_mb):
+            raise ConfigError(f"bucket sizes must be positive MiB values, got {self.bucket_mb}")
+        if not self.per_tensor_bucket_mb > 0:
+            raise ConfigError(f"per_tensor_bucket_mb must be positive, got {self.per_tensor_bucket_mb}")
+        if self.repeats < 1:
+            raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        if self.nproc < 1:
+            raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
+        if not self.timeout > 0:
+            raise ConfigError(f"timeout must be positive seconds, got {self.timeout}")
+        dtype_from_str(self.serving_dtype)
+
+
+def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str | None = None) -> dict:
+    """Measure every size; return the report (``rows``, ``targets``, ``table``, ``sizes``, ``meta``, ``failed``).
+
+    Writes ``json_path`` and ``plot_path`` when given. A size whose trainer job fails is listed in
+    ``failed`` and the others are still reported.
+    """
+    from bench import report as rep
+    from bench.etcd import LocalEtcd
+
+    # etcd3 needs protobuf's pure-Python implementation, chosen before protobuf's first import; the
+    # trainer ranks inherit it.
+    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+    os.makedirs(cfg.workdir, exist_ok=True)
+    run_dir = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=_mkdir(cfg.workdir, "runs"))
+    print(f"wsync bench: run folder {run_dir}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    sizes, failed = [], {}
+    etcd = None
+    old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        models = [(p, _model_dir(cfg.workdir, p)) for p in cfg.sizes]
+        models += [(os.path.basename(os.path.normpath(m)), os.path.abspath(m)) for m in cfg.models]
+        if cfg.etcd:
+            etcd = LocalEtcd.start_if_available(run_dir)
+            if etcd is None:
+                print("wsync bench: no etcd binary on PATH; disk is measured on the directory backend only",
+                      file=sys.stderr, flush=True)
+        for label, model_dir in models:
+            print(f"wsync bench: {label} ({model_dir})", file=sys.stderr, flush=True)
+            try:
+                sizes.append(_measure_size(cfg, label, model_dir, run_dir, etcd))
+            except BridgeError as e:
+                failed[label] = str(e)
+                print(f"wsync bench: {label} FAILED: {e}", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        if etcd is not None:
+            etcd.stop()
+        _clean_run(run_dir, keep=cfg.keep_run or bool(failed))
+    rows = rep.build_rows(sizes)
+    targets = rep.check_targets(rows)
+    warmups = rep.build_warmups(sizes)
+    meta = _meta(cfg, sizes, time.perf_counter() - t0, etcd is not None)
+    table = rep.format_table(rows, targets, warmups)
+    result = {"meta": meta, "rows": rows, "targets": targets, "warmups": warmups, "sizes": sizes, "failed": failed,
+              "table": table}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({k: v for k, v in result.items() if k != "table"}, f, indent=1)
+    if plot_path and rows:
+        rep.plot(rows, plot_path, title=_title(meta))
+    return result
+
+
+# ------------------------------------------------------------------------------------------ one size
+
+
+def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etcd) -> dict:
+    from inference_adapter.launcher import launch_server
+    from wsync.launch import torchrun
+
+    size_dir = _mkdir(run_dir, label)
+    quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
+             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "WSYNC_LOG_LEVEL": cfg.log_level}
+    backends = {"dir": f"file://{_mkdir(run_dir, 'name_resolve')}"}
+    if etcd is not None:
+        backends["etcd"] = etcd.url
+    server = watchers = trainer = None
+    try:
+        server = launch_server(
+            model=model_dir, log_path=os.path.join(size_dir, "server.log"), dtype=cfg.serving_dtype, use_sglang=False,
+            extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)], env=quiet, ready_timeout=300,
+        )
+        disk = [{"backend": b, "trial": f"{label}-{b}", "name_resolve": url,
+                 "snapshot_root": os.path.join(size_dir, f"snapshots-{b}")} for b, url in backends.items()]
+        watchers = [_start_watcher(d, server.url, cfg.timeout) for d in disk]
+        out = os.path.join(size_dir, "result.json")
+        spec = dict(label=label, model_dir=model_dir, server=server.url, serving_dtype=cfg.serving_dtype,
+                    buckets_mb=cfg.bucket_mb, per_tensor_bucket_mb=cfg.per_tensor_bucket_mb, repeats=cfg.repeats,
+                    disk=disk, floor_dir=os.path.join(size_dir, "floor"), out=out, timeout=cfg.timeout)
+        # The trainer's ranks write to this process's stderr (progress, warnings, tracebacks).
+        trainer = torchrun(cfg.nproc, ["bench", "--_worker-spec", json.dumps(spec)], env=quiet)
+        rc = trainer.wait()
+        trainer = None
+        if rc != 0 or not os.path.exists(out):
+            raise BridgeError(f"the trainer job exited with code {rc} (its output is above); server log "
+                              f"{server.log_path} ends with:\n{server.log_tail(15)}")
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        if trainer is not None:
+            _kill_tree(trainer)
+        for w in watchers or ():
+            w.stop()
+        if server is not None:
+            server.stop()
+
+
+def _start_watcher(disk: dict, url: str, timeout: float):
+    from bench.worker import EXPERIMENT
+    from bridge.client import ServerGroup
+    from bridge.name_resolve import make_name_resolve
+    from inference_adapter.watcher import DiskWatcher
+
+    watcher = DiskWatcher(make_name_resolve(disk["name_resolve"]), EXPERIMENT, disk["trial"],
+                          ServerGroup([url], timeout=timeout), request_timeout=timeout)
+    watcher.start()
+    return watcher
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _model_dir(workdir: str, preset: str) -> str:
+    """The preset's HF directory under ``<workdir>/models``, built once (atomically) and reused."""
+    from bridge.presets import make_model_dir
+
+    final = os.path.join(_mkdir(workdir, "models"), preset)
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    print(f"wsync bench: building the {preset} model in {final}", file=sys.stderr, flush=True)
+    tmp = tempfile.mkdtemp(prefix=f".{preset}-", dir=os.path.dirname(final))
+    try:
+        make_model_dir(tmp, preset, seed=0)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _mkdir(*parts: str) -> str:
+    path = os.path.join(*parts)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _clean_run(run_dir: str, keep: bool) -> None:
+    if keep:
+        print(f"wsync bench: kept {run_dir} (logs, snapshots)", file=sys.stderr, flush=True)
+        return
+    # Snapshots are the big part; logs go with them (the run folder is printed at the start).
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _raise_interrupt(*_):
+    raise KeyboardInterrupt()
+
+
+def _kill_tree(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+    except Exception:  # noqa: BLE001 - it did not stop in time: force it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _meta(cfg: BenchConfig, sizes: list[dict], seconds: float, etcd: bool) -> dict:
+    import torch
+
+    return {
+        "config": asdict(cfg), "seconds": seconds, "etcd": etcd, "torch": torch.__version__,
+        "python": platform.python_version(), "host": platform.node(), "cpus": os.cpu_count(),
+        "cuda": torch.cuda.is_available(), "backend": sizes[0]["backend"] if sizes else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _title(meta: dict) -> str:
+    c = meta["config"]
+    return (f"wsync bench: {meta['cpus']} CPUs, {'CUDA/NCCL' if meta['cuda'] else 'CPU/gloo'}, torch {meta['torch']}, "
+            f"{c['nproc']} FSDP ranks, {c['repeats']} repeats, serving {c['serving_dtype']}, {meta['date']}")

@@ -1,0 +1,328 @@
+"""The trainer side of ``wsync bench``: every rank of the torchrun job runs :func:`run_worker`; rank 0 measures.
+
+One model size per job. The job shards the model with FSDP2 (:class:`trainer.FSDPEngine`) and then runs
+rounds over the *items* below; round 0 is the warm-up (reported as each item's ``first``), rounds
+1..repeats are timed. Items of one round run back to back, so noise from the shared machine lands on
+every method alike. Every item starts after a barrier, and rank 0 times it with ``time.perf_counter``.
+
+Methods (each is one ``WeightPublisher.publish``, collective on every rank):
+
+- ``flat-<N>MiB``: broadcast of flattened buckets of N MiB. One publisher serves every broadcast
+  method, its ``bucket_mb``/``load_format`` switched between publishes, so only the very first publish
+  pays the weight-update group's creation (``phases["group_init"]``).
+- ``per-tensor``: the same publisher with ``load_format="per_tensor"`` and a tiny ``bucket_mb``: one
+  ``/update_weights_from_distributed`` request and one broadcast per tensor.
+- ``disk-<backend>``: snapshot write + fsync + announcement + load, ``wait_loaded=True``; a watcher in
+  the driver process loads each announced version into the server.
+
+Floors, on the same bytes ``B`` (the model in the serving dtype), in the same processes:
+
+- ``raw-gather`` (every rank): one ``all_gather_into_tensor`` (``all_gather_single``) of a flat buffer
+  of ``B`` bytes in the serving dtype on the default group, the traffic FSDP's gathers carry; and
+  ``raw-gather-16MiB``, the same buffer in consecutive 16 MiB gathers. The floor takes the faster of
+  the two in each round.
+- ``raw-broadcast`` (rank 0): one ``uint8`` broadcast of ``B`` bytes to the server over a custom group
+  of the same kind as the publisher's (``wsync_bench_raw``), received and dropped by the server's
+  ``POST /wsync/bench/recv_raw``; timed from posting the request to the end of both.
+- ``raw-disk`` (rank 0): ``safetensors`` write of one ``B``-byte tensor, fsync of the file and its
+  directory, then ``load_file`` back and copied out (which is what reads the mapped file); write and read
+  are also timed separately.
+
+Diagnostic, not a floor: ``fsdp-gather`` (every rank) gathers the model parameter by parameter in the
+serving dtype (``engine.iter_full_tensors``) and drops it: what every method pays before it sends a byte.
+
+Buffers of the floors are allocated and touched before the clock starts: a floor is the transport alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from bridge.errors import BridgeError, ConfigError
+from bridge.log import get_logger
+from bridge.tensors import dtype_from_str
+
+__all__ = ["EXPERIMENT", "RAW_GROUP", "run_worker"]
+
+logger = get_logger(__name__)
+
+EXPERIMENT = "wsync-bench"
+"""Experiment name of the disk announcements (the trial names the size and the backend)."""
+RAW_GROUP = "wsync_bench_raw"
+"""Name of the custom group used for the raw broadcast floor."""
+GATHER_CHUNK_MB = 16
+"""The raw gather is also timed as consecutive gathers of this many MiB: on gloo/CPU one call over a few
+hundred MB can be slower than the same bytes in pieces, and a floor must be the faster way."""
+RECV_RAW_ROUTE = "/wsync/bench/recv_raw"  # inference_adapter.bench_routes.RECV_RAW_ROUTE, without importing fastapi
+
+
+def run_worker(spec: dict) -> int:
+    """Run one size's measurements on this rank; rank 0 writes ``spec["out"]``. Returns the exit code."""
+    from trainer import EngineConfig, FSDPEngine
+
+    engine = FSDPEngine(EngineConfig(model_path=spec["model_dir"])).initialize()
+    bench = None
+    try:
+        bench = _Bench(engine, spec)
+        result = bench.run()
+        if engine.rank == 0:
+            tmp = spec["out"] + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(tmp, spec["out"])
+    finally:
+        if bench is not None:
+            bench.close()
+        engine.destroy()
+    return 0
+
+
+class _Bench:
+    def __init__(self, engine, spec: dict):
+        from bridge import PublisherConfig, WeightPublisher
+
+        self.engine, self.spec = engine, spec
+        self.rank0 = engine.rank == 0
+        self.url = spec["server"]
+        self.device = engine.device
+        dtype = dtype_from_str(spec["serving_dtype"])
+        self.wire = [s.with_dtype(dtype) if s.dtype.is_floating_point else s for s in engine.param_specs()]
+        self.nbytes = sum(s.nbytes for s in self.wire)
+        self.versions = itertools.count(1)
+        self.timeout = float(spec.get("timeout", 120.0))
+        common = dict(servers=[self.url], serving_dtype=spec["serving_dtype"], progress=False,
+                      http_timeout=self.timeout, group_timeout=self.timeout)
+        self.broadcast = WeightPublisher(PublisherConfig(transport="broadcast", bucket_mb=spec["buckets_mb"][0], **common))
+        self.disks = {
+            d["backend"]: WeightPublisher(PublisherConfig(
+                transport="disk", experiment=EXPERIMENT, trial=d["trial"], name_resolve=d["name_resolve"],
+                snapshot_root=d["snapshot_root"], keep_snapshots=2, wait_loaded=True, wait_loaded_timeout=self.timeout,
+                **common))
+            for d in spec["disk"]
+        }
+        self.raw_pg = None
+        self.pool = cf.ThreadPoolExecutor(2, thread_name_prefix="bench-http") if self.rank0 else None
+        os.makedirs(spec["floor_dir"], exist_ok=True)
+
+    # ------------------------------------------------------------------ the run
+
+    def items(self) -> list[tuple[str, Callable[[], dict | None]]]:
+        out: list[tuple[str, Callable[[], dict | None]]] = [
+            ("raw-gather", self._raw_gather),
+            (f"raw-gather-{GATHER_CHUNK_MB}MiB", lambda: self._raw_gather(GATHER_CHUNK_MB << 20)),
+            ("raw-broadcast", self._raw_broadcast),
+            ("fsdp-gather", self._fsdp_gather),
+        ]
+        for mb in self.spec["buckets_mb"]:
+            out.append((f"flat-{mb:g}MiB", lambda mb=mb: self._publish_broadcast("flattened_bucket", mb)))
+        out.append(("per-tensor", lambda: self._publish_broadcast("per_tensor", self.spec["per_tensor_bucket_mb"])))
+        out.append(("raw-disk", self._raw_disk))
+        for backend in self.disks:
+            out.append((f"disk-{backend}", lambda b=backend: self._publish_disk(b)))
+        return out
+
+    def run(self) -> dict | None:
+        items = self.items()
+        if self.rank0:
+            self._check_route()
+        records: dict[str, dict] = {name: {"first": None, "runs": []} for name, _ in items}
+        repeats = int(self.spec["repeats"])
+        t_start = time.perf_counter()
+        for rnd in range(repeats + 1):
+            for name, fn in items:
+                dist.barrier()
+                rec = fn()
+                if self.rank0:
+                    if rnd == 0:
+                        records[name]["first"] = rec
+                    else:
+                        records[name]["runs"].append(rec)
+            if self.rank0:
+                what = "warm-up" if rnd == 0 else f"round {rnd}/{repeats}"
+                print(f"wsync bench: {self.spec['label']}: {what} done ({time.perf_counter() - t_start:.0f} s)",
+                      file=sys.stderr, flush=True)
+        if not self.rank0:
+            return None
+        params = sum(s.numel for s in self.wire)
+        return {
+            "label": self.spec["label"], "model_dir": self.spec["model_dir"], "params": params, "bytes": self.nbytes,
+            "tensors": len(self.wire), "world_size": self.engine.world_size, "backend": dist.get_backend(),
+            "serving_dtype": self.spec["serving_dtype"], "repeats": repeats, "items": records,
+            "seconds_total": time.perf_counter() - t_start,
+        }
+
+    def close(self) -> None:
+        self.broadcast.close()
+        for pub in self.disks.values():
+            pub.close()
+        if self.raw_pg is not None:
+            from bridge.client import ServerClient
+            from bridge.process_group import destroy_custom_process_group
+
+            pg, self.raw_pg = self.raw_pg, None
+            destroy_custom_process_group(pg)
+            try:
+                ServerClient(self.url, timeout=10).destroy_weights_update_group(group_name=RAW_GROUP)
+            except BridgeError as e:
+                logger.debug("destroying %s on the server: %s", RAW_GROUP, e)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ methods
+
+    def _publish_broadcast(self, load_format: str, bucket_mb: float) -> dict | None:
+        from bridge.buckets import plan_buckets
+
+        cfg = self.broadcast.config
+        cfg.load_format, cfg.bucket_mb = load_format, bucket_mb
+        t0 = time.perf_counter()
+        res = self.broadcast.publish(self.engine, version=next(self.versions))
+        seconds = time.perf_counter() - t0
+        if not self.rank0:
+            return None
+        largest = max(b.nbytes for b in plan_buckets(self.wire, cfg.bucket_bytes))
+        return {"seconds": seconds, "bytes": res.bytes, "buckets": res.buckets, "peak_extra_bytes": res.peak_extra_bytes,
+                "bucket_bytes": cfg.bucket_bytes, "largest_bucket_bytes": largest, "phases": res.phases}
+
+    def _publish_disk(self, backend: str) -> dict | None:
+        t0 = time.perf_counter()
+        res = self.disks[backend].publish(self.engine, version=next(self.versions))
+        seconds = time.perf_counter() - t0
+        if not self.rank0:
+            return None
+        return {"seconds": seconds, "bytes": res.bytes, "phases": res.phases, "path": res.path}
+
+    # ------------------------------------------------------------------ floors
+
+    def _raw_gather(self, chunk_bytes: int | None = None) -> dict | None:
+        world = self.engine.world_size
+        # In the serving dtype, as FSDP's gathers of the cast shards: gloo gathers uint8 at half the speed.
+        dtype = dtype_from_str(self.spec["serving_dtype"])
+        per_rank = -(-self.nbytes // (dtype.itemsize * world))
+        step = per_rank if chunk_bytes is None else max(1, chunk_bytes // (dtype.itemsize * world))
+        shard = torch.ones(per_rank, dtype=dtype, device=self.device)
+        out = torch.zeros(per_rank * world, dtype=dtype, device=self.device)
+        # all_gather_into_tensor, renamed all_gather_single in recent torch.
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(0, per_rank, step):
+            j = min(per_rank, i + step)
+            if world > 1:
+                gather(out[i * world : j * world], shard[i:j])
+            else:
+                out[i:j].copy_(shard[i:j])
+        self._sync()
+        seconds = time.perf_counter() - t0
+        del shard, out
+        return {"seconds": seconds, "bytes": per_rank * world * dtype.itemsize} if self.rank0 else None
+
+    def _fsdp_gather(self) -> dict | None:
+        t0 = time.perf_counter()
+        for _spec, full in self.engine.iter_full_tensors(self.wire):
+            del full
+        seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "bytes": self.nbytes} if self.rank0 else None
+
+    def _raw_broadcast(self) -> dict | None:
+        if not self.rank0:
+            return None
+        first = self.raw_pg is None
+        t_init = time.perf_counter()
+        if first:
+            self._init_raw_group()
+        group_init = time.perf_counter() - t_init
+        buf = torch.ones(self.nbytes, dtype=torch.uint8, device=self.device)
+        t0 = time.perf_counter()
+        answer = self.pool.submit(self._post, RECV_RAW_ROUTE, {"group_name": RAW_GROUP, "nbytes": self.nbytes})
+        work = dist.broadcast(buf, src=0, group=self.raw_pg, async_op=True)
+        reply = answer.result(timeout=2 * self.timeout)  # the server answers once it has received every byte
+        work.wait(timedelta(seconds=self.timeout))
+        self._sync()
+        seconds = time.perf_counter() - t0
+        rec = {"seconds": seconds, "bytes": self.nbytes, "server_seconds": reply.get("seconds")}
+        if first:
+            rec["group_init"] = group_init
+        return rec
+
+    def _raw_disk(self) -> dict | None:
+        if not self.rank0:
+            return None
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(self.spec["floor_dir"], "raw.safetensors")
+        data = torch.ones(self.nbytes, dtype=torch.uint8)
+        dest = torch.zeros(self.nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        save_file({"raw": data}, path)
+        _fsync(path)
+        _fsync(os.path.dirname(path))
+        t1 = time.perf_counter()
+        # load_file maps the file lazily: copying the tensor out is what reads it (as a server's load does).
+        dest.copy_(load_file(path)["raw"])
+        t2 = time.perf_counter()
+        nbytes = os.path.getsize(path)
+        del data, dest
+        os.unlink(path)
+        return {"seconds": t2 - t0, "write_seconds": t1 - t0, "read_seconds": t2 - t1, "bytes": nbytes}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _post(self, route: str, body: dict) -> dict:
+        import requests
+
+        r = requests.post(self.url + route, json=body, timeout=2 * self.timeout)
+        try:
+            data = r.json()
+        except ValueError:
+            data = {"message": r.text}
+        if r.status_code != 200 or not data.get("success", False):
+            raise ConfigError(f"{self.url}{route} answered HTTP {r.status_code}: {data.get('message') or data}")
+        return data
+
+    def _check_route(self) -> None:
+        """Fail before anything is broadcast when the server has no raw-receive route."""
+        import requests
+
+        r = requests.post(self.url + RECV_RAW_ROUTE, json={"group_name": RAW_GROUP, "nbytes": 0}, timeout=self.timeout)
+        if r.status_code == 404:
+            raise ConfigError(
+                f"{self.url} has no {RECV_RAW_ROUTE} route: the raw broadcast floor needs the project's reference "
+                "server (`wsync serve`), not real SGLang"
+            )
+
+    def _init_raw_group(self) -> None:
+        from bridge.client import ServerClient
+        from bridge.process_group import default_backend, find_free_port, init_custom_process_group
+
+        port = find_free_port()
+        backend = default_backend()
+        client = ServerClient(self.url, timeout=self.timeout)
+        joined = self.pool.submit(lambda: client.init_weights_update_group(
+            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=RAW_GROUP,
+            backend=backend, timeout=2 * self.timeout))
+        self.raw_pg = init_custom_process_group(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
+                                                group_name=RAW_GROUP, backend=backend, timeout=self.timeout)
+        joined.result(timeout=2 * self.timeout)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,116 @@
+"""``wsync bench`` end to end on the tiny preset, and the bench route on a live server app.
+
+No timing assertions: the machine is shared and the numbers are the benchmark's output, not a test's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "wsync.cli", "bench", "--quick", "--sizes", "tiny", "--repeats", "1",
+           "--json", str(out), "--plot", str(png), "--workdir", str(tmp_path / "work"), "--timeout", "60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+    report = json.loads(out.read_text())
+    assert report["failed"] == {}
+    methods = {r["method"] for r in report["rows"] if r["size"] == "tiny"}
+    expected = {"raw-gather", "raw-gather-16MiB", "raw-broadcast", "raw-disk", "fsdp-gather", "floor: gather+broadcast",
+                "floor: disk write+fsync+read",
+                f"flat-{report['meta']['config']['bucket_mb'][0]:g}MiB", "per-tensor", "disk-dir"}
+    if shutil.which("etcd"):
+        expected.add("disk-etcd")
+    assert expected <= methods, f"missing rows: {expected - methods}"
+    for r in report["rows"]:
+        assert r["bytes"] > 0 and r["seconds"]["median"] > 0, r
+        assert r["seconds"]["n"] == 1
+        if r["kind"] not in ("floor", "diagnostic"):
+            assert r["ratio"] > 0 and r["first_seconds"] > 0, r
+    assert {t["target"].split(" ")[0] for t in report["targets"]} >= {"flattened", "disk", "rank-0"}
+    # Every published byte went through the server: the broadcast rows carry the whole model.
+    model_bytes = {r["model_bytes"] for r in report["rows"]}
+    assert len(model_bytes) == 1
+    assert all(r["bytes"] == r["model_bytes"] for r in report["rows"] if r["kind"] in ("flattened", "per-tensor"))
+    per_tensor = next(r for r in report["rows"] if r["method"] == "per-tensor")
+    assert per_tensor["buckets"] == report["sizes"][0]["tensors"]  # one request per tensor
+    assert png.stat().st_size > 0
+    assert "targets:" in proc.stdout and "per-tensor" in proc.stdout
+
+
+def test_recv_raw_route_validates_before_receiving(tiny_model_dir):
+    """The route answers 400 without touching a group for a bad body, and names the missing group."""
+    import torch
+    from fastapi.testclient import TestClient
+
+    from inference_adapter.bench_routes import RECV_RAW_ROUTE, register_bench_routes
+    from inference_adapter.model_state import ModelState, load_model
+    from inference_adapter.server import create_app
+
+    model, tok, model_path, tok_path = load_model(model=tiny_model_dir, preset=None, seed=0, dtype=torch.bfloat16)
+    state = ModelState(model, tok, model_path=model_path, tokenizer_path=tok_path)
+    app = create_app(state)
+    register_bench_routes(app, state)
+    register_bench_routes(app, state)  # idempotent
+    from bench import worker
+
+    assert worker.RECV_RAW_ROUTE == RECV_RAW_ROUTE  # the trainer side's copy of the route
+    assert sum(getattr(r, "path", None) == RECV_RAW_ROUTE for r in app.routes) == 1
+    with TestClient(app) as client:
+        for body, words in [({"group_name": "g", "nbytes": 0}, "nbytes"), ({"group_name": "", "nbytes": 8}, "group_name"),
+                            ({"group_name": "g", "nbytes": 8, "x": 1}, "unknown"),
+                            ({"group_name": "nope", "nbytes": 8}, "init_weights_update_group")]:
+            r = client.post(RECV_RAW_ROUTE, json=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["success"] is False and words in r.json()["message"], r.text
+
+
+def _fake_size(label: str, nbytes: int) -> dict:
+    def runs(*secs, **extra):
+        return {"first": {"seconds": 10 * secs[0], "bytes": nbytes, "phases": {"group_init": 1.0}, **extra},
+                "runs": [{"seconds": s, "bytes": nbytes, "phases": {}, **extra} for s in secs]}
+
+    bucket = {"peak_extra_bytes": 3 * 2**20, "buckets": 2, "bucket_bytes": 2**20, "largest_bucket_bytes": 2**20}
+    items = {
+        "raw-gather": runs(1.0, 2.0, 3.0),
+        "raw-gather-16MiB": runs(2.0, 1.5, 4.0),  # the floor takes the faster gather of each round: 1, 1.5, 3
+        "raw-broadcast": runs(1.0, 1.0, 1.0, server_seconds=0.5),
+        "flat-1MiB": runs(3.0, 4.0, 5.0, **bucket),
+        "per-tensor": runs(12.0, 12.0, 12.0, **{**bucket, "buckets": 9}),
+        "raw-disk": runs(2.0, 2.0, 2.0, write_seconds=1.5, read_seconds=0.5),
+        "disk-dir": runs(4.0, 4.0, 4.0),
+    }
+    items["disk-dir"]["runs"] = [{**r, "phases": {"write": 3.0, "load": 1.0}} for r in items["disk-dir"]["runs"]]
+    return {"label": label, "params": nbytes // 2, "bytes": nbytes, "tensors": 9, "items": items}
+
+
+def test_report_ratios_are_floor_over_method_per_round():
+    from bench.report import build_rows, check_targets, format_table
+
+    rows = build_rows([_fake_size("medium", 1000)])
+    by = {r["method"]: r for r in rows}
+    floor = by["floor: gather+broadcast"]["seconds"]
+    assert floor["median"] == 2.5 and (floor["min"], floor["max"]) == (2.0, 4.0)  # summed per round
+    assert by["flat-1MiB"]["ratio"] == pytest.approx(2.5 / 4.0)
+    assert by["flat-1MiB"]["ratio_min"] == pytest.approx(2.0 / 3.0)
+    assert by["per-tensor"]["ratio"] == pytest.approx(2.5 / 12.0)
+    assert by["flat-1MiB"]["speedup_vs_per_tensor"] == pytest.approx(12.0 / 4.0)
+    assert by["disk-dir"]["ratio"] == pytest.approx(2.0 / 4.0)
+    assert by["flat-1MiB"]["peak_ratio"] == pytest.approx(3.0)
+    assert by["flat-1MiB"]["gbps"] == pytest.approx(1000 / 4.0 / 1e9)
+    met = {t["target"].split(" ")[0] + str(i): t["met"] for i, t in enumerate(check_targets(rows))}
+    assert list(met.values()) == [False, True, False, False]
+    text = format_table(rows, check_targets(rows))
+    assert "MISSED" in text and "MET" in text

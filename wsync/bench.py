@@ -1,0 +1,85 @@
+"""``wsync bench``: broadcast vs disk vs per-tensor sync, side by side, as ratios to the raw transport.
+
+A thin command line over :mod:`bench.run` (the driver) and :mod:`bench.worker` (the trainer ranks,
+re-run by torchrun with ``--_worker-spec``). ``--quick``: the small preset, 2 repeats, one bucket size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+_QUICK = {"sizes": ["small"], "repeats": 2}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", nargs="+", metavar="PRESET",
+                   help="presets to measure, e.g. `--sizes small medium` or `--sizes tiny`; `none` for --model only "
+                        "(default: small medium; with --quick: small)")
+    p.add_argument("--model", action="append", default=[], metavar="DIR",
+                   help="also measure this local HF model directory (repeatable)")
+    p.add_argument("--bucket-mb", nargs="+", type=float, metavar="MIB",
+                   help="bucket sizes of the flattened broadcast (default: 32 128 512; with --quick: the publisher's default)")
+    p.add_argument("--repeats", type=int, help="timed syncs per method after one warm-up (default 5; with --quick: 2)")
+    p.add_argument("--quick", action="store_true", help="small preset, 2 repeats, one bucket size: a few minutes on 2 cores")
+    p.add_argument("--json", metavar="PATH", help="write rows, targets and raw timings as JSON here")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of seconds and ratio against model size here")
+    p.add_argument("--workdir", metavar="DIR", help="model cache and run folder (default: <tmp>/wsync-bench)")
+    p.add_argument("--no-etcd", dest="etcd", action="store_false",
+                   help="skip the etcd disk backend even when an etcd binary is on PATH")
+    p.add_argument("--nproc", type=int, default=2, help="FSDP ranks of the trainer")
+    p.add_argument("--serving-dtype", default="bfloat16", help="dtype the server serves")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one transfer or load may take")
+    p.add_argument("--keep-run", action="store_true", help="keep the run folder (snapshots, logs)")
+    p.add_argument("--log-level", default="WARNING", help="log level of every process")
+    # Internal: set when the bench re-runs itself as a trainer rank under torchrun.
+    p.add_argument("--_worker-spec", dest="worker_spec", help=argparse.SUPPRESS)
+
+
+def config_from_args(args: argparse.Namespace):
+    """The :class:`bench.run.BenchConfig` the flags describe (``--quick`` fills what was not given)."""
+    from bench.run import BenchConfig
+    from bridge import PublisherConfig
+
+    sizes = args.sizes
+    if sizes is not None:
+        sizes = [s for item in sizes for s in item.split(",") if s and s != "none"]
+    elif args.quick:
+        sizes = list(_QUICK["sizes"])
+    elif args.model:
+        sizes = []
+    kw = {}
+    if sizes is not None:
+        kw["sizes"] = sizes
+    if args.bucket_mb:
+        kw["bucket_mb"] = list(args.bucket_mb)
+    elif args.quick:
+        kw["bucket_mb"] = [PublisherConfig(transport="disk").bucket_mb]  # the publisher's default bucket
+    if args.repeats is not None:
+        kw["repeats"] = args.repeats
+    elif args.quick:
+        kw["repeats"] = _QUICK["repeats"]
+    if args.workdir:
+        kw["workdir"] = args.workdir
+    return BenchConfig(models=list(args.model), nproc=args.nproc, etcd=args.etcd, serving_dtype=args.serving_dtype,
+                       timeout=args.timeout, keep_run=args.keep_run, log_level=args.log_level.upper(), **kw)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker_spec:
+        from bench.worker import run_worker
+
+        return run_worker(json.loads(args.worker_spec))
+    from bench.run import run_bench
+
+    report = run_bench(config_from_args(args), json_path=args.json, plot_path=args.plot)
+    print(report["table"], flush=True)
+    if args.json:
+        print(f"wsync bench: wrote {args.json}", file=sys.stderr)
+    if args.plot and report["rows"]:
+        print(f"wsync bench: wrote {args.plot}", file=sys.stderr)
+    if report["failed"]:
+        print(f"wsync bench: FAILED for {', '.join(report['failed'])}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,84 @@
+"""``wsync``: the command-line face of the weight-sync bridge.
+
+Each subcommand lives in its own module and is imported only when used, so ``wsync --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+# name -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
+COMMANDS = {
+    "demo": ("wsync.demo", "the whole system on this machine: servers, a 2-rank trainer, a sync after every step"),
+    "train": ("wsync.train", "train with the FSDP2 engine (launches its own ranks), optionally publishing weights"),
+    "serve": ("wsync.serve", "run the reference server, which speaks SGLang's HTTP protocol on CPU"),
+    "watch": ("wsync.watch", "follow disk announcements in name resolution and load each version into servers"),
+    "bench": ("wsync.bench", "measure broadcast vs disk vs per-tensor sync against the raw transport"),
+    "make-model": ("wsync.make_model", "write a complete HF model directory (config, weights, tokenizer) from a preset"),
+}
+
+DESCRIPTION = """\
+Move a trainer's weights into SGLang servers, versioned and atomically: by a bucketed broadcast over a
+custom process group (NCCL on GPU, gloo on CPU), or by HF snapshots on disk announced through name
+resolution (etcd, or a directory). Everything runs on CPU; real SGLang is driven the same way on GPU.
+
+Start with:  wsync demo            (no GPU, no etcd, nothing downloaded)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wsync", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        from wsync.launch import ARGV_ENV
+
+        # A rank started by wsync.launch.torchrun gets its arguments from the environment.
+        argv = json.loads(os.environ.pop(ARGV_ENV)) if ARGV_ENV in os.environ else sys.argv[1:]
+    # Library progress bars ("Loading weights", "Writing model shards") drown the project's own output;
+    # set before transformers is imported, and inherited by every process the command starts.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if argv and argv[0] in COMMANDS and not {"-h", "--help"} & set(argv):
+        # Build only the parser of the command that runs.
+        name = argv[0]
+        module, help_ = COMMANDS[name]
+        mod = importlib.import_module(module)
+        p = argparse.ArgumentParser(prog=f"wsync {name}", description=help_)
+        mod.add_arguments(p)
+        args = p.parse_args(argv[1:])
+    else:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "_module", None):
+            parser.print_help()
+            return 2
+        mod = importlib.import_module(args._module)
+    from bridge.errors import BridgeError
+    from bridge.log import setup_logging
+
+    setup_logging(getattr(args, "log_level", None))
+    try:
+        return int(mod.run(args) or 0)
+    except BridgeError as e:
+        print(f"wsync {argv[0]}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"wsync {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""``wsync demo``: the whole system on this machine, for real, in a few minutes on 2 CPU cores.
+
+What runs:
+- ``--servers`` reference-server processes (SGLang's HTTP protocol, transformers on CPU);
+- for the disk transport, a watcher following announcements in name resolution (a directory under the
+  run's folder by default, or ``--name-resolve etcd://host:port``) that loads each version into the servers;
+- a 2-rank FSDP2 trainer (torchrun, gloo) that trains on a string-reversal task and, after every step,
+  publishes its weights (broadcast, disk, or both), asks every server a fixed prompt, and compares each
+  server's greedy answer and version with its own greedy answer for the same weights.
+
+It prints one table row per sync, writes the same facts to ``--json``, exits non-zero if any server ever
+served a version other than the trainer's latest or a different answer, and stops every process it
+started, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+from wsync.launch import torchrun, under_torchrun
+from wsync.train import add_model_arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--steps", type=int, default=20, help="training steps (one publish per step and transport)")
+    p.add_argument("--transport", default="both", choices=["broadcast", "disk", "both"], help="how weights reach the servers")
+    p.add_argument("--servers", type=int, default=1, help="number of reference servers to start")
+    p.add_argument("--nproc", type=int, default=2, help="FSDP ranks of the trainer")
+    p.add_argument("--name-resolve", metavar="URL",
+                   help="name resolution for the disk transport: etcd://host:port, file:///path (default: a directory in the work folder)")
+    p.add_argument("--workdir", metavar="DIR", help="folder for the model, snapshots, logs (default: a new temp folder)")
+    p.add_argument("--json", metavar="PATH", help="write every step's facts as JSON here")
+    p.add_argument("--lr", type=float, default=1e-2, help="learning rate")
+    p.add_argument("--batch-size", type=int, default=32, help="global batch size")
+    p.add_argument("--bucket-mb", type=float, default=None, help="broadcast bucket size in MiB")
+    p.add_argument("--serving-dtype", default="bfloat16", help="dtype the servers serve")
+    p.add_argument("--max-new-tokens", type=int, default=12, help="length of the greedy answers compared")
+    p.add_argument("--log-level", default="WARNING", help="log level of the demo's processes")
+    # Internal: set when the demo re-runs itself as a trainer rank under torchrun.
+    p.add_argument("--_trainer-spec", dest="trainer_spec", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.trainer_spec:
+        return _trainer_main(json.loads(args.trainer_spec))
+    return _driver(args)
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+def _driver(args: argparse.Namespace) -> int:
+    from bridge.presets import make_model_dir
+    from inference_adapter.launcher import launch_server
+
+    if args.steps < 1 or args.servers < 1 or args.nproc < 1:
+        print("wsync demo: --steps, --servers and --nproc must be >= 1", file=sys.stderr)
+        return 2
+    workdir = args.workdir or tempfile.mkdtemp(prefix="wsync-demo-")
+    os.makedirs(workdir, exist_ok=True)
+    model_dir = args.model or make_model_dir(os.path.join(workdir, "model"), args.preset or "tiny")
+    name_resolve = args.name_resolve or f"file://{os.path.join(workdir, 'name_resolve')}"
+    print(f"wsync demo: work folder {workdir}", flush=True)
+    print(f"  model {model_dir}\n  transport {args.transport}, {args.servers} server(s), {args.nproc} trainer ranks"
+          + (f", name resolution {name_resolve}" if args.transport != "broadcast" else ""), flush=True)
+
+    servers, watcher, trainer = [], None, None
+    old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        for i in range(args.servers):
+            servers.append(launch_server(
+                model=model_dir, dtype=args.serving_dtype, log_path=os.path.join(workdir, f"server{i}.log"),
+                extra_args=["--log-level", args.log_level],
+            ))
+        urls = [s.url for s in servers]
+        print(f"  servers ready: {', '.join(urls)}", flush=True)
+        if args.transport in ("disk", "both"):
+            watcher = _start_watcher(name_resolve, urls)
+        spec = dict(
+            model=model_dir, steps=args.steps, transport=args.transport, servers=urls, name_resolve=name_resolve,
+            snapshot_root=os.path.join(workdir, "snapshots"), lr=args.lr, batch_size=args.batch_size,
+            bucket_mb=args.bucket_mb, serving_dtype=args.serving_dtype, max_new_tokens=args.max_new_tokens,
+            json=os.path.abspath(args.json) if args.json else None, log_level=args.log_level,
+        )
+        trainer = torchrun(args.nproc, ["demo", "--_trainer-spec", json.dumps(spec)],
+                           env={"WSYNC_LOG_LEVEL": args.log_level})
+        rc = trainer.wait()
+        trainer = None
+        if rc != 0:
+            print(f"wsync demo: FAILED (trainer exited with {rc})", file=sys.stderr)
+        return rc
+    except KeyboardInterrupt:
+        print("\nwsync demo: interrupted; stopping everything", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        if trainer is not None:
+            _kill_tree(trainer)
+        if watcher is not None:
+            watcher.stop()
+        for s in servers:
+            s.stop()
+
+
+def _kill_tree(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, OSError):
+        pass
+    except Exception:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _start_watcher(name_resolve: str, urls: list[str]):
+    from bridge.client import ServerGroup
+    from bridge.name_resolve import make_name_resolve
+    from inference_adapter.watcher import DiskWatcher
+
+    watcher = DiskWatcher(make_name_resolve(name_resolve), "demo", "trial0", ServerGroup(urls))
+    watcher.start()
+    return watcher
+
+
+# ------------------------------------------------------------------------------------------ trainer
+
+
+def _trainer_main(spec: dict) -> int:
+    import torch.distributed as dist
+
+    from bridge import PublisherConfig, WeightPublisher
+    from trainer import EngineConfig, FSDPEngine, OptimizerConfig
+    from wsync.tasks import make_batch
+
+    assert under_torchrun()
+    engine = FSDPEngine(EngineConfig(
+        model_path=spec["model"], optimizer=OptimizerConfig(lr=spec["lr"], schedule="constant", max_grad_norm=1.0),
+    ))
+    engine.initialize()
+    transports = ["broadcast", "disk"] if spec["transport"] == "both" else [spec["transport"]]
+    common = dict(servers=spec["servers"], serving_dtype=spec["serving_dtype"], progress=False)
+    if spec["bucket_mb"]:
+        common["bucket_mb"] = spec["bucket_mb"]
+    publishers = {
+        "broadcast": lambda: WeightPublisher(PublisherConfig(transport="broadcast", **common)),
+        "disk": lambda: WeightPublisher(PublisherConfig(
+            transport="disk", experiment="demo", trial="trial0", name_resolve=spec["name_resolve"],
+            snapshot_root=spec["snapshot_root"], **common)),
+    }
+    pubs = {t: publishers[t]() for t in transports}
+    table = _Table(spec["servers"]) if engine.rank == 0 else None
+    records, ok = [], True
+    per_rank = max(1, spec["batch_size"] // engine.world_size)
+    try:
+        for step in range(1, spec["steps"] + 1):
+            stats = engine.train_batch(make_batch(engine.tokenizer, per_rank, seed=step * 1009 + engine.rank))
+            reference = _trainer_answer(engine, spec)  # collective gather; rank 0 gets the answer
+            for transport, pub in pubs.items():
+                res = pub.publish(engine, version=step)
+                if engine.rank != 0:
+                    continue
+                served = _ask_servers(pub.servers, engine.tokenizer, spec["max_new_tokens"])
+                row_ok = all(s["version"] == str(step) and s["answer"] == reference for s in served.values())
+                ok &= row_ok
+                rec = dict(step=step, loss=stats["loss"], lr=stats["lr"], transport=transport, version=step,
+                           sync_seconds=res.seconds, gbps=res.gbps, bytes=res.bytes, trainer_answer=reference,
+                           servers=served, ok=row_ok)
+                records.append(rec)
+                table.row(rec)
+        if engine.rank == 0:
+            verdict = "every server served the trainer's latest version with identical answers" if ok else "MISMATCH"
+            print(f"\nwsync demo: {len(records)} syncs over {spec['steps']} steps; {verdict}", flush=True)
+            if spec["json"]:
+                with open(spec["json"], "w") as f:
+                    json.dump({"ok": ok, "steps": spec["steps"], "transport": spec["transport"],
+                               "servers": spec["servers"], "syncs": records}, f, indent=2)
+                print(f"wsync demo: wrote {spec['json']}", flush=True)
+    finally:
+        for pub in pubs.values():
+            pub.close()
+    ok_all = [ok]
+    if dist.is_initialized():
+        dist.broadcast_object_list(ok_all, src=0)
+    engine.destroy()
+    return 0 if ok_all[0] else 1
+
+
+def _trainer_answer(engine, spec: dict) -> str | None:
+    """The trainer's own greedy answer for its current weights cast to the serving dtype (rank 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bridge.tensors import dtype_from_str
+    from wsync.tasks import prompt_ids
+
+    dtype = dtype_from_str(spec["serving_dtype"])
+    state = {}
+    for s, full in engine.iter_full_tensors():
+        if full is not None:
+            state[s.name] = full.to(dtype)
+    if engine.rank != 0:
+        return None
+    model = getattr(engine, "_demo_reference_model", None)
+    if model is None:
+        model = AutoModelForCausalLM.from_config(engine.model_config, dtype=dtype)
+        model.eval()
+        engine._demo_reference_model = model
+    model.load_state_dict(state, strict=False)
+    if getattr(engine.model_config, "tie_word_embeddings", False):
+        model.tie_weights()
+    ids = torch.tensor([prompt_ids(engine.tokenizer)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=spec["max_new_tokens"], pad_token_id=engine.tokenizer.pad_token_id)
+    return engine.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def _ask_servers(servers, tokenizer, max_new_tokens: int) -> dict:
+    from wsync.tasks import prompt_ids
+
+    body = dict(input_ids=prompt_ids(tokenizer), sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
+    outs = servers.map(lambda c: c.generate(**body))
+    return {
+        c.url: {"version": o["meta_info"]["weight_version"], "answer": tokenizer.decode(o["output_ids"], skip_special_tokens=True)}
+        for c, o in zip(servers.clients, outs)
+    }
+
+
+class _Table:
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        head = f"{'step':>4} {'loss':>7} {'transport':>9} {'sync s':>7} {'GB/s':>6}  {'versions':<12} {'same':<5} answer"
+        print(head + "\n" + "-" * len(head), flush=True)
+
+    def row(self, r: dict) -> None:
+        versions = ",".join(s["version"] for s in r["servers"].values())
+        same = "yes" if r["ok"] else "NO"
+        answer = next(iter(r["servers"].values()))["answer"]
+        print(f"{r['step']:>4} {r['loss']:>7.4f} {r['transport']:>9} {r['sync_seconds']:>7.3f} {r['gbps']:>6.3f}  "
+              f"{versions:<12} {same:<5} {answer!r}", flush=True)
