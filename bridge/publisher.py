@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.buckets import Bucket, pack_one, plan_buckets
+from bridge.buckets import Bucket, pack_one, plan_buckets, unflatten_bucket
 from bridge.errors import BridgeError, ConfigError, ServerError, SyncError, SyncTimeout, VersionError
 from bridge.log import fmt_bytes, get_logger
 from bridge.memory import PeakMemory
@@ -212,6 +212,9 @@ class WeightPublisher:
         self._servers = None
         self._disk = None
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        backend = config.backend or default_backend()
+        # Buckets live where the weight-update group can send them from.
+        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     # ---------------------------------------------------------------- public API
@@ -400,6 +403,7 @@ class WeightPublisher:
         paused = False
         phases: dict[str, float] = {}
         crc = 0
+        retried = False
         if self._rank == 0:
             try:
                 load_format = self._load_format()
@@ -420,15 +424,17 @@ class WeightPublisher:
         memory = PeakMemory().__enter__()
         if error is None:
             for k, bucket in enumerate(buckets):
-                buf = torch.empty(bucket.nbytes, dtype=torch.uint8) if self._rank == 0 else None
-                index = bucket.index() if self._rank == 0 else None
-                for spec, full in source.iter_full_tensors(bucket.specs):
-                    if buf is not None:
-                        offset, wire = index[spec.name]
-                        pack_one(buf, offset, wire, full)
-                    del full
+                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device) if self._rank == 0 else None
+                _gather_into(source, bucket, buf)
                 if self._rank == 0:
-                    crc = zlib.crc32(buf.numpy(), crc)
+                    crc = _fingerprint(buf, crc)
+                    if k == len(buckets) - 1 and error is None:
+                        # Decided before the last bucket (which carries the version) leaves rank 0, so
+                        # other weights never land under a version that is already published.
+                        try:
+                            retried = self._check_fingerprint(version, crc)
+                        except VersionError as e:
+                            error = f"VersionError: {e}"
                     if inflight is not None:
                         try:
                             self._wait(inflight)
@@ -453,7 +459,7 @@ class WeightPublisher:
         memory.__exit__(None, None, None)
         peak = max(memory.extra_bytes, memory.device_extra_bytes)
         try:
-            outcome = self._finish_broadcast(version, error, session, paused, crc)
+            outcome = self._finish_broadcast(version, error, session, paused, crc, retried)
         except Exception as e:  # never leave the other ranks waiting for an outcome
             logger.exception("finishing the sync failed")
             outcome = {"error": error or f"finishing the sync failed: {e}", "servers": {}, "retried": False,
@@ -463,6 +469,8 @@ class WeightPublisher:
         outcome = self._agree(outcome)
         t_end = time.perf_counter()
         if outcome["error"]:
+            if outcome["error"].startswith("VersionError: "):
+                raise VersionError(outcome["error"].removeprefix("VersionError: ") + f"; {outcome['serving']}")
             raise SyncError(f"weight sync of version {version} failed: {outcome['error']}; {outcome['serving']}")
         retried = outcome["retried"]
         self.last_version, self._last_fingerprint = version, outcome["fingerprint"]
@@ -494,32 +502,31 @@ class WeightPublisher:
                 c.end_weight_update()
                 c.begin_weight_update()
 
-    def _finish_broadcast(self, version: int, error: str | None, session: bool, paused: bool, crc: int) -> dict | None:
+    def _finish_broadcast(self, version: int, error: str | None, session: bool, paused: bool, crc: int,
+                          retried: bool) -> dict | None:
+        """Rank 0: close the sync on every server (commit on success, tear down on failure), resume."""
         if self._rank != 0:
             return None
         servers = {c.url: "ok" for c in self.servers.clients}
-        retried = False
-        if error is None:
-            try:
-                retried = self._check_fingerprint(version, crc)
-            except VersionError as e:
-                error = str(e)
-        if session:
+        if error is None and session:
             for c in self.servers.clients:
-                if c.features.needs_session:
-                    try:
-                        c.end_weight_update()
-                    except BridgeError as e:
-                        error = error or str(e)
-                        servers[c.url] = str(e)
-        if error is None:
-            # Servers without sessions swap per request and learn the version with the last bucket.
-            pass
-        else:
+                try:
+                    c.end_weight_update()  # the reference server swaps weights and version here
+                except BridgeError as e:
+                    error = error or str(e)
+                    servers[c.url] = str(e)
+        if error is not None:
+            # Destroying the group makes the reference server drop what it staged; SGLang has loaded the
+            # buckets it received and must be re-synced (the next publish rebuilds the group and does).
             self._teardown_group()
-            for c in self.servers.clients:
-                if servers[c.url] == "ok":
-                    servers[c.url] = "failed"
+            if session:
+                for c in self.servers.clients:
+                    try:
+                        if c.features.needs_session:
+                            c.end_weight_update()
+                    except BridgeError:
+                        pass  # already closed by the teardown
+            servers = {u: ("failed" if s == "ok" else s) for u, s in servers.items()}
         if paused:
             try:
                 self.servers.continue_generation()
@@ -531,9 +538,19 @@ class WeightPublisher:
                 serving = "servers now serve " + ", ".join(f"{u}: version {v}" for u, v in self.servers.weight_versions().items())
             except BridgeError:
                 serving = "some servers could not be asked which version they serve"
-        return {"error": error, "servers": servers, "retried": retried, "fingerprint": crc, "peak": 0, "serving": serving}
+        return {"error": error, "servers": servers, "retried": retried, "fingerprint": crc, "serving": serving}
 
     # ---------------------------------------------------------------- disk
+
+    def _stream(self, source: WeightSource, specs: list[ParamSpec]):
+        """Collective: (name, full tensor in the wire dtype) bucket by bucket; None off rank 0."""
+        for bucket in plan_buckets(specs, self.config.bucket_bytes):
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8) if self._rank == 0 else None
+            _gather_into(source, bucket, buf)
+            if buf is None:
+                yield from ((s.name, None) for s in bucket.specs)
+            else:
+                yield from unflatten_bucket(buf, bucket.specs)
 
     def _publish_disk(self, source: WeightSource, version: int) -> PublishResult:
         from bridge.disk import DiskPublisher
@@ -552,7 +569,7 @@ class WeightPublisher:
         error = self._agree(error)
         if error is not None:
             raise VersionError(error)
-        stream = ((s.name, t) for s, t in source.iter_full_tensors(source.param_specs()))
+        stream = self._stream(source, specs)
         try:
             outcome = self._disk.write_and_announce(version, stream, specs, source)
         except BridgeError as e:
@@ -571,6 +588,28 @@ class WeightPublisher:
             result.path, result.seconds, result.gbps,
         )
         return result
+
+
+def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None) -> None:
+    """Collective: fill rank 0's wire buffer with the bucket, by the source's fast path when it has one."""
+    gather = getattr(source, "gather_bucket", None)
+    if gather is not None:
+        gather(bucket, buf)
+        return
+    index = bucket.index() if buf is not None else None
+    for spec, full in source.iter_full_tensors(bucket.specs):
+        if buf is not None:
+            offset, wire = index[spec.name]
+            pack_one(buf, offset, wire, full)
+        del full
+
+
+def _fingerprint(buf: torch.Tensor, crc: int) -> int:
+    """Running checksum of the bytes sent, to tell a retry of the same weights from new weights."""
+    if buf.device.type == "cpu":
+        return zlib.crc32(buf.numpy(), crc)  # ~5 GB/s, negligible next to the transfer
+    words = buf[: buf.numel() // 8 * 8].view(torch.int64)
+    return hash((crc, int(words.sum()), int(words[::1009].sum()), buf.numel()))
 
 
 def _host_ip() -> str:

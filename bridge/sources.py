@@ -6,6 +6,12 @@ The publisher never imports the trainer. It takes a :class:`WeightSource`: an ob
 
 ``iter_full_tensors`` is collective when parameters are DTensors: every rank calls it with the same
 specs and consumes it to the end; rank 0 receives full tensors, the other ranks ``None``.
+
+A source may also offer ``gather_bucket(bucket, out)``, the fast path: :func:`gather_bucket_into`
+moves a whole bucket of FSDP2 shards to rank 0 in a few flat ``gather`` calls (one per ~16 MiB piece)
+and writes each parameter's rows straight into the bucket's wire buffer. One collective per piece
+instead of one all-gather per parameter, and only rank 0 receives: every other rank sends its shards
+and allocates nothing but its send buffer.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
+from bridge.buckets import Bucket
 from bridge.tensors import ParamSpec
 
-__all__ = ["ModuleSource", "WeightSource", "as_source"]
+__all__ = ["ModuleSource", "WeightSource", "as_source", "gather_bucket_into"]
 
 
 @runtime_checkable
@@ -65,6 +73,9 @@ class ModuleSource:
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in self._params.items()]  # DTensor.shape is global
 
+    def gather_bucket(self, bucket: Bucket, out: torch.Tensor | None) -> None:
+        gather_bucket_into([(s, self._params[s.name]) for s in bucket.specs], bucket, out)
+
     def iter_full_tensors(self, specs: Sequence[ParamSpec] | None = None) -> Iterator[tuple[ParamSpec, torch.Tensor | None]]:
         rank = _rank()
         for spec in specs if specs is not None else self.param_specs():
@@ -73,6 +84,87 @@ class ModuleSource:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             yield spec, (full if rank == 0 else None)
             del full
+
+
+PIECE_BYTES = 16 << 20
+"""Bytes per flat gather: large enough to amortise a collective, small enough to keep rank 0's extra
+memory (world_size x piece) far below a bucket."""
+
+
+def _row_sharded(p: torch.Tensor, world: int) -> bool:
+    """True for an FSDP2 parameter: a DTensor sharded on dim 0 over all ranks of the default group."""
+    if not isinstance(p, DTensor) or p.dim() == 0:
+        return False
+    mesh = p.device_mesh
+    return mesh.ndim == 1 and mesh.size() == world and tuple(p.placements) == (Shard(0),)
+
+
+def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: Bucket, out: torch.Tensor | None,
+                       piece_bytes: int = PIECE_BYTES) -> None:
+    """Collective: fill rank 0's ``out`` (the bucket's uint8 wire buffer) with the full parameters.
+
+    ``items`` are (wire spec, parameter) in ``bucket.specs`` order, the same on every rank. Parameters
+    sharded on dim 0 (FSDP2) travel in flat pieces; anything else (replicated tensors, other
+    placements) is gathered one by one. Shards are cast to the wire dtype before they travel.
+    ``torch.chunk`` semantics decide the rows of rank r: ``[r*c, min((r+1)*c, d0))`` with
+    ``c = ceil(d0 / world)``, so every send buffer is padded to ``c`` rows per parameter.
+    """
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    offsets = dict(zip(bucket.names, bucket.offsets))
+    piece: list[tuple[ParamSpec, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal piece, size
+        if piece:
+            _gather_piece(piece, offsets, out, world, rank)
+        piece, size = [], 0
+
+    for spec, p in items:
+        if world > 1 and _row_sharded(p, world):
+            padded = -(-spec.shape[0] // world) * (spec.nbytes // spec.shape[0])
+            if piece and size + padded > piece_bytes:
+                flush()
+            piece.append((spec, p))
+            size += padded
+            continue
+        flush()
+        full = p.detach().to(spec.dtype)
+        full = full.full_tensor() if isinstance(full, DTensor) else full
+        if out is not None:
+            out[offsets[spec.name] : offsets[spec.name] + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(full)
+        del full
+    flush()
+
+
+def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, world: int, rank: int) -> None:
+    layout = []  # (spec, rows per rank c, bytes per row, offset in the send buffer)
+    total = 0
+    for spec, _ in piece:
+        row = spec.nbytes // spec.shape[0]
+        c = -(-spec.shape[0] // world)
+        layout.append((spec, c, row, total))
+        total += c * row
+    device = piece[0][1].to_local().device
+    if dist.get_backend() == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # CPU-offloaded shards under NCCL
+    send = torch.empty(total, dtype=torch.uint8, device=device)
+    for (spec, p), (_, c, row, off) in zip(piece, layout):
+        local = p.detach().to_local().to(device=device, dtype=spec.dtype).contiguous()
+        expected = max(0, min(c, spec.shape[0] - rank * c))
+        assert local.shape[0] == expected, f"{spec.name}: rank {rank} holds {local.shape[0]} rows, chunking says {expected}"
+        send[off : off + local.numel() * spec.dtype.itemsize].copy_(local.reshape(-1).view(torch.uint8))
+    recv = torch.empty(world * total, dtype=torch.uint8, device=device) if rank == 0 else None
+    dist.gather(send, list(recv.split(total)) if recv is not None else None, dst=0)
+    del send
+    if out is None:
+        return
+    for spec, c, row, off in layout:
+        base = offsets[spec.name]
+        for r in range(world):
+            n = max(0, min(c, spec.shape[0] - r * c)) * row
+            if n:
+                out[base + r * c * row : base + r * c * row + n].copy_(recv[r * total + off : r * total + off + n])
 
 
 def as_source(obj) -> WeightSource:

@@ -508,6 +508,21 @@ class FSDPEngine:
                 del full  # nothing to hand out: free it before yielding
                 yield spec, None
 
+    def gather_bucket(self, bucket, out: torch.Tensor | None) -> None:
+        """Collective: write a whole bucket's full parameters into rank 0's wire buffer ``out``.
+
+        The fast path of a sync (see :func:`bridge.sources.gather_bucket_into`): FSDP2 shards travel in
+        a few flat gathers to rank 0 instead of one all-gather per parameter. Other ranks pass None.
+        """
+        from bridge.sources import gather_bucket_into
+
+        self._check_initialized()
+        params = dict(self._model.named_parameters(remove_duplicate=False))
+        missing = [s.name for s in bucket.specs if s.name not in params]
+        if missing:
+            raise ConfigError(f"no parameters named {missing}; use names from param_specs()")
+        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out)
+
     def _gather(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not isinstance(param, DTensor):
             return param.to(dtype).contiguous()

@@ -1,0 +1,109 @@
+"""The public Python API: version semantics, retries, the result object, config validation.
+
+One trainer process (no torch.distributed) publishing a plain HF model into a real reference server.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bridge
+from bridge import ConfigError, PublisherConfig, VersionError, WeightPublisher
+
+
+def test_public_surface_is_explicit():
+    assert bridge.__all__ == sorted(bridge.__all__)
+    for name in bridge.__all__:
+        assert getattr(bridge, name) is not None
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_model_dir):
+    return server_factory.many([dict(model=tiny_model_dir)])[0]
+
+
+@pytest.fixture()
+def model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+
+def _served_checksums(server, model):
+    from bridge.protocol import tensor_checksum
+    from bridge.sources import ModuleSource
+
+    want = {s.name: tensor_checksum(p.detach().to(torch.bfloat16)) for s, p in
+            ((s, ModuleSource(model)._params[s.name]) for s in ModuleSource(model).param_specs())}
+    return server.client.weights_checksum(list(want))["checksums"] == want
+
+
+def test_broadcast_versions_retries_and_result(server, model):
+    with WeightPublisher(PublisherConfig(servers=[server.url], bucket_mb=0.5, progress=False)) as pub:
+        r1 = pub.publish(model, version=5)
+        assert (r1.version, r1.transport, r1.servers) == (5, "broadcast", {server.url: "ok"})
+        assert r1.bytes == sum(p.numel() * 2 for n, p in model.named_parameters() if n != "lm_head.weight")
+        assert r1.seconds > 0 and r1.gbps > 0 and r1.buckets >= 2 and not r1.retried
+        assert r1.to_json()["gbps"] == r1.gbps
+        assert server.client.model_info()["weight_version"] == "5"
+        # A retry of the same version with the same weights is safe, and says it was a retry.
+        assert pub.publish(model, version=5).retried
+        # An older version is refused before anything is sent.
+        with pytest.raises(VersionError, match="older"):
+            pub.publish(model, version=4)
+        # The same version with other weights is refused, and the servers keep serving version 5.
+        with torch.no_grad():
+            model.model.norm.weight.add_(1.0)
+        before = server.client.weights_checksum()
+        with pytest.raises(VersionError, match="different weights"):
+            pub.publish(model, version=5)
+        assert server.client.weights_checksum() == before  # nothing of the refused weights is served
+        # New weights under a new version go through, bit-exact.
+        assert pub.publish(model, version=6).servers == {server.url: "ok"}
+        assert _served_checksums(server, model)
+
+
+def test_disk_versions_and_wait_loaded(server, model, tmp_path):
+    from bridge.client import ServerGroup
+    from inference_adapter.watcher import DiskWatcher
+
+    nr = f"file://{tmp_path / 'nr'}"
+    watcher = DiskWatcher(nr, "api", "t0", ServerGroup([server.url]))
+    watcher.start()
+    try:
+        cfg = PublisherConfig(transport="disk", servers=[server.url], name_resolve=nr, snapshot_root=str(tmp_path / "s"),
+                              experiment="api", trial="t0", progress=False)
+        with WeightPublisher(cfg) as pub:
+            r = pub.publish(model, version=10)
+            assert r.servers == {server.url: "ok"} and r.path.endswith("v10") and r.bytes > 0
+            assert server.client.model_info()["weight_version"] == "10"
+            assert pub.publish(model, version=10).retried  # identical snapshot: idempotent
+            with pytest.raises(VersionError):
+                pub.publish(model, version=9)
+        # A second publisher of the same trial (e.g. a restarted trainer) cannot go backwards either.
+        with WeightPublisher(cfg) as pub2:
+            with pytest.raises(VersionError, match="already announced"):
+                pub2.publish(model, version=3)
+    finally:
+        watcher.stop()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(transport="carrier-pigeon", servers=["x"]), "transport"),
+    (dict(servers=[]), "at least one server"),
+    (dict(servers=["x"], bucket_mb=0), "bucket_mb"),
+    (dict(servers=["x"], serving_dtype="float8"), "dtype"),
+    (dict(servers=["x"], load_format="zip"), "load_format"),
+    (dict(servers=["x"], group_timeout=-1), "group_timeout"),
+])
+def test_config_errors_name_the_field(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        PublisherConfig(**kwargs)
+
+
+def test_bad_version_values():
+    pub = WeightPublisher(servers=["http://127.0.0.1:1"], progress=False)
+    for bad in (-1, 1.5, "3", True):
+        with pytest.raises(VersionError):
+            pub.publish(torch.nn.Linear(1, 1), version=bad)
