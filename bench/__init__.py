@@ -4,7 +4,7 @@
   one torchrun trainer job per model size.
 - :mod:`bench.worker`: the trainer ranks; rank 0 times every method and floor.
 - :mod:`bench.report`: rows, table, target checks, plot.
-- :mod:`bench.etcd`: a throw-away etcd. The raw broadcast floor uses the reference server's
+- The raw broadcast floor uses the reference server's
   ``POST /wsync/bench/recv_raw`` route (:mod:`inference_adapter.bench_routes`).
 """
 

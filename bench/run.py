@@ -104,7 +104,7 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
     ``failed`` and the others are still reported.
     """
     from bench import report as rep
-    from bench.etcd import LocalEtcd
+    from bridge.local_etcd import LocalEtcd
 
     # etcd3 needs protobuf's pure-Python implementation, chosen before protobuf's first import; the
     # trainer ranks inherit it.
@@ -134,7 +134,7 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
     finally:
         signal.signal(signal.SIGTERM, old)
         if etcd is not None:
-            etcd.stop()
+            etcd.close()
         _clean_run(run_dir, keep=cfg.keep_run or bool(failed))
     rows = rep.build_rows(sizes)
     targets = rep.check_targets(rows)

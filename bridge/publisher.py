@@ -402,8 +402,7 @@ class WeightPublisher:
         session = False
         paused = False
         phases: dict[str, float] = {}
-        crc = 0
-        retried = False
+        crc, retried = 0, False
         if self._rank == 0:
             try:
                 load_format = self._load_format()
@@ -420,43 +419,10 @@ class WeightPublisher:
         error = self._agree(error)
         t_start = time.perf_counter()
         bar = _progress(cfg.progress and self._rank == 0, total, f"sync v{version}")
-        inflight: _Inflight | None = None
-        memory = PeakMemory().__enter__()
-        if error is None:
-            for k, bucket in enumerate(buckets):
-                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device) if self._rank == 0 else None
-                _gather_into(source, bucket, buf)
-                if self._rank == 0:
-                    crc = _fingerprint(buf, crc)
-                    if k == len(buckets) - 1 and error is None:
-                        # Decided before the last bucket (which carries the version) leaves rank 0, so
-                        # other weights never land under a version that is already published.
-                        try:
-                            retried = self._check_fingerprint(version, crc)
-                        except VersionError as e:
-                            error = f"VersionError: {e}"
-                    if inflight is not None:
-                        try:
-                            self._wait(inflight)
-                            bar.update(buckets[inflight.index].nbytes)
-                        except BridgeError as e:
-                            error = str(e)
-                        inflight = None
-                error = self._agree(error)
-                if error is not None:
-                    break
-                if self._rank == 0:
-                    inflight = self._send(k, bucket, buf, load_format, version if k == len(buckets) - 1 else None)
-                    del buf
-            if self._rank == 0 and inflight is not None:
-                try:
-                    self._wait(inflight)
-                    bar.update(buckets[inflight.index].nbytes)
-                except BridgeError as e:
-                    error = str(e)
-                inflight = None
+        with PeakMemory() as memory:
+            if error is None:
+                error, crc, retried = self._transfer(source, buckets, version, load_format, bar)
         bar.close()
-        memory.__exit__(None, None, None)
         peak = max(memory.extra_bytes, memory.device_extra_bytes)
         try:
             outcome = self._finish_broadcast(version, error, session, paused, crc, retried)
@@ -486,6 +452,48 @@ class WeightPublisher:
             fmt_bytes(result.peak_extra_bytes), " (retry of identical weights)" if retried else "",
         )
         return result
+
+    def _transfer(self, source: WeightSource, buckets: list[Bucket], version: int, load_format: str,
+                  bar) -> tuple[str | None, int, bool]:
+        """Every rank: gather, pack and send each bucket, pipelined; returns (error, fingerprint, retried).
+
+        Rank 0 settles bucket k-1 (every server answered, broadcast done) only after bucket k is gathered,
+        so the gather overlaps the transfer; then all ranks agree whether to go on.
+        """
+        error, crc, retried, inflight = None, 0, False, None
+        last = len(buckets) - 1
+        for k, bucket in enumerate(buckets):
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device) if self._rank == 0 else None
+            _gather_into(source, bucket, buf)
+            if self._rank == 0:
+                crc = _fingerprint(buf, crc)
+                if k == last:
+                    # Decided before the last bucket (which carries the version) leaves rank 0, so other
+                    # weights never land under a version that is already published.
+                    try:
+                        retried = self._check_fingerprint(version, crc)
+                    except VersionError as e:
+                        error = f"VersionError: {e}"
+                error = self._settle(inflight, buckets, bar) or error
+                inflight = None
+            error = self._agree(error)
+            if error is not None:
+                return error, crc, retried
+            if self._rank == 0:
+                inflight = self._send(k, bucket, buf, load_format, version if k == last else None)
+            del buf
+        return (self._settle(inflight, buckets, bar) if self._rank == 0 else None), crc, retried
+
+    def _settle(self, inflight: _Inflight | None, buckets: list[Bucket], bar) -> str | None:
+        """Wait for the bucket on the wire; its error message, or None."""
+        if inflight is None:
+            return None
+        try:
+            self._wait(inflight)
+        except BridgeError as e:
+            return str(e)
+        bar.update(buckets[inflight.index].nbytes)
+        return None
 
     def _begin_session(self) -> None:
         needs = [c for c in self.servers.clients if c.features.needs_session]

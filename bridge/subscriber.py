@@ -27,9 +27,25 @@ from bridge.errors import ConfigError
 from bridge.log import get_logger
 from bridge.name_resolve import Announcement, NameResolve, make_name_resolve, names
 
-__all__ = ["VersionSubscriber"]
+__all__ = ["VersionSubscriber", "parse_announcement"]
 
 logger = get_logger(__name__)
+
+
+def parse_announcement(prefix: str, key: str, value: str) -> Announcement | None:
+    """The announcement stored at ``key`` under ``prefix``, or None (logged) when it is not a valid one."""
+    version = names.version_of(key)
+    if version is None or key.rsplit("/", 1)[0] != prefix:
+        return None  # not an announcement key
+    try:
+        ann = Announcement.from_json(value)
+    except ConfigError as e:
+        logger.error("ignoring the announcement at %s: %s", key, e)
+        return None
+    if ann.version != version:
+        logger.error("ignoring the announcement at %s: it names version %d", key, ann.version)
+        return None
+    return ann
 
 
 class VersionSubscriber:
@@ -85,18 +101,12 @@ class VersionSubscriber:
             yield ann
 
     def _parse(self, key: str, value: str | None) -> Announcement | None:
-        version = names.version_of(key)
-        if version is None:
-            return None
-        try:
-            ann = Announcement.from_json(value if value is not None else self.nr.get(key))
-        except (ConfigError, KeyError) as e:
-            logger.warning("ignoring malformed announcement %s: %s", key, e)
-            return None
-        if ann.version != version:
-            logger.warning("ignoring announcement %s: its value says version %d", key, ann.version)
-            return None
-        return ann
+        if value is None:
+            try:
+                value = self.nr.get(key)
+            except KeyError:
+                return None  # deleted meanwhile
+        return parse_announcement(self.prefix, key, value)
 
     def close(self) -> None:
         if self._watch is not None:

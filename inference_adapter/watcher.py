@@ -40,6 +40,7 @@ from bridge.errors import BridgeError, ConfigError, SnapshotError
 from bridge.log import fmt_bytes, get_logger, setup_logging
 from bridge.name_resolve import DEFAULT_URL, Announcement, NameResolve, WatchEvent, make_name_resolve, names
 from bridge.snapshot import verify_snapshot
+from bridge.subscriber import parse_announcement
 
 __all__ = ["DiskWatcher", "add_arguments", "main", "run"]
 
@@ -133,7 +134,7 @@ class DiskWatcher:
         newest = None
         for key in self.nr.find_subtree(self.prefix):
             try:
-                ann = self._parse(key, self.nr.get(key))
+                ann = parse_announcement(self.prefix, key, self.nr.get(key))
             except BridgeError as e:  # deleted meanwhile, or malformed (already logged)
                 log.debug("skipping %s: %s", key, e)
                 continue
@@ -184,24 +185,10 @@ class DiskWatcher:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _parse(self, key: str, value: str) -> Announcement | None:
-        version = names.version_of(key)
-        if version is None or key.rsplit("/", 1)[0] != self.prefix:
-            return None  # not an announcement key
-        try:
-            ann = Announcement.from_json(value)
-        except ConfigError as e:
-            log.error("ignoring the announcement at %s: %s", key, e)
-            return None
-        if ann.version != version:
-            log.error("ignoring the announcement at %s: it names version %d", key, ann.version)
-            return None
-        return ann
-
     def _on_event(self, ev: WatchEvent) -> None:
         if ev.type != "put":
             return
-        ann = self._parse(ev.key, ev.value)
+        ann = parse_announcement(self.prefix, ev.key, ev.value)
         if ann is None:
             return
         with self._cond:

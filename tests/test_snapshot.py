@@ -267,7 +267,7 @@ def test_crc_combination_matches_zlib(tmp_path):
     # The writer folds tensor CRCs into file CRCs arithmetically; zlib over the concatenation is the oracle.
     import random
 
-    from bridge.snapshot import _crc32_combine
+    from bridge.snapshot.manifest import _crc32_combine
 
     rng = random.Random(0)
     for _ in range(50):

@@ -30,13 +30,31 @@ Start with:  wsync demo            (no GPU, no etcd, nothing downloaded)
 """
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already says its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings
+                or isinstance(action, argparse._StoreFalseAction)):
+            return text
+        return f"{text} (default: {action.default})"
+
+
+def _command_parser(name: str, help_: str, parent=None) -> argparse.ArgumentParser:
+    kwargs = dict(description=help_, formatter_class=_HelpFormatter)
+    if parent is None:
+        return argparse.ArgumentParser(prog=f"wsync {name}", **kwargs)
+    return parent.add_parser(name, help=help_, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wsync", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = _command_parser(name, help_, sub)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(p)
     return parser
@@ -56,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         name = argv[0]
         module, help_ = COMMANDS[name]
         mod = importlib.import_module(module)
-        p = argparse.ArgumentParser(prog=f"wsync {name}", description=help_)
+        p = _command_parser(name, help_)
         mod.add_arguments(p)
         args = p.parse_args(argv[1:])
     else:

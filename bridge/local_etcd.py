@@ -1,10 +1,14 @@
-"""A throw-away etcd for one benchmark run: free loopback ports, a temporary data directory, stopped at the end.
+"""A real ``etcd`` server on free loopback ports, for tests, benchmarks and trying the etcd backend.
+
+It runs Debian's ``etcd`` binary (package ``etcd-server``) with a private data directory. ``stop()``
+keeps the data so ``start()`` (or ``restart()``) brings the same cluster back, as an etcd restart in
+production would; ``close()`` stops it and deletes the data.
 
 Example:
     >>> etcd = LocalEtcd.start_if_available(tempfile.mkdtemp())   # doctest: +SKIP
     >>> etcd.url if etcd else "no etcd binary"                    # doctest: +SKIP
     'etcd://127.0.0.1:40123'
-    >>> etcd.stop()                                               # doctest: +SKIP
+    >>> etcd.close()                                              # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -20,14 +24,16 @@ import urllib.request
 from bridge.errors import ConfigError
 from bridge.process_group import find_free_port
 
-__all__ = ["LocalEtcd"]
+__all__ = ["INSTALL_HINT", "LocalEtcd"]
+
+INSTALL_HINT = "etcd binary not found; install it with `apt-get install etcd-server` (scripts/test.sh does)"
 
 
 class LocalEtcd:
-    """An ``etcd`` process serving ``url`` (``etcd://127.0.0.1:PORT``) until :meth:`stop`."""
+    """An ``etcd`` process serving ``url`` (``etcd://127.0.0.1:PORT``) between :meth:`start` and :meth:`stop`."""
 
-    def __init__(self, binary: str, workdir: str) -> None:
-        self.binary = binary
+    def __init__(self, binary: str, workdir: str, name: str = "wsync") -> None:
+        self.binary, self.name = binary, name
         self.data_dir = tempfile.mkdtemp(prefix="etcd-", dir=workdir)
         self.log_path = os.path.join(self.data_dir, "etcd.log")
         self.client_port, self.peer_port = find_free_port(), find_free_port()
@@ -45,13 +51,19 @@ class LocalEtcd:
         return etcd
 
     def start(self, timeout: float = 30.0) -> None:
+        """Start etcd and wait until its ``/health`` says true.
+
+        Raises:
+            ConfigError: etcd exited at start-up or was not healthy within ``timeout`` (see ``log_path``).
+        """
+        assert self.proc is None, "etcd is already running"
         client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         cmd = [
-            self.binary, "--name", "bench", "--data-dir", os.path.join(self.data_dir, "data"),
+            self.binary, "--name", self.name, "--data-dir", os.path.join(self.data_dir, "data"),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"bench={peer}",
-            # A faster election makes start-up quicker; nothing here needs etcd's default timings.
+            "--initial-cluster", f"{self.name}={peer}",
+            # A faster election makes start-up and restarts quicker; the minimum lease TTL becomes 1 s.
             "--heartbeat-interval", "50", "--election-timeout", "500",
         ]
         with open(self.log_path, "ab") as log:
@@ -59,8 +71,8 @@ class LocalEtcd:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ConfigError(f"etcd exited with code {self.proc.returncode} at start-up; see {self.log_path} "
-                                  "(or run the benchmark with --no-etcd)")
+                code, self.proc = self.proc.returncode, None
+                raise ConfigError(f"etcd exited with code {code} at start-up; see {self.log_path}")
             try:
                 with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
                     if b'"true"' in r.read():
@@ -69,22 +81,31 @@ class LocalEtcd:
                 pass
             time.sleep(0.05)
         self.stop()
-        raise ConfigError(f"etcd was not healthy within {timeout:g} s; see {self.log_path} (or use --no-etcd)")
+        raise ConfigError(f"etcd was not healthy within {timeout:g} s; see {self.log_path}")
 
     def stop(self) -> None:
-        """Stop the process and delete its data directory."""
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
+        """Stop the process; the data directory stays for a later :meth:`start`."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop and delete the data directory."""
+        self.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalEtcd:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.close()

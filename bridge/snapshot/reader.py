@@ -1,0 +1,237 @@
+"""Reading a snapshot: verify it against its manifest, then load its tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+import zlib
+
+import torch
+
+from bridge.errors import SnapshotError
+from bridge.log import fmt_bytes, get_logger
+from bridge.snapshot.manifest import (
+    _COMBINE_MIN_BYTES,
+    _ST_FROM_CODE,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    SINGLE_NAME,
+    SnapshotInfo,
+    _check_dir,
+    _crc32_combine,
+    _hex,
+    _parse_manifest,
+    _read_manifest_bytes,
+)
+from bridge.tensors import dtype_to_str
+
+__all__ = ["read_snapshot", "verify_snapshot"]
+
+# The package's name, not this file's: log lines keep the logger name they had before the split.
+log = get_logger(__package__)
+
+_CHUNK = 16 << 20
+
+
+def verify_snapshot(path: str | os.PathLike, expected_manifest_sha256: str | None = None) -> SnapshotInfo:
+    """Check a snapshot against its manifest without loading it into tensors.
+
+    Checks, in order: the manifest's sha256 (when ``expected_manifest_sha256`` is given), then for every
+    file its size, and for safetensors files the header's tensors (names, dtypes, shapes) and the
+    checksum of every tensor's bytes, then every file's checksum.
+
+    Returns:
+        The snapshot's ``SnapshotInfo`` (``seconds`` is the time verification took).
+
+    Raises:
+        SnapshotError: naming the file (and tensor) and what differs.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from bridge.snapshot import write_snapshot
+        >>> info = write_snapshot(tempfile.mkdtemp(), 2, [("w", torch.ones(4))])
+        >>> verify_snapshot(info.path, info.manifest_sha256).version
+        2
+    """
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+    data = _read_manifest_bytes(path)
+    digest = hashlib.sha256(data).hexdigest()
+    if expected_manifest_sha256 is not None and digest != expected_manifest_sha256:
+        raise SnapshotError(
+            f"snapshot {path}: {MANIFEST_NAME} has sha256 {digest}, the announcement says "
+            f"{expected_manifest_sha256}; the directory was rewritten or the announcement is stale"
+        )
+    manifest = _parse_manifest(path, data)
+    by_file: dict[str, dict[str, dict]] = {}
+    for tname, entry in manifest["tensors"].items():
+        if entry["file"] not in manifest["files"]:
+            raise SnapshotError(f"snapshot {path}: manifest puts tensor {tname!r} in {entry['file']}, a file it does not list")
+        by_file.setdefault(entry["file"], {})[tname] = entry
+    for fname in os.listdir(path):
+        if fname.endswith(".safetensors") and fname not in manifest["files"]:
+            raise SnapshotError(f"snapshot {path}: {fname} is not in the manifest; a loader would read it")
+    for fname, fentry in manifest["files"].items():
+        _verify_file(path, fname, fentry, by_file.get(fname, {}))
+    seconds = time.perf_counter() - t0
+    total = manifest["total_bytes"]
+    log.debug("snapshot %s verified: %s in %.2f s", path, fmt_bytes(total), seconds)
+    return SnapshotInfo(path, manifest["version"], total, digest, seconds, float(manifest["created_at"]))
+
+
+def read_snapshot(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Load every tensor of a HF model directory (a wsync snapshot or a plain HF checkpoint).
+
+    Args:
+        path: the directory: sharded with ``model.safetensors.index.json``, a single
+            ``model.safetensors``, or any ``*.safetensors`` files.
+        verify: with a manifest present, run ``verify_snapshot`` first. Directories without a manifest
+            are read unverified.
+
+    Returns:
+        name -> CPU tensor, in file order.
+
+    Raises:
+        SnapshotError: the directory does not exist, holds no safetensors files, or fails verification.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from bridge.snapshot import write_snapshot
+        >>> info = write_snapshot(tempfile.mkdtemp(), 0, [("w", torch.arange(3.0))])
+        >>> read_snapshot(info.path)["w"].tolist()
+        [0.0, 1.0, 2.0]
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = os.fspath(path)
+    _check_dir(path)
+    if verify and os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        verify_snapshot(path)
+    out: dict[str, torch.Tensor] = {}
+    for fname in _weight_files(path):
+        try:
+            tensors = load_file(os.path.join(path, fname))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise SnapshotError(f"snapshot {path}: cannot read {fname}: {e}") from e
+        for name, t in tensors.items():
+            if name in out:
+                raise SnapshotError(f"snapshot {path}: tensor {name!r} appears in more than one file ({fname})")
+            out[name] = t
+    return out
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _verify_file(path: str, fname: str, fentry: dict, tensors: dict[str, dict]) -> None:
+    full = os.path.join(path, fname)
+    try:
+        size = os.path.getsize(full)
+    except FileNotFoundError:
+        raise SnapshotError(f"snapshot {path}: file {fname} is missing") from None
+    if size != fentry["bytes"]:
+        raise SnapshotError(
+            f"snapshot {path}: file {fname} has {size} bytes, the manifest says {fentry['bytes']} "
+            f"({'truncated' if size < fentry['bytes'] else 'grown'})"
+        )
+    buf = bytearray(_CHUNK)
+    with open(full, "rb") as f:
+        file_crc = 0
+        if fname.endswith(".safetensors"):
+            ranges, head = _check_header(path, fname, f, size, tensors)
+            file_crc = zlib.crc32(head)
+            pos = len(head)
+            for tname, begin, end in ranges:
+                if begin > pos:
+                    file_crc = _crc_span(f, end=begin, pos=pos, buf=buf, crcs=[file_crc])[0]
+                if end - begin < _COMBINE_MIN_BYTES:
+                    file_crc, tcrc = _crc_span(f, end=end, pos=begin, buf=buf, crcs=[file_crc, 0])
+                else:  # one pass over the bytes; the file's CRC is combined arithmetically
+                    (tcrc,) = _crc_span(f, end=end, pos=begin, buf=buf, crcs=[0])
+                    file_crc = _crc32_combine(file_crc, tcrc, end - begin)
+                if _hex(tcrc) != tensors[tname]["checksum"]:
+                    raise SnapshotError(
+                        f"snapshot {path}: tensor {tname!r} in {fname} has checksum {_hex(tcrc)}, "
+                        f"the manifest says {tensors[tname]['checksum']} (corrupt data)"
+                    )
+                pos = end
+            if pos < size:
+                file_crc = _crc_span(f, end=size, pos=pos, buf=buf, crcs=[file_crc])[0]
+        else:
+            file_crc = _crc_span(f, end=size, pos=0, buf=buf, crcs=[0])[0]
+    if _hex(file_crc) != fentry["checksum"]:
+        raise SnapshotError(
+            f"snapshot {path}: file {fname} has checksum {_hex(file_crc)}, the manifest says "
+            f"{fentry['checksum']} (corrupt data)"
+        )
+
+
+def _check_header(path: str, fname: str, f, size: int, tensors: dict[str, dict]):
+    raw = f.read(8)
+    (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (size,)
+    if len(raw) < 8 or n > size - 8:
+        raise SnapshotError(f"snapshot {path}: file {fname} has a corrupt safetensors header length")
+    header_bytes = f.read(n)
+    try:
+        header = json.loads(header_bytes)
+    except ValueError:
+        raise SnapshotError(f"snapshot {path}: file {fname} has a corrupt safetensors header") from None
+    header.pop("__metadata__", None)
+    if set(header) != set(tensors):
+        extra, missing = sorted(set(header) - set(tensors)), sorted(set(tensors) - set(header))
+        raise SnapshotError(
+            f"snapshot {path}: file {fname} holds tensors that differ from the manifest "
+            f"(not in manifest: {extra[:5]}, missing from file: {missing[:5]})"
+        )
+    ranges = []
+    for tname, h in header.items():
+        want = tensors[tname]
+        dtype = _ST_FROM_CODE.get(h.get("dtype"))
+        if dtype is None or dtype_to_str(dtype) != want["dtype"]:
+            raise SnapshotError(
+                f"snapshot {path}: tensor {tname!r} in {fname} has dtype {h.get('dtype')}, the manifest says {want['dtype']}"
+            )
+        if list(h.get("shape", [])) != list(want["shape"]):
+            raise SnapshotError(
+                f"snapshot {path}: tensor {tname!r} in {fname} has shape {h.get('shape')}, the manifest says {want['shape']}"
+            )
+        begin, end = (8 + n + int(x) for x in h["data_offsets"])
+        if not (8 + n <= begin <= end <= size):
+            raise SnapshotError(f"snapshot {path}: tensor {tname!r} in {fname} lies outside the file (truncated)")
+        ranges.append((tname, begin, end))
+    ranges.sort(key=lambda r: r[1])
+    return ranges, raw + header_bytes
+
+
+def _crc_span(f, *, end: int, pos: int, buf: bytearray, crcs: list[int]) -> list[int]:
+    # CRC of bytes [pos, end) of f, continuing each running value in crcs; f is positioned at pos.
+    f.seek(pos)
+    view = memoryview(buf)
+    while pos < end:
+        got = f.readinto(view[: min(len(buf), end - pos)])
+        if not got:
+            raise SnapshotError(f"unexpected end of file in {f.name} at byte {pos}")
+        crcs = [zlib.crc32(view[:got], c) for c in crcs]
+        pos += got
+    return crcs
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise SnapshotError(f"snapshot {path}: {INDEX_NAME} is unreadable ({e})") from None
+        return sorted(set(weight_map.values()))
+    if os.path.exists(os.path.join(path, SINGLE_NAME)):
+        return [SINGLE_NAME]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise SnapshotError(f"snapshot {path} holds no .safetensors files")
+    return files
