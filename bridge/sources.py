@@ -8,7 +8,7 @@ The publisher never imports the trainer. It takes a :class:`WeightSource`: an ob
 specs and consumes it to the end; rank 0 receives full tensors, the other ranks ``None``.
 
 A source may also offer ``gather_bucket(bucket, out)``, the fast path: :func:`gather_bucket_into`
-moves a whole bucket of FSDP2 shards to rank 0 in a few flat ``gather`` calls (one per ~16 MiB piece)
+moves a whole bucket of FSDP2 shards to rank 0 in a few flat ``gather`` calls (one per 1-16 MiB piece)
 and writes each parameter's rows straight into the bucket's wire buffer. One collective per piece
 instead of one all-gather per parameter, and only rank 0 receives: every other rank sends its shards
 and allocates nothing but its send buffer.
@@ -87,8 +87,14 @@ class ModuleSource:
 
 
 PIECE_BYTES = 16 << 20
-"""Bytes per flat gather: large enough to amortise a collective, small enough to keep rank 0's extra
-memory (world_size x piece) far below a bucket."""
+"""Largest flat gather: big enough to amortise a collective's latency."""
+
+
+def piece_bytes_for(bucket_bytes: int, world: int) -> int:
+    """Bytes per flat gather for a bucket: rank 0 holds ``world`` received pieces plus its own send
+    piece next to two buckets, so pieces are kept to a quarter of a bucket over all ranks (at most
+    ~0.4 x bucket extra), between 1 MiB and :data:`PIECE_BYTES`."""
+    return max(1 << 20, min(PIECE_BYTES, bucket_bytes // (4 * max(1, world))))
 
 
 def _row_sharded(p: torch.Tensor, world: int) -> bool:
@@ -100,7 +106,7 @@ def _row_sharded(p: torch.Tensor, world: int) -> bool:
 
 
 def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: Bucket, out: torch.Tensor | None,
-                       piece_bytes: int = PIECE_BYTES) -> None:
+                       piece_bytes: int | None = None) -> None:
     """Collective: fill rank 0's ``out`` (the bucket's uint8 wire buffer) with the full parameters.
 
     ``items`` are (wire spec, parameter) in ``bucket.specs`` order, the same on every rank. Parameters
@@ -110,6 +116,7 @@ def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: 
     ``c = ceil(d0 / world)``, so every send buffer is padded to ``c`` rows per parameter.
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    piece_bytes = piece_bytes if piece_bytes is not None else piece_bytes_for(bucket.nbytes, world)
     offsets = dict(zip(bucket.names, bucket.offsets))
     piece: list[tuple[ParamSpec, torch.Tensor]] = []
     size = 0
