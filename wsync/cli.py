@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from wsync.launch import ARGV_ENV
 
         # A rank started by wsync.launch.torchrun gets its arguments from the environment.
-        argv = json.loads(os.environ.pop(ARGV_ENV)) if ARGV_ENV in os.environ else sys.argv[1:]
+        rank_process = ARGV_ENV in os.environ
+        argv = json.loads(os.environ.pop(ARGV_ENV)) if rank_process else sys.argv[1:]
+        if rank_process:
+            return _exit_now(main(argv))
     # Library progress bars ("Loading weights", "Writing model shards") drown the project's own output;
     # set before transformers is imported, and inherited by every process the command starts.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -96,6 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"wsync {argv[0]}: interrupted", file=sys.stderr)
         return 130
+
+
+def _exit_now(code: int) -> int:
+    """End a trainer rank without interpreter teardown.
+
+    By the time a rank's command returns it has destroyed its process groups and written its output.
+    Under load, gloo's worker threads were seen to race Python's teardown of the rank and abort it
+    ("terminate called without an active exception") after a successful run, which torchrun reports
+    as a failure; skipping the teardown keeps the exit code the command meant.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

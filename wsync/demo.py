@@ -242,6 +242,6 @@ class _Table:
     def row(self, r: dict) -> None:
         versions = ",".join(s["version"] for s in r["servers"].values())
         same = "yes" if r["ok"] else "NO"
-        answer = next(iter(r["servers"].values()))["answer"]
+        answer = next(iter(r["servers"].values()))["answer"] or "<eos>"  # the model stopped at once
         print(f"{r['step']:>4} {r['loss']:>7.4f} {r['transport']:>9} {r['sync_seconds']:>7.3f} {r['gbps']:>6.3f}  "
-              f"{versions:<12} {same:<5} {answer!r}", flush=True)
+              f"{versions:<12} {same:<5} {answer}", flush=True)

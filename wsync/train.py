@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-root", metavar="DIR", help="disk transport: where version directories are written")
     p.add_argument("--experiment", default="default", help="experiment name in announcement keys")
     p.add_argument("--trial", default="trial0", help="trial name in announcement keys")
-    p.add_argument("--bucket-mb", type=float, help="broadcast bucket size in MiB (default: 128 on CPU, 512 on GPU)")
+    p.add_argument("--bucket-mb", type=float, help="broadcast bucket size in MiB (default: 32 on CPU, 512 on GPU)")
     p.add_argument("--serving-dtype", default="bfloat16", help="dtype the servers serve; weights are cast on the way")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO; env WSYNC_LOG_LEVEL)")
 
