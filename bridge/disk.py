@@ -27,13 +27,14 @@ class DiskPublisher:
     """Holds the name-resolution client and snapshot root of one publisher (rank 0 does the I/O)."""
 
     def __init__(self, config, rank: int):
-        from bridge.name_resolve import make_name_resolve, names
+        from bridge.name_resolve import DEFAULT_URL, make_name_resolve, names
         from bridge.publisher import default_snapshot_root
 
         self.config = config
         self.rank = rank
         self.root = config.snapshot_root or default_snapshot_root()
-        self.url = config.name_resolve or f"file://{os.path.abspath(os.path.join(self.root, 'name_resolve'))}"
+        # The same default as `wsync watch`, so a trainer and a watcher on one machine meet with no flags.
+        self.url = config.name_resolve or DEFAULT_URL
         self.names = names
         self.nr = None
         if rank == 0:

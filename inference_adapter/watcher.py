@@ -272,8 +272,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``wsync watch``."""
     p.add_argument("--name-resolve", default=DEFAULT_URL, metavar="URL",
                    help="etcd://host:port, file:///dir or memory://name (default: %(default)s)")
-    p.add_argument("--experiment", required=True, help="experiment name the trainer publishes under")
-    p.add_argument("--trial", required=True, help="trial name the trainer publishes under")
+    p.add_argument("--experiment", default="default", help="experiment name the trainer publishes under (default: default, as wsync train)")
+    p.add_argument("--trial", default="trial0", help="trial name the trainer publishes under (default: trial0, as wsync train)")
     p.add_argument("--server", action="append", required=True, metavar="URL", dest="servers",
                    help="a server to load every version into (repeat for several)")
     p.add_argument("--root", default="wsync", help="key root in name resolution (default: %(default)s)")

@@ -236,6 +236,16 @@ def test_gc_keeps_newest_and_protected(tmp_path):
         gc_snapshots(tmp_path, keep=-1)
 
 
+def test_gc_keeps_everything_while_there_are_fewer_versions_than_keep(tmp_path):
+    # The retention setting counts versions: with keep=3, the first three snapshots all stay.
+    for v in (1, 2, 3):
+        write_snapshot(tmp_path, v, [("w", torch.zeros(1))])
+        assert gc_snapshots(tmp_path, keep=3, protect=[v]) == []
+    assert list_snapshots(tmp_path) == [1, 2, 3]
+    write_snapshot(tmp_path, 4, [("w", torch.zeros(1))])
+    assert gc_snapshots(tmp_path, keep=3, protect=[4]) == [1]
+
+
 def test_rewrite_is_idempotent_and_versions_are_immutable(tmp_path):
     tensors = [("a", torch.arange(5.0)), ("b", torch.ones(3))]
     first = write_snapshot(tmp_path, 4, tensors, config={"model_type": "qwen2"})

@@ -47,11 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc < 1:
-        print("wsync train: --nproc must be >= 1", file=sys.stderr)
+    if args.nproc < 1 or args.steps < 1:
+        print("wsync train: --nproc and --steps must be >= 1", file=sys.stderr)
+        return 2
+    if args.publish == "broadcast" and not args.server:
+        print("wsync train: --publish broadcast needs at least one --server URL (start one with `wsync serve`)",
+              file=sys.stderr)
         return 2
     if not under_torchrun():
-        proc = torchrun(args.nproc, ["train", *sys.argv[2:]] if sys.argv[1:2] == ["train"] else ["train", *_argv_of(args)])
+        proc = torchrun(args.nproc, ["train", *_argv_of(args)])
         try:
             return proc.wait()
         except KeyboardInterrupt:
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
+    """The command line that reproduces ``args`` (what each rank parses again)."""
     out = []
     for k, v in vars(args).items():
         if k.startswith("_") or v in (None, False) or (isinstance(v, list) and not v):

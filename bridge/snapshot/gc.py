@@ -50,7 +50,7 @@ def gc_snapshots(
     root = os.fspath(root)
     protected = {int(v) for v in protect}
     versions = list_snapshots(root)
-    kept = set(versions[len(versions) - keep:] if keep else []) | protected
+    kept = set(versions[max(0, len(versions) - keep):] if keep else []) | protected
     removed = []
     for v in versions:
         if v in kept:
