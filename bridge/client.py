@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import threading
 import time
@@ -306,6 +307,49 @@ class ServerClient:
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, f.version, weight_version)
         return self._call("POST", "/update_weights_from_distributed", body, timeout=timeout)
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str | bytes],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        timeout: float | None = None,
+    ) -> dict:
+        """``/update_weights_from_tensor``: co-located weights, handed over by reference.
+
+        ``serialized_named_tensors`` has one entry per TP rank of the server (bytes are base64-encoded
+        here). With real SGLang each entry is SGLang's ``MultiprocessingSerializer`` output for CUDA tensors
+        (CUDA IPC; CPU tensors cannot cross HTTP, SGLang issue #4551). The reference server instead takes the
+        project extension ``load_format="wsync_shm"``: each entry is base64 of the JSON object
+        ``{"path": "/dev/shm/...", "nbytes": N, "names": [...], "dtypes": [...], "shapes": [...]}``
+        describing a file that holds one flattened bucket (:mod:`bridge.buckets` layout).
+        SGLang >= 0.5.21 (and the reference server emulating it) takes it only inside a
+        ``begin_weight_update``/``end_weight_update`` session.
+        """
+        if isinstance(serialized_named_tensors, (str, bytes)):
+            raise ConfigError("serialized_named_tensors must be a list with one entry per TP rank, not a single string")
+        entries = [
+            base64.b64encode(e).decode() if isinstance(e, (bytes, bytearray)) else str(e) for e in serialized_named_tensors
+        ]
+        if not entries:
+            raise ConfigError("serialized_named_tensors is empty; it needs one entry per TP rank")
+        body: dict[str, Any] = dict(
+            serialized_named_tensors=entries, load_format=load_format, flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        )
+        if weight_version is not None:
+            if self.features.weight_version:
+                body["weight_version"] = str(weight_version)
+            else:
+                logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, self.features.version, weight_version)
+        return self._call("POST", "/update_weights_from_tensor", body, timeout=timeout)
+
+    def abort_weight_update(self) -> dict:
+        """Project extension, reference server only: ``/wsync/abort_weight_update`` discards the open update
+        session without applying anything (real SGLang answers 404: it has no staging to discard)."""
+        return self._call("POST", "/wsync/abort_weight_update", {})
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
         """Drop the group on the server; on servers without the route (< 0.5.3) a logged no-op."""

@@ -32,6 +32,7 @@ from bridge.errors import ConfigError
 __all__ = [
     "DEFAULT_GROUP_NAME",
     "SESSION_REQUIRED_MESSAGE",
+    "SHM_LOAD_FORMAT",
     "BeginWeightUpdateReq",
     "ContinueGenerationReq",
     "DestroyWeightsUpdateGroupReq",
@@ -44,6 +45,7 @@ __all__ = [
     "UpdateWeightFromDiskReq",
     "UpdateWeightVersionReq",
     "UpdateWeightsFromDistributedReq",
+    "UpdateWeightsFromTensorReq",
     "WeightsChecksumReq",
     "describe_validation_error",
     "parse_version",
@@ -56,6 +58,10 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 SESSION_REQUIRED_MESSAGE = (
     "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
 )
+
+# Project extension of /update_weights_from_tensor (reference server only): the serialized entry is base64
+# of JSON {"path", "nbytes", "names", "dtypes", "shapes"} naming a shared-memory file, not a pickle.
+SHM_LOAD_FORMAT = "wsync_shm"
 
 _VERSION_RE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?")
 
@@ -165,6 +171,18 @@ class UpdateWeightsFromDistributedReq(_Req):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightsFromTensorReq(_Req):
+    # Entries may be bytes for SGLang's Python Engine; over HTTP they are base64 strings.
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    disable_draft_model: bool | None = None
     selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
 

@@ -1,7 +1,7 @@
 """Versioned weight publishing: one sync of a trainer's weights into every server.
 
 A :class:`WeightPublisher` is created once by the training script and ``publish(source, version)`` is
-called collectively by every trainer rank after each step. Two transports:
+called collectively by every trainer rank after each step. Three transports:
 
 **broadcast** (alias ``nccl``), the fast path. Step by step, and which process runs each step:
 
@@ -19,6 +19,16 @@ called collectively by every trainer rank after each step. Two transports:
 5. rank 0: the last bucket carries ``weight_version``; then ``/end_weight_update`` and
    ``/continue_generation``. Every rank learns the outcome from rank 0 and raises the same
    :class:`SyncError` on failure (the group is torn down and rebuilt at the next publish).
+
+**colocated**: trainer and servers on the same host. The same bucket pipeline as broadcast (steps 2-5,
+same error agreement, version and fingerprint semantics), but without a process group: rank 0 gathers
+each bucket straight into a file under ``/dev/shm`` (``wsync-<pid>-<uuid>-<k>``, mapped shared) and
+posts ``/update_weights_from_tensor`` to every server, which copies the bytes out; the file is unlinked
+once every server answered, and on any error. CPU tensors cannot be pickled across HTTP (SGLang issue
+#4551), so this uses the project's ``load_format="wsync_shm"`` extension, which only the reference
+server understands: each serialized entry is base64 of the JSON object ``{"path", "nbytes", "names",
+"dtypes", "shapes"}`` (no pickle). Every server URL must be a loopback address. (On GPU, real SGLang
+takes CUDA IPC handles on the same route; that path is not implemented here.)
 
 **disk**: every rank takes part in the gather; rank 0 streams the tensors into an HF snapshot written
 under a temporary name, fsynced and renamed into place (``bridge.snapshot``), then announces it under
@@ -43,11 +53,14 @@ Example (one process, a reference server started with ``wsync serve --preset tin
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import socket
 import tempfile
 import time
+import uuid
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -64,6 +77,7 @@ from bridge.errors import BridgeError, ConfigError, ServerError, SyncError, Sync
 from bridge.log import fmt_bytes, get_logger
 from bridge.memory import PeakMemory
 from bridge.process_group import default_backend, destroy_custom_process_group, find_free_port, init_custom_process_group
+from bridge.protocol import SHM_LOAD_FORMAT
 from bridge.sources import WeightSource, as_source
 from bridge.tensors import ParamSpec, dtype_from_str
 
@@ -71,7 +85,8 @@ __all__ = ["PublishResult", "PublisherConfig", "WeightPublisher"]
 
 logger = get_logger(__name__)
 
-TRANSPORTS = ("broadcast", "disk")
+TRANSPORTS = ("broadcast", "colocated", "disk")
+
 _ALIASES = {"nccl": "broadcast", "xccl": "broadcast", "distributed": "broadcast"}
 
 
@@ -87,16 +102,19 @@ class PublisherConfig:
     """How and where to publish. Checked in ``__post_init__``."""
 
     transport: str = "broadcast"
-    """``broadcast`` (alias ``nccl``) or ``disk``."""
+    """``broadcast`` (alias ``nccl``): a custom process group, one broadcast per bucket; ``colocated``:
+    servers on this host, buckets handed over in ``/dev/shm`` files via ``/update_weights_from_tensor``
+    (``load_format="wsync_shm"``, reference server); ``disk``: HF snapshots announced in name resolution."""
     servers: Sequence[str] = ()
-    """Base URLs of the servers (required for broadcast; for disk, servers to wait for)."""
+    """Base URLs of the servers (required for broadcast and colocated, loopback only for colocated; for
+    disk, servers to wait for)."""
     experiment: str = "default"
     """Experiment name: part of the announcement keys."""
     trial: str = "trial0"
     """Trial name: part of the announcement keys."""
     name_resolve: str | None = None
     """Name-resolution URL for disk: ``etcd://host:port``, ``file:///path`` or ``memory://``.
-    Default: ``file://<snapshot_root>/name_resolve``."""
+    Default: a directory under the system temp folder, the same one ``wsync watch`` follows."""
     snapshot_root: str | None = None
     """Directory that receives one ``v<version>`` snapshot per version (disk). Default: a temp dir."""
     keep_snapshots: int = 3
@@ -137,8 +155,15 @@ class PublisherConfig:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {TRANSPORTS} (or 'nccl'), got {self.transport!r}")
         self.servers = [s.rstrip("/") for s in self.servers]
-        if self.transport == "broadcast" and not self.servers:
-            raise ConfigError("the broadcast transport needs at least one server URL (servers=[...])")
+        if self.transport in ("broadcast", "colocated") and not self.servers:
+            raise ConfigError(f"the {self.transport} transport needs at least one server URL (servers=[...])")
+        if self.transport == "colocated":
+            remote = [s for s in self.servers if not _is_local(s)]
+            if remote:
+                raise ConfigError(
+                    f"the colocated transport hands weights over in this host's shared memory, so every server must "
+                    f"be local (a loopback URL such as http://127.0.0.1:30000); not local: {remote}"
+                )
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         dtype_from_str(self.serving_dtype)
@@ -187,15 +212,16 @@ class PublishResult:
 def _is_local(url: str) -> bool:
     from urllib.parse import urlparse
 
-    host = urlparse(url).hostname or ""
+    host = urlparse(url if "://" in url else "http://" + url).hostname or ""
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class _Inflight:
-    """One bucket on the wire: its broadcast work(s), the servers' HTTP futures, and its buffer."""
+    """One bucket on the wire: its broadcast work(s), the servers' HTTP futures, its buffer and, for the
+    colocated transport, the shared-memory file that backs the buffer."""
 
-    def __init__(self, index: int, works: list, futures: list[Future], buffer: torch.Tensor):
-        self.index, self.works, self.futures, self.buffer = index, works, futures, buffer
+    def __init__(self, index: int, works: list, futures: list[Future], buffer: torch.Tensor, path: str | None = None):
+        self.index, self.works, self.futures, self.buffer, self.path = index, works, futures, buffer, path
 
 
 class WeightPublisher:
@@ -246,7 +272,7 @@ class WeightPublisher:
                 "versions must strictly increase"
             )
         source = as_source(source)
-        if self.config.transport == "broadcast":
+        if self.config.transport in ("broadcast", "colocated"):
             return self._publish_broadcast(source, version)
         return self._publish_disk(source, version)
 
@@ -337,7 +363,11 @@ class WeightPublisher:
             raise
 
     def _teardown_group(self) -> None:
-        """Destroy the group locally and ask the servers to drop theirs (best effort, bounded)."""
+        """Destroy the group locally and ask the servers to drop theirs (best effort, bounded).
+
+        A no-op for the colocated transport, which has no group."""
+        if self.config.transport != "broadcast":
+            return
         pg, self._pg = self._pg, None
         destroy_custom_process_group(pg)
         if self.servers is None:
@@ -349,10 +379,20 @@ class WeightPublisher:
             except BridgeError as e:
                 logger.debug("destroy_weights_update_group on %s: %s", c.url, e)
 
-    def _send(self, k: int, bucket: Bucket, buf: torch.Tensor, load_format: str, version: int | None) -> _Inflight:
+    def _send(self, k: int, bucket: Bucket, buf: torch.Tensor, load_format: str, version: int | None,
+              path: str | None = None) -> _Inflight:
         cfg = self.config
         fields = bucket.request_fields()
         is_last = version is not None
+        if cfg.transport == "colocated":
+            entry = base64.b64encode(json.dumps({"path": path, "nbytes": bucket.nbytes, **fields}).encode()).decode()
+            futures = self.servers.submit(
+                lambda c: c.update_weights_from_tensor(
+                    [entry] * c.tp_size, load_format=SHM_LOAD_FORMAT, flush_cache=is_last,
+                    weight_version=str(version) if is_last else None, timeout=cfg.http_timeout,
+                )
+            )
+            return _Inflight(k, [], futures, buf, path)
         futures = self.servers.submit(
             lambda c: c.update_weights_from_distributed(
                 **fields, group_name=cfg.group_name,
@@ -399,17 +439,19 @@ class WeightPublisher:
         buckets = plan_buckets(specs, cfg.bucket_bytes)
         total = sum(b.nbytes for b in buckets)
         error: str | None = None
-        load_format = "flattened_bucket"
+        colocated = cfg.transport == "colocated"
+        load_format = SHM_LOAD_FORMAT if colocated else "flattened_bucket"
         session = False
         paused = False
         phases: dict[str, float] = {}
         crc, retried = 0, False
         if self._rank == 0:
             try:
-                load_format = self._load_format()
-                tg = time.perf_counter()
-                self._ensure_group()
-                phases["group_init"] = time.perf_counter() - tg
+                if not colocated:
+                    load_format = self._load_format()
+                    tg = time.perf_counter()
+                    self._ensure_group()
+                    phases["group_init"] = time.perf_counter() - tg
                 if cfg.pause_mode != "none":
                     self.servers.pause_generation(mode=cfg.pause_mode)
                     paused = True
@@ -443,13 +485,13 @@ class WeightPublisher:
         self.last_version, self._last_fingerprint = version, outcome["fingerprint"]
         phases["transfer"] = t_end - t_start
         result = PublishResult(
-            version=version, transport="broadcast", bytes=total, seconds=t_end - t0, buckets=len(buckets),
+            version=version, transport=cfg.transport, bytes=total, seconds=t_end - t0, buckets=len(buckets),
             servers=outcome["servers"], retried=retried, peak_extra_bytes=outcome["peak"], phases=phases,
         )
         logger.log(
             logging.INFO if self._rank == 0 else logging.DEBUG,
-            "published version %d by broadcast: %s in %d buckets (%s) in %.2f s, %.2f GB/s, peak extra memory %s%s",
-            version, fmt_bytes(total), len(buckets), load_format, result.seconds, result.gbps,
+            "published version %d by %s: %s in %d buckets (%s) in %.2f s, %.2f GB/s, peak extra memory %s%s",
+            version, cfg.transport, fmt_bytes(total), len(buckets), load_format, result.seconds, result.gbps,
             fmt_bytes(result.peak_extra_bytes), " (retry of identical weights)" if retried else "",
         )
         return result
@@ -463,27 +505,40 @@ class WeightPublisher:
         """
         error, crc, retried, inflight = None, 0, False, None
         last = len(buckets) - 1
-        for k, bucket in enumerate(buckets):
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device) if self._rank == 0 else None
-            _gather_into(source, bucket, buf)
-            if self._rank == 0:
-                crc = _fingerprint(buf, crc)
-                if k == last:
-                    # Decided before the last bucket (which carries the version) leaves rank 0, so other
-                    # weights never land under a version that is already published.
-                    try:
-                        retried = self._check_fingerprint(version, crc)
-                    except VersionError as e:
-                        error = f"VersionError: {e}"
-                error = self._settle(inflight, buckets, bar) or error
-                inflight = None
-            error = self._agree(error)
-            if error is not None:
-                return error, crc, retried
-            if self._rank == 0:
-                inflight = self._send(k, bucket, buf, load_format, version if k == last else None)
-            del buf
-        return (self._settle(inflight, buckets, bar) if self._rank == 0 else None), crc, retried
+        colocated = self.config.transport == "colocated"
+        paths: list[str] = []  # colocated: every shared-memory file this sync created (rank 0)
+        try:
+            for k, bucket in enumerate(buckets):
+                path = None
+                if self._rank != 0:
+                    buf = None
+                elif colocated:
+                    buf, path = _shm_buffer(bucket.nbytes, k)
+                    paths.append(path)
+                else:
+                    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
+                _gather_into(source, bucket, buf)
+                if self._rank == 0:
+                    crc = _fingerprint(buf, crc)
+                    if k == last:
+                        # Decided before the last bucket (which carries the version) leaves rank 0, so other
+                        # weights never land under a version that is already published.
+                        try:
+                            retried = self._check_fingerprint(version, crc)
+                        except VersionError as e:
+                            error = f"VersionError: {e}"
+                    error = self._settle(inflight, buckets, bar) or error
+                    inflight = None
+                error = self._agree(error)
+                if error is not None:
+                    return error, crc, retried
+                if self._rank == 0:
+                    inflight = self._send(k, bucket, buf, load_format, version if k == last else None, path=path)
+                del buf
+            return (self._settle(inflight, buckets, bar) if self._rank == 0 else None), crc, retried
+        finally:
+            for p in paths:  # normally each is gone once its bucket settled; this covers errors
+                _unlink(p)
 
     def _settle(self, inflight: _Inflight | None, buckets: list[Bucket], bar) -> str | None:
         """Wait for the bucket on the wire; its error message, or None."""
@@ -493,6 +548,11 @@ class WeightPublisher:
             self._wait(inflight)
         except BridgeError as e:
             return str(e)
+        finally:
+            if inflight.path is not None:
+                # Every server answered (or gave up on) this bucket: it copied the bytes out already.
+                inflight.buffer = None
+                _unlink(inflight.path)
         bar.update(buckets[inflight.index].nbytes)
         return None
 
@@ -531,10 +591,14 @@ class WeightPublisher:
             if session:
                 for c in self.servers.clients:
                     try:
-                        if c.features.needs_session:
+                        if not c.features.needs_session:
+                            continue
+                        if self.config.transport == "colocated":
+                            _discard_session(c)
+                        else:
                             c.end_weight_update()
                     except BridgeError:
-                        pass  # already closed by the teardown
+                        pass  # already closed by the teardown (or by the server refusing a bucket)
             servers = {u: ("failed" if s == "ok" else s) for u, s in servers.items()}
         if paused:
             try:
@@ -611,6 +675,55 @@ def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None)
             offset, wire = index[spec.name]
             pack_one(buf, offset, wire, full)
         del full
+
+
+def _discard_session(c) -> None:
+    """Close a failed colocated sync's session without applying it.
+
+    There is no group whose teardown would abort the session (as for broadcast), so the reference server
+    is asked to discard it (``/wsync/abort_weight_update``, a project extension). Real SGLang has no such
+    route; it has already loaded what it received, so its session is just closed (and the next publish
+    re-syncs every tensor).
+    """
+    try:
+        c.abort_weight_update()
+    except ServerError as e:
+        if e.status != 404:
+            raise
+        c.end_weight_update()
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _shm_buffer(nbytes: int, k: int) -> tuple[torch.Tensor, str]:
+    """A uint8 tensor of ``nbytes`` backed by a new shared-memory file (mode 0600); (tensor, path)."""
+    path = os.path.join(_shm_dir(), f"wsync-{os.getpid()}-{uuid.uuid4().hex}-{k}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    os.close(fd)
+    try:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8), path
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), path
+    except BaseException:
+        _unlink(path)
+        raise
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("could not remove shared-memory file %s: %s", path, e)
 
 
 def _fingerprint(buf: torch.Tensor, crc: int) -> int:

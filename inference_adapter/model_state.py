@@ -17,6 +17,11 @@ How an update travels:
   the group stays usable -- then discards it and answers 400. With a session (0.5.21+) buckets are
   staged until ``end_weight_update``, which swaps them together with the ``weight_version`` given on
   any bucket; any failure aborts the whole session.
+* Co-located (``update_tensor``, ``/update_weights_from_tensor``): real SGLang takes pickled CUDA IPC
+  handles; CPU tensors cannot cross HTTP, and this server never unpickles anything. It accepts only the
+  project extension ``load_format="wsync_shm"``: the entry names a file under /dev/shm (or the temp dir)
+  holding one flattened bucket, which is checked like a distributed bucket, copied out and staged in
+  the session. Bad input answers 400, aborts the session and changes nothing.
 * Disk (``update_disk``): the checkpoint is read and checked completely (every served parameter,
   shapes; dtypes are cast as SGLang casts them) before the swap.
 
@@ -60,7 +65,7 @@ import torch.distributed as dist
 from bridge.buckets import Bucket, unflatten_bucket
 from bridge.errors import BridgeError, ConfigError, SnapshotError
 from bridge.process_group import destroy_custom_process_group, init_custom_process_group
-from bridge.protocol import SESSION_REQUIRED_MESSAGE, ProtocolFeatures, SamplingParams, tensor_checksum
+from bridge.protocol import SESSION_REQUIRED_MESSAGE, SHM_LOAD_FORMAT, ProtocolFeatures, SamplingParams, tensor_checksum
 from bridge.tensors import ParamSpec, dtype_to_str
 
 __all__ = ["ModelState", "RequestError", "load_model"]
@@ -577,26 +582,89 @@ class ModelState:
                 self._abort_session(problems[0])
                 raise RequestError(f"Failed to update parameter online: {_join(problems)}.{sess}{keep} "
                                    "(The broadcast was received and discarded; the group is still usable.)")
-            staged = {n: t for n, t in received if n not in self._aliases}
-            dt = time.perf_counter() - t0
-            if self._session is not None:
-                s = self._session
-                s.staged.update(staged)
+            return self._stage(received, weight_version, nbytes, t0, group_name)
+
+    def _stage(self, received: list[tuple[str, torch.Tensor]], weight_version: str | None, nbytes: int, t0: float,
+               group_name: str | None) -> str:
+        """Caller holds _update_lock: stage a validated request in the session, or swap it in without one."""
+        staged = {n: t for n, t in received if n not in self._aliases}
+        dt = time.perf_counter() - t0
+        if self._session is not None:
+            s = self._session
+            s.staged.update(staged)
+            if group_name is not None:
                 s.groups.add(group_name)
-                s.requests += 1
-                if weight_version is not None:
-                    s.version = str(weight_version)
-                self.log.info("staged %d tensors (%d bytes) in %.3f s, %.2f GB/s", len(staged), nbytes, dt,
-                              nbytes / max(dt, 1e-9) / 1e9)
-                msg = "Succeeded to update parameter online (staged; applied at end_weight_update())."
-                if weight_version is not None:
-                    msg += f" Weight version {weight_version} is applied with the weights at end_weight_update()."
-                return msg
-            self._swap(staged, weight_version if self.features.weight_version else None)
-            msg = "Succeeded to update parameter online."
-            if weight_version is not None and self.features.weight_version:
-                msg += f" Weight version updated to {weight_version}."
+            s.requests += 1
+            if weight_version is not None:
+                s.version = str(weight_version)
+            self.log.info("staged %d tensors (%d bytes) in %.3f s, %.2f GB/s", len(staged), nbytes, dt,
+                          nbytes / max(dt, 1e-9) / 1e9)
+            msg = "Succeeded to update parameter online (staged; applied at end_weight_update())."
+            if weight_version is not None:
+                msg += f" Weight version {weight_version} is applied with the weights at end_weight_update()."
             return msg
+        self._swap(staged, weight_version if self.features.weight_version else None)
+        msg = "Succeeded to update parameter online."
+        if weight_version is not None and self.features.weight_version:
+            msg += f" Weight version updated to {weight_version}."
+        return msg
+
+    def update_tensor(self, *, serialized_named_tensors: list[str], load_format: str | None,
+                      weight_version: str | None, abort_all_requests: bool) -> str:
+        """``/update_weights_from_tensor``: only the project's ``load_format="wsync_shm"`` on this CPU server.
+
+        Each entry (one per TP rank; this server has one) is base64 of the JSON object ``{"path", "nbytes",
+        "names", "dtypes", "shapes"}``: a file under /dev/shm (or the temp dir) holding one flattened bucket.
+        Nothing is unpickled. The file is mapped read-only and copied out (the trainer unlinks it once we
+        answer), validated like a distributed bucket, and staged in the session (swapped at
+        end_weight_update). Any bad input answers 400, aborts the session, and changes nothing.
+        """
+        if abort_all_requests:
+            self.abort_all("Abort by update_weights_from_tensor(abort_all_requests=True).")
+        t0 = time.perf_counter()
+        with self._update_lock:
+            keep = f" Nothing was applied; still serving weight version {self._version}."
+
+            def refuse(why: str) -> RequestError:
+                sess = " The update session was aborted; nothing it staged was applied." if self._session else ""
+                self._abort_session(why)
+                return RequestError(f"Failed to update weights from tensor: {why}.{sess}{keep}")
+
+            if load_format != SHM_LOAD_FORMAT:
+                raise refuse(
+                    f"load_format {load_format!r} is not supported by the reference server: CPU tensors cannot cross "
+                    f"HTTP; use load_format={SHM_LOAD_FORMAT!r} with the reference server, or CUDA tensors with real SGLang"
+                )
+            if self.features.needs_session and self._session is None:
+                raise refuse(SESSION_REQUIRED_MESSAGE.replace("update_weights_from_distributed", "update_weights_from_tensor")
+                             + "; call begin_weight_update() first")
+            try:
+                if len(serialized_named_tensors) != 1:
+                    raise _WireError(f"serialized_named_tensors has {len(serialized_named_tensors)} entries; this server "
+                                     "has 1 TP rank, so send exactly 1")
+                desc = _shm_descriptor(serialized_named_tensors[0])
+                specs = _wire_specs(desc["names"], desc["dtypes"], desc["shapes"])
+            except _WireError as e:
+                raise refuse(str(e)) from None
+            problems = self._check_specs(specs, flattened=True)
+            nbytes = sum(sp.nbytes for sp in specs)
+            if desc["nbytes"] != nbytes:
+                problems.append(f"nbytes is {desc['nbytes']} but names/dtypes/shapes describe {nbytes} bytes")
+            if problems:
+                raise refuse(_join(problems))
+            try:
+                buf = _read_shm(desc["path"], nbytes)
+            except _WireError as e:
+                raise refuse(str(e)) from None
+            return self._stage(unflatten_bucket(buf, specs), weight_version, nbytes, t0, None)
+
+    def abort_session(self) -> str:
+        """Project extension (``/wsync/abort_weight_update``): discard the open session, apply nothing."""
+        with self._update_lock:
+            if self._session is None:
+                raise RequestError("No weight update session is open; nothing to abort.")
+            self._abort_session("the trainer aborted it (/wsync/abort_weight_update)")
+        return f"Weight update session aborted; nothing was applied; still serving weight version {self._version}."
 
     def _check_specs(self, specs: list[ParamSpec], flattened: bool) -> list[str]:
         problems, seen = [], set()
@@ -702,6 +770,75 @@ class _WireError(Exception):
 def _join(problems: list[str], limit: int = 4) -> str:
     more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
     return "; ".join(problems[:limit]) + more
+
+
+def _shm_descriptor(entry) -> dict:
+    """Decode one ``wsync_shm`` entry: base64 of a JSON object (never a pickle); _WireError if malformed."""
+    import base64
+    import binascii
+    import json
+
+    if not isinstance(entry, str):
+        raise _WireError("the serialized entry must be a base64 string")
+    try:
+        desc = json.loads(base64.b64decode(entry, validate=True))
+    except (binascii.Error, ValueError) as e:
+        raise _WireError(f"the serialized entry is not base64 of a JSON object ({e})") from None
+    if not isinstance(desc, dict):
+        raise _WireError(f"the serialized entry must decode to a JSON object, got {type(desc).__name__}")
+    missing = [k for k in ("path", "nbytes", "names", "dtypes", "shapes") if k not in desc]
+    if missing:
+        raise _WireError(f"the serialized entry lacks {missing}; it needs path, nbytes, names, dtypes, shapes")
+    if not isinstance(desc["path"], str) or not desc["path"]:
+        raise _WireError(f"'path' must be a non-empty string, got {desc['path']!r}")
+    if isinstance(desc["nbytes"], bool) or not isinstance(desc["nbytes"], int) or desc["nbytes"] < 0:
+        raise _WireError(f"'nbytes' must be a non-negative integer, got {desc['nbytes']!r}")
+    for key in ("names", "dtypes"):
+        if not isinstance(desc[key], list) or not all(isinstance(x, str) for x in desc[key]):
+            raise _WireError(f"{key!r} must be a list of strings")
+    if not isinstance(desc["shapes"], list) or not all(
+        isinstance(s, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in s) for s in desc["shapes"]
+    ):
+        raise _WireError("'shapes' must be a list of lists of integers")
+    return desc
+
+
+def _shm_roots() -> list[str]:
+    import tempfile
+
+    return [os.path.realpath(d) for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d)]
+
+
+def _read_shm(path: str, nbytes: int) -> torch.Tensor:
+    """Copy a shared-memory bucket file into a new tensor; _WireError if the file is not acceptable."""
+    import mmap
+    import stat
+
+    import numpy as np
+
+    real = os.path.realpath(path)
+    roots = _shm_roots()
+    if not any(real.startswith(r.rstrip("/") + "/") for r in roots):
+        raise _WireError(f"path {path!r} is not under {' or '.join(roots)}; shared-memory buckets must live there")
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise _WireError(f"cannot open {path!r}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _WireError(f"{path!r} is not a regular file")
+        if st.st_size != nbytes:
+            raise _WireError(f"{path!r} holds {st.st_size} bytes, but nbytes and names/dtypes/shapes say {nbytes}")
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            with mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ) as mm:
+                view = np.frombuffer(mm, dtype=np.uint8)
+                out.numpy()[:] = view
+                del view
+        return out
+    finally:
+        os.close(fd)
 
 
 def _wire_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[ParamSpec]:

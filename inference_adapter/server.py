@@ -11,6 +11,11 @@ Routes beyond SGLang's (project extensions, safe to ignore):
     ``/wsync/weights_checksum`` (GET or POST ``{"names": [...] | null}``): sha256 of every served
     tensor's bytes (:func:`bridge.protocol.tensor_checksum`) and the weight version, read under one
     lock, so a trainer checks a sync bit for bit without pulling the weights back.
+    ``/update_weights_from_tensor`` with ``load_format="wsync_shm"``: SGLang's route, but CPU tensors cannot
+    cross HTTP (SGLang issue #4551), so each ``serialized_named_tensors`` entry is base64 of the JSON object
+    ``{"path": "/dev/shm/...", "nbytes": N, "names": [...], "dtypes": [...], "shapes": [...]}`` naming a
+    same-host file that holds one flattened bucket (never a pickle; other load formats answer 400).
+    ``/wsync/abort_weight_update`` (POST): discard the open update session without applying anything.
 
 Auth follows SGLang: ``--api-key`` protects every route but ``/health*``; with ``--admin-api-key`` the
 control routes (weight updates, pause, flush, debug reads) accept only the admin key.
@@ -43,6 +48,7 @@ ADMIN_ROUTES = frozenset({
     "/update_weights_from_disk", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
     "/release_memory_occupation", "/resume_memory_occupation", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
+    "/wsync/abort_weight_update",
 })
 
 
@@ -88,7 +94,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     from bridge.protocol import (
         BeginWeightUpdateReq, ContinueGenerationReq, DestroyWeightsUpdateGroupReq, GenerateReq, GetWeightsByNameReq,
         InitWeightsUpdateGroupReq, PauseGenerationReq, SamplingParams, UpdateWeightFromDiskReq, UpdateWeightsFromDistributedReq,
-        UpdateWeightVersionReq, WeightsChecksumReq, describe_validation_error,
+        UpdateWeightsFromTensorReq, UpdateWeightVersionReq, WeightsChecksumReq, describe_validation_error,
     )
     from inference_adapter.model_state import RequestError
 
@@ -275,6 +281,21 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
             )
         )
         return ok(msg)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        req = await body(request, UpdateWeightsFromTensorReq, "/update_weights_from_tensor")
+        msg = await run_in_threadpool(
+            lambda: state.update_tensor(
+                serialized_named_tensors=req.serialized_named_tensors, load_format=req.load_format,
+                weight_version=req.weight_version, abort_all_requests=req.abort_all_requests,
+            )
+        )
+        return ok(msg)
+
+    @app.post("/wsync/abort_weight_update")
+    async def abort_weight_update(request: Request):
+        return ok(await run_in_threadpool(state.abort_session))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):

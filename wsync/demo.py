@@ -30,7 +30,8 @@ from wsync.train import add_model_arguments
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--steps", type=int, default=20, help="training steps (one publish per step and transport)")
-    p.add_argument("--transport", default="both", choices=["broadcast", "disk", "both"], help="how weights reach the servers")
+    p.add_argument("--transport", default="both", choices=["broadcast", "disk", "colocated", "both", "all"],
+                   help="how weights reach the servers: both = broadcast and disk; all = broadcast, colocated and disk")
     p.add_argument("--servers", type=int, default=1, help="number of reference servers to start")
     p.add_argument("--nproc", type=int, default=2, help="FSDP ranks of the trainer")
     p.add_argument("--name-resolve", metavar="URL",
@@ -69,7 +70,7 @@ def _driver(args: argparse.Namespace) -> int:
     name_resolve = args.name_resolve or f"file://{os.path.join(workdir, 'name_resolve')}"
     print(f"wsync demo: work folder {workdir}", flush=True)
     print(f"  model {model_dir}\n  transport {args.transport}, {args.servers} server(s), {args.nproc} trainer ranks"
-          + (f", name resolution {name_resolve}" if args.transport != "broadcast" else ""), flush=True)
+          + (f", name resolution {name_resolve}" if args.transport in ("disk", "both", "all") else ""), flush=True)
 
     servers, watcher, trainer = [], None, None
     old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -81,7 +82,7 @@ def _driver(args: argparse.Namespace) -> int:
             ))
         urls = [s.url for s in servers]
         print(f"  servers ready: {', '.join(urls)}", flush=True)
-        if args.transport in ("disk", "both"):
+        if args.transport in ("disk", "both", "all"):
             watcher = _start_watcher(name_resolve, urls)
         spec = dict(
             model=model_dir, steps=args.steps, transport=args.transport, servers=urls, name_resolve=name_resolve,
@@ -144,12 +145,14 @@ def _trainer_main(spec: dict) -> int:
         model_path=spec["model"], optimizer=OptimizerConfig(lr=spec["lr"], schedule="constant", max_grad_norm=1.0),
     ))
     engine.initialize()
-    transports = ["broadcast", "disk"] if spec["transport"] == "both" else [spec["transport"]]
+    transports = {"both": ["broadcast", "disk"], "all": ["broadcast", "colocated", "disk"]}.get(
+        spec["transport"], [spec["transport"]])
     common = dict(servers=spec["servers"], serving_dtype=spec["serving_dtype"], progress=False)
     if spec["bucket_mb"]:
         common["bucket_mb"] = spec["bucket_mb"]
     publishers = {
         "broadcast": lambda: WeightPublisher(PublisherConfig(transport="broadcast", **common)),
+        "colocated": lambda: WeightPublisher(PublisherConfig(transport="colocated", **common)),
         "disk": lambda: WeightPublisher(PublisherConfig(
             transport="disk", experiment="demo", trial="trial0", name_resolve=spec["name_resolve"],
             snapshot_root=spec["snapshot_root"], **common)),
