@@ -1,0 +1,254 @@
+"""Generation on the served model: greedy/sampling decode, stop handling, and pause/abort/retract.
+
+Every generation holds the reader side of the weights lock while it computes and records
+``(weights epoch, version)`` when it starts, so it sees the old weights or the new ones, never a mix.
+
+Pause: ``abort`` ends in-flight generations with ``finish_reason`` abort; ``retract`` and
+``in_place`` park them at the next token, outside the lock; after ``/continue_generation`` a parked
+generation continues, or starts again from its prompt if the weights changed meanwhile (no mixed
+outputs; ``meta_info.num_retractions`` counts restarts). New generations wait while paused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from bridge.protocol import SamplingParams
+from inference_adapter.errors import RequestError
+
+if TYPE_CHECKING:
+    from inference_adapter.model_state import ModelState
+
+__all__ = ["GenerationMixin"]
+
+
+@dataclass(eq=False)
+class _Gen:
+    """One generation in flight."""
+
+    rid: str
+    state: str = "waiting"  # waiting | running | parked
+    abort: str | None = None  # the abort message once aborted
+
+
+class GenerationMixin:
+    """:class:`~inference_adapter.model_state.ModelState`'s generation and pause/abort methods.
+
+    Uses the host's model, tokenizer, ``context_length``, ``_rw``, ``_epoch`` and ``log``; owns the
+    pause state (``_cv``, ``_paused``, ``_pause_mode``, ``_gens``), set up by :meth:`_init_generation`.
+    """
+
+    def _init_generation(self) -> None:
+        self._cv = threading.Condition()  # guards _paused, _gens
+        self._paused = False
+        self._pause_mode = "abort"
+        self._gens: set[_Gen] = set()
+
+    def generate(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str | None = None) -> dict:
+        """Decode one prompt; SGLang's result shape ``{"text", "output_ids", "meta_info"}``."""
+        t0 = time.perf_counter()
+        self._check_sampling(prompt, sp)
+        max_new = min(sp.max_new_tokens, self.context_length - len(prompt))
+        gen = _Gen(rid or uuid.uuid4().hex)
+        with self._cv:
+            self._gens.add(gen)
+        st = None
+        restarts = 0
+        try:
+            while True:
+                with self._cv:
+                    while self._paused and gen.abort is None:
+                        gen.state = "parked" if st is not None else "waiting"
+                        self._cv.wait()
+                if gen.abort is not None:
+                    break
+                self._rw.acquire_read()
+                try:
+                    with self._cv:
+                        gen.state = "running"
+                    if st is None or st.epoch != self._epoch:
+                        restarts += st is not None
+                        st = _Decode(self, prompt, sp, max_new, return_logprob)
+                    st.run(gen, lambda: self._paused)
+                finally:
+                    with self._cv:
+                        gen.state = "parked"
+                        self._cv.notify_all()
+                    self._rw.release_read()
+                if st.finish is not None or gen.abort is not None:
+                    break
+        finally:
+            with self._cv:
+                self._gens.discard(gen)
+                self._cv.notify_all()
+        if st is None:  # aborted before it started
+            st = _Decode.empty(self, prompt, max_new)
+        if st.finish is None:
+            st.finish = {"type": "abort", "message": gen.abort, "status_code": None, "err_type": None}
+        return st.result(gen.rid, restarts, time.perf_counter() - t0)
+
+    def _check_sampling(self, prompt: list[int], sp: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise RequestError("the prompt is empty; send non-empty text or input_ids")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"input_ids contain {bad[:5]}, outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.context_length:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context length is {self.context_length}")
+        checks = [
+            (sp.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
+            (sp.temperature >= 0, "temperature must be >= 0"),
+            (0 < sp.top_p <= 1, "top_p must be in (0, 1]"),
+            (sp.top_k == -1 or sp.top_k >= 1, "top_k must be -1 (all) or >= 1"),
+            (0 <= sp.min_p <= 1, "min_p must be in [0, 1]"),
+            (sp.n == 1, "the reference server supports n=1 only; send the prompt several times"),
+            (sp.frequency_penalty == 0 and sp.presence_penalty == 0 and sp.repetition_penalty == 1,
+             "the reference server does not implement frequency/presence/repetition penalties; leave them at 0, 0, 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise RequestError(f"sampling_params: {msg}")
+
+    # ------------------------------------------------------------------ pause / abort
+
+    def pause(self, mode: str) -> None:
+        """Stop generating; returns when no generation holds the weights (abort: when they have ended)."""
+        with self._cv:
+            self._paused, self._pause_mode = True, mode
+            victims = set(self._gens) if mode == "abort" else set()
+            for g in victims:
+                g.abort = g.abort or "Abort by pause_generation."
+            self._cv.notify_all()
+            while any(g.state == "running" for g in self._gens) or (victims & self._gens):
+                self._cv.wait(timeout=1.0)
+        self.log.info("generation paused (mode %s)", mode)
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+        self.log.info("generation continued")
+
+    def abort_all(self, why: str) -> int:
+        with self._cv:
+            for g in self._gens:
+                g.abort = g.abort or why
+            self._cv.notify_all()
+            return len(self._gens)
+
+
+class _Decode:
+    """The decoding state of one generation under one weights epoch; ``run`` continues it."""
+
+    def __init__(self, state: ModelState, prompt: list[int], sp: SamplingParams, max_new: int, logprob: bool):
+        from transformers import DynamicCache
+
+        self.s, self.prompt, self.sp, self.max_new, self.want_logprob = state, prompt, sp, max_new, logprob
+        self.epoch, self.version = state._epoch, state._version
+        self.greedy = sp.temperature < 1e-6 or sp.top_k == 1
+        seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
+        self.gen = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(7), "little"))
+        self.cache = DynamicCache(config=state.model.config)
+        self.out: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: dict | None = None
+        self.stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+        self.stop_ids = [] if sp.ignore_eos else list(dict.fromkeys([*(sp.stop_token_ids or []), *state.eos_token_ids]))
+        self.text_cut: int | None = None
+
+    @classmethod
+    def empty(cls, state: ModelState, prompt: list[int], max_new: int) -> _Decode:
+        d = cls.__new__(cls)
+        d.s, d.prompt, d.out, d.logprobs, d.finish, d.version = state, prompt, [], [], None, state._version
+        d.want_logprob, d.text_cut, d.sp = False, None, SamplingParams()
+        return d
+
+    @torch.no_grad()
+    def run(self, gen: _Gen, paused) -> None:
+        model = self.s.model
+        if self.max_new <= 0:
+            self.finish = {"type": "length", "length": self.sp.max_new_tokens}
+            return
+        while self.finish is None:
+            if gen.abort is not None or paused():
+                return
+            pos = len(self.prompt) + len(self.out)
+            ids = self.prompt if not self.out else self.out[-1:]
+            start = pos - len(ids) if self.out else 0
+            # Same calls as transformers' greedy generate (prefill, then one token with the cache),
+            # so greedy outputs are identical to model.generate(do_sample=False).
+            o = model(input_ids=torch.tensor([ids]), use_cache=True, **{self.s._cache_kw: self.cache},
+                      cache_position=torch.arange(start, start + len(ids)), logits_to_keep=1)
+            logits = o.logits[0, -1].float()
+            if len(self.out) < self.sp.min_new_tokens and self.stop_ids:
+                logits[self.stop_ids] = -math.inf
+            tok, lp = self._pick(logits)
+            self.out.append(tok)
+            if self.want_logprob:
+                self.logprobs.append(lp)
+            self._check_finish(tok)
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, float]:
+        if self.greedy:
+            tok = int(torch.argmax(logits))
+            return tok, float(torch.log_softmax(logits, -1)[tok]) if self.want_logprob else 0.0
+        sp = self.sp
+        scaled = logits / sp.temperature
+        probs = torch.softmax(scaled, -1)
+        if sp.top_k > 0 and sp.top_k < probs.numel():
+            kth = torch.topk(probs, sp.top_k).values[-1]
+            probs = torch.where(probs < kth, 0.0, probs)
+        if sp.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, -1)
+            sorted_p[(cum - sorted_p) > sp.top_p * cum[-1]] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        if sp.min_p > 0:
+            probs = torch.where(probs < sp.min_p * probs.max(), 0.0, probs)
+        tok = int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+        return tok, float(torch.log_softmax(scaled, -1)[tok]) if self.want_logprob else 0.0
+
+    def _check_finish(self, tok: int) -> None:
+        if tok in self.stop_ids:  # (masked out before min_new_tokens)
+            self.finish = {"type": "stop", "matched": tok}
+            return
+        if self.stops:
+            text = self._decode()
+            hits = [(text.find(s), s) for s in self.stops if s and s in text]
+            if hits:
+                at, s = min(hits)
+                self.text_cut = at
+                self.finish = {"type": "stop", "matched": s}
+                return
+        if len(self.out) >= self.max_new:
+            self.finish = {"type": "length", "length": self.sp.max_new_tokens}
+
+    def _decode(self) -> str:
+        return self.s.tokenizer.decode(self.out, skip_special_tokens=self.sp.skip_special_tokens)
+
+    def result(self, rid: str, restarts: int, seconds: float) -> dict:
+        text = self._decode() if self.out else ""
+        if self.text_cut is not None:
+            text = text[: self.text_cut]
+        meta = {
+            "id": rid,
+            "finish_reason": self.finish,
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": len(self.out),
+            "cached_tokens": 0,
+            "weight_version": self.version,
+            "num_retractions": restarts,
+            "e2e_latency": seconds,
+        }
+        if self.want_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.out)]
+        return {"text": text, "output_ids": list(self.out), "meta_info": meta}
