@@ -25,7 +25,6 @@ Example (the lead's ``create_app`` calls it; a test can call it on an app of its
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -64,15 +63,10 @@ def _cap(state) -> int:
 
 
 def _parse(raw: bytes, cap: int) -> tuple[str, int]:
-    from inference_adapter.model_state import RequestError
+    from inference_adapter.errors import RequestError, json_object
 
     route = RECV_RAW_ROUTE
-    try:
-        data = json.loads(raw) if raw.strip() else {}
-    except ValueError as e:
-        raise RequestError(f"invalid request body for {route}: not JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise RequestError(f"invalid request body for {route}: expected a JSON object, got {type(data).__name__}")
+    data = json_object(raw, route)
     unknown = sorted(set(data) - {"group_name", "nbytes"})
     if unknown:
         raise RequestError(f"invalid request body for {route}: unknown field(s) {unknown}; send group_name and nbytes")

@@ -1,4 +1,5 @@
-"""The reference server's one exception: a refused request, carried to the HTTP layer as status + message.
+"""The reference server's one exception: a refused request, carried to the HTTP layer as status + message,
+and the one place a request body becomes a JSON object or that error.
 
 It lives apart from :mod:`inference_adapter.model_state` so every concern module can raise it without
 importing the facade (which imports them). ``inference_adapter.model_state.RequestError`` is the same class.
@@ -6,7 +7,9 @@ importing the facade (which imports them). ``inference_adapter.model_state.Reque
 
 from __future__ import annotations
 
-__all__ = ["RequestError"]
+import json
+
+__all__ = ["RequestError", "json_object"]
 
 
 class RequestError(Exception):
@@ -16,3 +19,14 @@ class RequestError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
+
+
+def json_object(raw: bytes, route: str) -> dict:
+    """The request body as a JSON object (an empty body is ``{}``), or a RequestError naming the route."""
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except ValueError as e:
+        raise RequestError(f"invalid request body for {route}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"invalid request body for {route}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -96,7 +96,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
         InitWeightsUpdateGroupReq, PauseGenerationReq, SamplingParams, UpdateWeightFromDiskReq, UpdateWeightsFromDistributedReq,
         UpdateWeightsFromTensorReq, UpdateWeightVersionReq, WeightsChecksumReq, describe_validation_error,
     )
-    from inference_adapter.model_state import RequestError
+    from inference_adapter.errors import RequestError, json_object
 
     f = state.features
     args = dict(server_args or {})
@@ -131,13 +131,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
         return JSONResponse({"success": False, "message": e.message}, status_code=e.status)
 
     async def body(request: Request, model: type[BaseModel], route: str, convert=None) -> Any:
-        raw = await request.body()
-        try:
-            data = json.loads(raw) if raw.strip() else {}
-        except ValueError as e:
-            raise RequestError(f"invalid request body for {route}: not JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise RequestError(f"invalid request body for {route}: expected a JSON object, got {type(data).__name__}")
+        data = json_object(await request.body(), route)
         if convert is not None:
             data = convert(data)
         try:
