@@ -16,7 +16,7 @@ import torch
 
 from bridge.errors import BridgeError, SnapshotError, VersionError
 from bridge.log import get_logger
-from bridge.tensors import ParamSpec, dtype_from_str
+from bridge.tensors import dtype_from_str
 
 logger = get_logger(__name__)
 
@@ -62,7 +62,7 @@ class DiskPublisher:
             )
 
     def write_and_announce(self, version: int, stream: Iterator[tuple[str, torch.Tensor | None]],
-                           specs: list[ParamSpec], source) -> dict | None:
+                           source) -> dict | None:
         """Collective: every rank drains ``stream``; rank 0 writes, announces and returns the outcome."""
         if self.rank != 0:
             for _ in stream:

@@ -8,7 +8,6 @@ the block held at any moment, whatever allocated it (torch, gloo, Python). On CU
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -57,6 +56,3 @@ class PeakMemory:
         if torch.cuda.is_available():
             self.device_extra_bytes = max(0, torch.cuda.max_memory_allocated() - self._dev_start)
 
-
-def rss_bytes() -> int:
-    return (_status_kib("VmRSS") or 0) * 1024 if os.path.exists("/proc/self/status") else 0

@@ -644,7 +644,7 @@ class WeightPublisher:
             raise VersionError(error)
         stream = self._stream(source, specs)
         try:
-            outcome = self._disk.write_and_announce(version, stream, specs, source)
+            outcome = self._disk.write_and_announce(version, stream, source)
         except BridgeError as e:
             outcome = {"error": f"{type(e).__name__}: {e}"}
         outcome = self._agree(outcome)
