@@ -106,9 +106,6 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
     from bench import report as rep
     from bridge.local_etcd import LocalEtcd
 
-    # etcd3 needs protobuf's pure-Python implementation, chosen before protobuf's first import; the
-    # trainer ranks inherit it.
-    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
     os.makedirs(cfg.workdir, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=_mkdir(cfg.workdir, "runs"))
     print(f"wsync bench: run folder {run_dir}", file=sys.stderr, flush=True)

@@ -13,6 +13,12 @@ fi
 
 # torch==2.13.0 is the CPU build on this kind of machine's disk; a bare `torch` would pull a CUDA build.
 echo "== installing the project and its test dependencies"
+# The unmaintained `etcd3` 0.12 distribution owns the same module files as its successor python3-etcd3:
+# remove it, then put python3-etcd3's files back in case both were installed.
+if python -m pip show -q etcd3 >/dev/null 2>&1; then
+    python -m pip uninstall -q -y etcd3
+    python -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "python3-etcd3>=0.13"
+fi
 python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev]"
 
 echo "== running the tests (GPU tests deselected)"

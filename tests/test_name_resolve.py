@@ -302,24 +302,34 @@ def test_etcd_restart_mid_run(etcd_server, prefix):
         nr.close()
 
 
-def test_etcd_protobuf_clash_has_a_clear_error(etcd_server):
+def test_etcd_works_in_a_trainer_process_that_imported_protobuf_first(etcd_server, tmp_path):
+    # A real trainer process has imported protobuf (transformers, wandb, SGLang) long before it talks to
+    # etcd, with protobuf's default (upb) implementation and no environment variable to change it.
     code = (
-        "from google.protobuf import descriptor_pb2\n"
-        "from bridge.errors import NameResolveError\n"
-        "from bridge.name_resolve import make_name_resolve\n"
-        f"try:\n    make_name_resolve({etcd_server.url!r})\n"
-        "except NameResolveError as e:\n    print(e)\n"
+        "import google.protobuf, transformers\n"
+        "from google.protobuf.internal import api_implementation\n"
+        "import torch\n"
+        "from bridge import PublisherConfig, VersionSubscriber, WeightPublisher\n"
+        f"url = {etcd_server.url!r}\n"
+        "cfg = PublisherConfig(transport='disk', name_resolve=url, experiment='pb', trial='first',\n"
+        f"                      snapshot_root={str(tmp_path / 'ckpt')!r}, progress=False)\n"
+        "with WeightPublisher(cfg) as pub:\n"
+        "    pub.publish(torch.nn.Linear(4, 4), version=1)\n"
+        "sub = VersionSubscriber(url, 'pb', 'first')\n"
+        "print(api_implementation.Type(), sub.latest().version)\n"
+        "sub.close()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "PYTHONPATH": REPO},
-                         capture_output=True, text=True, timeout=60)
-    assert "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" in out.stdout, out.stderr
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["upb", "1"], out.stdout
 
 
 def test_etcd_lost_lease_is_recreated(etcd_server, prefix):
     # Another client revokes the lease (as etcd does when a keep-alive cannot reach it within the TTL):
     # the key vanishes, and the keep-alive thread grants a new lease and puts the key back.
-    nr = make_name_resolve(etcd_server.url)  # imports etcd3 the way it must be imported
+    nr = make_name_resolve(etcd_server.url)
     import etcd3
 
     raw = etcd3.client("127.0.0.1", etcd_server.client_port)

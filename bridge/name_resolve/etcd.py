@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 from bridge.errors import BridgeError, NameResolveError
@@ -20,36 +17,30 @@ __all__ = ["EtcdNameResolve"]
 # The package's name, not this file's: log lines keep the logger name they had before the split.
 log = get_logger(__package__)
 
-_PROTOBUF_HINT = (
-    "the etcd backend (etcd3 0.12) needs protobuf's pure-Python implementation, but protobuf was already "
-    "imported in this process with the {impl!r} implementation. Start the process with "
-    "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python in its environment, or create the etcd name_resolve "
-    "before anything imports protobuf"
-)
+_INSTALL_HINT = "pip install 'python3-etcd3>=0.13'  (it provides `import etcd3`)"
 
 
 def _import_etcd3():
-    """Import etcd3, selecting protobuf's pure-Python implementation first (etcd3 0.12's generated code
-    is rejected by the default upb implementation of protobuf >= 4 with "Descriptors cannot be created
-    directly"). The variable is process-wide: later protobuf users in this process also get the
-    pure-Python implementation, which is slower but compatible."""
-    if "etcd3" in sys.modules:
-        return sys.modules["etcd3"]
-    impl = sys.modules.get("google.protobuf.internal.api_implementation")
-    if impl is not None and impl.Type() != "python":
-        raise NameResolveError(_PROTOBUF_HINT.format(impl=impl.Type()))
-    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+    """Import the etcd v3 gRPC client (``python3-etcd3``, imported as ``etcd3``).
+
+    python3-etcd3 ships protobuf code generated for protobuf >= 5, so it works in a process that already
+    imported protobuf (transformers, wandb and SGLang all do) with no environment variable. The older
+    ``etcd3`` 0.12 distribution installs the same module name but needs protobuf's pure-Python
+    implementation chosen before protobuf's first import; it is recognised and refused with the fix.
+    """
     try:
-        with warnings.catch_warnings():  # etcd3's generated code uses descriptor calls protobuf deprecates
-            warnings.simplefilter("ignore", DeprecationWarning)
-            import etcd3
+        import etcd3
+        import etcd3.utils
     except ImportError as e:
-        raise NameResolveError(f"the etcd backend needs the etcd3 package ({e}); pip install etcd3") from e
-    except TypeError as e:
-        if "Descriptors cannot be created directly" in str(e):
-            impl = os.environ.get("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION")
-            raise NameResolveError(_PROTOBUF_HINT.format(impl=impl)) from e
-        raise
+        raise NameResolveError(f"the etcd backend needs an etcd client ({e}); {_INSTALL_HINT}") from e
+    except TypeError as e:  # etcd3 0.12's generated code, rejected by protobuf >= 4
+        raise NameResolveError(
+            f"the installed `etcd3` package is the unmaintained etcd3 0.12, which cannot load with this protobuf "
+            f"({str(e).splitlines()[0]}); replace it: pip uninstall -y etcd3 && {_INSTALL_HINT}") from e
+    if not hasattr(etcd3.utils, "prefix_range_end"):
+        raise NameResolveError(
+            f"the installed `etcd3` package is {getattr(etcd3, '__version__', 'an old version')}, not python3-etcd3 "
+            f">= 0.13; replace it: pip uninstall -y etcd3 && {_INSTALL_HINT}")
     return etcd3
 
 
@@ -93,7 +84,7 @@ class _Kept:
 
 
 class EtcdNameResolve(NameResolve):
-    """Backend on an etcd v3 server (``etcd3`` client).
+    """Backend on an etcd v3 server (``python3-etcd3`` gRPC client, imported as ``etcd3``).
 
     - TTLs are etcd leases (one per key, whole seconds, rounded up); kept-alive leases are refreshed every
       ttl/3 from one daemon thread. After an outage longer than the TTL the lease is gone: the keep-alive
@@ -134,8 +125,11 @@ class EtcdNameResolve(NameResolve):
 
     @_etcd_errors
     def _connect(self, host, port, options, user, password):
-        return self._etcd3.client(host, port, timeout=self.timeout, user=user, password=password,
-                                  grpc_options=options)
+        # One endpoint whose failures are never remembered: the client's default marks an endpoint that
+        # answered UNAVAILABLE as failed for 300 s, which would outlast an etcd restart; the retries here
+        # (and gRPC's reconnect backoff) already pace the attempts.
+        endpoint = self._etcd3.Endpoint(host, port, secure=False, time_retry=0, opts=options)
+        return self._etcd3.MultiEndpointEtcd3Client([endpoint], timeout=self.timeout, user=user, password=password)
 
     def _transient(self, e: Exception) -> bool:
         ex = self._etcd3.exceptions
@@ -314,7 +308,7 @@ class _EtcdWatchStream:
         nr, grpc = self.nr, self.nr._grpc
         rpc = nr._etcd3.etcdrpc
         key = self.prefix.encode()
-        range_end = nr._etcd3.utils.increment_last_byte(key)
+        range_end = nr._etcd3.utils.prefix_range_end(key)
         delete = nr._kv_pb2.Event.DELETE
         delay, outage_logged = 0.05, False
         while not self._stop.is_set():
