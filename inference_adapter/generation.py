@@ -113,7 +113,11 @@ class GenerationMixin:
             (sp.n == 1, "the reference server supports n=1 only; send the prompt several times"),
             (sp.frequency_penalty == 0 and sp.presence_penalty == 0 and sp.repetition_penalty == 1,
              "the reference server does not implement frequency/presence/repetition penalties; leave them at 0, 0, 1"),
+            (all(0 <= t < vocab for t in sp.stop_token_ids or ()),
+             f"stop_token_ids must be token ids in [0, {vocab}), the model's vocabulary"),
         ]
+        checks += [(seed is None or 0 <= seed < 1 << 64, f"{name} must be in [0, 2**64), the range of a torch seed")
+                   for name, seed in (("sampling_seed", sp.sampling_seed), ("seed", sp.seed))]
         for ok, msg in checks:
             if not ok:
                 raise RequestError(f"sampling_params: {msg}")

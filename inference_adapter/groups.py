@@ -20,6 +20,9 @@ from inference_adapter.errors import RequestError
 
 __all__ = ["GroupsMixin"]
 
+MAX_WORLD_SIZE = 1 << 16
+"""Largest weight-update group accepted: far beyond any real deployment, small enough for gloo."""
+
 
 class GroupsMixin:
     """:class:`~inference_adapter.model_state.ModelState`'s process-group methods and trainer watchdog.
@@ -48,6 +51,14 @@ class GroupsMixin:
                 "Failed to initialize custom process group: backend 'nccl' needs CUDA, which this server does not "
                 "have (the reference server runs on CPU); initialize the group with backend='gloo'."
             )
+        if not 1 <= master_port <= 65535:
+            raise RequestError(f"Failed to initialize custom process group: master_port {master_port} is not a TCP port "
+                               "(1..65535).")
+        if not 2 <= world_size <= MAX_WORLD_SIZE:
+            raise RequestError(f"Failed to initialize custom process group: world_size {world_size} is outside "
+                               f"2..{MAX_WORLD_SIZE} (1 trainer + all servers' TP ranks).")
+        if not group_name or len(group_name) > 256:
+            raise RequestError("Failed to initialize custom process group: group_name must be 1-256 characters.")
         rank = rank_offset
         if not 0 < rank < world_size:
             raise RequestError(
@@ -105,6 +116,7 @@ class GroupsMixin:
         from torch.distributed import distributed_c10d as c10d
 
         while not self._closing.wait(interval):
+            self._check_session_owner()  # a colocated trainer has no group: its pid is watched instead
             for name, pg in list(self._groups.items()):
                 store = c10d._world.pg_map.get(pg, (None, None))[1]
                 if store is None:

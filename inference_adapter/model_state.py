@@ -34,7 +34,7 @@ from bridge.tensors import dtype_to_str
 from inference_adapter.errors import RequestError
 from inference_adapter.generation import GenerationMixin
 from inference_adapter.groups import GroupsMixin
-from inference_adapter.weight_updates import WeightUpdateMixin
+from inference_adapter.weight_updates import WeightUpdateMixin, version_problem
 
 __all__ = ["ModelState", "RequestError", "load_model"]
 
@@ -54,6 +54,19 @@ def load_model(*, model: str | None, preset: str | None, seed: int, dtype: torch
 
     m = build_model(preset or "tiny", seed=seed).to(dtype)
     return m, build_tokenizer(), f"preset:{preset or 'tiny'}", f"preset:{preset or 'tiny'}"
+
+
+def _disk_roots(roots: list[str] | None) -> list[str]:
+    """The resolved directories disk loads may come from; ConfigError for one that does not exist."""
+    import tempfile
+
+    out = []
+    for r in roots or [tempfile.gettempdir()]:
+        real = os.path.realpath(r)
+        if not os.path.isdir(real):
+            raise ConfigError(f"--disk-root {r}: not a directory; give an existing directory that holds snapshots")
+        out.append(real)
+    return out
 
 
 class _RWLock:
@@ -115,6 +128,8 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
         protocol_version: str = "0.5.23",
         group_timeout: float = 120.0,
         served_model_name: str | None = None,
+        receive_timeout: float = 10.0,
+        disk_roots: list[str] | None = None,
     ):
         self.model = model.eval()
         for p in self.model.parameters():
@@ -122,6 +137,8 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
         self.tokenizer = tokenizer
         self.features = ProtocolFeatures.from_version(protocol_version)
         self.group_timeout = float(group_timeout)
+        self.receive_timeout = float(receive_timeout)
+        self.disk_roots = _disk_roots(disk_roots)
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path
         self._served_model_name = served_model_name
@@ -149,6 +166,9 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
         # transformers 5.x renames forward's past_key_values to cache (the old name warns).
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
+        problem = version_problem(str(weight_version), "--weight-version")
+        if problem:
+            raise ConfigError(problem)
         self._version = str(weight_version)
         self._epoch = 0
         self._rw = _RWLock()
@@ -219,6 +239,9 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
             return {"weight_version": self._version, "checksums": sums, "dtypes": dtypes}
 
     def set_version(self, new_version: str, abort_all_requests: bool) -> None:
+        problem = version_problem(new_version, "new_version")
+        if problem:
+            raise RequestError(f"Failed to update weight version: {problem}.")
         if abort_all_requests:
             self.abort_all("Abort by update_weight_version(abort_all_requests=True).")
         with self._rw.write():

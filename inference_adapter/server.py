@@ -52,6 +52,10 @@ ADMIN_ROUTES = frozenset({
 })
 
 
+GENERATION_THREADS = 256
+"""Generations computing or waiting at once; more queue (without a thread) until one ends."""
+
+
 def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The server's flags (also used by ``wsync serve``)."""
     src = p.add_mutually_exclusive_group()
@@ -67,6 +71,12 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="SGLang version whose HTTP protocol to emulate, e.g. 0.5.23, 0.5.10.post1, 0.5.2 (default 0.5.23)")
     p.add_argument("--group-timeout", type=float, default=120.0,
                    help="seconds a weight-update group waits for its rendezvous and for each broadcast (default 120)")
+    p.add_argument("--receive-timeout", type=float, default=10.0,
+                   help="seconds a broadcast may take beyond its size at 50 MB/s before the server gives up on it and "
+                        "drops the group (default 10; never more than --group-timeout)")
+    p.add_argument("--disk-root", action="append", default=None, metavar="DIR", dest="disk_roots",
+                   help="a directory /update_weights_from_disk may load from (repeat for several; symlinks are "
+                        "resolved first). Default: the system temp folder, where wsync writes snapshots by default")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health*")
     p.add_argument("--admin-api-key", default=None, help="control routes (weight updates, pause, flush) accept only this key")
     p.add_argument("--served-model-name", default=None, help="name reported on /model_info (default: the model path)")
@@ -86,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def create_app(state, *, api_key: str | None = None, admin_api_key: str | None = None, server_args: dict | None = None):
     """The FastAPI app around a :class:`~inference_adapter.model_state.ModelState`."""
+    import anyio
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from pydantic import BaseModel, ValidationError
@@ -101,6 +112,10 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     f = state.features
     args = dict(server_args or {})
     started = time.time()
+    # Generations (which wait out a pause in their thread) get threads of their own, so however many are
+    # waiting, the control routes' threads (anyio's default pool) stay free: a paused server must still
+    # answer /begin_weight_update and /continue_generation at once.
+    generation_threads = anyio.CapacityLimiter(GENERATION_THREADS)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -219,7 +234,8 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
         except ValidationError as e:
             raise RequestError(describe_validation_error("/generate sampling_params", e)) from None
         outs = await asyncio.gather(*[
-            run_in_threadpool(state.generate, p, sp, bool(lp), rid) for p, sp, lp, rid in zip(prompts, params, lps, rids)
+            anyio.to_thread.run_sync(state.generate, p, sp, bool(lp), rid, limiter=generation_threads)
+            for p, sp, lp, rid in zip(prompts, params, lps, rids)
         ])
         result = list(outs) if batched else outs[0]
         if req.stream:
@@ -366,7 +382,8 @@ def run(args: argparse.Namespace) -> int:
                                                   dtype=getattr(torch, args.dtype))
     state = ModelState(model, tok, model_path=model_path, tokenizer_path=tok_path, weight_version=args.weight_version,
                        protocol_version=args.protocol_version, group_timeout=args.group_timeout,
-                       served_model_name=args.served_model_name)
+                       served_model_name=args.served_model_name, receive_timeout=args.receive_timeout,
+                       disk_roots=args.disk_roots)
     n = sum(p.numel() for p in model.parameters())
     state.log.info("loaded %s (%s, %.2f M params, %s) in %.1f s", model_path, type(model).__name__, n / 1e6, args.dtype,
                    time.perf_counter() - t0)

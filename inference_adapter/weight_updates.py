@@ -42,11 +42,13 @@ from inference_adapter.errors import RequestError
 from inference_adapter.wire import (
     _read_shm,
     _receive_nccl,
+    _ReceiveTimeout,
     _recv_bytes,
     _shm_descriptor,
     _SizeMismatch,
     _wire_specs,
     _WireError,
+    receive_bound,
 )
 
 __all__ = ["WeightUpdateMixin"]
@@ -54,12 +56,106 @@ __all__ = ["WeightUpdateMixin"]
 
 @dataclass
 class _Session:
-    """An open begin/end_weight_update session (0.5.21+ protocol)."""
+    """An open begin/end_weight_update session (0.5.21+ protocol).
+
+    ``owner`` is the colocated trainer's ``(pid, start time)`` from its first ``wsync_shm`` descriptor:
+    the watchdog discards the session once that process is gone. A session with neither an owner nor a
+    group (whose own watchdog covers it) is discarded after ``--group-timeout`` seconds without a request.
+    """
 
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     version: str | None = None
     groups: set[str] = field(default_factory=set)
     requests: int = 0
+    owner: tuple[int, str] | None = None
+    last_request: float = field(default_factory=time.monotonic)
+
+    def describe(self) -> str:
+        who = f"colocated trainer pid {self.owner[0]}" if self.owner else \
+            f"group(s) {sorted(self.groups)}" if self.groups else "no trainer known"
+        return (f"{who}, {self.requests} request(s) staged, last request "
+                f"{time.monotonic() - self.last_request:.1f} s ago")
+
+
+def _process_start(pid: int) -> str | None:
+    """A live process's start time (so a reused pid is not mistaken for it), or None if it is gone.
+
+    A zombie (killed, not yet reaped by its parent) counts as gone. Without /proc, liveness only.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+    state, *rest = stat[stat.rindex(")") + 2 :].split()
+    return None if state in ("Z", "X") else rest[18]  # field 22 of proc(5): starttime
+
+
+MAX_VERSION_CHARS = 256
+
+
+def version_problem(version: str | None, field: str) -> str | None:
+    """What is wrong with a weight version label, or None if it is fine (or not given).
+
+    SGLang takes any string; this server also refuses what would break its own answers or logs: an empty
+    label, more than :data:`MAX_VERSION_CHARS` characters, control characters, and lone surrogates
+    (which JSON can carry in but UTF-8 cannot carry out).
+    """
+    if version is None:
+        return None
+    try:
+        version.encode("utf-8")
+        problem = None
+    except UnicodeEncodeError:
+        problem = "holds a lone UTF-16 surrogate"
+    if not version:
+        problem = "is empty"
+    elif len(version) > MAX_VERSION_CHARS:
+        problem = f"has {len(version)} characters, more than {MAX_VERSION_CHARS}"
+    elif problem is None and not version.isprintable():
+        problem = "holds control characters"
+    if problem is None:
+        return None
+    shown = version[:40].encode("utf-8", "backslashreplace").decode()
+    return (f"{field} {shown!r} {problem}; a weight version must be 1-{MAX_VERSION_CHARS} printable characters, "
+            "such as the training step")
+
+
+# Exponent bits of IEEE formats: all ones means Inf or NaN. One integer pass, ~4x cheaper than isfinite.
+_EXPONENT_MASKS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                   torch.float32: (torch.int32, 0x7F800000)}
+
+
+def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of floating-point tensors holding NaN or Inf, which would make sampling fail on every request."""
+    bad = []
+    for name, t in tensors.items():
+        if not t.is_floating_point() or not t.numel():
+            continue
+        mask = _EXPONENT_MASKS.get(t.dtype)
+        if mask is None:
+            finite = bool(torch.isfinite(t).all())
+        else:
+            int_dtype, bits = mask
+            finite = int(t.reshape(-1).view(int_dtype).bitwise_and(bits).max()) != bits
+        if not finite:
+            bad.append(name)
+    return bad
+
+
+def _non_finite_problem(tensors: dict[str, torch.Tensor]) -> str | None:
+    bad = _non_finite(tensors)
+    if not bad:
+        return None
+    return f"tensor(s) {bad[:4]} hold NaN or Inf values (not finite); refusing weights that would break sampling"
 
 
 def _join(problems: list[str], limit: int = 4) -> str:
@@ -82,7 +178,10 @@ class WeightUpdateMixin:
     def begin_session(self) -> str:
         with self._update_lock:
             if self._session is not None:
-                raise RequestError("A weight update session is already open; call end_weight_update() first.")
+                raise RequestError(
+                    f"A weight update session is already open ({self._session.describe()}). If it is yours, finish it "
+                    "with end_weight_update(); to discard it without applying anything, call /wsync/abort_weight_update."
+                )
             self._session, self._last_session_error = _Session(), None
         self.log.info("weight update session opened")
         return "Weight update session started."
@@ -105,6 +204,30 @@ class WeightUpdateMixin:
             n = len(self._session.staged)
             self._session, self._last_session_error = None, why
             self.log.warning("weight update session aborted, %d staged tensors discarded: %s", n, why)
+
+    def _check_session_owner(self) -> None:
+        """Watchdog round (see :class:`_Session`): discard a session whose trainer is gone, and lift its pause."""
+        if not self._update_lock.acquire(timeout=0.1):
+            return  # an update is running: its trainer is alive, or the update fails by itself
+        try:
+            s = self._session
+            if s is None:
+                return
+            if s.owner is not None:
+                pid, started = s.owner
+                if _process_start(pid) == started:
+                    return
+                why = f"its colocated trainer (pid {pid}) is gone"
+            elif not s.groups and time.monotonic() - s.last_request > self.group_timeout:
+                why = f"no request came for {self.group_timeout:g} s (--group-timeout) and no trainer is known to watch"
+            else:
+                return
+            self._abort_session(why)
+            if self._paused:
+                self.log.warning("continuing generation on the previous weights: %s", why)
+                self.resume()
+        finally:
+            self._update_lock.release()
 
     # ------------------------------------------------------------------ updates
 
@@ -139,7 +262,7 @@ class WeightUpdateMixin:
                     f"Failed to update parameter online: {e}. The trainer's broadcast was not received, so group "
                     f"{group_name} was destroyed; call init_weights_update_group again.{keep}"
                 ) from None
-            problems = []
+            problems = [p for p in [version_problem(weight_version, "weight_version")] if p]
             if self.features.needs_session and self._session is None:
                 problems.append(SESSION_REQUIRED_MESSAGE + "; call begin_weight_update() first")
             problems += self._check_specs(specs, flattened)
@@ -164,11 +287,12 @@ class WeightUpdateMixin:
                     # /continue_generation. The old weights are intact, so serve them again.
                     self.log.warning("broadcast failed while paused: continuing generation on the previous weights")
                     self.resume()
+                why = "the trainer sent too little or stalled" if isinstance(e, _ReceiveTimeout) else \
+                    f"the trainer may have died or timed out (group timeout {self.group_timeout:g} s)"
                 raise RequestError(
-                    f"Failed to update parameter online: the broadcast on group {group_name} failed ({e}); the trainer "
-                    f"may have died or timed out (group timeout {self.group_timeout:g} s). The group was destroyed; "
-                    f"call init_weights_update_group again.{keep}"
-                ) from e
+                    f"Failed to update parameter online: the broadcast on group {group_name} failed ({e}); {why}. "
+                    f"The group was destroyed; call init_weights_update_group again.{keep}"
+                ) from None
             finally:
                 self._receiving = None
             if problems:
@@ -182,9 +306,16 @@ class WeightUpdateMixin:
                group_name: str | None) -> str:
         """Caller holds _update_lock: stage a validated request in the session, or swap it in without one."""
         staged = {n: t for n, t in received if n not in self._aliases}
+        problem = _non_finite_problem(staged)
+        if problem:
+            sess = " The update session was aborted; nothing it staged was applied." if self._session else ""
+            self._abort_session(problem)
+            raise RequestError(f"Failed to update parameter online: {problem}.{sess} Nothing was applied; still "
+                               f"serving weight version {self._version}.")
         dt = time.perf_counter() - t0
         if self._session is not None:
             s = self._session
+            s.last_request = time.monotonic()
             s.staged.update(staged)
             if group_name is not None:
                 s.groups.add(group_name)
@@ -240,7 +371,11 @@ class WeightUpdateMixin:
                 specs = _wire_specs(desc["names"], desc["dtypes"], desc["shapes"])
             except _WireError as e:
                 raise refuse(str(e)) from None
-            problems = self._check_specs(specs, flattened=True)
+            owner = self._owner(desc.get("pid"))
+            if isinstance(owner, str):
+                raise refuse(owner)
+            problems = [p for p in [version_problem(weight_version, "weight_version")] if p]
+            problems += self._check_specs(specs, flattened=True)
             nbytes = sum(sp.nbytes for sp in specs)
             if desc["nbytes"] != nbytes:
                 problems.append(f"nbytes is {desc['nbytes']} but names/dtypes/shapes describe {nbytes} bytes")
@@ -250,7 +385,26 @@ class WeightUpdateMixin:
                 buf = _read_shm(desc["path"], nbytes)
             except _WireError as e:
                 raise refuse(str(e)) from None
+            if self._session is not None and owner is not None:
+                self._session.owner = owner
             return self._stage(unflatten_bucket(buf, specs), weight_version, nbytes, t0, None)
+
+    def _owner(self, pid) -> tuple[int, str] | str | None:
+        """A descriptor's ``pid`` as the session's owner ``(pid, start time)``; a string says why it is refused.
+
+        None: no pid (publishers before it was added); only the idle timeout then protects the session.
+        """
+        if pid is None:
+            return None
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            return f"'pid' must be the trainer's positive process id, got {pid!r}"
+        started = _process_start(pid)
+        if started is None:
+            return f"'pid' {pid} names no running process on this host; the trainer must be on the same host"
+        s = self._session
+        if s is not None and s.owner is not None and s.owner != (pid, started):
+            return f"the open session belongs to colocated trainer pid {s.owner[0]}, not pid {pid}"
+        return (pid, started)
 
     def abort_session(self) -> str:
         """Project extension (``/wsync/abort_weight_update``): discard the open session, apply nothing."""
@@ -295,16 +449,17 @@ class WeightUpdateMixin:
         # The pattern is the same on every server of the group: gloo relays a receiver's whole buffer,
         # slack included, to the next receiver of a broadcast tree.
         seed = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little")
+        bound = lambda n: receive_bound(n, self.receive_timeout, self.group_timeout)  # noqa: E731
         if flattened:
             nbytes = sum(s.nbytes for s in specs)
-            buf = _recv_bytes(pg, nbytes, seed, "the flattened bucket")
+            buf = _recv_bytes(pg, nbytes, seed, "the flattened bucket", bound(nbytes))
             try:
                 return unflatten_bucket(buf, specs)
             except ConfigError:  # unaligned: the problem was reported by _check_specs; hand back nothing
                 return []
         out = []
         for i, s in enumerate(specs):
-            buf = _recv_bytes(pg, s.nbytes, seed + i, f"tensor {s.name!r}")
+            buf = _recv_bytes(pg, s.nbytes, seed + i, f"tensor {s.name!r}", bound(s.nbytes))
             out.append((s.name, buf.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)))
         return out
 
@@ -312,10 +467,13 @@ class WeightUpdateMixin:
         """Load a whole HF checkpoint directory, validate it, then swap; SGLang's success message."""
         if abort_all_requests:
             self.abort_all("Abort by update_weights_from_disk(abort_all_requests=True).")
+        problem = version_problem(weight_version, "weight_version")
+        if problem:
+            raise RequestError(f"Failed to update weights: {problem}.")
         with self._update_lock:
             keep = f" Nothing was applied; still serving weight version {self._version}."
             t0 = time.perf_counter()
-            tensors = _read_checkpoint(model_path, keep)
+            tensors = _read_checkpoint(model_path, self.disk_roots, keep)
             problems, staged = [], {}
             for n, t in tensors.items():
                 target = self._params.get(self._aliases.get(n, n))
@@ -327,6 +485,7 @@ class WeightUpdateMixin:
                     problems.append(f"checkpoint tensor {n!r} is {dtype_to_str(t.dtype)}, the served one {dtype_to_str(target.dtype)}")
                 elif n not in self._aliases:
                     staged[n] = t.to(target.dtype)  # SGLang's loader casts into the parameter's dtype, so do we
+            problems += [p for p in [_non_finite_problem(staged)] if p]
             missing = [n for n in self._params if n not in staged and n not in tensors]
             if missing:
                 problems.append(f"the checkpoint lacks {len(missing)} of the {len(self._params)} served parameters, "
@@ -338,14 +497,87 @@ class WeightUpdateMixin:
         return "Succeeded to update model weights."
 
 
-def _read_checkpoint(path: str, keep: str) -> dict[str, torch.Tensor]:
+_MAX_JSON_BYTES = 64 << 20  # a manifest or index larger than this is not a checkpoint's
+
+
+def _read_checkpoint(path: str, roots: list[str], keep: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path``, after :func:`_checked_checkpoint_dir` let it through."""
     from bridge.snapshot import read_snapshot
 
-    if not os.path.isdir(path):
-        raise RequestError(f"Failed to get weights iterator: {path} does not exist or is not a directory.{keep}")
+    real = _checked_checkpoint_dir(path, roots, keep)
     try:
-        return read_snapshot(path, verify=True)
+        return read_snapshot(real, verify=True)
     except SnapshotError as e:
         raise RequestError(f"Failed to get weights iterator: {e}.{keep}") from e
     except Exception as e:  # noqa: BLE001 - safetensors/JSON/OS errors of a corrupt directory
         raise RequestError(f"Failed to get weights iterator: cannot read {path}: {type(e).__name__}: {e}.{keep}") from e
+
+
+def _checked_checkpoint_dir(path: str, roots: list[str], keep: str) -> str:
+    """``path`` resolved, or a RequestError for what must not be loaded (SGLang loads any readable directory).
+
+    Refused: a directory outside ``roots`` once symlinks are resolved; a manifest or index entry that
+    names a file outside the directory (``../``, a symlink out); and any file the loader would open that is
+    not a regular file (a FIFO would block the reader forever) or, for JSON, is implausibly large.
+    """
+    from bridge.snapshot import INDEX_NAME, MANIFEST_NAME
+
+    def refuse(why: str) -> RequestError:
+        return RequestError(f"Failed to get weights iterator: {why}.{keep}")
+
+    try:
+        real = os.path.realpath(path)
+        is_dir = os.path.isdir(real)
+    except (ValueError, OSError) as e:  # an embedded NUL byte, a name too long
+        raise refuse(f"model_path {path!r} is not a usable path ({e})") from None
+    if not is_dir:
+        raise refuse(f"{path} does not exist or is not a directory")
+    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+        raise refuse(f"{path} (resolved: {real}) is outside the directories this server loads from ({', '.join(roots)}); "
+                     "start the server with --disk-root naming the snapshot root")
+    names = set(os.listdir(real))
+    for meta_name, key in ((MANIFEST_NAME, "files"), (INDEX_NAME, "weight_map")):
+        if meta_name in names:
+            entries = _json_entries(real, meta_name, key, refuse)
+            names |= {e for e in entries if isinstance(e, str)}
+            bad = [e for e in entries if not isinstance(e, str) or os.path.basename(e) != e or e in ("", ".", "..")]
+            if bad:
+                raise refuse(f"{meta_name} names {bad[0]!r}, which leaves the snapshot directory; entries must be "
+                             "plain file names inside it")
+    for name in sorted(names):
+        if name.endswith((".safetensors", ".json")):
+            _check_regular_file(real, name, refuse)
+    return real
+
+
+def _json_entries(directory: str, name: str, key: str, refuse) -> list:
+    """The keys (``files``) or values (``weight_map``) of a small JSON file of the checkpoint."""
+    import json
+
+    full = _check_regular_file(directory, name, refuse)
+    if os.path.getsize(full) > _MAX_JSON_BYTES:
+        raise refuse(f"{name} has {os.path.getsize(full)} bytes, more than a checkpoint's {name} can need")
+    try:
+        with open(full, "rb") as f:
+            data = json.loads(f.read(_MAX_JSON_BYTES))
+        table = data[key]
+        return list(table) if key == "files" else list(table.values())
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise refuse(f"{name} is not a valid {name} ({type(e).__name__}: {e})") from None
+
+
+def _check_regular_file(directory: str, name: str, refuse) -> str:
+    """The path of ``name`` in ``directory``; refused unless it resolves to a regular file inside it."""
+    import stat
+
+    full = os.path.join(directory, name)
+    real = os.path.realpath(full)
+    if os.path.dirname(real) != directory:
+        raise refuse(f"{name} resolves to {real}, outside the snapshot directory")
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return full  # a missing file is the reader's to report, with the manifest's view of it
+    if not stat.S_ISREG(st.st_mode):
+        raise refuse(f"{name} is not a regular file (a FIFO, device or directory would block or mislead the reader)")
+    return full

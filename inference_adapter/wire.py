@@ -9,8 +9,10 @@ more arrive than were posted. Each receive therefore posts a buffer with slack b
 size and pre-fills the bytes around the announced end with a pattern derived from the request; a
 changed pattern beyond the end means more bytes came; the last 16 announced bytes still holding the
 pattern mean at least 16 fewer came (a smaller shortfall, or a receive under 8 bytes, goes unnoticed).
-A sender that sends more than twice the announced size plus 4 KiB still overruns the slack, and gloo
-aborts the server.
+The slack is a reserve as large as the host's physical memory, mapped without backing (pages exist only
+once written), so a sender that overruns it would have exhausted the host's memory anyway; below that,
+a wrong trainer gets a 400 instead of aborting the server. Each receive is bounded in time
+(:func:`receive_bound`); a receive that times out leaves the group unusable.
 
 Shared memory (``load_format="wsync_shm"``): each entry is base64 of a JSON object (never a pickle)
 naming a regular file under /dev/shm (or the temp dir) that holds one flattened bucket.
@@ -20,7 +22,10 @@ Everything here is private to the package: only :mod:`inference_adapter.weight_u
 
 from __future__ import annotations
 
+import datetime
+import mmap
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -30,6 +35,9 @@ from bridge.tensors import ParamSpec
 
 _PROBE = 16  # bytes of pattern on each side of a receive's announced end
 _MIN_UNDER_CHECK = 8  # below this many bytes the "fewer bytes arrived" check is skipped (false alarms)
+_MIN_RATE = 50e6  # bytes/s: the slowest transfer the receive bound allows for, beyond --receive-timeout
+# Linux's MAP_NORESERVE (Python's mmap module names it only from 3.12 on): no swap/commit accounting.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 class _WireError(Exception):
@@ -38,6 +46,16 @@ class _WireError(Exception):
 
 class _SizeMismatch(Exception):
     """A gloo receive got more or fewer bytes than announced; the group itself is still usable."""
+
+
+class _ReceiveTimeout(Exception):
+    """The announced bytes did not all arrive within the receive bound; the group is unusable."""
+
+
+def receive_bound(nbytes: int, receive_timeout: float, group_timeout: float) -> float:
+    """Seconds one receive of ``nbytes`` may take: ``receive_timeout`` plus the size at 50 MB/s, at most
+    ``group_timeout``. Bytes that never come then block other weight operations only this long."""
+    return min(group_timeout, receive_timeout + nbytes / _MIN_RATE)
 
 
 def _shm_descriptor(entry) -> dict:
@@ -89,7 +107,8 @@ def _read_shm(path: str, nbytes: int) -> torch.Tensor:
     if not any(real.startswith(r.rstrip("/") + "/") for r in roots):
         raise _WireError(f"path {path!r} is not under {' or '.join(roots)}; shared-memory buckets must live there")
     try:
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below as not a regular file).
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
         raise _WireError(f"cannot open {path!r}: {e.strerror or e}") from None
     try:
@@ -143,17 +162,40 @@ def _receive_nccl(pg, specs: list[ParamSpec], flattened: bool) -> list[tuple[str
     return out
 
 
-def _recv_bytes(pg, nbytes: int, seed: int, what: str) -> torch.Tensor:
-    """Receive one broadcast of ``nbytes`` bytes into a slack buffer; _SizeMismatch if the size differs."""
-    slack = max(nbytes, 4096)
-    buf = torch.empty(nbytes + slack, dtype=torch.uint8)
+def _recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float) -> torch.Tensor:
+    """Receive one broadcast of ``nbytes`` bytes into a slack buffer; _SizeMismatch if the size differs,
+    _ReceiveTimeout if it has not all arrived after ``timeout`` seconds."""
+    buf = _slack_buffer(nbytes)
     lo = max(0, nbytes - _PROBE)
     g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
     pattern = torch.randint(0, 256, (nbytes + _PROBE - lo,), dtype=torch.uint8, generator=g)
     buf[lo : nbytes + _PROBE] = pattern
-    dist.broadcast(buf, src=0, group=pg)
+    work = dist.broadcast(buf, src=0, group=pg, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise
+        raise _ReceiveTimeout(f"{what}: the {nbytes} announced bytes did not arrive within {timeout:g} s (the receive "
+                              "bound: --receive-timeout plus the size at 50 MB/s)") from None
     if not torch.equal(buf[nbytes : nbytes + _PROBE], pattern[nbytes - lo :]):
         raise _SizeMismatch(f"{what}: the trainer broadcast more than the {nbytes} bytes its names/dtypes/shapes announce")
     if nbytes >= _MIN_UNDER_CHECK and torch.equal(buf[lo:nbytes], pattern[: nbytes - lo]):
         raise _SizeMismatch(f"{what}: the trainer broadcast fewer than the {nbytes} bytes its names/dtypes/shapes announce")
-    return buf[:nbytes]
+    return buf[:nbytes].clone()  # the copy lets the reserve's mapping go now
+
+
+def _slack_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` plus a reserve as large as physical memory, mapped lazily (only written pages cost memory).
+
+    gloo aborts the process when more bytes arrive than were posted; the reserve makes that need more
+    bytes than the host could hold. Where the kernel refuses such a mapping (strict overcommit), the
+    reserve is ``nbytes`` (at least 4 KiB) of ordinary memory.
+    """
+    reserve = max(nbytes, 4096)
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        return torch.frombuffer(mmap.mmap(-1, nbytes + max(reserve, physical), flags=flags), dtype=torch.uint8)
+    except (OSError, ValueError, AttributeError):
+        return torch.empty(nbytes + reserve, dtype=torch.uint8)

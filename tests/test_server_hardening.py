@@ -1,0 +1,286 @@
+"""The reference server refuses what it must not load, and never crashes, freezes or answers 5xx.
+
+One server per module (0.5.23, a 2 s receive bound, one allowed disk root). Each test sends something
+wrong and checks three things: a 4xx that names what was wrong, ``/health`` answering within a second
+throughout, and the served weights and version unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from bridge.client import ServerClient
+from bridge.errors import ServerError
+from tests.fixtures_server import Trainer, random_weights
+
+PROMPT = [5, 72, 101, 108, 108, 111, 44, 32]
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+NORM = "model.norm.weight"  # 128 bfloat16 values: the smallest tensor of the tiny preset
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory) -> dict:
+    """An allowed disk root and a directory outside it."""
+    return {"allowed": str(tmp_path_factory.mktemp("allowed-root")), "outside": str(tmp_path_factory.mktemp("outside"))}
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, roots):
+    return server_factory(extra_args=["--disk-root", roots["allowed"], "--receive-timeout", "2"])
+
+
+@pytest.fixture(scope="module")
+def client(server) -> ServerClient:
+    return server.client
+
+
+def served(client: ServerClient) -> dict:
+    r = client.weights_checksum()
+    return {"version": r["weight_version"], "checksums": r["checksums"]}
+
+
+def post(client: ServerClient, route: str, body, timeout: float = 30) -> requests.Response:
+    """POST raw bytes (or a JSON-able object) without the client's own checks."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(client.url + route, data=data, headers={"content-type": "application/json"}, timeout=timeout)
+
+
+def message(r: requests.Response) -> str:
+    j = r.json()
+    return j["error"]["message"] if "error" in j else j["message"]
+
+
+def assert_health_fast(client: ServerClient) -> None:
+    t0 = time.monotonic()
+    assert requests.get(client.url + "/health", timeout=1).status_code == 200
+    assert time.monotonic() - t0 < 1
+
+
+def snapshot(root: str, version: int, weights: dict | None = None) -> str:
+    """A complete wsync snapshot of the tiny preset's shapes under ``root``."""
+    from bridge.snapshot import write_snapshot
+
+    return write_snapshot(root, version, list((weights or random_weights(seed=version)).items())).path
+
+
+def bucket_entry(tensor: torch.Tensor, name: str = NORM, **extra) -> tuple[str, str]:
+    """A wsync_shm file holding one tensor, and its base64 descriptor."""
+    fd, path = tempfile.mkstemp(prefix="wsync-test-", dir=SHM)
+    with os.fdopen(fd, "wb") as f:
+        f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    desc = {"path": path, "nbytes": tensor.numel() * tensor.element_size(), "names": [name],
+            "dtypes": [str(tensor.dtype).removeprefix("torch.")], "shapes": [list(tensor.shape)], **extra}
+    return path, base64.b64encode(json.dumps(desc).encode()).decode()
+
+
+# ---------------------------------------------------------------------------------------------- 1: versions
+
+
+@pytest.mark.parametrize("bad", ["\ud800", "", "x" * (1 << 20), "line\nbreak"], ids=["surrogate", "empty", "1MB", "control"])
+def test_bad_versions_are_refused_and_the_server_keeps_answering(client, roots, bad):
+    before = served(client)
+    r = post(client, "/update_weight_version", {"new_version": bad})
+    assert r.status_code == 400 and "new_version" in message(r), r.text[:300]
+    r = post(client, "/update_weights_from_disk", {"model_path": snapshot(roots["allowed"], 1), "weight_version": bad})
+    assert r.status_code == 400 and "weight_version" in message(r), r.text[:300]
+    for route in ("/model_info", "/server_info"):
+        assert requests.get(client.url + route, timeout=10).status_code == 200
+    out = client.generate(input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 2})
+    assert out["meta_info"]["weight_version"] == before["version"]
+    assert served(client) == before
+
+
+# ---------------------------------------------------------------------------------------------- 4: malformed input
+
+
+MALFORMED = {
+    "deep-json-disk": ("/update_weights_from_disk", b'{"model_path": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+    "deep-json-generate": ("/generate", b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+    "huge-world-size": ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29500,
+                                                       "rank_offset": 1, "world_size": 10**20, "backend": "gloo"},
+                        "world_size"),
+    "stop-token-out-of-range": ("/generate", {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 3, "min_new_tokens": 2, "stop_token_ids": [10**6]}}, "stop_token_ids"),
+    "huge-sampling-seed": ("/generate", {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0.7, "sampling_seed": 2**70}}, "sampling_seed"),
+    "nan-literal": ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"temperature": NaN}}', "NaN"),
+    "null-byte-path": ("/update_weights_from_disk", {"model_path": "/tmp/a\u0000b"}, "model_path"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_input_is_a_400_naming_the_field(client, case):
+    route, body, fragment = MALFORMED[case]
+    before = served(client)
+    r = post(client, route, body)
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    assert fragment in message(r), message(r)
+    assert_health_fast(client)
+    assert served(client) == before
+
+
+def test_non_finite_weights_are_refused_at_load(client, roots):
+    before = served(client)
+    with Trainer([client]) as t:
+        client.begin_weight_update()
+        nan = torch.full((128,), float("nan"), dtype=torch.bfloat16)
+        [r] = t.send([(NORM, nan)], flattened=True, weight_version="nan")
+        assert isinstance(r, ServerError) and r.status == 400 and "not finite" in r.message and NORM in r.message, r
+    w = random_weights(seed=3)
+    w["model.layers.0.mlp.up_proj.weight"][0, 0] = float("inf")
+    with pytest.raises(ServerError, match="not finite") as e:
+        client.update_weights_from_disk(snapshot(roots["allowed"], 30, w), weight_version="inf")
+    assert "model.layers.0.mlp.up_proj.weight" in e.value.message
+    assert served(client) == before
+    out = client.generate(input_ids=PROMPT, sampling_params={"temperature": 0.8, "max_new_tokens": 4})
+    assert out["meta_info"]["weight_version"] == before["version"]
+
+
+# ---------------------------------------------------------------------------------------------- 2: oversized broadcast
+
+
+@pytest.mark.parametrize("factor", [3, 100, 40_000])  # 40 000 x 256 bytes: 10 MB where 256 were announced
+def test_a_broadcast_far_over_its_announced_size_is_refused_not_fatal(client, factor):
+    before = served(client)
+    with Trainer([client]) as t:
+        client.begin_weight_update()
+        announced = torch.ones(128, dtype=torch.bfloat16)
+        wire = torch.ones(256 * factor + 4096, dtype=torch.uint8)
+        [r] = t.send([(NORM, announced)], flattened=True, wire=[wire], weight_version="over")
+        assert isinstance(r, ServerError) and r.status == 400 and "more than the 256 bytes" in r.message, r
+        assert_health_fast(client)
+        # The extra bytes landed in the receive's reserve: the group is still usable.
+        client.begin_weight_update()
+        [r] = t.send([(NORM, before_norm(client))], flattened=True, weight_version=before["version"])
+        assert r["success"], r
+        client.end_weight_update()
+    assert served(client) == before
+
+
+def before_norm(client: ServerClient) -> torch.Tensor:
+    rows = client.get_weights_by_name(NORM, truncate_size=128)
+    return torch.tensor(rows, dtype=torch.float32).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------- 3: FIFOs
+
+
+def test_a_fifo_in_a_checkpoint_is_refused_without_freezing(client, roots, tiny_model_dir):
+    before = served(client)
+    d = os.path.join(roots["allowed"], "fifo-model")
+    shutil.copytree(tiny_model_dir, d)
+    os.remove(os.path.join(d, "model.safetensors"))
+    os.mkfifo(os.path.join(d, "model.safetensors"))
+    box = {}
+    th = threading.Thread(target=lambda: box.update(r=post(client, "/update_weights_from_disk", {"model_path": d})))
+    th.start()
+    for _ in range(5):
+        assert_health_fast(client)
+        time.sleep(0.1)
+    th.join(timeout=10)
+    assert not th.is_alive(), "the disk update with a FIFO did not answer"
+    assert box["r"].status_code == 400 and "not a regular file" in message(box["r"]), box["r"].text
+    assert served(client) == before
+
+
+def test_a_fifo_as_shm_path_is_refused_and_releases_the_update_lock(client):
+    path = os.path.join(SHM, f"wsync-test-fifo-{os.getpid()}")
+    os.mkfifo(path)
+    try:
+        desc = {"path": path, "nbytes": 256, "names": [NORM], "dtypes": ["bfloat16"], "shapes": [[128]]}
+        client.begin_weight_update()
+        r = post(client, "/update_weights_from_tensor", {
+            "serialized_named_tensors": [base64.b64encode(json.dumps(desc).encode()).decode()],
+            "load_format": "wsync_shm"}, timeout=10)
+        assert r.status_code == 400 and "not a regular file" in message(r), r.text
+        assert client.begin_weight_update()["success"]  # the update lock is free
+        client.abort_weight_update()
+    finally:
+        os.remove(path)
+
+
+# ---------------------------------------------------------------------------------------------- fail-safe 6
+
+
+def test_control_routes_answer_with_40_generations_waiting_in_a_pause(client):
+    client.pause_generation("retract")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(client.generate(
+        input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 1}, timeout=120))) for _ in range(40)]
+    for th in threads:
+        th.start()
+    try:
+        deadline = time.monotonic() + 30
+        while client.server_info()["internal_states"][0]["running_requests"] < 40:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        fast = ServerClient(client.url, timeout=5)
+        for call in (fast.begin_weight_update, fast.end_weight_update):
+            t0 = time.monotonic()
+            assert call()["success"]
+            assert time.monotonic() - t0 < 2
+    finally:
+        t0 = time.monotonic()
+        client.continue_generation()
+        assert time.monotonic() - t0 < 2
+        for th in threads:
+            th.join(timeout=120)
+    assert len(results) == 40
+
+
+# ---------------------------------------------------------------------------------------------- colocated trainer dies
+
+
+def test_a_colocated_session_whose_trainer_is_killed_is_discarded(client):
+    before = served(client)
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    path, entry = bucket_entry(torch.full((128,), 7.0, dtype=torch.bfloat16), pid=trainer.pid)
+    try:
+        client.pause_generation("retract")
+        client.begin_weight_update()
+        r = client.update_weights_from_tensor([entry], load_format="wsync_shm", weight_version="stale")
+        assert r["success"], r
+        with pytest.raises(ServerError, match="already open.*abort_weight_update") as e:
+            client.begin_weight_update()
+        assert e.value.status == 400
+        trainer.kill()  # not reaped yet: a zombie counts as gone too
+        t0 = time.monotonic()
+        while True:
+            state = client.server_info()["internal_states"][0]
+            if not state["update_session_open"] and not state["paused"]:
+                break
+            assert time.monotonic() - t0 < 4, state
+            time.sleep(0.1)
+    finally:
+        trainer.kill()
+        trainer.wait()
+        os.remove(path)
+    assert served(client) == before
+    with pytest.raises(ServerError, match=f"aborted.*{trainer.pid}"):  # nothing stale is left to commit
+        client.end_weight_update()
+    client.begin_weight_update()  # the next publisher starts cleanly
+    client.abort_weight_update()
+
+
+def test_a_colocated_descriptor_without_pid_is_accepted(client):
+    before = served(client)
+    path, entry = bucket_entry(before_norm(client))
+    try:
+        client.begin_weight_update()
+        assert client.update_weights_from_tensor([entry], load_format="wsync_shm")["success"]
+        client.end_weight_update()
+    finally:
+        os.remove(path)
+    assert served(client) == before
