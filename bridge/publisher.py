@@ -1,45 +1,30 @@
 """Versioned weight publishing: one sync of a trainer's weights into every server.
 
-A :class:`WeightPublisher` is created once by the training script and ``publish(source, version)`` is
-called collectively by every trainer rank after each step. Three transports:
+A :class:`WeightPublisher` is created once by the training script (on every rank) and
+``publish(source, version)`` is called collectively by every trainer rank after each step. It drives
+one sync through the same steps whatever the transport (``bridge.transports``: broadcast, colocated,
+disk); after each step every rank learns every rank's outcome (:mod:`bridge.agreement`):
 
-**broadcast** (alias ``nccl``), the fast path. Step by step, and which process runs each step:
+1. **prepare** (every rank): the wire specs and bucket plan, and a digest of this rank's own shards.
+   With the digests of all ranks, every rank decides the same thing: an older version, or the last
+   version with other weights, is a :class:`VersionError` before any byte moves; the last version with
+   the same weights is a safe retry.
+2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot).
+3. **bucket k** (every rank): gather the bucket's shards into rank 0's buffer, in a few flat gathers on a
+   group whose timeout is ``group_timeout``; rank 0 waits for bucket k-1 to arrive, then sends bucket k
+   (so the gather of k overlaps the transfer of k-1, and rank 0 holds about two buckets at most). The
+   last bucket carries the version.
+4. **settle** (every rank): rank 0 waits for the last bucket; every rank says whether it may commit.
+5. **commit** (rank 0): the version goes live (sessions end, or the snapshot is announced).
 
-1. rank 0, first sync only: sends ``/init_weights_update_group`` to every server concurrently (each with
-   its ``rank_offset``), joins the custom group itself as rank 0, then awaits the HTTP answers.
-2. rank 0: ``/pause_generation`` on every server, then ``/begin_weight_update`` where the server's
-   protocol needs a session (SGLang >= 0.5.21).
-3. every rank, per bucket: gathers the bucket's DTensors (a collective) in the same fixed order; rank 0
-   casts them to the serving dtype and packs them into one uint8 buffer.
-4. rank 0, per bucket: waits for the previous bucket (its broadcast and every server's HTTP answer),
-   then posts ``/update_weights_from_distributed`` to every server and starts the broadcast of this
-   bucket asynchronously, so the gather of bucket k+1 overlaps the broadcast of bucket k. At most two
-   buckets are alive on rank 0. Before each bucket every rank learns from rank 0 whether to go on, so
-   no rank runs ahead of rank 0 by more than one bucket and all ranks stop together on an error.
-5. rank 0: the last bucket carries ``weight_version``; then ``/end_weight_update`` and
-   ``/continue_generation``. Every rank learns the outcome from rank 0 and raises the same
-   :class:`SyncError` on failure (the group is torn down and rebuilt at the next publish).
-
-**colocated**: trainer and servers on the same host. The same bucket pipeline as broadcast (steps 2-5,
-same error agreement, version and fingerprint semantics), but without a process group: rank 0 gathers
-each bucket straight into a file under ``/dev/shm`` (``wsync-<pid>-<uuid>-<k>``, mapped shared) and
-posts ``/update_weights_from_tensor`` to every server, which copies the bytes out; the file is unlinked
-once every server answered, and on any error. CPU tensors cannot be pickled across HTTP (SGLang issue
-#4551), so this uses the project's ``load_format="wsync_shm"`` extension, which only the reference
-server understands: each serialized entry is base64 of the JSON object ``{"path", "nbytes", "names",
-"dtypes", "shapes"}`` (no pickle). Every server URL must be a loopback address. (On GPU, real SGLang
-takes CUDA IPC handles on the same route; that path is not implemented here.)
-
-**disk**: every rank takes part in the gather; rank 0 streams the tensors into an HF snapshot written
-under a temporary name, fsynced and renamed into place (``bridge.snapshot``), then announces it under
-``<root>/<experiment>/<trial>/update_weights_from_disk/<version>`` in name resolution. A watcher on the
-serving side (``wsync watch``) loads it into every server; with ``wait_loaded`` the publisher waits
-until the given servers report the version.
+Any exception on any rank, of any type, in any step, makes every rank raise the same error (the first
+failure's class when it is one of the project's, else :class:`SyncError` naming the rank, the step and
+the cause) within the step's bound, and rank 0 first calls the transport's ``abort``: every server keeps
+serving its previous version, unpaused, with no open session; a snapshot that was not complete is
+removed, never announced. A trainer that catches the error can publish again.
 
 Version semantics: versions are integers, strictly increasing per publisher (and, for disk, per
-(experiment, trial) in name resolution). Publishing an older version, or the same version with
-different content, raises :class:`VersionError`; publishing the same version with the same content
-again (a retry) is safe and re-sends it. A version that failed to publish was never completed, so
+(experiment, trial) in name resolution). A version whose publish failed was never completed, so
 retrying it is allowed.
 
 Example (one process, a reference server started with ``wsync serve --preset tiny``):
@@ -53,18 +38,10 @@ Example (one process, a reference server started with ``wsync serve --preset tin
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
-import os
-import socket
-import tempfile
 import time
-import uuid
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -72,22 +49,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.buckets import Bucket, pack_one, plan_buckets, unflatten_bucket
-from bridge.errors import BridgeError, ConfigError, ServerError, SyncError, SyncTimeout, VersionError
+from bridge.agreement import Agreement
+from bridge.buckets import Bucket, pack_one, plan_buckets
+from bridge.errors import BridgeError, ConfigError, SyncTimeout, VersionError
+from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger
 from bridge.memory import PeakMemory
-from bridge.process_group import default_backend, destroy_custom_process_group, find_free_port, init_custom_process_group
-from bridge.protocol import SHM_LOAD_FORMAT
+from bridge.process_group import default_backend
 from bridge.sources import WeightSource, as_source
 from bridge.tensors import ParamSpec, dtype_from_str
+from bridge.transports.base import Plan, Transport
+from bridge.transports.broadcast import is_local
+from bridge.transports.disk import default_snapshot_root
 
-__all__ = ["PublishResult", "PublisherConfig", "WeightPublisher"]
+__all__ = ["PublishResult", "PublisherConfig", "WeightPublisher", "default_snapshot_root"]
 
 logger = get_logger(__name__)
 
 TRANSPORTS = ("broadcast", "colocated", "disk")
 
 _ALIASES = {"nccl": "broadcast", "xccl": "broadcast", "distributed": "broadcast"}
+
+SLACK_S = 10.0
+"""Added to a step's own bound before the other ranks give up waiting for a rank (it died or hangs)."""
 
 
 def _default_bucket_mb() -> float:
@@ -158,7 +142,7 @@ class PublisherConfig:
         if self.transport in ("broadcast", "colocated") and not self.servers:
             raise ConfigError(f"the {self.transport} transport needs at least one server URL (servers=[...])")
         if self.transport == "colocated":
-            remote = [s for s in self.servers if not _is_local(s)]
+            remote = [s for s in self.servers if not is_local(s)]
             if remote:
                 raise ConfigError(
                     f"the colocated transport hands weights over in this host's shared memory, so every server must "
@@ -209,23 +193,8 @@ class PublishResult:
         return d
 
 
-def _is_local(url: str) -> bool:
-    from urllib.parse import urlparse
-
-    host = urlparse(url if "://" in url else "http://" + url).hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-class _Inflight:
-    """One bucket on the wire: its broadcast work(s), the servers' HTTP futures, its buffer and, for the
-    colocated transport, the shared-memory file that backs the buffer."""
-
-    def __init__(self, index: int, works: list, futures: list[Future], buffer: torch.Tensor, path: str | None = None):
-        self.index, self.works, self.futures, self.buffer, self.path = index, works, futures, buffer, path
-
-
 class WeightPublisher:
-    """Publishes versioned weights to a set of servers. See the module docstring for the protocol."""
+    """Publishes versioned weights to a set of servers. See the module docstring for the steps."""
 
     def __init__(self, config: PublisherConfig | None = None, **kwargs):
         if config is None:
@@ -234,15 +203,12 @@ class WeightPublisher:
             raise ConfigError("pass either a PublisherConfig or keyword arguments, not both")
         self.config = config
         self.last_version: int | None = None
-        self._last_fingerprint: int | None = None
-        self._pg: dist.ProcessGroup | None = None
+        self._last_digest: int | None = None
+        self._agree = Agreement.of_default_group()
+        self._rank = self._agree.rank
         self._servers = None
-        self._disk = None
-        self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        backend = config.backend or default_backend()
-        # Buckets live where the weight-update group can send them from.
-        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self._world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._transport: Transport | None = None  # rank 0 only, built at the first publish
+        self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
 
     # ---------------------------------------------------------------- public API
 
@@ -260,9 +226,9 @@ class WeightPublisher:
 
         Returns:
             A :class:`PublishResult` (the same figures on every rank).
-        Raises:
-            VersionError: ``version`` is older than the last published one, or equal with other content.
-            SyncError / SyncTimeout / ServerError: the sync failed; servers keep their previous version.
+        Raises (the same error on every rank):
+            VersionError: ``version`` is older than the last published one, or equal with other weights.
+            SyncError / SyncTimeout / ConfigError: the sync failed; servers keep their previous version.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise VersionError(f"version must be a non-negative integer, got {version!r}")
@@ -271,18 +237,47 @@ class WeightPublisher:
                 f"version {version} is older than the last published version {self.last_version}; "
                 "versions must strictly increase"
             )
+        t0 = time.perf_counter()
         source = as_source(source)
-        if self.config.transport in ("broadcast", "colocated"):
-            return self._publish_broadcast(source, version)
-        return self._publish_disk(source, version)
+        plan, began = None, False
+        try:
+            plan = self._prepare(source, version)
+            began = True
+            self._step("begin", lambda: self._transport.begin(plan), self._begin_bound())
+            with PeakMemory() as memory:
+                self._transfer(plan)
+            # Every rank votes on the commit here (failpoint "commit"): once rank 0 commits, it is live.
+            self._step("settle", lambda: self._transport.settle(), self._bucket_bound(),
+                       on_every_rank=lambda: failpoint("commit", self._rank))
+            peak = max(memory.extra_bytes, memory.device_extra_bytes)
+            commit = (lambda: {**self._transport.commit(plan), "peak": peak}) if self._rank == 0 else (lambda: None)
+            outcome = self._agree.step("commit", commit, timeout=self._commit_bound() + SLACK_S)[0]
+        except BridgeError as e:
+            raise self._failed(version, e, began) from None
+        self.last_version, self._last_digest = version, plan.digest
+        result = PublishResult(
+            version=version, transport=self.config.transport, bytes=outcome.get("bytes", plan.nbytes),
+            seconds=time.perf_counter() - t0, buckets=len(plan.buckets), servers=outcome["servers"],
+            path=outcome.get("path"), retried=plan.retried or outcome.get("retried", False),
+            peak_extra_bytes=outcome["peak"], phases=plan.phases,
+        )
+        logger.log(
+            logging.INFO if self._rank == 0 else logging.DEBUG,
+            "published version %d by %s: %s in %d buckets in %.2f s, %.2f GB/s, peak extra memory %s%s",
+            version, self.config.transport, fmt_bytes(result.bytes), result.buckets, result.seconds, result.gbps,
+            fmt_bytes(result.peak_extra_bytes), " (retry of identical weights)" if result.retried else "",
+        )
+        return result
 
     def close(self) -> None:
         """Tear the weight-update group down on both sides and stop background work."""
-        if self._pg is not None:
-            self._teardown_group()
-        if self._disk is not None:
-            self._disk.close()
-            self._disk = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._drop_gather_group()
+        if self._servers is not None:
+            self._servers.close()
+            self._servers = None
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -290,384 +285,134 @@ class WeightPublisher:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- shared helpers
+    # ---------------------------------------------------------------- the steps
+
+    def _step(self, name: str, on_rank0, bound: float, on_every_rank=None) -> list:
+        """Run one step (``on_every_rank`` here, then ``on_rank0`` on rank 0) and agree on the outcome."""
+
+        def run():
+            failpoint(name, self._rank)
+            if on_every_rank is not None:
+                on_every_rank()
+            return on_rank0() if self._rank == 0 else None
+
+        return self._agree.step(name, run, timeout=bound + SLACK_S)
+
+    def _prepare(self, source: WeightSource, version: int) -> Plan:
+        """Step "prepare" (every rank): plan, digests, the gather group; decide retry vs new weights."""
+        cfg = self.config
+
+        def prepare():
+            failpoint("prepare", self._rank)
+            specs = self._wire_specs(source)
+            digest = getattr(source, "local_digest", None)
+            if self._rank == 0 and self._transport is None:
+                self._transport = self._make_transport()
+            return specs, digest() if digest is not None else None
+
+        results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
+        specs = results[0][0]
+        digests = [d for _, d in results]
+        plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source)
+        plan.digest = None if None in digests else zlib.crc32(repr(digests).encode())
+        if version == self.last_version:
+            if plan.digest is None or plan.digest != self._last_digest:
+                raise VersionError(
+                    f"version {version} was already published with different weights"
+                    + ("" if plan.digest is not None else " (or this source cannot tell: it has no local_digest())")
+                    + "; publish the new weights under a higher version"
+                )
+            plan.retried = True
+        if self._agree.world > 1 and self._gather_group is None:
+            self._step("gather group", lambda: None, cfg.group_timeout, on_every_rank=self._make_gather_group)
+        return plan
+
+    def _transfer(self, plan: Plan) -> None:
+        """Steps "bucket k" (every rank): gather bucket k while rank 0 waits for bucket k-1, then send k."""
+        last = len(plan.buckets) - 1
+        bar = _progress(self.config.progress and self._rank == 0, plan.nbytes, f"sync v{plan.version}")
+        settled = 0
+
+        def one(k: int, bucket: Bucket) -> None:
+            nonlocal settled
+            failpoint(f"bucket:{k}", self._rank)
+            buf = self._transport.buffer(k, bucket) if self._rank == 0 else None
+            _gather_into(plan.source, bucket, buf, self._gather_group)
+            if self._rank == 0:
+                self._transport.settle()
+                if k:
+                    bar.update(plan.buckets[k - 1].nbytes)
+                self._transport.send(k, bucket, buf, plan.version if k == last else None)
+
+        try:
+            for k, bucket in enumerate(plan.buckets):
+                self._agree.step(f"bucket {k}", lambda k=k, b=bucket: one(k, b), timeout=self._bucket_bound() + SLACK_S)
+        finally:
+            bar.close()
+
+    def _failed(self, version: int, error: BridgeError, began: bool) -> BridgeError:
+        """After an agreed failure: rank 0 aborts the transport; the error every rank raises."""
+        status = ""
+        if self._rank == 0 and began and self._transport is not None:
+            try:
+                status = self._transport.abort(str(error))
+            except Exception as e:  # abort is best effort by contract; never hide the cause behind it
+                logger.warning("aborting the sync failed: %s", e)
+        if began:
+            # A gather may have been left half-done on some rank: the next publish builds a new group.
+            self._drop_gather_group()
+        if not isinstance(error, SyncTimeout) or "did not finish" not in str(error):
+            try:  # every rank reports what the servers serve now, as rank 0 saw it
+                status = self._agree.exchange("abort", status, timeout=self.config.http_timeout * 2 + SLACK_S)[0]
+            except BridgeError:
+                pass
+        what = "weight sync" if self.config.transport != "disk" else "disk publish"
+        text = f"{what} of version {version} failed: {error}" + (f"; {status}" if status else "")
+        return type(error)(text)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _make_transport(self) -> Transport:
+        from bridge.transports import make_transport
+
+        return make_transport(self.config, self.servers)
+
+    def _make_gather_group(self) -> None:
+        self._gather_group = dist.new_group(backend=self.config.backend or default_backend(),
+                                            timeout=timedelta(seconds=self.config.group_timeout))
+
+    def _drop_gather_group(self) -> None:
+        group, self._gather_group = self._gather_group, None
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except Exception as e:  # a group broken by a failed gather may not destroy cleanly
+                logger.debug("destroying the gather group failed: %s", e)
 
     def _wire_specs(self, source: WeightSource) -> list[ParamSpec]:
         dtype = dtype_from_str(self.config.serving_dtype)
         # Only floating tensors are cast: integer buffers keep their dtype.
         return [s.with_dtype(dtype) if s.dtype.is_floating_point else s for s in source.param_specs()]
 
-    def _agree(self, payload: Any) -> Any:
-        """Rank 0's ``payload`` on every rank (identity in a single process)."""
-        if self._world == 1:
-            return payload
-        box = [payload]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _check_fingerprint(self, version: int, fingerprint: int) -> bool:
-        """True when this is a retry of the last version with identical content; raise if content differs."""
-        if self.last_version is None or version != self.last_version:
-            return False
-        if fingerprint != self._last_fingerprint:
-            raise VersionError(
-                f"version {version} was already published with different weights; "
-                "publish the new weights under a higher version"
-            )
-        return True
-
-    # ---------------------------------------------------------------- broadcast
-
-    def _load_format(self) -> str:
-        if self.config.load_format != "auto":
-            if self.config.load_format == "flattened_bucket":
-                old = [c.url for c in self.servers.clients if not c.features.flattened_bucket]
-                if old:
-                    raise ConfigError(f"servers {old} are older than SGLang 0.5.10 and cannot take flattened buckets; use load_format='per_tensor' or 'auto'")
-            return self.config.load_format
-        ok = all(c.features.flattened_bucket for c in self.servers.clients)
-        return "flattened_bucket" if ok else "per_tensor"
-
-    def _ensure_group(self) -> None:
-        if self._pg is not None:
-            return
-        cfg, servers = self.config, self.servers
-        address = cfg.master_address or ("127.0.0.1" if all(_is_local(u) for u in servers.urls) else _host_ip())
-        port = cfg.master_port or find_free_port("0.0.0.0" if address != "127.0.0.1" else address)
-        backend = cfg.backend or default_backend()
-        world_size = servers.world_size()
-        offsets = servers.rank_offsets()
-        logger.info("creating weight-update group %s at %s:%d (%s, world size %d)", cfg.group_name, address, port, backend, world_size)
-        offset_of = dict(zip(servers.urls, offsets))
-        futures = servers.submit(
-            lambda c: c.init_weights_update_group(
-                master_address=address, master_port=port, rank_offset=offset_of[c.url], world_size=world_size,
-                group_name=cfg.group_name, backend=backend, timeout=cfg.group_timeout + cfg.http_timeout,
-            )
-        )
-        try:
-            pg = init_custom_process_group(
-                master_address=address, master_port=port, world_size=world_size, rank=0,
-                group_name=cfg.group_name, backend=backend, timeout=cfg.group_timeout,
-            )
-        except SyncTimeout as e:
-            missing = [c.url for c, f in zip(servers.clients, futures) if not f.done() or f.exception() is not None]
-            errors = [f"{c.url}: {f.exception()}" for c, f in zip(servers.clients, futures) if f.done() and f.exception()]
-            raise SyncTimeout(f"servers did not join the weight-update group: {missing or '?'} {'; '.join(errors)} ({e})") from e
-        self._pg = pg
-        try:
-            for f in futures:
-                f.result(timeout=cfg.http_timeout)
-        except BaseException:
-            self._teardown_group()
-            raise
-
-    def _teardown_group(self) -> None:
-        """Destroy the group locally and ask the servers to drop theirs (best effort, bounded).
-
-        A no-op for the colocated transport, which has no group."""
-        if self.config.transport != "broadcast":
-            return
-        pg, self._pg = self._pg, None
-        destroy_custom_process_group(pg)
-        if self.servers is None:
-            return
-        for c in self.servers.clients:
-            try:
-                if c.features.destroy_group:
-                    c.destroy_weights_update_group(group_name=self.config.group_name)
-            except BridgeError as e:
-                logger.debug("destroy_weights_update_group on %s: %s", c.url, e)
-
-    def _send(self, k: int, bucket: Bucket, buf: torch.Tensor, load_format: str, version: int | None,
-              path: str | None = None) -> _Inflight:
+    def _begin_bound(self) -> float:
         cfg = self.config
-        fields = bucket.request_fields()
-        is_last = version is not None
-        if cfg.transport == "colocated":
-            entry = base64.b64encode(json.dumps({"path": path, "nbytes": bucket.nbytes, **fields}).encode()).decode()
-            futures = self.servers.submit(
-                lambda c: c.update_weights_from_tensor(
-                    [entry] * c.tp_size, load_format=SHM_LOAD_FORMAT, flush_cache=is_last,
-                    weight_version=str(version) if is_last else None, timeout=cfg.http_timeout,
-                )
-            )
-            return _Inflight(k, [], futures, buf, path)
-        futures = self.servers.submit(
-            lambda c: c.update_weights_from_distributed(
-                **fields, group_name=cfg.group_name,
-                load_format="flattened_bucket" if load_format == "flattened_bucket" else None,
-                flush_cache=is_last, weight_version=str(version) if is_last else None,
-                timeout=cfg.group_timeout + cfg.http_timeout,
-            )
-        )
-        if load_format == "flattened_bucket":
-            works = [dist.broadcast(buf, src=0, group=self._pg, async_op=True)]
-        else:
-            works = [
-                dist.broadcast(buf[o : o + s.nbytes].view(s.dtype).view(s.shape), src=0, group=self._pg, async_op=True)
-                for s, o in zip(bucket.specs, bucket.offsets)
-            ]
-        return _Inflight(k, works, futures, buf)
+        return cfg.group_timeout + 3 * cfg.http_timeout  # group (+ its HTTP answers), pause, session
 
-    def _wait(self, inflight: _Inflight) -> None:
-        """Wait for one bucket: every server's HTTP answer, then the broadcast, all bounded in time."""
+    def _bucket_bound(self) -> float:
         cfg = self.config
-        deadline = time.monotonic() + cfg.group_timeout + cfg.http_timeout
-        errors = []
-        for c, f in zip(self.servers.clients, inflight.futures):
-            try:
-                f.result(timeout=max(0.1, deadline - time.monotonic()))
-            except FutureTimeout:
-                errors.append(f"{c.url}: no answer to bucket {inflight.index} within {cfg.group_timeout + cfg.http_timeout:.0f} s")
-            except BridgeError as e:
-                errors.append(str(e))
-        if errors:
-            # A server that refused the bucket may not have joined its broadcast: the group is not
-            # trustworthy any more, and it is rebuilt at the next publish.
-            raise SyncError("; ".join(errors))
-        for w in inflight.works:
-            try:
-                w.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
-            except RuntimeError as e:
-                raise SyncError(f"broadcast of bucket {inflight.index} failed: {e}") from e
+        return 2 * cfg.group_timeout + cfg.http_timeout  # the gather, then the previous bucket's arrival
 
-    def _publish_broadcast(self, source: WeightSource, version: int) -> PublishResult:
+    def _commit_bound(self) -> float:
         cfg = self.config
-        t0 = time.perf_counter()
-        specs = self._wire_specs(source)
-        buckets = plan_buckets(specs, cfg.bucket_bytes)
-        total = sum(b.nbytes for b in buckets)
-        error: str | None = None
-        colocated = cfg.transport == "colocated"
-        load_format = SHM_LOAD_FORMAT if colocated else "flattened_bucket"
-        session = False
-        paused = False
-        phases: dict[str, float] = {}
-        crc, retried = 0, False
-        if self._rank == 0:
-            try:
-                if not colocated:
-                    load_format = self._load_format()
-                    tg = time.perf_counter()
-                    self._ensure_group()
-                    phases["group_init"] = time.perf_counter() - tg
-                if cfg.pause_mode != "none":
-                    self.servers.pause_generation(mode=cfg.pause_mode)
-                    paused = True
-                self._begin_session()
-                session = True
-            except BridgeError as e:
-                error = f"could not start the sync: {e}"
-        error = self._agree(error)
-        t_start = time.perf_counter()
-        bar = _progress(cfg.progress and self._rank == 0, total, f"sync v{version}")
-        with PeakMemory() as memory:
-            if error is None:
-                error, crc, retried = self._transfer(source, buckets, version, load_format, bar)
-        bar.close()
-        peak = max(memory.extra_bytes, memory.device_extra_bytes)
-        try:
-            outcome = self._finish_broadcast(version, error, session, paused, crc, retried)
-        except Exception as e:  # never leave the other ranks waiting for an outcome
-            logger.exception("finishing the sync failed")
-            outcome = {"error": error or f"finishing the sync failed: {e}", "servers": {}, "retried": False,
-                       "fingerprint": crc, "serving": ""} if self._rank == 0 else None
-        if outcome is not None:
-            outcome["peak"] = peak
-        outcome = self._agree(outcome)
-        t_end = time.perf_counter()
-        if outcome["error"]:
-            if outcome["error"].startswith("VersionError: "):
-                raise VersionError(outcome["error"].removeprefix("VersionError: ") + f"; {outcome['serving']}")
-            raise SyncError(f"weight sync of version {version} failed: {outcome['error']}; {outcome['serving']}")
-        retried = outcome["retried"]
-        self.last_version, self._last_fingerprint = version, outcome["fingerprint"]
-        phases["transfer"] = t_end - t_start
-        result = PublishResult(
-            version=version, transport=cfg.transport, bytes=total, seconds=t_end - t0, buckets=len(buckets),
-            servers=outcome["servers"], retried=retried, peak_extra_bytes=outcome["peak"], phases=phases,
-        )
-        logger.log(
-            logging.INFO if self._rank == 0 else logging.DEBUG,
-            "published version %d by %s: %s in %d buckets (%s) in %.2f s, %.2f GB/s, peak extra memory %s%s",
-            version, cfg.transport, fmt_bytes(total), len(buckets), load_format, result.seconds, result.gbps,
-            fmt_bytes(result.peak_extra_bytes), " (retry of identical weights)" if retried else "",
-        )
-        return result
-
-    def _transfer(self, source: WeightSource, buckets: list[Bucket], version: int, load_format: str,
-                  bar) -> tuple[str | None, int, bool]:
-        """Every rank: gather, pack and send each bucket, pipelined; returns (error, fingerprint, retried).
-
-        Rank 0 settles bucket k-1 (every server answered, broadcast done) only after bucket k is gathered,
-        so the gather overlaps the transfer; then all ranks agree whether to go on.
-        """
-        error, crc, retried, inflight = None, 0, False, None
-        last = len(buckets) - 1
-        colocated = self.config.transport == "colocated"
-        paths: list[str] = []  # colocated: every shared-memory file this sync created (rank 0)
-        try:
-            for k, bucket in enumerate(buckets):
-                path = None
-                if self._rank != 0:
-                    buf = None
-                elif colocated:
-                    buf, path = _shm_buffer(bucket.nbytes, k)
-                    paths.append(path)
-                else:
-                    buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
-                _gather_into(source, bucket, buf)
-                if self._rank == 0:
-                    crc = _fingerprint(buf, crc)
-                    if k == last:
-                        # Decided before the last bucket (which carries the version) leaves rank 0, so other
-                        # weights never land under a version that is already published.
-                        try:
-                            retried = self._check_fingerprint(version, crc)
-                        except VersionError as e:
-                            error = f"VersionError: {e}"
-                    error = self._settle(inflight, buckets, bar) or error
-                    inflight = None
-                error = self._agree(error)
-                if error is not None:
-                    return error, crc, retried
-                if self._rank == 0:
-                    inflight = self._send(k, bucket, buf, load_format, version if k == last else None, path=path)
-                del buf
-            return (self._settle(inflight, buckets, bar) if self._rank == 0 else None), crc, retried
-        finally:
-            for p in paths:  # normally each is gone once its bucket settled; this covers errors
-                _unlink(p)
-
-    def _settle(self, inflight: _Inflight | None, buckets: list[Bucket], bar) -> str | None:
-        """Wait for the bucket on the wire; its error message, or None."""
-        if inflight is None:
-            return None
-        try:
-            self._wait(inflight)
-        except BridgeError as e:
-            return str(e)
-        finally:
-            if inflight.path is not None:
-                # Every server answered (or gave up on) this bucket: it copied the bytes out already.
-                inflight.buffer = None
-                _unlink(inflight.path)
-        bar.update(buckets[inflight.index].nbytes)
-        return None
-
-    def _begin_session(self) -> None:
-        needs = [c for c in self.servers.clients if c.features.needs_session]
-        if not needs:
-            return
-        for c in needs:
-            try:
-                c.begin_weight_update()
-            except ServerError as e:
-                if "already" not in e.message and "end_weight_update" not in e.message:
-                    raise
-                # A session left open by a trainer that died mid-sync: close it, then open ours.
-                logger.warning("%s had an update session open (a previous sync died); closing it", c.url)
-                c.end_weight_update()
-                c.begin_weight_update()
-
-    def _finish_broadcast(self, version: int, error: str | None, session: bool, paused: bool, crc: int,
-                          retried: bool) -> dict | None:
-        """Rank 0: close the sync on every server (commit on success, tear down on failure), resume."""
-        if self._rank != 0:
-            return None
-        servers = {c.url: "ok" for c in self.servers.clients}
-        if error is None and session:
-            for c in self.servers.clients:
-                try:
-                    c.end_weight_update()  # the reference server swaps weights and version here
-                except BridgeError as e:
-                    error = error or str(e)
-                    servers[c.url] = str(e)
-        if error is not None:
-            # Destroying the group makes the reference server drop what it staged; SGLang has loaded the
-            # buckets it received and must be re-synced (the next publish rebuilds the group and does).
-            self._teardown_group()
-            if session:
-                for c in self.servers.clients:
-                    try:
-                        if not c.features.needs_session:
-                            continue
-                        if self.config.transport == "colocated":
-                            _discard_session(c)
-                        else:
-                            c.end_weight_update()
-                    except BridgeError:
-                        pass  # already closed by the teardown (or by the server refusing a bucket)
-            servers = {u: ("failed" if s == "ok" else s) for u, s in servers.items()}
-        if paused:
-            try:
-                self.servers.continue_generation()
-            except BridgeError as e:
-                logger.warning("continue_generation failed: %s", e)
-        serving = ""
-        if error is not None:
-            try:
-                serving = "servers now serve " + ", ".join(f"{u}: version {v}" for u, v in self.servers.weight_versions().items())
-            except BridgeError:
-                serving = "some servers could not be asked which version they serve"
-        return {"error": error, "servers": servers, "retried": retried, "fingerprint": crc, "serving": serving}
-
-    # ---------------------------------------------------------------- disk
-
-    def _stream(self, source: WeightSource, specs: list[ParamSpec]):
-        """Collective: (name, full tensor in the wire dtype) bucket by bucket; None off rank 0."""
-        for bucket in plan_buckets(specs, self.config.bucket_bytes):
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8) if self._rank == 0 else None
-            _gather_into(source, bucket, buf)
-            if buf is None:
-                yield from ((s.name, None) for s in bucket.specs)
-            else:
-                yield from unflatten_bucket(buf, bucket.specs)
-
-    def _publish_disk(self, source: WeightSource, version: int) -> PublishResult:
-        from bridge.disk import DiskPublisher
-
-        if self._disk is None:
-            self._disk = DiskPublisher(self.config, rank=self._rank)
-        t0 = time.perf_counter()
-        specs = self._wire_specs(source)
-        outcome = None
-        error = None
-        if self._rank == 0:
-            try:
-                self._disk.check_version(version)
-            except BridgeError as e:
-                error = str(e)
-        error = self._agree(error)
-        if error is not None:
-            raise VersionError(error)
-        stream = self._stream(source, specs)
-        try:
-            outcome = self._disk.write_and_announce(version, stream, source)
-        except BridgeError as e:
-            outcome = {"error": f"{type(e).__name__}: {e}"}
-        outcome = self._agree(outcome)
-        if outcome.get("error"):
-            raise SyncError(f"disk publish of version {version} failed: {outcome['error']}")
-        self.last_version = version
-        result = PublishResult(
-            version=version, transport="disk", bytes=outcome["bytes"], seconds=time.perf_counter() - t0,
-            servers=outcome["servers"], path=outcome["path"], retried=outcome["retried"], phases=outcome["phases"],
-        )
-        logger.log(
-            logging.INFO if self._rank == 0 else logging.DEBUG,
-            "published version %d to disk: %s at %s in %.2f s, %.2f GB/s", version, fmt_bytes(result.bytes),
-            result.path, result.seconds, result.gbps,
-        )
-        return result
+        wait = cfg.wait_loaded_timeout if cfg.transport == "disk" else 0.0
+        return 3 * cfg.http_timeout + wait  # end sessions and resume, or announce and wait for the load
 
 
-def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None) -> None:
+def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None, group) -> None:
     """Collective: fill rank 0's wire buffer with the bucket, by the source's fast path when it has one."""
     gather = getattr(source, "gather_bucket", None)
     if gather is not None:
-        gather(bucket, buf)
+        gather(bucket, buf, group=group)
         return
     index = bucket.index() if buf is not None else None
     for spec, full in source.iter_full_tensors(bucket.specs):
@@ -675,68 +420,6 @@ def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None)
             offset, wire = index[spec.name]
             pack_one(buf, offset, wire, full)
         del full
-
-
-def _discard_session(c) -> None:
-    """Close a failed colocated sync's session without applying it.
-
-    There is no group whose teardown would abort the session (as for broadcast), so the reference server
-    is asked to discard it (``/wsync/abort_weight_update``, a project extension). Real SGLang has no such
-    route; it has already loaded what it received, so its session is just closed (and the next publish
-    re-syncs every tensor).
-    """
-    try:
-        c.abort_weight_update()
-    except ServerError as e:
-        if e.status != 404:
-            raise
-        c.end_weight_update()
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _shm_buffer(nbytes: int, k: int) -> tuple[torch.Tensor, str]:
-    """A uint8 tensor of ``nbytes`` backed by a new shared-memory file (mode 0600); (tensor, path)."""
-    path = os.path.join(_shm_dir(), f"wsync-{os.getpid()}-{uuid.uuid4().hex}-{k}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-    except BaseException:
-        os.close(fd)
-        _unlink(path)
-        raise
-    os.close(fd)
-    try:
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8), path
-        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), path
-    except BaseException:
-        _unlink(path)
-        raise
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        logger.warning("could not remove shared-memory file %s: %s", path, e)
-
-
-def _fingerprint(buf: torch.Tensor, crc: int) -> int:
-    """Running checksum of the bytes sent, to tell a retry of the same weights from new weights."""
-    if buf.device.type == "cpu":
-        return zlib.crc32(buf.numpy(), crc)  # ~5 GB/s, negligible next to the transfer
-    words = buf[: buf.numel() // 8 * 8].view(torch.int64)
-    return hash((crc, int(words.sum()), int(words[::1009].sum()), buf.numel()))
-
-
-def _host_ip() -> str:
-    """This host's address as other hosts see it (set ``master_address`` when this guess is wrong)."""
-    return socket.gethostbyname(socket.gethostname())
 
 
 class _NoBar:
@@ -754,7 +437,3 @@ def _progress(enabled: bool, total: int, desc: str):
 
     # delay=1: the bar only appears for syncs that take longer than a second.
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, delay=1.0, leave=False)
-
-
-def default_snapshot_root() -> str:
-    return os.path.join(tempfile.gettempdir(), "wsync-snapshots")

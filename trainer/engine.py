@@ -508,7 +508,7 @@ class FSDPEngine:
                 del full  # nothing to hand out: free it before yielding
                 yield spec, None
 
-    def gather_bucket(self, bucket, out: torch.Tensor | None) -> None:
+    def gather_bucket(self, bucket, out: torch.Tensor | None, group=None) -> None:
         """Collective: write a whole bucket's full parameters into rank 0's wire buffer ``out``.
 
         The fast path of a sync (see :func:`bridge.sources.gather_bucket_into`): FSDP2 shards travel in
@@ -521,7 +521,15 @@ class FSDPEngine:
         missing = [s.name for s in bucket.specs if s.name not in params]
         if missing:
             raise ConfigError(f"no parameters named {missing}; use names from param_specs()")
-        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out)
+        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, group=group)
+
+    def local_digest(self) -> int:
+        """CRC32 of this rank's shards of the published parameters (see :func:`bridge.sources.local_digest`)."""
+        from bridge.sources import local_digest
+
+        self._check_initialized()
+        params = dict(self._model.named_parameters(remove_duplicate=False))
+        return local_digest((s.name, params[s.name]) for s in self.param_specs())
 
     def _gather(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not isinstance(param, DTensor):

@@ -1,0 +1,152 @@
+"""Every trainer rank learns every rank's outcome of each step of a sync, within a bounded time.
+
+A sync is a sequence of steps (prepare, one per bucket, commit). Inside a step each rank does its own
+part (rank 0 talks to the servers, every rank gathers shards); any exception there, of any type, is
+caught and becomes that rank's outcome. Then :meth:`Agreement.step` exchanges the outcomes of all
+ranks, and either every rank goes on or every rank raises the same error. So no rank can run ahead into
+a collective that another rank, which has already failed, will never join; a trainer that catches the
+error and goes on never finds another rank still blocked.
+
+The exchange goes through the default group's key-value store (a TCP store that every
+``torch.distributed`` job has), not through a collective: each wait has its own timeout, and a rank that
+died or hangs shows up as a :class:`SyncTimeout` naming the ranks that did not arrive, after at most the
+step's bound.
+
+Which error is raised: the one that happened first (by wall clock, then by rank). A failure on one rank
+usually makes the others fail a little later in a collective (a gather that times out because the
+failed rank never joined); the first one is the cause, the later ones are its consequences.
+
+    agree = Agreement(rank, world, store)
+    digest = agree.step("prepare", lambda: local_digest(), timeout=30)  # -> [digest of rank 0, of rank 1, ...]
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from bridge.errors import (
+    BridgeError,
+    ConfigError,
+    NameResolveError,
+    SnapshotError,
+    SyncError,
+    SyncTimeout,
+    VersionError,
+)
+from bridge.log import get_logger
+
+__all__ = ["Agreement", "StepFailed", "describe"]
+
+logger = get_logger(__name__)
+
+_instances = itertools.count()
+
+# Errors that keep their class when they cross ranks: the caller may handle them differently (a
+# VersionError means "publish a higher version", a ConfigError "fix the setting"). Anything else,
+# the project's ServerError included, arrives as a SyncError that names the rank, the step and the cause.
+_KEEP_CLASS = {c.__name__: c for c in (ConfigError, VersionError, SyncTimeout, SnapshotError, NameResolveError, SyncError)}
+
+
+class StepFailed:
+    """One rank's failure in one step, as it travels to the other ranks."""
+
+    def __init__(self, rank: int, step: str, error: BaseException):
+        self.rank, self.step, self.at = rank, step, time.time()
+        self.kind = type(error).__name__
+        self.message = describe(error)
+        self.traceback = "".join(traceback.format_exception(error))
+
+    def to_exception(self) -> BridgeError:
+        """The error every rank raises: the same class (for the project's own kinds) and the same text."""
+        cls = _KEEP_CLASS.get(self.kind)
+        if cls is not None:
+            return cls(f"{self.message} (rank {self.rank}, {self.step})")
+        return SyncError(f"rank {self.rank} failed at {self.step}: {self.kind}: {self.message}")
+
+
+def describe(error: BaseException) -> str:
+    """A one-line description of ``error`` (its message, or its type when the message is empty)."""
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
+
+
+class Agreement:
+    """Exchanges each step's outcome between the ranks of one process group (see the module docstring).
+
+    Args:
+        rank, world: this rank and the number of ranks.
+        store: the key-value store all ranks share (default: the default group's store). None with
+            ``world == 1``.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1, store: dist.Store | None = None):
+        self.rank, self.world = rank, world
+        if world > 1 and store is None:
+            store = dist.distributed_c10d._get_default_store()
+        self._store = store
+        self._seq = 0
+        # Publishers are created in the same order on every rank, so the n-th of each rank meets the
+        # n-th of the others under its own keys.
+        self._ns = f"wsync/agree/{next(_instances)}"
+
+    @classmethod
+    def of_default_group(cls) -> Agreement:
+        """The agreement among all ranks of the default group (a single-process one without a group)."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def step(self, name: str, fn: Callable[[], Any], *, timeout: float) -> list[Any]:
+        """Run ``fn`` here, then exchange outcomes; every rank's return value, in rank order.
+
+        Raises (the same on every rank):
+            the first failure of any rank, translated by :meth:`StepFailed.to_exception`;
+            SyncTimeout: some rank did not finish ``name`` within ``timeout`` seconds (it died or hangs).
+        """
+        try:
+            outcome: Any = ("ok", fn())
+        except Exception as e:  # any type: a rank that raised must still tell the others
+            logger.debug("rank %d failed at %s", self.rank, name, exc_info=True)
+            outcome = ("failed", StepFailed(self.rank, name, e))
+        outcomes = self.exchange(name, outcome, timeout=timeout)
+        failures = sorted((o[1] for o in outcomes if o[0] == "failed"), key=lambda f: (f.at, f.rank))
+        if failures:
+            first = failures[0]
+            if first.rank == self.rank:
+                logger.debug("the cause, on this rank:\n%s", first.traceback)
+            raise first.to_exception()
+        return [o[1] for o in outcomes]
+
+    def exchange(self, name: str, value: Any, *, timeout: float) -> list[Any]:
+        """Every rank's ``value`` for this step, in rank order (a plain all-gather through the store)."""
+        if self.world == 1:
+            return [value]
+        self._seq += 1
+        keys = [f"{self._ns}/{self._seq}/{r}" for r in range(self.world)]
+        self._store.set(keys[self.rank], pickle.dumps(value))
+        if self._seq > 2:
+            # Every rank has read step seq-2 (they all wrote seq-1 after it): drop this rank's old key.
+            self._store.delete_key(f"{self._ns}/{self._seq - 2}/{self.rank}")
+        try:
+            self._store.wait(keys, timedelta(seconds=timeout))
+            return [pickle.loads(self._store.get(k)) for k in keys]
+        except (RuntimeError, dist.DistError) as e:
+            missing = self._missing(keys)
+            raise SyncTimeout(
+                f"ranks {missing or '?'} did not finish {name} within {timeout:.0f} s (a trainer rank died or "
+                f"hangs; raise group_timeout / http_timeout if it is only slow): {describe(e)}"
+            ) from e
+
+    def _missing(self, keys: list[str]) -> list[int]:
+        try:
+            return [r for r, k in enumerate(keys) if not self._store.check([k])]
+        except (RuntimeError, dist.DistError):
+            return []

@@ -1,0 +1,32 @@
+"""Named fault-injection points, switched on by an environment variable (off and free by default).
+
+The fault tests make a sync fail at a chosen step, on a chosen rank, with an exception of a chosen
+type, in real processes: ``WSYNC_FAILPOINTS="commit@0=RuntimeError"`` makes rank 0 raise
+``RuntimeError`` when it reaches the ``commit`` step; several entries are separated by commas, and
+``bucket:2@1=OSError`` names the third bucket on rank 1. The points are the steps of the sync
+lifecycle (see :mod:`bridge.transports.base`): ``prepare``, ``begin``, ``bucket:<k>``, ``commit``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+
+__all__ = ["failpoint"]
+
+ENV = "WSYNC_FAILPOINTS"
+
+
+def failpoint(name: str, rank: int) -> None:
+    """Raise the exception configured for point ``name`` on ``rank``, if any."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    for entry in spec.split(","):
+        where, _, kind = entry.strip().partition("=")
+        point, _, on_rank = where.partition("@")
+        if point == name and on_rank in ("", str(rank)):
+            cls = getattr(builtins, kind or "RuntimeError", None)
+            if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+                cls = RuntimeError
+            raise cls(f"injected fault at {name} on rank {rank} ({ENV})")

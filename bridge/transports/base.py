@@ -1,0 +1,209 @@
+"""The lifecycle every transport follows, and the server bookkeeping that broadcast and colocated share.
+
+:class:`bridge.publisher.WeightPublisher` drives one sync as a fixed sequence of steps; after each
+step every trainer rank learns every rank's outcome (:mod:`bridge.agreement`), so all ranks go on or
+all raise the same error. A transport only says how bytes move. Which process runs each method:
+
+============  ========  ==================================================================================
+method        who       what
+============  ========  ==================================================================================
+``begin``     rank 0    open the sync: check the version, connect (process group), pause generation, open
+                        update sessions. Nothing has moved yet.
+``buffer``    rank 0    the uint8 tensor bucket ``k`` is gathered into (every rank then gathers into it).
+``send``      rank 0    put bucket ``k`` on its way; may return before it arrived (the gather of bucket
+                        ``k+1`` overlaps it). The last bucket carries the version.
+``settle``    rank 0    wait until the bucket in flight arrived everywhere; raise if it did not. At most
+                        one bucket is in flight, so rank 0 holds at most about two buckets.
+``commit``    rank 0    make the version live on every server (end the session, or announce a snapshot).
+``abort``     rank 0    after a failure on any rank, at any step: leave every server serving its previous
+                        version, unpaused, with no open session. Bounded in time, never raises; returns
+                        a line saying what the servers serve now.
+``close``     rank 0    release connections (the publisher is closed).
+============  ========  ==================================================================================
+
+Failure handling lives once, in the driver: a transport raises whatever it meets and the driver turns
+it into one agreed error, calls ``abort`` on rank 0 and re-raises on every rank. Adding a transport is
+one new module with a subclass of :class:`Transport`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bridge.buckets import Bucket
+from bridge.errors import BridgeError, ServerError
+from bridge.log import get_logger
+
+__all__ = ["Plan", "ServerSessions", "Transport"]
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Plan:
+    """What one sync moves: known on every rank before the first byte moves."""
+
+    version: int
+    buckets: list[Bucket]
+    source: Any = None
+    """The :class:`bridge.sources.WeightSource` being published."""
+    digest: int | None = None
+    """The combined digest of every rank's shards (None when the source cannot tell)."""
+    retried: bool = False
+    """True when this republishes the last version with identical weights (a safe retry)."""
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+class Transport:
+    """One way of moving a sync's buckets to the servers; see the module docstring for the lifecycle."""
+
+    name = "?"
+
+    def __init__(self, config):
+        self.config = config
+
+    def begin(self, plan: Plan) -> None:
+        """Rank 0: open the sync."""
+
+    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        """Rank 0: a uint8 tensor of ``bucket.nbytes`` for bucket ``k`` (CPU by default)."""
+        return torch.empty(bucket.nbytes, dtype=torch.uint8)
+
+    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
+        """Rank 0: put bucket ``k`` on its way; ``version`` is set on the last bucket only."""
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """Rank 0: wait for the bucket in flight, if any."""
+
+    def commit(self, plan: Plan) -> dict:
+        """Rank 0: make ``plan.version`` live; returns what :class:`PublishResult` reports
+        (``servers``: url -> "ok" or its error; optionally ``path`` and ``phases``)."""
+        raise NotImplementedError
+
+    def abort(self, reason: str) -> str:
+        """Rank 0: undo an open sync (see the module docstring); a line on what the servers serve now."""
+        return ""
+
+    def close(self) -> None:
+        """Rank 0: release connections."""
+
+
+class ServerSessions:
+    """Pause, update sessions and resume on a :class:`bridge.client.ServerGroup`, server by server.
+
+    Each server's state is tracked on its own, so a failure on one server (it refuses to pause, say)
+    still resumes the others that were paused, and a failed sync discards the sessions that were opened.
+    """
+
+    def __init__(self, servers, pause_mode: str):
+        self.servers, self.pause_mode = servers, pause_mode
+        self.paused: list = []
+        self.in_session: list = []
+        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(servers.clients)), thread_name_prefix="wsync-session")
+
+    def open(self) -> None:
+        """Pause every server (unless ``pause_mode`` is none), then open a session where one is needed."""
+        if self.pause_mode != "none":
+            done, errors = self._each(lambda c: c.pause_generation(mode=self.pause_mode), self.servers.clients)
+            self.paused += done
+            _raise_first(errors, "pause generation")
+        done, errors = self._each(self._begin, [c for c in self.servers.clients if c.features.needs_session])
+        self.in_session += done
+        _raise_first(errors, "open an update session")
+
+    @staticmethod
+    def _begin(c) -> None:
+        try:
+            c.begin_weight_update()
+        except ServerError as e:
+            if "already" not in e.message and "end_weight_update" not in e.message:
+                raise
+            # A session left open by a trainer that died mid-sync: discard it (never commit it), then
+            # open ours.
+            logger.warning("%s had an update session open (a previous sync died); discarding it", c.url)
+            discard_session(c)
+            c.begin_weight_update()
+
+    def commit(self) -> dict[str, str]:
+        """End every session (the reference server swaps weights and version here), then resume."""
+        done, errors = self._each(lambda c: c.end_weight_update(), self.in_session)
+        self.in_session = [c for c in self.in_session if c not in done]
+        _raise_first(errors, "end the update session")
+        return self.resume()
+
+    def resume(self) -> dict[str, str]:
+        """Resume every paused server; url -> "ok" or why it could not be resumed (logged, not raised)."""
+        status = {c.url: "ok" for c in self.servers.clients}
+        done, errors = self._each(lambda c: c.continue_generation(), self.paused)
+        for c, e in errors:
+            status[c.url] = f"could not resume generation: {e}"
+            logger.warning("%s: continue_generation failed: %s", c.url, e)
+        self.paused = [c for c in self.paused if c not in done]
+        return status
+
+    def abort(self) -> None:
+        """Discard every open session and resume every paused server; never raises."""
+        _, errors = self._each(discard_session, self.in_session)
+        for c, e in errors:
+            logger.warning("%s: could not discard the update session: %s", c.url, e)
+        self.in_session = []
+        self.resume()
+
+    def serving(self) -> str:
+        """What every server serves now, in one line (for error messages)."""
+        try:
+            return "servers now serve " + ", ".join(f"{u}: version {v}" for u, v in self.servers.weight_versions().items())
+        except BridgeError:
+            return "some servers could not be asked which version they serve"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _each(self, fn, clients: list) -> tuple[list, list[tuple]]:
+        """Run ``fn(client)`` on each client concurrently: (clients that succeeded, [(client, error)])."""
+        futures = [(c, self._pool.submit(fn, c)) for c in clients]
+        done, errors = [], []
+        for c, f in futures:
+            e = f.exception()  # each call is bounded by the client's own HTTP timeout
+            if e is None:
+                done.append(c)
+            else:
+                errors.append((c, e))
+        return done, errors
+
+
+def _raise_first(errors: list[tuple], what: str) -> None:
+    if errors:
+        for c, e in errors[1:]:
+            logger.warning("%s: also could not %s: %s", c.url, what, e)
+        raise errors[0][1]
+
+
+def discard_session(c) -> None:
+    """Close a failed sync's session without applying it.
+
+    The reference server discards what it staged (``/wsync/abort_weight_update``, a project
+    extension). Real SGLang has no such route: it loads buckets as they arrive, so there is nothing
+    to discard; its session is only closed, and the next publish re-sends every tensor.
+    """
+    try:
+        c.abort_weight_update()
+    except ServerError as e:
+        if e.status != 404:
+            raise
+        c.end_weight_update()
+
+
+def deadline_left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (time.monotonic), at least 0.1."""
+    return max(0.1, deadline - time.monotonic())

@@ -1,0 +1,198 @@
+"""Broadcast: one custom process group from trainer rank 0 to every server rank, one broadcast per bucket.
+
+``begin``: on the first sync (or after a failed one) rank 0 sends ``/init_weights_update_group`` to
+every server concurrently, each with its ``rank_offset``, and joins the group itself as rank 0; then it
+pauses generation and opens the update sessions. ``send``: ``/update_weights_from_distributed`` to every
+server plus an asynchronous broadcast of the bucket (``flattened_bucket``: one broadcast of the flat
+buffer; ``per_tensor``, servers older than SGLang 0.5.6: one per tensor). ``settle``: every server's
+answer and the broadcast, against one deadline. ``commit``: ``/end_weight_update`` (the reference
+server swaps weights and version here), then resume. ``abort``: destroy the group on both sides (the
+reference server drops what it staged), discard the sessions, resume.
+
+Every group gets a fresh name (``<group_name>-<8 hex>``): a group whose destroy failed on some
+server keeps its name there, and must not block the next one.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from bridge.buckets import Bucket
+from bridge.errors import BridgeError, ConfigError, SyncError, SyncTimeout
+from bridge.log import get_logger
+from bridge.process_group import default_backend, destroy_custom_process_group, find_free_port, init_custom_process_group
+from bridge.transports.base import Plan, ServerSessions, Transport, deadline_left
+
+__all__ = ["BroadcastTransport", "is_local"]
+
+logger = get_logger(__name__)
+
+
+def is_local(url: str) -> bool:
+    """True for a loopback URL (the server runs on this host)."""
+    host = urlparse(url if "://" in url else "http://" + url).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class BroadcastTransport(Transport):
+    name = "broadcast"
+
+    def __init__(self, config, servers):
+        super().__init__(config)
+        self.servers = servers
+        self.backend = config.backend or default_backend()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.pg: dist.ProcessGroup | None = None
+        self.group_name: str | None = None
+        self.sessions: ServerSessions | None = None
+        self.load_format = "flattened_bucket"
+        self._inflight = None  # (k, broadcast works, HTTP futures, buffer)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def begin(self, plan: Plan) -> None:
+        self.load_format = self._pick_load_format()
+        t = time.perf_counter()
+        self._ensure_group()
+        plan.phases["group_init"] = time.perf_counter() - t
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
+        self.sessions.open()
+
+    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+
+    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
+        cfg, last = self.config, version is not None
+        fields = bucket.request_fields()
+        futures = self.servers.submit(
+            lambda c: c.update_weights_from_distributed(
+                **fields, group_name=self.group_name,
+                load_format="flattened_bucket" if self.load_format == "flattened_bucket" else None,
+                flush_cache=last, weight_version=str(version) if last else None,
+                timeout=cfg.group_timeout + cfg.http_timeout,
+            )
+        )
+        if self.load_format == "flattened_bucket":
+            works = [dist.broadcast(buf, src=0, group=self.pg, async_op=True)]
+        else:
+            works = [
+                dist.broadcast(buf[o : o + s.nbytes].view(s.dtype).view(s.shape), src=0, group=self.pg, async_op=True)
+                for s, o in zip(bucket.specs, bucket.offsets)
+            ]
+        self._inflight = (k, works, futures, buf)
+
+    def settle(self) -> None:
+        """Wait for every server's answer, then the broadcast, against one deadline."""
+        if self._inflight is None:
+            return
+        (k, works, futures, _), self._inflight = self._inflight, None
+        cfg = self.config
+        bound = cfg.group_timeout + cfg.http_timeout
+        deadline = time.monotonic() + bound
+        errors = []
+        for c, f in zip(self.servers.clients, futures):
+            try:
+                f.result(timeout=deadline_left(deadline))
+            except FutureTimeout:
+                errors.append(f"{c.url}: no answer to bucket {k} within {bound:.0f} s (group_timeout + http_timeout)")
+            except BridgeError as e:
+                errors.append(str(e))
+        if errors:
+            # A server that refused the bucket may not have joined its broadcast: the group is not
+            # trustworthy any more (abort tears it down; the next publish builds a new one).
+            raise SyncError("; ".join(errors))
+        for w in works:
+            try:
+                w.wait(timedelta(seconds=deadline_left(deadline)))
+            except RuntimeError as e:
+                raise SyncError(f"broadcast of bucket {k} failed: {e}") from e
+
+    def commit(self, plan: Plan) -> dict:
+        return {"servers": self.sessions.commit()}
+
+    def abort(self, reason: str) -> str:
+        self._inflight = None
+        self._teardown_group()  # the reference server drops what it staged for this group
+        if self.sessions is None:
+            return ""
+        self.sessions.abort()
+        return self.sessions.serving()
+
+    def close(self) -> None:
+        self._teardown_group()
+        if self.sessions is not None:
+            self.sessions.close()
+
+    # ------------------------------------------------------------------ the group
+
+    def _pick_load_format(self) -> str:
+        wanted = self.config.load_format
+        old = [c.url for c in self.servers.clients if not c.features.flattened_bucket]
+        if wanted == "flattened_bucket" and old:
+            raise ConfigError(f"servers {old} cannot take flattened buckets (SGLang too old); use load_format='per_tensor' or 'auto'")
+        if wanted != "auto":
+            return wanted
+        return "per_tensor" if old else "flattened_bucket"
+
+    def _ensure_group(self) -> None:
+        if self.pg is not None:
+            return
+        cfg, servers = self.config, self.servers
+        address = cfg.master_address or ("127.0.0.1" if all(is_local(u) for u in servers.urls) else _host_ip())
+        port = cfg.master_port or find_free_port("0.0.0.0" if address != "127.0.0.1" else address)
+        name = f"{cfg.group_name}-{uuid.uuid4().hex[:8]}"
+        world_size = servers.world_size()
+        offset_of = dict(zip(servers.urls, servers.rank_offsets()))
+        logger.info("creating weight-update group %s at %s:%d (%s, world size %d)", name, address, port, self.backend, world_size)
+        deadline = time.monotonic() + cfg.group_timeout + cfg.http_timeout
+        futures = servers.submit(
+            lambda c: c.init_weights_update_group(
+                master_address=address, master_port=port, rank_offset=offset_of[c.url], world_size=world_size,
+                group_name=name, backend=self.backend, timeout=cfg.group_timeout,
+            )
+        )
+        try:
+            pg = init_custom_process_group(
+                master_address=address, master_port=port, world_size=world_size, rank=0,
+                group_name=name, backend=self.backend, timeout=cfg.group_timeout,
+            )
+        except SyncTimeout as e:
+            failed = [f"{c.url}: {f.exception()}" for c, f in zip(servers.clients, futures) if f.done() and f.exception()]
+            missing = [c.url for c, f in zip(servers.clients, futures) if not f.done()]
+            raise SyncTimeout(
+                f"servers did not join the weight-update group within group_timeout={cfg.group_timeout:g} s: "
+                f"{'; '.join(failed) or missing or '?'} ({e})"
+            ) from e
+        self.pg, self.group_name = pg, name
+        for c, f in zip(servers.clients, futures):
+            try:
+                f.result(timeout=deadline_left(deadline))
+            except FutureTimeout:
+                raise SyncTimeout(f"{c.url}: no answer to init_weights_update_group within "
+                                  f"{cfg.group_timeout + cfg.http_timeout:.0f} s (group_timeout + http_timeout)") from None
+
+    def _teardown_group(self) -> None:
+        """Destroy the group here and ask the servers to drop theirs (best effort, bounded)."""
+        pg, name, self.pg, self.group_name = self.pg, self.group_name, None, None
+        if pg is None:
+            return
+        destroy_custom_process_group(pg)
+        for c in self.servers.clients:
+            try:
+                if c.features.destroy_group:
+                    c.destroy_weights_update_group(group_name=name)
+            except BridgeError as e:
+                logger.debug("destroy_weights_update_group on %s: %s", c.url, e)
+
+
+def _host_ip() -> str:
+    """This host's address as other hosts see it (set ``master_address`` when this guess is wrong)."""
+    return socket.gethostbyname(socket.gethostname())
