@@ -7,10 +7,11 @@ group of servers:
 1. watches that prefix through the name-resolution backend (etcd watch; the directory backend's stat
    loop), starting with the announcements that already exist (so starting late catches up);
 2. parses each announcement (``Announcement.from_json``) and drops versions not newer than the one
-   loaded; when several are waiting, only the newest is loaded;
+   loaded; when several are waiting, only the newest intact one is loaded;
 3. verifies the snapshot against its manifest and the announced manifest sha256
-   (``verify_snapshot``); a snapshot that fails is refused, logged naming the file, and the servers
-   keep their version;
+   (``verify_snapshot``); a snapshot that fails is refused and logged naming the file, and the next
+   older waiting version is tried instead (so a corrupt newest snapshot never leaves the servers on
+   weights older than an intact announced one);
 4. asks every server concurrently to ``/update_weights_from_disk`` with ``weight_version=str(version)``
    and records, per server, the version it loaded (``status()``);
 5. records the latency from the announcement's ``created_at`` to the first request (``latencies``,
@@ -131,17 +132,16 @@ class DiskWatcher:
 
     def catch_up(self) -> int | None:
         """Load the newest announcement that exists now, if newer than the loaded one; returns the latest."""
-        newest = None
+        found = []
         for key in self.nr.find_subtree(self.prefix):
             try:
                 ann = parse_announcement(self.prefix, key, self.nr.get(key))
             except BridgeError as e:  # deleted meanwhile, or malformed (already logged)
                 log.debug("skipping %s: %s", key, e)
                 continue
-            if ann is not None and (newest is None or ann.version > newest.version):
-                newest = ann
-        if newest is not None:
-            self._load(newest)
+            if ann is not None:
+                found.append(ann)
+        self._load_newest(found)
         return self.latest_version
 
     def run_forever(self) -> None:
@@ -154,14 +154,9 @@ class DiskWatcher:
                     self._cond.wait_for(lambda: self._pending or self._stop.is_set())
                     if self._stop.is_set():
                         return
-                    newest = max(self._pending)
-                    ann = self._pending.pop(newest)
-                    skipped = sorted(self._pending)
+                    waiting = list(self._pending.values())
                     self._pending.clear()
-                if skipped:
-                    log.info("versions %s superseded by version %d before loading; loading only %d",
-                             skipped, newest, newest)
-                self._load(ann)
+                self._load_newest(waiting)
         finally:
             self._watch.cancel()
 
@@ -198,20 +193,33 @@ class DiskWatcher:
             self._pending[ann.version] = ann
             self._cond.notify_all()
 
-    def _load(self, ann: Announcement) -> bool:
+    def _load_newest(self, anns: list[Announcement]) -> None:
+        """Load the newest of ``anns`` whose snapshot is intact; the older ones are superseded by it."""
+        newest_first = sorted(anns, key=lambda a: a.version, reverse=True)
+        for i, ann in enumerate(newest_first):
+            if self._load(ann) != "corrupt":
+                skipped = [a.version for a in newest_first[i + 1 :]]
+                if skipped:
+                    log.info("versions %s superseded by version %d before loading", sorted(skipped), ann.version)
+                return
+
+    def _load(self, ann: Announcement) -> str:
+        """Verify and load one version: ``"loaded"``, ``"failed"`` (no server took it), ``"corrupt"`` (refused
+        by verification, now or before) or ``"stale"`` (not newer than the loaded version)."""
         with self._load_lock:
             v = ann.version
             with self._cond:
                 if self._latest is not None and v <= self._latest:
-                    return False
+                    return "stale"
             if (v, ann.manifest_sha256) in self._rejected:
-                return False
+                return "corrupt"
             try:
                 verify_snapshot(ann.path, ann.manifest_sha256)
             except SnapshotError as e:
                 self._rejected.add((v, ann.manifest_sha256))
-                log.error("refusing version %d: %s; the servers keep version %s", v, e, self.latest_version)
-                return False
+                log.error("refusing version %d: %s; trying the newest older announced version instead (the servers "
+                          "serve version %s)", v, e, self.latest_version)
+                return "corrupt"
             latency = time.time() - ann.created_at
             t0 = time.perf_counter()
             results = self._send(ann)
@@ -225,7 +233,7 @@ class DiskWatcher:
                         target, v, ann.path, err,
                     )
             if not ok:
-                return False
+                return "failed"
             with self._cond:
                 for target in ok:
                     self._status[target] = v
@@ -242,7 +250,7 @@ class DiskWatcher:
                     self.on_loaded(ann)
                 except Exception:
                     log.exception("on_loaded callback failed for version %d", v)
-            return True
+            return "loaded"
 
     def _send(self, ann: Announcement) -> list[tuple[str, BaseException | None]]:
         if self._apply is not None:

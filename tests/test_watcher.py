@@ -204,3 +204,43 @@ def test_cli_once(tmp_path, trial, capsys):
     assert "no version" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--experiment", "exp"])  # --trial and --server are required
+
+
+def test_a_corrupt_newest_snapshot_falls_back_to_the_newest_intact_one(trial, tmp_path, caplog):
+    """Catching up: versions 1 and 2 intact, 3 corrupt -> version 2 is loaded and 3 reported."""
+    caplog.set_level(logging.ERROR, logger="inference_adapter.watcher")
+    nr = make_name_resolve(f"memory://watch-{uuid.uuid4().hex}")
+    for v in (1, 2):
+        _publish(nr, tmp_path / "snaps", trial, v)
+    _publish(nr, tmp_path / "snaps", trial, 3, corrupt=True)
+    loader = Loader()
+    w = DiskWatcher(nr, "exp", trial, loader)
+    try:
+        assert w.catch_up() == 2 and loader.versions == [2]
+        assert any("refusing version 3" in r.message for r in caplog.records)
+    finally:
+        w.stop()
+        nr.close()
+
+
+def test_a_corrupt_newest_pending_version_falls_back_while_watching(trial, tmp_path, caplog):
+    """Following: while version 1 loads, 2 (intact) and 3 (corrupt) arrive -> 2 is loaded next, 3 reported."""
+    caplog.set_level(logging.ERROR, logger="inference_adapter.watcher")
+    nr = make_name_resolve(f"memory://watch-{uuid.uuid4().hex}")
+    loader = Loader()
+    loader.gate = threading.Event()
+    w = DiskWatcher(nr, "exp", trial, loader)
+    w.start()
+    try:
+        _publish(nr, tmp_path / "snaps", trial, 1)
+        assert loader.entered.wait(30)
+        _publish(nr, tmp_path / "snaps", trial, 2)
+        _publish(nr, tmp_path / "snaps", trial, 3, corrupt=True)
+        assert _until(lambda: sorted(w._pending) == [2, 3])
+        loader.gate.set()
+        assert w.wait_for_version(2, timeout=30) and loader.versions == [1, 2]
+        assert any("refusing version 3" in r.message for r in caplog.records)
+    finally:
+        loader.gate.set()
+        w.stop()
+        nr.close()
