@@ -284,3 +284,75 @@ def test_a_colocated_descriptor_without_pid_is_accepted(client):
     finally:
         os.remove(path)
     assert served(client) == before
+
+
+# ---------------------------------------------------------------------------------------------- 6: disk roots
+
+
+def test_disk_loads_are_confined_to_the_allowed_roots(client, roots):
+    before = served(client)
+    outside = snapshot(roots["outside"], 40)
+    with pytest.raises(ServerError, match="outside the directories this server loads from") as e:
+        client.update_weights_from_disk(outside, weight_version="outside")
+    assert roots["allowed"] in e.value.message and "--disk-root" in e.value.message
+    link = os.path.join(roots["allowed"], "link-out")
+    os.symlink(outside, link)  # inside by name, outside once resolved
+    with pytest.raises(ServerError, match="outside the directories"):
+        client.update_weights_from_disk(link, weight_version="link")
+    assert served(client) == before
+
+
+def test_manifest_entries_that_leave_the_snapshot_are_refused(client, roots):
+    from bridge.snapshot import MANIFEST_NAME
+
+    before = served(client)
+    stolen = snapshot(roots["outside"], 41)  # a file the server must not open, with its manifest entry
+    inside = snapshot(roots["allowed"], 42)
+    with open(os.path.join(inside, MANIFEST_NAME)) as f:
+        manifest = json.load(f)
+    escape = os.path.relpath(os.path.join(stolen, "model.safetensors"), inside)
+    assert escape.startswith("..")
+    manifest["files"][escape] = manifest["files"].pop("model.safetensors")
+    for entry in manifest["tensors"].values():
+        entry["file"] = escape
+    with open(os.path.join(inside, MANIFEST_NAME), "w") as f:
+        json.dump(manifest, f)
+    os.remove(os.path.join(inside, "model.safetensors"))
+    with pytest.raises(ServerError, match="leaves the snapshot directory") as e:
+        client.update_weights_from_disk(inside, weight_version="escape")
+    assert "checksum" not in e.value.message
+    assert served(client) == before
+
+
+def test_a_manifestless_checkpoint_inside_the_roots_still_loads(client, roots, tiny_model_dir):
+    d = os.path.join(roots["allowed"], "plain-hf")
+    shutil.copytree(tiny_model_dir, d)
+    assert client.update_weights_from_disk(d, weight_version="plain")["success"]
+    assert served(client)["version"] == "plain"
+
+
+# ---------------------------------------------------------------------------------------------- 5: bytes that never come
+
+
+def test_an_announced_bucket_whose_bytes_never_come_gives_up_at_its_bound(client, roots):
+    before = served(client)
+    path = snapshot(roots["allowed"], 50)
+    with Trainer([client]) as t:
+        client.begin_weight_update()
+        box = {}
+        th = threading.Thread(target=lambda: box.update(r=t.send([(NORM, torch.ones(128, dtype=torch.bfloat16))],
+                                                                 flattened=True, broadcast=False)))
+        t0 = time.monotonic()
+        th.start()
+        while client.server_info()["internal_states"][0]["receiving_on_group"] != t.group_name:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.02)
+        # A disk update waits only for the receive's bound (2 s here), not the group timeout (20 s).
+        assert client.update_weights_from_disk(path, weight_version="after-stall")["success"]
+        waited = time.monotonic() - t0
+        th.join(timeout=30)
+        [r] = box["r"]
+        assert isinstance(r, ServerError) and "did not arrive within 2" in r.message and "init_weights_update_group" in r.message
+        assert waited < 8, waited
+        assert t.group_name not in client.server_info()["internal_states"][0]["weight_update_groups"]
+    assert served(client)["version"] == "after-stall" != before["version"]
