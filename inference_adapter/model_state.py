@@ -34,7 +34,7 @@ from bridge.tensors import dtype_to_str
 from inference_adapter.errors import RequestError
 from inference_adapter.generation import GenerationMixin
 from inference_adapter.groups import GroupsMixin
-from inference_adapter.weight_updates import WeightUpdateMixin, version_problem
+from inference_adapter.weight_updates import RunClaim, WeightUpdateMixin, version_problem
 
 __all__ = ["ModelState", "RequestError", "load_model"]
 
@@ -130,6 +130,7 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
         served_model_name: str | None = None,
         receive_timeout: float = 10.0,
         disk_roots: list[str] | None = None,
+        allow_version_rollback: bool = False,
     ):
         self.model = model.eval()
         for p in self.model.parameters():
@@ -139,6 +140,7 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
         self.group_timeout = float(group_timeout)
         self.receive_timeout = float(receive_timeout)
         self.disk_roots = _disk_roots(disk_roots)
+        self.allow_version_rollback = bool(allow_version_rollback)
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path
         self._served_model_name = served_model_name
@@ -238,14 +240,19 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
             dtypes = {n: dtype_to_str(self._params[self._aliases.get(n, n)].dtype) for n in wanted}
             return {"weight_version": self._version, "checksums": sums, "dtypes": dtypes}
 
-    def set_version(self, new_version: str, abort_all_requests: bool) -> None:
+    def set_version(self, new_version: str, abort_all_requests: bool, run: RunClaim = RunClaim()) -> None:
         problem = version_problem(new_version, "new_version")
         if problem:
             raise RequestError(f"Failed to update weight version: {problem}.")
-        if abort_all_requests:
-            self.abort_all("Abort by update_weight_version(abort_all_requests=True).")
-        with self._rw.write():
-            self._version = str(new_version)
+        with self._update_lock:
+            problem = self._rollback_problem(new_version, run)
+            if problem:
+                raise RequestError(f"Failed to update weight version: {problem}.")
+            if abort_all_requests:
+                self.abort_all("Abort by update_weight_version(abort_all_requests=True).")
+            self._claim(new_version, run)
+            with self._rw.write():
+                self._version = str(new_version)
         self.log.info("weight version set")
 
     def _swap(self, staged: dict[str, torch.Tensor], version: str | None, model_path: str | None = None) -> None:

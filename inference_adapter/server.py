@@ -77,6 +77,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--disk-root", action="append", default=None, metavar="DIR", dest="disk_roots",
                    help="a directory /update_weights_from_disk may load from (repeat for several; symlinks are "
                         "resolved first). Default: the system temp folder, where wsync writes snapshots by default")
+    p.add_argument("--allow-version-rollback", action="store_true",
+                   help="accept a weight version older than the served one without a new run (SGLang's behaviour); "
+                        "by default that needs wsync_new_run=true or a new wsync_run_id on the request")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health*")
     p.add_argument("--admin-api-key", default=None, help="control routes (weight updates, pause, flush) accept only this key")
     p.add_argument("--served-model-name", default=None, help="name reported on /model_info (default: the model path)")
@@ -108,6 +111,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
         UpdateWeightsFromTensorReq, UpdateWeightVersionReq, WeightsChecksumReq, describe_validation_error,
     )
     from inference_adapter.errors import RequestError, json_object
+    from inference_adapter.weight_updates import RunClaim
 
     f = state.features
     args = dict(server_args or {})
@@ -153,6 +157,10 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
             return model.model_validate(data)
         except ValidationError as e:
             raise RequestError(describe_validation_error(route, e)) from None
+
+    async def run_claim(request: Request) -> RunClaim:
+        # The project's wsync_run_id / wsync_new_run fields; the request models ignore unknown keys.
+        return RunClaim.from_body(json_object(await request.body(), request.url.path))
 
     def ok(message: str, **extra) -> JSONResponse:
         return JSONResponse({"success": True, "message": message, **extra})
@@ -283,11 +291,12 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         req = await body(request, UpdateWeightsFromDistributedReq, "/update_weights_from_distributed", single_to_batched)
+        run = await run_claim(request)
         msg = await run_in_threadpool(
             lambda: state.update_distributed(
                 names=req.names, dtypes=req.dtypes, shapes=req.shapes, group_name=req.group_name,
                 load_format=req.load_format, weight_version=req.weight_version,
-                abort_all_requests=req.abort_all_requests,
+                abort_all_requests=req.abort_all_requests, run=run,
             )
         )
         return ok(msg)
@@ -295,10 +304,11 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         req = await body(request, UpdateWeightsFromTensorReq, "/update_weights_from_tensor")
+        run = await run_claim(request)
         msg = await run_in_threadpool(
             lambda: state.update_tensor(
                 serialized_named_tensors=req.serialized_named_tensors, load_format=req.load_format,
-                weight_version=req.weight_version, abort_all_requests=req.abort_all_requests,
+                weight_version=req.weight_version, abort_all_requests=req.abort_all_requests, run=run,
             )
         )
         return ok(msg)
@@ -317,9 +327,10 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         req = await body(request, UpdateWeightFromDiskReq, "/update_weights_from_disk")
+        run = await run_claim(request)
         msg = await run_in_threadpool(
             lambda: state.update_disk(model_path=req.model_path, weight_version=req.weight_version,
-                                      abort_all_requests=req.abort_all_requests)
+                                      abort_all_requests=req.abort_all_requests, run=run)
         )
         return ok(msg, num_paused_requests=0)
 
@@ -328,7 +339,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
         if not f.needs_session:
             return not_found()
         await body(request, BeginWeightUpdateReq, "/begin_weight_update")
-        return ok(await run_in_threadpool(state.begin_session))
+        return ok(await run_in_threadpool(state.begin_session, await run_claim(request)))
 
     @app.post("/end_weight_update")
     async def end_weight_update(request: Request):
@@ -341,7 +352,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
         if not f.weight_version:
             return not_found()
         req = await body(request, UpdateWeightVersionReq, "/update_weight_version")
-        await run_in_threadpool(state.set_version, req.new_version, req.abort_all_requests)
+        await run_in_threadpool(state.set_version, req.new_version, req.abort_all_requests, await run_claim(request))
         return ok(f"Weight version updated to {req.new_version}", new_version=req.new_version)
 
     from inference_adapter.bench_routes import register_bench_routes
@@ -383,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     state = ModelState(model, tok, model_path=model_path, tokenizer_path=tok_path, weight_version=args.weight_version,
                        protocol_version=args.protocol_version, group_timeout=args.group_timeout,
                        served_model_name=args.served_model_name, receive_timeout=args.receive_timeout,
-                       disk_roots=args.disk_roots)
+                       disk_roots=args.disk_roots, allow_version_rollback=args.allow_version_rollback)
     n = sum(p.numel() for p in model.parameters())
     state.log.info("loaded %s (%s, %.2f M params, %s) in %.1f s", model_path, type(model).__name__, n / 1e6, args.dtype,
                    time.perf_counter() - t0)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -69,6 +70,7 @@ class _Session:
     requests: int = 0
     owner: tuple[int, str] | None = None
     last_request: float = field(default_factory=time.monotonic)
+    run: RunClaim = field(default_factory=lambda: RunClaim())
 
     def describe(self) -> str:
         who = f"colocated trainer pid {self.owner[0]}" if self.owner else \
@@ -129,6 +131,36 @@ def version_problem(version: str | None, field: str) -> str | None:
             "such as the training step")
 
 
+@dataclass(frozen=True)
+class RunClaim:
+    """What a weight-changing request says about the run it belongs to (project fields, ignored by SGLang).
+
+    ``wsync_run_id``: the publishing run's identity (e.g. ``experiment/trial``); a run id other than the
+    served one starts a new run. ``wsync_new_run``: an explicit reset. Either lets a version go back;
+    without them a version older than the served one is refused (a restarted trainer must not replace
+    newer weights). Versions are ordered only when both are decimal integers.
+    """
+
+    run_id: str | None = None
+    new_run: bool = False
+
+    @classmethod
+    def from_body(cls, data: dict) -> RunClaim:
+        run_id, new_run = data.get("wsync_run_id"), data.get("wsync_new_run", False)
+        if run_id is not None and not isinstance(run_id, str):
+            raise RequestError(f"wsync_run_id must be a string naming the run, got {type(run_id).__name__}")
+        problem = version_problem(run_id, "wsync_run_id")
+        if problem:
+            raise RequestError(problem.replace("a weight version", "a run id"))
+        if not isinstance(new_run, bool):
+            raise RequestError(f"wsync_new_run must be true or false, got {new_run!r}")
+        return cls(run_id, new_run)
+
+
+def _as_int(version: str | None) -> int | None:
+    return int(version) if version is not None and re.fullmatch(r"[0-9]{1,30}", version) else None
+
+
 # Exponent bits of IEEE formats: all ones means Inf or NaN. One integer pass, ~4x cheaper than isfinite.
 _EXPONENT_MASKS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
                    torch.float32: (torch.int32, 0x7F800000)}
@@ -174,15 +206,33 @@ class WeightUpdateMixin:
     def _init_sessions(self) -> None:
         self._session: _Session | None = None
         self._last_session_error: str | None = None
+        self._run_id: str | None = None  # the run (RunClaim.run_id) the served version came from
 
-    def begin_session(self) -> str:
+    def _rollback_problem(self, version: str | None, run: RunClaim) -> str | None:
+        """Caller holds _update_lock: why ``version`` must not replace the served one, or None (see RunClaim)."""
+        if self.allow_version_rollback or run.new_run or (run.run_id is not None and run.run_id != self._run_id):
+            return None
+        old, new = _as_int(self._version), _as_int(version)
+        if old is None or new is None or new >= old:
+            return None
+        which = f"run {self._run_id!r}" if self._run_id is not None else "a run without wsync_run_id"
+        return (f"weight_version {version} is older than the served version {self._version} of {which}; a restarted "
+                "trainer must not replace newer weights. To start a new run on this server, send wsync_new_run=true, or "
+                "a wsync_run_id other than the served run's")
+
+    def _claim(self, version: str | None, run: RunClaim) -> None:
+        """Caller holds _update_lock and is about to serve ``version``: remember the run it came from."""
+        if version is not None and (run.run_id is not None or run.new_run):
+            self._run_id = run.run_id
+
+    def begin_session(self, run: RunClaim = RunClaim()) -> str:
         with self._update_lock:
             if self._session is not None:
                 raise RequestError(
                     f"A weight update session is already open ({self._session.describe()}). If it is yours, finish it "
                     "with end_weight_update(); to discard it without applying anything, call /wsync/abort_weight_update."
                 )
-            self._session, self._last_session_error = _Session(), None
+            self._session, self._last_session_error = _Session(run=run), None
         self.log.info("weight update session opened")
         return "Weight update session started."
 
@@ -193,6 +243,11 @@ class WeightUpdateMixin:
                 why = f" The last session was aborted: {self._last_session_error}" if self._last_session_error else ""
                 raise RequestError(f"No weight update session is open; call begin_weight_update() first.{why}")
             self._session = None
+            problem = self._rollback_problem(s.version, s.run)
+            if problem:
+                self._last_session_error = problem
+                raise RequestError(f"Weight update session aborted, nothing applied: {problem}.")
+            self._claim(s.version, s.run)
             self._swap(s.staged, s.version)
         msg = f"Weight update session ended: {len(s.staged)} tensors from {s.requests} requests applied atomically."
         if s.version is not None:
@@ -232,7 +287,8 @@ class WeightUpdateMixin:
     # ------------------------------------------------------------------ updates
 
     def update_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                           load_format: str | None, weight_version: str | None, abort_all_requests: bool) -> str:
+                           load_format: str | None, weight_version: str | None, abort_all_requests: bool,
+                           run: RunClaim = RunClaim()) -> str:
         """Receive one broadcast request (see the module docstring); returns SGLang's success message."""
         if abort_all_requests:
             self.abort_all("Abort by update_weights_from_distributed(abort_all_requests=True).")
@@ -300,13 +356,14 @@ class WeightUpdateMixin:
                 self._abort_session(problems[0])
                 raise RequestError(f"Failed to update parameter online: {_join(problems)}.{sess}{keep} "
                                    "(The broadcast was received and discarded; the group is still usable.)")
-            return self._stage(received, weight_version, nbytes, t0, group_name)
+            return self._stage(received, weight_version, nbytes, t0, group_name, run)
 
     def _stage(self, received: list[tuple[str, torch.Tensor]], weight_version: str | None, nbytes: int, t0: float,
-               group_name: str | None) -> str:
+               group_name: str | None, run: RunClaim) -> str:
         """Caller holds _update_lock: stage a validated request in the session, or swap it in without one."""
         staged = {n: t for n, t in received if n not in self._aliases}
-        problem = _non_finite_problem(staged)
+        run = self._session.run if self._session is not None else run
+        problem = _non_finite_problem(staged) or self._rollback_problem(weight_version, run)
         if problem:
             sess = " The update session was aborted; nothing it staged was applied." if self._session else ""
             self._abort_session(problem)
@@ -328,6 +385,7 @@ class WeightUpdateMixin:
             if weight_version is not None:
                 msg += f" Weight version {weight_version} is applied with the weights at end_weight_update()."
             return msg
+        self._claim(weight_version, run)
         self._swap(staged, weight_version if self.features.weight_version else None)
         msg = "Succeeded to update parameter online."
         if weight_version is not None and self.features.weight_version:
@@ -335,7 +393,7 @@ class WeightUpdateMixin:
         return msg
 
     def update_tensor(self, *, serialized_named_tensors: list[str], load_format: str | None,
-                      weight_version: str | None, abort_all_requests: bool) -> str:
+                      weight_version: str | None, abort_all_requests: bool, run: RunClaim = RunClaim()) -> str:
         """``/update_weights_from_tensor``: only the project's ``load_format="wsync_shm"`` on this CPU server.
 
         Each entry (one per TP rank; this server has one) is base64 of the JSON object ``{"path", "nbytes",
@@ -387,7 +445,7 @@ class WeightUpdateMixin:
                 raise refuse(str(e)) from None
             if self._session is not None and owner is not None:
                 self._session.owner = owner
-            return self._stage(unflatten_bucket(buf, specs), weight_version, nbytes, t0, None)
+            return self._stage(unflatten_bucket(buf, specs), weight_version, nbytes, t0, None, run)
 
     def _owner(self, pid) -> tuple[int, str] | str | None:
         """A descriptor's ``pid`` as the session's owner ``(pid, start time)``; a string says why it is refused.
@@ -463,7 +521,8 @@ class WeightUpdateMixin:
             out.append((s.name, buf.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)))
         return out
 
-    def update_disk(self, *, model_path: str, weight_version: str | None, abort_all_requests: bool) -> str:
+    def update_disk(self, *, model_path: str, weight_version: str | None, abort_all_requests: bool,
+                    run: RunClaim = RunClaim()) -> str:
         """Load a whole HF checkpoint directory, validate it, then swap; SGLang's success message."""
         if abort_all_requests:
             self.abort_all("Abort by update_weights_from_disk(abort_all_requests=True).")
@@ -472,6 +531,9 @@ class WeightUpdateMixin:
             raise RequestError(f"Failed to update weights: {problem}.")
         with self._update_lock:
             keep = f" Nothing was applied; still serving weight version {self._version}."
+            problem = self._rollback_problem(weight_version, run)
+            if problem:
+                raise RequestError(f"Failed to update weights: {problem}.{keep}")
             t0 = time.perf_counter()
             tensors = _read_checkpoint(model_path, self.disk_roots, keep)
             problems, staged = [], {}
@@ -492,6 +554,7 @@ class WeightUpdateMixin:
                                 f"e.g. {missing[:3]}")
             if problems:
                 raise RequestError(f"Failed to update weights: {model_path}: {_join(problems)}.{keep}")
+            self._claim(weight_version, run)
             self._swap(staged, weight_version if self.features.weight_version else None, model_path=model_path)
             self.log.info("loaded %s from disk in %.2f s", model_path, time.perf_counter() - t0)
         return "Succeeded to update model weights."

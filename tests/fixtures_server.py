@@ -2,7 +2,9 @@
 
 ``ref_server``: the tiny preset speaking SGLang 0.5.23, one per test module. ``server_factory``: starts
 more servers (flags as ``extra_args``), several at once with ``server_factory.many``; everything is
-stopped at module teardown. :class:`Trainer` plays trainer rank 0 of a weight-update group inside the
+stopped at module teardown. Servers accept versions older than the served one
+(``--allow-version-rollback``), since publishers of successive tests restart at version 1; pass
+``strict_versions=True`` for the production behaviour. :class:`Trainer` plays trainer rank 0 of a weight-update group inside the
 test process: it joins the group while the HTTP init runs in a thread, announces each update over HTTP
 and broadcasts the tensors concurrently, as a real trainer does.
 
@@ -37,6 +39,10 @@ def _launch(**kw) -> LaunchedServer:
     extra = list(kw.pop("extra_args", ()))
     if "--group-timeout" not in extra:
         extra += ["--group-timeout", str(GROUP_TIMEOUT)]
+    # A module's server outlives its tests' publishers, whose versions restart at 1: let them go back,
+    # unless the test is about refusing exactly that.
+    if not kw.pop("strict_versions", False):
+        extra += ["--allow-version-rollback"]
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **kw.pop("env", {})}
     return launch_server(extra_args=extra, env=env, ready_timeout=kw.pop("ready_timeout", 240.0), **kw)
 

@@ -1,6 +1,6 @@
 """The reference server refuses what it must not load, and never crashes, freezes or answers 5xx.
 
-One server per module (0.5.23, a 2 s receive bound, one allowed disk root). Each test sends something
+One server per module (0.5.23, a 2 s receive bound, one allowed disk root, versions that may not go back). Each test sends something
 wrong and checks three things: a 4xx that names what was wrong, ``/health`` answering within a second
 throughout, and the served weights and version unchanged afterwards.
 """
@@ -38,7 +38,7 @@ def roots(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def server(server_factory, roots):
-    return server_factory(extra_args=["--disk-root", roots["allowed"], "--receive-timeout", "2"])
+    return server_factory(extra_args=["--disk-root", roots["allowed"], "--receive-timeout", "2"], strict_versions=True)
 
 
 @pytest.fixture(scope="module")
@@ -356,3 +356,42 @@ def test_an_announced_bucket_whose_bytes_never_come_gives_up_at_its_bound(client
         assert waited < 8, waited
         assert t.group_name not in client.server_info()["internal_states"][0]["weight_update_groups"]
     assert served(client)["version"] == "after-stall" != before["version"]
+
+
+# ---------------------------------------------------------------------------------------------- 7: versions across runs
+
+
+def test_an_older_version_is_refused_unless_a_new_run_starts(client, roots):
+    def set_version(v: str, **run) -> requests.Response:
+        return post(client, "/update_weight_version", {"new_version": v, "abort_all_requests": False, **run})
+
+    assert set_version("20", wsync_new_run=True).status_code == 200
+    r = set_version("19")  # a restarted trainer of the same (anonymous) run
+    assert r.status_code == 400 and "older than the served version 20" in message(r) and "wsync_new_run" in message(r)
+    assert set_version("20").status_code == 200  # the same version again is fine
+    assert set_version("3", wsync_run_id="run-a").status_code == 200  # a run id that changes starts a new run
+    r = set_version("2", wsync_run_id="run-a")
+    assert r.status_code == 400 and "run 'run-a'" in message(r) and "wsync_run_id" in message(r)
+    before = served(client)
+    r = post(client, "/update_weights_from_disk", {"model_path": snapshot(roots["allowed"], 60), "weight_version": "1",
+                                                   "wsync_run_id": "run-a"})
+    assert r.status_code == 400 and "older than the served version 3" in message(r)
+    assert served(client) == before
+    # A session: the run is claimed at begin; the bucket carrying the older version is refused.
+    client.begin_weight_update()
+    path, entry = bucket_entry(before_norm(client))
+    try:
+        r = post(client, "/update_weights_from_tensor", {"serialized_named_tensors": [entry], "load_format": "wsync_shm",
+                                                         "weight_version": "2"})
+        assert r.status_code == 400 and "older than the served version 3" in message(r), r.text
+        assert not client.server_info()["internal_states"][0]["update_session_open"]
+        assert post(client, "/begin_weight_update", {"wsync_run_id": "run-b"}).status_code == 200
+        r = post(client, "/update_weights_from_tensor", {"serialized_named_tensors": [entry], "load_format": "wsync_shm",
+                                                         "weight_version": "1"})
+        assert r.status_code == 200, r.text
+        client.end_weight_update()
+    finally:
+        os.remove(path)
+    assert served(client)["version"] == "1"
+    r = post(client, "/update_weight_version", {"new_version": "x", "wsync_run_id": 5})
+    assert r.status_code == 400 and "wsync_run_id" in message(r)
