@@ -13,7 +13,9 @@ between the same two processes over the same group. The order on the trainer: po
 start ``dist.broadcast(buf, src=0, group=pg)`` with a buffer of ``nbytes`` bytes, then wait for both.
 
 The receive holds the server's weight-operation lock, so it never interleaves with a weight update on
-the same group. A broadcast that fails leaves the group unusable: it is destroyed, as a failed
+the same group. It is guarded as a weight update's receive is (:mod:`inference_adapter.wire`): a
+broadcast of another size answers 400 (the group stays usable), and one that fails or does not arrive
+within the receive bound leaves the group unusable: it is destroyed, as a failed
 ``/update_weights_from_distributed`` destroys it. A request the server refuses (unknown group, bad
 size) is answered before anything is received; the trainer must then not broadcast.
 
@@ -82,6 +84,7 @@ def _parse(raw: bytes, cap: int) -> tuple[str, int]:
 def _receive(state, group_name: str, nbytes: int) -> float:
     """Receive and drop one broadcast of ``nbytes`` bytes on ``group_name``; the seconds it took."""
     from inference_adapter.model_state import RequestError
+    from inference_adapter.wire import _recv_bytes, _SizeMismatch, receive_bound
 
     with state._update_lock:
         pg = state._groups.get(group_name)
@@ -89,14 +92,18 @@ def _receive(state, group_name: str, nbytes: int) -> float:
             raise RequestError(f"{RECV_RAW_ROUTE}: group {group_name} not in {sorted(state._groups)}; call "
                                "init_weights_update_group first (nothing was received, so do not broadcast)")
         nccl = group_name in state._nccl_groups
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         state._receiving = group_name
         t0 = time.perf_counter()
         try:
-            dist.broadcast(buf, src=0, group=pg)
-            if nccl:
+            if nccl:  # NCCL needs equal counts on every rank: no slack, as SGLang receives
+                device = torch.device("cuda", torch.cuda.current_device())
+                dist.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=device), src=0, group=pg)
                 torch.cuda.synchronize(device)
+            else:
+                bound = receive_bound(nbytes, state.receive_timeout, state.group_timeout)
+                _recv_bytes(pg, nbytes, nbytes, "the raw broadcast", bound, keep=False)
+        except _SizeMismatch as e:
+            raise RequestError(f"{RECV_RAW_ROUTE}: {e}; nothing was kept and group {group_name} is still usable") from None
         except Exception as e:  # noqa: BLE001 - any receive failure leaves the group unusable
             state._drop_group(group_name, f"a raw bench broadcast on it failed ({e})")
             raise RequestError(f"{RECV_RAW_ROUTE}: the broadcast on group {group_name} failed ({e}); the group was "
@@ -104,7 +111,6 @@ def _receive(state, group_name: str, nbytes: int) -> float:
         finally:
             state._receiving = None
         seconds = time.perf_counter() - t0
-    del buf
     state.log.info("bench: received and dropped a raw broadcast of %d bytes on %s in %.3f s (%.2f GB/s)",
                    nbytes, group_name, seconds, nbytes / max(seconds, 1e-9) / 1e9)
     return seconds

@@ -162,9 +162,10 @@ def _receive_nccl(pg, specs: list[ParamSpec], flattened: bool) -> list[tuple[str
     return out
 
 
-def _recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float) -> torch.Tensor:
+def _recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float, keep: bool = True) -> torch.Tensor | None:
     """Receive one broadcast of ``nbytes`` bytes into a slack buffer; _SizeMismatch if the size differs,
-    _ReceiveTimeout if it has not all arrived after ``timeout`` seconds."""
+    _ReceiveTimeout if it has not all arrived after ``timeout`` seconds. ``keep=False`` drops the bytes
+    (the bench's raw floor) instead of copying them out."""
     buf = _slack_buffer(nbytes)
     lo = max(0, nbytes - _PROBE)
     g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
@@ -182,7 +183,7 @@ def _recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float) -> torch.
         raise _SizeMismatch(f"{what}: the trainer broadcast more than the {nbytes} bytes its names/dtypes/shapes announce")
     if nbytes >= _MIN_UNDER_CHECK and torch.equal(buf[lo:nbytes], pattern[: nbytes - lo]):
         raise _SizeMismatch(f"{what}: the trainer broadcast fewer than the {nbytes} bytes its names/dtypes/shapes announce")
-    return buf[:nbytes].clone()  # the copy lets the reserve's mapping go now
+    return buf[:nbytes].clone() if keep else None  # the copy lets the reserve's mapping go now
 
 
 def _slack_buffer(nbytes: int) -> torch.Tensor:

@@ -395,3 +395,14 @@ def test_an_older_version_is_refused_unless_a_new_run_starts(client, roots):
     assert served(client)["version"] == "1"
     r = post(client, "/update_weight_version", {"new_version": "x", "wsync_run_id": 5})
     assert r.status_code == 400 and "wsync_run_id" in message(r)
+
+
+def test_the_raw_bench_receive_survives_an_oversized_broadcast(client):
+    import torch.distributed as dist
+
+    with Trainer([client]) as t:
+        f = t.pool.submit(post, client, "/wsync/bench/recv_raw", {"group_name": t.group_name, "nbytes": 256})
+        dist.broadcast(torch.ones(1 << 20, dtype=torch.uint8), src=0, group=t.pg)
+        r = f.result(timeout=30)
+        assert r.status_code == 400 and "more than the 256 bytes" in message(r), r.text
+    assert_health_fast(client)
