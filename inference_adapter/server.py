@@ -16,12 +16,24 @@ Routes beyond SGLang's (project extensions, safe to ignore):
     ``{"path": "/dev/shm/...", "nbytes": N, "names": [...], "dtypes": [...], "shapes": [...]}`` naming a
     same-host file that holds one flattened bucket (never a pickle; other load formats answer 400).
     ``/wsync/abort_weight_update`` (POST): discard the open update session without applying anything.
+    The ``wsync_shm`` descriptor may carry ``"pid"``: the trainer's rank-0 process id; if it dies, the open
+    session is discarded and the pause lifted within ~1-2 s.
+    Fields ``wsync_run_id`` (str) and ``wsync_new_run`` (bool) on ``/begin_weight_update``, the update
+    routes and ``/update_weight_version``: without a new run (a run id other than the served run's, or
+    ``wsync_new_run=true``) a version older than the served one is refused; ``--allow-version-rollback``
+    turns that off. Real SGLang ignores these fields.
+
+Refused beyond SGLang (each a 400 naming what was wrong): disk paths outside ``--disk-root``, non-regular
+files, NaN/Inf weights, version labels answers could not carry, bodies nested deeper than 32 levels or
+with NaN literals or lone surrogates. A broadcast bigger than announced is a 400, not a crash, and a
+broadcast whose bytes never come gives up after ``--receive-timeout`` plus its size at 50 MB/s.
 
 Auth follows SGLang: ``--api-key`` protects every route but ``/health*``; with ``--admin-api-key`` the
 control routes (weight updates, pause, flush, debug reads) accept only the admin key.
 
 Blocking work (generation, rendezvous, broadcasts, disk reads) runs in worker threads, so
-``/model_info`` answers while a broadcast is being received.
+``/model_info`` answers while a broadcast is being received; generations have threads of their own, so
+any number of them waiting out a pause never delays a control route.
 """
 
 from __future__ import annotations

@@ -20,9 +20,17 @@ How an update travels:
   handles; CPU tensors cannot cross HTTP, and this server never unpickles anything. It accepts only the
   project extension ``load_format="wsync_shm"``: the entry names a file under /dev/shm (or the temp dir)
   holding one flattened bucket, which is checked like a distributed bucket, copied out and staged in
-  the session. Bad input answers 400, aborts the session and changes nothing.
-* Disk (``update_disk``): the checkpoint is read and checked completely (every served parameter,
-  shapes; dtypes are cast as SGLang casts them) before the swap.
+  the session. Bad input answers 400, aborts the session and changes nothing. A descriptor's ``pid``
+  (the trainer's rank 0) makes that process the session's owner: once it is gone, the watchdog
+  discards the session and lifts the pause (see :class:`_Session`).
+* Disk (``update_disk``): only directories under ``--disk-root`` (symlinks resolved), whose manifest
+  and index name plain files inside them, and only regular files (:func:`_checked_checkpoint_dir`);
+  the checkpoint is then read and checked completely (every served parameter, shapes; dtypes are cast
+  as SGLang casts them) before the swap.
+
+Refused on every path, beyond SGLang: weights holding NaN or Inf (they would make sampling fail on every
+request), version labels that answers cannot carry (:func:`version_problem`), and a version older than
+the served one unless the request starts a new run (:class:`RunClaim`).
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from inference_adapter.wire import (
     receive_bound,
 )
 
-__all__ = ["WeightUpdateMixin"]
+__all__ = ["RunClaim", "WeightUpdateMixin", "version_problem"]
 
 
 @dataclass
@@ -104,7 +112,7 @@ def _process_start(pid: int) -> str | None:
 MAX_VERSION_CHARS = 256
 
 
-def version_problem(version: str | None, field: str) -> str | None:
+def version_problem(version: str | None, field: str, example: str = "the training step") -> str | None:
     """What is wrong with a weight version label, or None if it is fine (or not given).
 
     SGLang takes any string; this server also refuses what would break its own answers or logs: an empty
@@ -127,8 +135,7 @@ def version_problem(version: str | None, field: str) -> str | None:
     if problem is None:
         return None
     shown = version[:40].encode("utf-8", "backslashreplace").decode()
-    return (f"{field} {shown!r} {problem}; a weight version must be 1-{MAX_VERSION_CHARS} printable characters, "
-            "such as the training step")
+    return f"{field} {shown!r} {problem}; send 1-{MAX_VERSION_CHARS} printable characters, such as {example}"
 
 
 @dataclass(frozen=True)
@@ -149,9 +156,9 @@ class RunClaim:
         run_id, new_run = data.get("wsync_run_id"), data.get("wsync_new_run", False)
         if run_id is not None and not isinstance(run_id, str):
             raise RequestError(f"wsync_run_id must be a string naming the run, got {type(run_id).__name__}")
-        problem = version_problem(run_id, "wsync_run_id")
+        problem = version_problem(run_id, "wsync_run_id", example="experiment/trial")
         if problem:
-            raise RequestError(problem.replace("a weight version", "a run id"))
+            raise RequestError(problem)
         if not isinstance(new_run, bool):
             raise RequestError(f"wsync_new_run must be true or false, got {new_run!r}")
         return cls(run_id, new_run)

@@ -406,3 +406,23 @@ def test_the_raw_bench_receive_survives_an_oversized_broadcast(client):
         r = f.result(timeout=30)
         assert r.status_code == 400 and "more than the 256 bytes" in message(r), r.text
     assert_health_fast(client)
+
+
+def test_a_session_with_no_trainer_known_is_discarded_after_the_idle_timeout(server_factory):
+    quick = server_factory(extra_args=["--group-timeout", "2"], strict_versions=True).client
+    before = served(quick)
+    path, entry = bucket_entry(torch.full((128,), 5.0, dtype=torch.bfloat16))  # an older publisher: no pid
+    try:
+        quick.pause_generation("retract")
+        quick.begin_weight_update()
+        assert quick.update_weights_from_tensor([entry], load_format="wsync_shm", weight_version="idle")["success"]
+        t0 = time.monotonic()
+        while quick.server_info()["internal_states"][0]["update_session_open"]:
+            assert time.monotonic() - t0 < 6
+            time.sleep(0.1)
+    finally:
+        os.remove(path)
+    assert not quick.server_info()["internal_states"][0]["paused"]
+    with pytest.raises(ServerError, match="no request came for 2 s"):
+        quick.end_weight_update()
+    assert served(quick) == before
