@@ -153,7 +153,7 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
 
 def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etcd) -> dict:
     from inference_adapter.launcher import launch_server
-    from wsync.launch import torchrun
+    from wsync.launch import start_ranks
 
     size_dir = _mkdir(run_dir, label)
     quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
@@ -175,17 +175,17 @@ def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, et
                     buckets_mb=cfg.bucket_mb, per_tensor_bucket_mb=cfg.per_tensor_bucket_mb, repeats=cfg.repeats,
                     disk=disk, floor_dir=os.path.join(size_dir, "floor"), out=out, timeout=cfg.timeout)
         # The trainer's ranks write to this process's stderr (progress, warnings, tracebacks).
-        trainer = torchrun(cfg.nproc, ["bench", "--_worker-spec", json.dumps(spec)], env=quiet)
+        trainer = start_ranks(cfg.nproc, ["bench", "--_worker-spec", json.dumps(spec)], env=quiet)
         rc = trainer.wait()
-        trainer = None
         if rc != 0 or not os.path.exists(out):
-            raise BridgeError(f"the trainer job exited with code {rc} (its output is above); server log "
-                              f"{server.log_path} ends with:\n{server.log_tail(15)}")
+            raise BridgeError(f"the trainer job failed: {trainer.failure()}; server log {server.log_path} ends "
+                              f"with:\n{server.log_tail(15)}")
         with open(out) as f:
             return json.load(f)
     finally:
         if trainer is not None:
-            _kill_tree(trainer)
+            trainer.terminate()
+            trainer.close()
         for w in watchers or ():
             w.stop()
         if server is not None:
@@ -241,19 +241,6 @@ def _clean_run(run_dir: str, keep: bool) -> None:
 
 def _raise_interrupt(*_):
     raise KeyboardInterrupt()
-
-
-def _kill_tree(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except ProcessLookupError:
-        pass
-    except Exception:  # noqa: BLE001 - it did not stop in time: force it
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _meta(cfg: BenchConfig, sizes: list[dict], seconds: float, etcd: bool) -> dict:

@@ -64,3 +64,88 @@ def test_demo_main_job_end_to_end(tmp_path):
         for url, served in s["servers"].items():
             assert served["version"] == str(s["step"])
             assert served["answer"] == s["trainer_answer"]
+
+
+def last_line(out: subprocess.CompletedProcess) -> str:
+    return (out.stdout + out.stderr).strip().splitlines()[-1]
+
+
+def test_flags_are_checked_before_any_rank_starts():
+    for value in ("0", "-1"):
+        out = wsync("train", "--publish", "disk", "--bucket-mb", value, timeout=60)
+        assert out.returncode == 2
+        assert last_line(out) == f"wsync train: error: --bucket-mb must be a positive number of MiB, got {value}"
+        assert "engine ready" not in out.stderr  # refused before the ranks loaded a model
+    out = wsync("demo", "--bucket-mb", "0", timeout=60)
+    assert out.returncode == 2 and "--bucket-mb must be a positive" in last_line(out)
+
+
+def test_debug_brings_tracebacks_back():
+    out = wsync("train", "--publish", "disk", "--bucket-mb", "0", "--debug", timeout=60)
+    assert out.returncode == 2 and "Traceback" in out.stderr
+    assert last_line(out).startswith("wsync train: error: --bucket-mb")
+
+
+def test_train_help_shows_where_disk_state_lives():
+    from bridge.name_resolve import DEFAULT_URL
+    from bridge.publisher import default_snapshot_root
+
+    text = " ".join(wsync("train", "--help").stdout.split())
+    assert f"(default: {DEFAULT_URL})" in text and f"(default: {default_snapshot_root()})" in text
+
+
+def test_serve_on_a_taken_port_says_so_before_loading(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = wsync("serve", "--preset", "tiny", "--port", str(port), timeout=60)
+    assert out.returncode == 2
+    assert last_line(out).startswith(f"wsync serve: error: cannot listen on 127.0.0.1:{port}")
+    assert "--port" in last_line(out) and "loaded" not in out.stderr
+
+
+def test_watch_fails_with_one_line_when_etcd_is_unreachable():
+    from bridge.process_group import find_free_port
+
+    url = f"etcd://127.0.0.1:{find_free_port()}?retry_deadline=1"
+    out = wsync("watch", "--name-resolve", url, "--server", "http://127.0.0.1:9", timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert last_line(out).startswith("wsync watch: error: the watcher stopped: etcd")
+    assert "is etcd running" in last_line(out)
+
+
+def test_watch_once_says_why_nothing_was_loaded(tmp_path):
+    out = wsync("watch", "--once", "--name-resolve", f"file://{tmp_path}/nr", "--server", "http://127.0.0.1:9",
+                timeout=60)
+    assert out.returncode == 1
+    assert last_line(out).startswith("wsync watch: error: no version announced yet for default/trial0")
+
+
+@pytest.mark.slow
+def test_rerunning_disk_training_continues_the_version_numbers(tmp_path):
+    disk = ["--nproc", "1", "--publish", "disk", "--name-resolve", f"file://{tmp_path}/nr",
+            "--snapshot-root", str(tmp_path / "snap")]
+    first = wsync("train", "--steps", "1", *disk)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = wsync("train", "--steps", "1", *disk)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "publishing versions 2..2" in again.stdout
+    assert "published v2" in again.stdout.strip().splitlines()[-1]
+    refused = wsync("train", "--steps", "1", "--start-version", "1", *disk, timeout=60)
+    assert refused.returncode == 2
+    assert "pass --start-version 3" in last_line(refused) and last_line(refused).startswith("wsync train: error:")
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_error_is_one_line_not_a_torchrun_report():
+    # Nothing listens on port 9: every rank fails the same way in its first publish.
+    out = wsync("train", "--steps", "1", "--publish", "broadcast", "--server", "http://127.0.0.1:9",
+                "--start-version", "1")
+    assert out.returncode == 1
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text and "ChildFailedError" not in text
+    assert [l for l in text.splitlines() if "error:" in l] == [last_line(out)]
+    assert last_line(out).startswith("wsync train: error: http://127.0.0.1:9")

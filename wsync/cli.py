@@ -27,6 +27,8 @@ custom process group (NCCL on GPU, gloo on CPU), or by HF snapshots on disk anno
 resolution (etcd, or a directory). Everything runs on CPU; real SGLang is driven the same way on GPU.
 
 Start with:  wsync demo            (no GPU, no etcd, nothing downloaded)
+
+A failure ends with one line naming the cause and the fix; --debug (or WSYNC_DEBUG=1) prints tracebacks.
 """
 
 
@@ -44,8 +46,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 def _command_parser(name: str, help_: str, parent=None) -> argparse.ArgumentParser:
     kwargs = dict(description=help_, formatter_class=_HelpFormatter)
     if parent is None:
-        return argparse.ArgumentParser(prog=f"wsync {name}", **kwargs)
-    return parent.add_parser(name, help=help_, **kwargs)
+        p = argparse.ArgumentParser(prog=f"wsync {name}", **kwargs)
+    else:
+        p = parent.add_parser(name, help=help_, **kwargs)
+    p.add_argument("--debug", action="store_true",
+                   help="print tracebacks with errors, in this process and the ones it starts (or set WSYNC_DEBUG=1)")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,10 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:
-        from wsync.launch import ARGV_ENV
+    from wsync.launch import ARGV_ENV, DEBUG_ENV
 
-        # A rank started by wsync.launch.torchrun gets its arguments from the environment.
+    if argv is None:
+        # A rank started by wsync.launch.start_ranks gets its arguments from the environment.
         rank_process = ARGV_ENV in os.environ
         argv = json.loads(os.environ.pop(ARGV_ENV)) if rank_process else sys.argv[1:]
         if rank_process:
@@ -72,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     # Library progress bars ("Loading weights", "Writing model shards") drown the project's own output;
     # set before transformers is imported, and inherited by every process the command starts.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "--debug" in argv:
+        os.environ[DEBUG_ENV] = "1"  # inherited by every process the command starts
     if argv and argv[0] in COMMANDS and not {"-h", "--help"} & set(argv):
         # Build only the parser of the command that runs.
         name = argv[0]
@@ -87,18 +95,42 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         mod = importlib.import_module(args._module)
-    from bridge.errors import BridgeError
     from bridge.log import setup_logging
 
     setup_logging(getattr(args, "log_level", None))
     try:
         return int(mod.run(args) or 0)
-    except BridgeError as e:
-        print(f"wsync {argv[0]}: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(f"wsync {argv[0]}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        _report(argv[0], e)
+        from bridge.errors import ConfigError
+
+        return 2 if isinstance(e, ConfigError) else 1  # 2: a flag or setting is wrong, as argparse's usage errors
+
+
+def _report(command: str, e: Exception) -> None:
+    """End a failed command with one line naming the cause (and, for the project's errors, the fix).
+
+    In a rank, the line goes to the command that started the ranks, which reports each distinct one once.
+    With --debug / WSYNC_DEBUG=1 the traceback is printed as well.
+    """
+    import traceback
+
+    from bridge.errors import BridgeError
+    from wsync.launch import debug_enabled, report_rank_error
+
+    if isinstance(e, BridgeError):
+        message = str(e)
+    else:  # not raised on purpose: its message may not say what to do
+        message = f"{type(e).__name__}: {e} (unexpected; rerun with --debug for the traceback)"
+    if debug_enabled():
+        traceback.print_exc()
+    if report_rank_error(message):
+        return
+    for line in message.splitlines() or [type(e).__name__]:
+        print(f"wsync {command}: error: {line}", file=sys.stderr, flush=True)
 
 
 def _exit_now(code: int) -> int:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
-import sys
 import tempfile
-import time
 
-from wsync.launch import torchrun, under_torchrun
+from bridge.errors import BridgeError, ConfigError, SyncError
+from wsync.launch import start_ranks, under_torchrun
 from wsync.train import add_model_arguments
 
 
@@ -36,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="FSDP ranks of the trainer")
     p.add_argument("--name-resolve", metavar="URL",
                    help="name resolution for the disk transport: etcd://host:port, file:///path (default: a directory in the work folder)")
-    p.add_argument("--workdir", metavar="DIR", help="folder for the model, snapshots, logs (default: a new temp folder)")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="folder for the model, snapshots, logs, kept afterwards (default: a new temp folder, deleted "
+                        "at the end unless the demo failed)")
     p.add_argument("--json", metavar="PATH", help="write every step's facts as JSON here")
     p.add_argument("--lr", type=float, default=1e-2, help="learning rate")
     p.add_argument("--batch-size", type=int, default=32, help="global batch size")
@@ -61,18 +63,22 @@ def _driver(args: argparse.Namespace) -> int:
     from bridge.presets import make_model_dir
     from inference_adapter.launcher import launch_server
 
-    if args.steps < 1 or args.servers < 1 or args.nproc < 1:
-        print("wsync demo: --steps, --servers and --nproc must be >= 1", file=sys.stderr)
-        return 2
+    for flag in ("steps", "servers", "nproc", "batch_size", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.bucket_mb is not None and not args.bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
+    temporary = args.workdir is None
     workdir = args.workdir or tempfile.mkdtemp(prefix="wsync-demo-")
     os.makedirs(workdir, exist_ok=True)
     model_dir = args.model or make_model_dir(os.path.join(workdir, "model"), args.preset or "tiny")
     name_resolve = args.name_resolve or f"file://{os.path.join(workdir, 'name_resolve')}"
-    print(f"wsync demo: work folder {workdir}", flush=True)
+    print(f"wsync demo: work folder {workdir}"
+          + (" (deleted at the end unless the demo fails; --workdir DIR keeps it)" if temporary else ""), flush=True)
     print(f"  model {model_dir}\n  transport {args.transport}, {args.servers} server(s), {args.nproc} trainer ranks"
           + (f", name resolution {name_resolve}" if args.transport in ("disk", "both", "all") else ""), flush=True)
 
-    servers, watcher, trainer = [], None, None
+    servers, watcher, trainer, failed = [], None, None, True
     old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for i in range(args.servers):
@@ -90,34 +96,23 @@ def _driver(args: argparse.Namespace) -> int:
             bucket_mb=args.bucket_mb, serving_dtype=args.serving_dtype, max_new_tokens=args.max_new_tokens,
             json=os.path.abspath(args.json) if args.json else None, log_level=args.log_level,
         )
-        trainer = torchrun(args.nproc, ["demo", "--_trainer-spec", json.dumps(spec)],
-                           env={"WSYNC_LOG_LEVEL": args.log_level})
-        rc = trainer.wait()
-        trainer = None
-        if rc != 0:
-            print(f"wsync demo: FAILED (trainer exited with {rc})", file=sys.stderr)
-        return rc
-    except KeyboardInterrupt:
-        print("\nwsync demo: interrupted; stopping everything", file=sys.stderr)
-        return 130
+        trainer = start_ranks(args.nproc, ["demo", "--_trainer-spec", json.dumps(spec)],
+                              env={"WSYNC_LOG_LEVEL": args.log_level})
+        if trainer.wait() != 0:
+            raise BridgeError(f"{trainer.failure()} (servers' logs are in {workdir})")
+        failed = False
+        return 0
     finally:
         signal.signal(signal.SIGTERM, old)
         if trainer is not None:
-            _kill_tree(trainer)
+            trainer.terminate()
+            trainer.close()
         if watcher is not None:
             watcher.stop()
         for s in servers:
             s.stop()
-
-
-def _kill_tree(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, OSError):
-        pass
-    except Exception:
-        os.killpg(proc.pid, signal.SIGKILL)
+        if temporary and not failed:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _start_watcher(name_resolve: str, urls: list[str]):
@@ -192,7 +187,10 @@ def _trainer_main(spec: dict) -> int:
     if dist.is_initialized():
         dist.broadcast_object_list(ok_all, src=0)
     engine.destroy()
-    return 0 if ok_all[0] else 1
+    if not ok_all[0]:
+        raise SyncError("a server served another version or answer than the trainer's (the rows marked NO above); "
+                        "the servers' logs are in the work folder")
+    return 0
 
 
 def _trainer_answer(engine, spec: dict) -> str | None:

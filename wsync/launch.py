@@ -1,26 +1,162 @@
-"""Start the trainer's ranks: re-run the current ``wsync`` command under torchrun when needed."""
+"""Start a command's trainer ranks on this machine, and turn their failure into one line.
+
+The ranks are plain processes with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...,
+a static world on loopback), so the code inside them is exactly what runs under torchrun. They are
+started directly rather than through the torchrun command so that a failure reads as the ranks' own
+error, once: a rank that fails writes its one-line error into the job's error folder instead of
+printing it, and the command that started the job raises the ranks' distinct errors, while torchrun
+would print the error once per rank and then ~35 lines of its own ``ChildFailedError`` report.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
-__all__ = ["ARGV_ENV", "under_torchrun", "torchrun"]
+__all__ = ["ARGV_ENV", "DEBUG_ENV", "RankJob", "debug_enabled", "report_rank_error", "run_ranks", "start_ranks",
+           "under_torchrun"]
 
 ARGV_ENV = "WSYNC_RANK_ARGV"
+ERROR_DIR_ENV = "WSYNC_RANK_ERROR_DIR"
+DEBUG_ENV = "WSYNC_DEBUG"
 
 
 def under_torchrun() -> bool:
+    """True in a rank process (started here, by torchrun, or by any launcher that sets RANK and WORLD_SIZE)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def torchrun(nproc: int, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-    """Start ``python -m wsync.cli ARGV`` on ``nproc`` local ranks with torchrun (standalone rendezvous)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "wsync.cli"]
-    # The ranks' arguments travel in the environment: torchrun would take flags such as --nproc for its own.
-    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}),
-                ARGV_ENV: json.dumps(list(argv))}
-    # Start in a new session so Ctrl-C handling and cleanup can signal the whole rank tree.
-    return subprocess.Popen(cmd, env=full_env, start_new_session=True)
+def debug_enabled() -> bool:
+    """``--debug`` or ``WSYNC_DEBUG=1``: print tracebacks instead of one-line errors."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def report_rank_error(message: str) -> bool:
+    """In a rank started by :func:`start_ranks`: hand ``message`` to the starting command; False elsewhere."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder or not under_torchrun():
+        return False
+    with open(os.path.join(folder, f"rank{os.environ['RANK']}"), "w") as f:
+        f.write(message)
+    return True
+
+
+class RankJob:
+    """The ranks of one job. ``pid`` is their process group's id (``os.killpg`` stops every rank)."""
+
+    def __init__(self, procs: list[subprocess.Popen], error_dir: str) -> None:
+        self.procs, self.error_dir = procs, error_dir
+        self.pid = procs[0].pid
+        self.returncode: int | None = None
+
+    def wait(self, grace: float = 10.0) -> int:
+        """Wait until every rank exited; when one fails, stop the others. Returns the first failure's code."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or None not in codes:
+                break
+            time.sleep(0.05)
+        if failed:
+            self._stop_others(grace)
+        self.returncode = failed[0] if failed else 0
+        return self.returncode
+
+    def errors(self) -> list[str]:
+        """The ranks' distinct error lines, rank 0's first; a rank that died without one is described."""
+        out: list[str] = []
+        for rank, p in enumerate(self.procs):
+            path = os.path.join(self.error_dir, f"rank{rank}")
+            if os.path.exists(path):
+                with open(path) as f:
+                    line = f.read().strip()
+            elif p.returncode not in (None, 0) and p.returncode < 0 and p.returncode != -signal.SIGTERM:
+                line = f"trainer rank {rank} was killed by signal {signal.Signals(-p.returncode).name}"
+            else:
+                continue
+            if line and line not in out:
+                out.append(line)
+        return out
+
+    def failure(self) -> str:
+        """One message for a failed job: the ranks' distinct errors, or a pointer to their output."""
+        return "\n".join(self.errors()) or (
+            f"a trainer rank exited with code {self.returncode} without an error message (its output is above); "
+            f"rerun with --debug for tracebacks")
+
+    def terminate(self) -> None:
+        """Stop every rank (SIGTERM to the group, SIGKILL after 10 s)."""
+        self._signal(signal.SIGTERM)
+        self._stop_others(10.0)
+
+    def close(self) -> None:
+        """Delete the error folder (after :meth:`failure` was read)."""
+        shutil.rmtree(self.error_dir, ignore_errors=True)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _stop_others(self, grace: float) -> None:
+        # Ranks blocked in a collective wait for the failed one until their group timeout: stop them now.
+        if any(p.poll() is None for p in self.procs):
+            self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                p.wait()
+
+
+def start_ranks(nproc: int, argv: list[str], env: dict | None = None) -> RankJob:
+    """Start ``python -m wsync ARGV`` as ``nproc`` local ranks of one static world (torchrun's environment)."""
+    from bridge.process_group import find_free_port
+
+    error_dir = tempfile.mkdtemp(prefix="wsync-rank-errors-")
+    base = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}),
+            ARGV_ENV: json.dumps(list(argv)), ERROR_DIR_ENV: error_dir,
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_WORLD_SIZE": str(nproc)}
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(nproc):
+            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            # All ranks in one new process group (rank 0's): Ctrl-C at a terminal reaches only the
+            # command, which stops the ranks; os.killpg(job.pid) reaches every rank.
+            group = procs[0].pid if procs else 0
+            procs.append(subprocess.Popen([sys.executable, "-m", "wsync"], env=rank_env, process_group=group))
+    except BaseException:
+        job = RankJob(procs, error_dir)
+        job.terminate()
+        job.close()
+        raise
+    return RankJob(procs, error_dir)
+
+
+def run_ranks(nproc: int, argv: list[str], env: dict | None = None) -> None:
+    """Run a rank job to its end; stop it on Ctrl-C.
+
+    Raises:
+        BridgeError: a rank failed; the message is the ranks' distinct one-line errors.
+    """
+    from bridge.errors import BridgeError
+
+    job = start_ranks(nproc, argv, env)
+    try:
+        if job.wait() != 0:
+            raise BridgeError(job.failure())
+    except KeyboardInterrupt:
+        job.terminate()
+        raise
+    finally:
+        job.close()

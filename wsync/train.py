@@ -1,15 +1,21 @@
 """``wsync train``: train with the FSDP2 engine on the synthetic reversal task, publishing as it goes.
 
-Run without torchrun, it starts ``--nproc`` local ranks itself (torchrun, standalone rendezvous); under
-torchrun it is one of those ranks. Every step prints loss, grad norm and learning rate (rank 0).
+Run as a command, it checks every flag, picks the first version to publish, then starts ``--nproc``
+local ranks (torchrun's environment) and reports their failure as one line; under torchrun it is one of
+those ranks. Every step prints loss, grad norm and learning rate (rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import os
+import tempfile
 
-from wsync.launch import torchrun, under_torchrun
+from bridge.errors import ConfigError
+from wsync.launch import run_ranks, under_torchrun
+
+# The publisher's default snapshot folder (bridge.publisher.default_snapshot_root), shown in --help.
+_DEFAULT_SNAPSHOT_ROOT = os.path.join(tempfile.gettempdir(), "wsync-snapshots")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,31 +43,104 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--publish", default="none", choices=["none", "broadcast", "disk"],
                    help="publish the weights after every step by this transport")
     p.add_argument("--server", action="append", default=[], metavar="URL", help="server to publish to (repeat for several)")
-    p.add_argument("--name-resolve", metavar="URL", help="disk transport: etcd://host:port, file:///path or memory://")
-    p.add_argument("--snapshot-root", metavar="DIR", help="disk transport: where version directories are written")
+    p.add_argument("--api-key", help="the servers' --api-key (bearer key of their routes)")
+    p.add_argument("--admin-api-key", help="the servers' --admin-api-key (bearer key of their weight-update routes)")
+    from bridge.name_resolve import DEFAULT_URL
+
+    p.add_argument("--name-resolve", metavar="URL", default=DEFAULT_URL,
+                   help="disk transport: where versions are announced: etcd://host:port, file:///path or memory://")
+    p.add_argument("--snapshot-root", metavar="DIR", default=_DEFAULT_SNAPSHOT_ROOT,
+                   help="disk transport: where version directories are written")
     p.add_argument("--experiment", default="default", help="experiment name in announcement keys")
     p.add_argument("--trial", default="trial0", help="trial name in announcement keys")
+    p.add_argument("--start-version", type=int, metavar="N",
+                   help="version of the first publish (default: one past the newest version already announced "
+                        "for --experiment/--trial (disk) or served (broadcast), else 1)")
     p.add_argument("--bucket-mb", type=float, help="broadcast bucket size in MiB (default: 32 on CPU, 512 on GPU)")
     p.add_argument("--serving-dtype", default="bfloat16", help="dtype the servers serve; weights are cast on the way")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO; env WSYNC_LOG_LEVEL)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc < 1 or args.steps < 1:
-        print("wsync train: --nproc and --steps must be >= 1", file=sys.stderr)
-        return 2
+    if under_torchrun():
+        return _rank_main(args)
+    check_arguments(args)
+    if args.publish != "none":
+        args.start_version = _first_version(args)
+    run_ranks(args.nproc, ["train", *_argv_of(args)])
+    return 0
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad flags before any rank starts (a rank would fail only after loading the model).
+
+    Raises:
+        ConfigError: names the flag, what was wrong and what to pass.
+    """
+    for flag in ("nproc", "steps", "batch_size", "mb_max_tokens"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup_steps < 0:
+        raise ConfigError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if not args.lr > 0:
+        raise ConfigError(f"--lr must be positive, got {args.lr}")
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise ConfigError(f"--model {args.model} is not an HF model directory (no config.json); "
+                          f"make one with `wsync make-model DIR` or pass --preset")
+    if args.start_version is not None and args.start_version < 1:
+        raise ConfigError(f"--start-version must be >= 1, got {args.start_version}")
+    if args.publish == "none":
+        return
     if args.publish == "broadcast" and not args.server:
-        print("wsync train: --publish broadcast needs at least one --server URL (start one with `wsync serve`)",
-              file=sys.stderr)
-        return 2
-    if not under_torchrun():
-        proc = torchrun(args.nproc, ["train", *_argv_of(args)])
+        raise ConfigError("--publish broadcast needs at least one --server URL (start one with `wsync serve`)")
+    if args.bucket_mb is not None and not args.bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
+    publisher_config(args, args.server)  # checks --bucket-mb, --serving-dtype, the URLs' form
+    if args.publish == "disk":
+        from bridge.name_resolve import make_name_resolve
+
+        make_name_resolve(args.name_resolve).close()  # checks the URL (and that etcd's client loads)
+
+
+def _first_version(args: argparse.Namespace) -> int:
+    """``--start-version``, or one past the newest version of this run's target, else 1.
+
+    A rerun of the same command then continues where the last run stopped, saying so, instead of
+    failing on "version 1 is older than version 5 already announced".
+
+    Raises:
+        ConfigError: ``--start-version`` is not past the newest version already there.
+    """
+    newest, where = _newest_version(args)
+    if newest is None:
+        return args.start_version or 1
+    if args.start_version is None:
+        print(f"wsync train: version {newest} is already {where}; publishing versions {newest + 1}.."
+              f"{newest + args.steps} (pass --start-version N to choose, or a new --trial to start at 1)", flush=True)
+        return newest + 1
+    if args.start_version <= newest:
+        raise ConfigError(f"--start-version {args.start_version}: version {newest} is already {where} and versions "
+                          f"must increase; pass --start-version {newest + 1} (or leave it out to continue there), "
+                          f"or a new --trial")
+    return args.start_version
+
+
+def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
+    """The newest version announced for the run's experiment/trial (disk) or served (broadcast), and where."""
+    if args.publish == "disk":
+        from bridge import VersionSubscriber
+
+        sub = VersionSubscriber(args.name_resolve, args.experiment, args.trial)
         try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()
-            return 130
-    return _rank_main(args)
+            latest = sub.latest()
+        finally:
+            sub.close()
+        return (latest and latest.version), f"announced for {args.experiment}/{args.trial} in {args.name_resolve}"
+    from bridge import ServerGroup
+
+    with ServerGroup(args.server, api_key=args.api_key) as servers:
+        served = [int(v) for v in servers.weight_versions().values() if v.isdigit()]
+    return max(served, default=None), "served by " + ", ".join(args.server)
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
@@ -97,16 +176,24 @@ def build_engine(args: argparse.Namespace):
     return engine
 
 
-def build_publisher(args: argparse.Namespace, servers: list[str]):
-    from bridge import PublisherConfig, WeightPublisher
+def publisher_config(args: argparse.Namespace, servers: list[str]):
+    """The :class:`bridge.PublisherConfig` the flags describe (its checks raise ``ConfigError``)."""
+    from bridge import PublisherConfig
 
     kw = dict(
         transport=args.publish, servers=servers, experiment=args.experiment, trial=args.trial,
         name_resolve=args.name_resolve, snapshot_root=args.snapshot_root, serving_dtype=args.serving_dtype,
+        api_key=args.api_key,
     )
-    if args.bucket_mb:
+    if args.bucket_mb is not None:
         kw["bucket_mb"] = args.bucket_mb
-    return WeightPublisher(PublisherConfig(**kw))
+    return PublisherConfig(**kw)
+
+
+def build_publisher(args: argparse.Namespace, servers: list[str]):
+    from bridge import WeightPublisher
+
+    return WeightPublisher(publisher_config(args, servers))
 
 
 def _rank_main(args: argparse.Namespace) -> int:
@@ -122,7 +209,7 @@ def _rank_main(args: argparse.Namespace) -> int:
             line = (f"step {step}/{args.steps}  loss {stats['loss']:.4f}  grad_norm {stats['grad_norm']:.3f}  "
                     f"lr {stats['lr']:.2e}{'' if stats['update_successful'] else '  (step skipped: non-finite grad norm)'}")
             if publisher is not None:
-                res = publisher.publish(engine, version=step)
+                res = publisher.publish(engine, version=(args.start_version or 1) + step - 1)
                 line += f"  | published v{res.version}: {res.bytes / 2**20:.1f} MiB in {res.seconds:.2f} s ({res.gbps:.2f} GB/s)"
             if engine.rank == 0:
                 print(line, flush=True)
