@@ -165,7 +165,7 @@ def _receive_nccl(pg, specs: list[ParamSpec], flattened: bool) -> list[tuple[str
 def _recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float, keep: bool = True) -> torch.Tensor | None:
     """Receive one broadcast of ``nbytes`` bytes into a slack buffer; _SizeMismatch if the size differs,
     _ReceiveTimeout if it has not all arrived after ``timeout`` seconds. ``keep=False`` drops the bytes
-    (the bench's raw floor) instead of copying them out."""
+    (the bench's raw floor) instead of copying them out. Callers hold the server's update lock."""
     buf = _slack_buffer(nbytes)
     lo = max(0, nbytes - _PROBE)
     g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
@@ -175,28 +175,44 @@ def _recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float, keep: boo
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
+        _drop_reserve()  # gloo may still write into it
         if "timed out" not in str(e).lower():
             raise
         raise _ReceiveTimeout(f"{what}: the {nbytes} announced bytes did not arrive within {timeout:g} s (the receive "
                               "bound: --receive-timeout plus the size at 50 MB/s)") from None
     if not torch.equal(buf[nbytes : nbytes + _PROBE], pattern[nbytes - lo :]):
+        _drop_reserve()  # give back the memory the extra bytes took
         raise _SizeMismatch(f"{what}: the trainer broadcast more than the {nbytes} bytes its names/dtypes/shapes announce")
     if nbytes >= _MIN_UNDER_CHECK and torch.equal(buf[lo:nbytes], pattern[: nbytes - lo]):
         raise _SizeMismatch(f"{what}: the trainer broadcast fewer than the {nbytes} bytes its names/dtypes/shapes announce")
-    return buf[:nbytes].clone() if keep else None  # the copy lets the reserve's mapping go now
+    return buf[:nbytes].clone() if keep else None  # copied out: the buffer is reused by the next receive
+
+
+_reserve: torch.Tensor | None = None  # see _slack_buffer; receives run one at a time, under the update lock
 
 
 def _slack_buffer(nbytes: int) -> torch.Tensor:
-    """``nbytes`` plus a reserve as large as physical memory, mapped lazily (only written pages cost memory).
+    """``nbytes`` plus a reserve as large as physical memory, in one lazily backed mapping (only written
+    pages cost memory) that every receive reuses, so its pages are faulted in once.
 
     gloo aborts the process when more bytes arrive than were posted; the reserve makes that need more
     bytes than the host could hold. Where the kernel refuses such a mapping (strict overcommit), the
     reserve is ``nbytes`` (at least 4 KiB) of ordinary memory.
     """
-    reserve = max(nbytes, 4096)
-    try:
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        return torch.frombuffer(mmap.mmap(-1, nbytes + max(reserve, physical), flags=flags), dtype=torch.uint8)
-    except (OSError, ValueError, AttributeError):
-        return torch.empty(nbytes + reserve, dtype=torch.uint8)
+    global _reserve
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if _reserve is None and nbytes <= physical:
+        try:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+            _reserve = torch.frombuffer(mmap.mmap(-1, 2 * physical, flags=flags), dtype=torch.uint8)
+        except (OSError, ValueError):
+            pass
+    if _reserve is not None and nbytes <= physical:
+        return _reserve[: nbytes + physical]
+    return torch.empty(nbytes + max(nbytes, 4096), dtype=torch.uint8)
+
+
+def _drop_reserve() -> None:
+    """Forget the shared mapping (unmapped once nothing uses it); the next receive maps a fresh one."""
+    global _reserve
+    _reserve = None
