@@ -116,7 +116,7 @@ class ServerClient:
         except requests.exceptions.ConnectTimeout as e:
             raise ServerError(self.url, f"cannot connect: {e}", None, route) from e
         except requests.exceptions.Timeout as e:
-            raise SyncTimeout(f"{self.url}{route}: no answer within {t:g} s") from e
+            raise SyncTimeout(f"{self.url}{route}: no answer within {t:g} s (http_timeout; raise it if the server is only slow)") from e
         except requests.exceptions.RequestException as e:
             raise ServerError(self.url, f"cannot reach server: {e}", None, route) from e
         try:

@@ -39,6 +39,7 @@ Example (one process, a reference server started with ``wsync serve --preset tin
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -69,6 +70,9 @@ logger = get_logger(__name__)
 TRANSPORTS = ("broadcast", "colocated", "disk")
 
 _ALIASES = {"nccl": "broadcast", "xccl": "broadcast", "distributed": "broadcast"}
+
+ABORT_WAIT_S = 5.0
+"""The most a failed sync waits for its clean-up (resume, discard sessions) before raising."""
 
 SLACK_S = 10.0
 """Added to a step's own bound before the other ranks give up waiting for a rank (it died or hangs)."""
@@ -331,12 +335,16 @@ class WeightPublisher:
         """Steps "bucket k" (every rank): gather bucket k while rank 0 waits for bucket k-1, then send k."""
         last = len(plan.buckets) - 1
         bar = _progress(self.config.progress and self._rank == 0, plan.nbytes, f"sync v{plan.version}")
-        settled = 0
 
         def one(k: int, bucket: Bucket) -> None:
-            nonlocal settled
-            failpoint(f"bucket:{k}", self._rank)
-            buf = self._transport.buffer(k, bucket) if self._rank == 0 else None
+            try:
+                failpoint(f"bucket:{k}", self._rank)
+                buf = self._transport.buffer(k, bucket) if self._rank == 0 else None
+            except Exception:
+                # Still take part in the bucket's gathers (receiving nothing), so the other ranks are
+                # not left waiting in them for group_timeout; the agreement then fails the step at once.
+                _gather_into(plan.source, bucket, None, self._gather_group)
+                raise
             _gather_into(plan.source, bucket, buf, self._gather_group)
             if self._rank == 0:
                 self._transport.settle()
@@ -354,10 +362,7 @@ class WeightPublisher:
         """After an agreed failure: rank 0 aborts the transport; the error every rank raises."""
         status = ""
         if self._rank == 0 and began and self._transport is not None:
-            try:
-                status = self._transport.abort(str(error))
-            except Exception as e:  # abort is best effort by contract; never hide the cause behind it
-                logger.warning("aborting the sync failed: %s", e)
+            status = _abort_within(self._transport, str(error), ABORT_WAIT_S)
         if began:
             # A gather may have been left half-done on some rank: the next publish builds a new group.
             self._drop_gather_group()
@@ -406,6 +411,26 @@ class WeightPublisher:
         cfg = self.config
         wait = cfg.wait_loaded_timeout if cfg.transport == "disk" else 0.0
         return 3 * cfg.http_timeout + wait  # end sessions and resume, or announce and wait for the load
+
+
+def _abort_within(transport: Transport, reason: str, seconds: float) -> str:
+    """Run ``transport.abort`` for at most ``seconds``; a server that does not answer (stopped, say)
+    must not delay the error. Whatever is left goes on in the background (it is idempotent cleanup)."""
+    box: list[str] = []
+
+    def run() -> None:
+        try:
+            box.append(transport.abort(reason))
+        except Exception as e:  # best effort by contract; never hide the cause behind it
+            logger.warning("aborting the sync failed: %s", e)
+            box.append("")
+
+    worker = threading.Thread(target=run, name="wsync-abort", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        return f"cleanup goes on in the background: a server did not answer within {seconds:g} s"
+    return box[0]
 
 
 def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None, group) -> None:

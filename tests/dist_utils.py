@@ -52,8 +52,13 @@ def run_ranks(
     kwargs: dict | None = None,
     timeout: float = 300.0,
     init_pg: bool = True,
+    may_die: tuple[int, ...] = (),
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+    """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+    Ranks in ``may_die`` are allowed to exit without a result (a test that kills them): their result
+    is None, and the other ranks are waited for.
+    """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = find_free_port()
@@ -71,6 +76,9 @@ def run_ranks(
                 rank, ok, out = q.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                for r in [r for r in dead if r in may_die]:
+                    results[r] = None
+                dead = [r for r in dead if r not in may_die]
                 if dead:
                     raise AssertionError(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result")
                 if time.monotonic() > deadline:

@@ -16,6 +16,7 @@ server keeps its name there, and must not block the next one.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -60,11 +61,11 @@ class BroadcastTransport(Transport):
 
     def begin(self, plan: Plan) -> None:
         self.load_format = self._pick_load_format()
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
+        self.sessions.open()
         t = time.perf_counter()
         self._ensure_group()
         plan.phases["group_init"] = time.perf_counter() - t
-        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
-        self.sessions.open()
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
         return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
@@ -160,10 +161,10 @@ class BroadcastTransport(Transport):
             )
         )
         try:
-            pg = init_custom_process_group(
+            pg = _join_unless_refused(futures, servers.clients, lambda: init_custom_process_group(
                 master_address=address, master_port=port, world_size=world_size, rank=0,
                 group_name=name, backend=self.backend, timeout=cfg.group_timeout,
-            )
+            ))
         except SyncTimeout as e:
             failed = [f"{c.url}: {f.exception()}" for c, f in zip(servers.clients, futures) if f.done() and f.exception()]
             missing = [c.url for c, f in zip(servers.clients, futures) if not f.done()]
@@ -191,6 +192,31 @@ class BroadcastTransport(Transport):
                     c.destroy_weights_update_group(group_name=name)
             except BridgeError as e:
                 logger.debug("destroy_weights_update_group on %s: %s", c.url, e)
+
+
+def _join_unless_refused(futures, clients, join):
+    """Run ``join()`` (the blocking rendezvous), but fail at once when a server refuses to join,
+    instead of after group_timeout. The abandoned rendezvous ends by its own timeout."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(("ok", join()))
+        except BaseException as e:  # handed to the caller's thread
+            box.append(("error", e))
+
+    worker = threading.Thread(target=run, name="wsync-rendezvous", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+        refused = [(c, f.exception()) for c, f in zip(clients, futures) if f.done() and f.exception() is not None]
+        if refused and worker.is_alive():
+            c, e = refused[0]
+            raise SyncError(f"{c.url} refused to join the weight-update group: {e}")
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
 
 
 def _host_ip() -> str:

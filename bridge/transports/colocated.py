@@ -120,9 +120,11 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def shm_buffer(nbytes: int, k: int) -> tuple[torch.Tensor, str]:
-    """A uint8 tensor of ``nbytes`` backed by a new shared-memory file whose space is reserved."""
-    path = os.path.join(shm_dir(), f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}-{k}")
+def shm_buffer(nbytes: int, k: int, directory: str | None = None) -> tuple[torch.Tensor, str]:
+    """A uint8 tensor of ``nbytes`` backed by a new file in ``directory`` (default :func:`shm_dir`)
+    whose space is reserved; (tensor, path)."""
+    directory = directory or shm_dir()
+    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}-{k}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         if nbytes:
@@ -132,9 +134,9 @@ def shm_buffer(nbytes: int, k: int) -> tuple[torch.Tensor, str]:
         os.close(fd)
         _unlink(path)
         if e.errno in (errno.ENOSPC, errno.EFBIG):
-            free = _free_bytes(shm_dir())
             raise ConfigError(
-                f"not enough shared memory for a {fmt_bytes(nbytes)} bucket in {shm_dir()} ({fmt_bytes(free)} free): "
+                f"not enough shared memory for a {fmt_bytes(nbytes)} bucket in {directory} "
+                f"({fmt_bytes(_free_bytes(directory))} free): "
                 "lower bucket_mb (--bucket-mb), or give the container more shared memory (docker --shm-size)"
             ) from e
         raise

@@ -1,0 +1,358 @@
+"""The faults a sync survives, one test each, with real processes (2 FSDP2 ranks, real servers).
+
+The promise under test: a failed or interrupted sync leaves every server serving the last complete
+version, unpaused, with no open update session; every trainer rank raises the same error, naming the
+cause, within the configured bound; the trainer can catch it and publish again. Faults are injected
+with failpoints (``WSYNC_FAILPOINTS``, :mod:`bridge.failpoints`) at a chosen step, rank and exception
+type, or made for real: a killed rank, a stopped server, a server that refuses, a full shared memory.
+
+Read top to bottom, this is the list:
+1. any exception, on rank 0 or rank 1, at prepare / begin / a bucket / commit, for broadcast,
+   colocated and disk; and the same version with other weights (refused before any byte moves);
+2. a server that refuses to pause: the other servers are resumed;
+3. a non-zero rank killed mid-sync: rank 0 fails within the bound and the server is resumed;
+4. a weight-update group left behind on a server under the publisher's group name;
+5. a server that accepts connections but never answers; a server stopped mid-run;
+6. a disk publish that waits for a dead server;
+7. a colocated trainer killed mid-sync, then a new trainer whose sync fails;
+8. a full shared-memory folder (colocated buckets).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from tests import sync_bodies as sb
+from tests.dist_utils import run_ranks
+
+pytestmark = pytest.mark.slow
+
+# (step, rank, exception type): foreign types on purpose, the project's own are the easy case.
+FAULTS = [
+    ("prepare", 1, "KeyError"),
+    ("begin", 0, "OSError"),
+    ("begin", 1, "RuntimeError"),
+    ("bucket:1", 0, "MemoryError"),
+    ("bucket:1", 1, "RuntimeError"),
+    ("commit", 0, "ValueError"),
+    ("commit", 1, "OSError"),
+]
+BOUND_S = 15.0  # an injected fault is seen at once: far below every configured timeout
+
+
+def _served(urls: list[str]) -> dict:
+    """What each server serves, and whether it is usable: version, checksums, unpaused, no session."""
+    from bridge.client import ServerClient
+
+    out = {}
+    for url in urls:
+        c = ServerClient(url, timeout=10)
+        t = time.monotonic()
+        answer = c.generate(input_ids=[1, 4, 5], sampling_params={"temperature": 0, "max_new_tokens": 1})
+        generate_s = time.monotonic() - t
+        c.begin_weight_update()  # refused if a session were still open
+        c.abort_weight_update()
+        out[url] = dict(version=c.model_info()["weight_version"], checksums=c.weights_checksum()["checksums"],
+                        generate_s=generate_s, generate_version=answer["meta_info"]["weight_version"])
+    return out
+
+
+def _announced(nr_url: str) -> list[int]:
+    from bridge.name_resolve import make_name_resolve, names
+
+    nr = make_name_resolve(nr_url)
+    try:
+        keys = nr.find_subtree(names.update_weights_from_disk_root("default", "trial0"))
+        return sorted(v for v in (names.version_of(k) for k in keys) if v is not None)
+    finally:
+        nr.close()
+
+
+def _fault_matrix(transport: str, urls: list[str], nr_url: str, root: str, v0: int):
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.failpoints import ENV
+    from wsync.tasks import make_batch
+
+    engine = sb.engine()
+    disk = transport == "disk"
+    pub = WeightPublisher(PublisherConfig(
+        transport=transport, servers=[] if disk else urls, name_resolve=nr_url, snapshot_root=root,
+        bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False,
+    ))
+    rank0 = engine.rank == 0
+    try:
+        pub.publish(engine, version=v0)
+        before = (_announced(nr_url) if disk else _served(urls)) if rank0 else None
+        engine.train_batch(make_batch(engine.tokenizer, 8, seed=3 + engine.rank))
+        outcomes = []
+        for point, rank, kind in FAULTS:
+            os.environ[ENV] = f"{point}@{rank}={kind}"
+            t = time.monotonic()
+            try:
+                pub.publish(engine, version=v0 + 1)
+                got = ("no error", "")
+            except Exception as e:  # the test records whatever comes
+                got = (type(e).__name__, str(e))
+            finally:
+                del os.environ[ENV]
+            seconds = time.monotonic() - t
+            after = (_announced(nr_url) if disk else _served(urls)) if rank0 else None
+            outcomes.append((point, rank, kind, got, seconds, after))
+        try:  # the same version as the one served, with other weights: refused before anything moves
+            pub.publish(engine, version=v0)
+            same_version = ("no error", "")
+        except Exception as e:
+            same_version = (type(e).__name__, str(e))
+        after_same = (_announced(nr_url) if disk else _served(urls)) if rank0 else None
+        pub.publish(engine, version=v0 + 1)  # the trainer goes on
+        final = (_announced(nr_url) if disk else sb.check_served(engine, urls, v0 + 1))
+        leftovers = [n for n in os.listdir(root) if n.startswith(".tmp")] if disk and rank0 else []
+        return dict(before=before, outcomes=outcomes, same_version=same_version, after_same=after_same,
+                    final=final, leftovers=leftovers)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_model_dir):
+    return server_factory(model=tiny_model_dir)
+
+
+@pytest.mark.parametrize("transport,v0", [("broadcast", 10), ("colocated", 20), ("disk", 30)])
+def test_any_exception_on_any_rank_at_any_step(transport, v0, server, tmp_path):
+    urls = [server.url]
+    nr_url = f"file://{tmp_path / 'nr'}"
+    r0, r1 = run_ranks(_fault_matrix, 2, args=(transport, urls, nr_url, str(tmp_path / "snap"), v0), timeout=400)
+    for (point, rank, kind, got0, s0, after), (_, _, _, got1, s1, _) in zip(r0["outcomes"], r1["outcomes"]):
+        where = f"{transport}: {kind} at {point} on rank {rank}"
+        assert got0 == got1, f"{where}: the ranks raised different errors: {got0} vs {got1}"
+        assert got0[0] == "SyncError", f"{where}: {got0}"
+        assert f"rank {rank}" in got0[1] and kind in got0[1] and "injected fault" in got0[1], f"{where}: {got0[1]}"
+        assert max(s0, s1) < BOUND_S, f"{where}: took {max(s0, s1):.1f} s"
+        if transport == "disk":
+            assert after == r0["before"] == [v0], f"{where}: announced {after}"
+        else:
+            for url in urls:
+                was, now = r0["before"][url], after[url]
+                assert (now["version"], now["generate_version"]) == (str(v0), str(v0)), f"{where}: {now['version']}"
+                assert now["checksums"] == was["checksums"], f"{where}: the served weights changed"
+                assert now["generate_s"] < 5, f"{where}: generation is still paused"
+    kind, message = r0["same_version"]
+    assert r1["same_version"] == r0["same_version"] and kind == "VersionError" and "different weights" in message
+    if transport == "disk":
+        assert r0["after_same"] == [v0] and r0["final"] == [v0, v0 + 1] and r0["leftovers"] == []
+    else:
+        assert r0["after_same"][server.url]["checksums"] == r0["before"][server.url]["checksums"]
+        check = r0["final"][server.url]
+        assert check["tensors_equal"] and check["version"] == str(v0 + 1)
+
+
+# ------------------------------------------------------------------ servers that refuse or fail
+
+
+def _publish_each(scenarios: list[tuple[str, list[str], dict]]):
+    """Every rank: one publish per scenario, with a new publisher each; name -> (error type, message, s)."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine()
+    out = {}
+    try:
+        for name, urls, cfg in scenarios:
+            version = cfg.pop("version", 1)
+            pub = WeightPublisher(PublisherConfig(servers=urls, progress=False, **cfg))
+            t = time.monotonic()
+            try:
+                pub.publish(engine, version=version)
+                out[name] = ("ok", "", time.monotonic() - t)
+            except Exception as e:  # the test records whatever comes
+                out[name] = (type(e).__name__, str(e), time.monotonic() - t)
+            finally:
+                pub.close()
+    finally:
+        engine.destroy()
+    return out
+
+
+def _silent_listener() -> tuple[socket.socket, str]:
+    """A real socket that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    held = []
+
+    def accept_forever() -> None:
+        try:
+            while True:
+                held.append(sock.accept())
+        except OSError:  # the test closed the socket
+            pass
+
+    threading.Thread(target=accept_forever, daemon=True).start()
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_servers_that_refuse_stop_or_never_answer(server_factory, tiny_model_dir, tmp_path):
+    from bridge.client import ServerClient
+    from tests.fixtures_server import Trainer
+
+    good, locked, stopped, taken = server_factory.many([
+        dict(model=tiny_model_dir),
+        dict(model=tiny_model_dir, extra_args=["--admin-api-key", "other"]),  # refuses to pause: wrong key
+        dict(model=tiny_model_dir),
+        dict(model=tiny_model_dir),
+    ])
+    # A trainer that died without destroying its group, on the publisher's default group name.
+    leftover = Trainer([ServerClient(taken.url)], group_name="wsync_weight_update").connect()
+    silent, silent_url = _silent_listener()
+    dead_url = f"http://127.0.0.1:{_free_port()}"
+    fast = dict(http_timeout=4, group_timeout=4)
+    scenarios = [
+        ("refuses to pause", [good.url, locked.url], dict(group_timeout=20)),
+        ("never answers", [silent_url], dict(fast)),
+        ("stopped", [stopped.url], dict(fast)),
+        ("disk, dead server", [dead_url], dict(transport="disk", name_resolve=f"file://{tmp_path / 'nr'}",
+                                               snapshot_root=str(tmp_path / "snap"), wait_loaded_timeout=120)),
+        ("group name taken", [taken.url], dict(group_timeout=20)),
+    ]
+    os.kill(stopped.process.pid, signal.SIGSTOP)
+    try:
+        r0, r1 = run_ranks(_publish_each, 2, args=(scenarios,), timeout=300)
+    finally:
+        os.kill(stopped.process.pid, signal.SIGCONT)
+        silent.close()
+        leftover.close()
+    for name, _, _ in scenarios:
+        assert r0[name][:2] == r1[name][:2], f"{name}: the ranks raised different errors: {r0[name]} vs {r1[name]}"
+
+    # 2. One server refuses to pause: the publish fails naming it, and the other one was resumed.
+    kind, message, seconds = r0["refuses to pause"]
+    assert kind != "ok" and locked.url in message and seconds < 10, r0["refuses to pause"]
+    state = _served([good.url])[good.url]
+    assert state["version"] == "default" and state["generate_s"] < 5
+    # 5. A server that accepts but never answers, and a stopped one: the configured bound plus the
+    #    abort's wait (5 s) plus start-up, and the message names the setting.
+    for name, url, bound in (("never answers", silent_url, 4), ("stopped", stopped.url, 4)):
+        kind, message, seconds = r0[name]
+        assert kind != "ok" and url in message and "timeout" in message, (name, message)
+        assert seconds < bound + 5 + 3, (name, seconds, message)
+    # 6. Disk: a dead server fails the publish before anything is written or announced.
+    kind, message, seconds = r0["disk, dead server"]
+    assert kind != "ok" and dead_url in message and seconds < 15, r0["disk, dead server"]
+    assert _announced(f"file://{tmp_path / 'nr'}") == []
+    # 4. A group left on a server under the default name does not block a new publisher.
+    assert r0["group name taken"][0] == "ok", r0["group name taken"]
+
+
+def _kill_rank1_mid_sync(urls: list[str]):
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=4, http_timeout=4, progress=False))
+    pub.publish(engine, version=41)
+
+    class DieOnRank1:  # rank 1 dies inside the gather of the third bucket
+        def __init__(self):
+            self.calls = 0
+
+        def param_specs(self):
+            return engine.param_specs()
+
+        def iter_full_tensors(self, specs=None):
+            return engine.iter_full_tensors(specs)
+
+        def local_digest(self):
+            return engine.local_digest() + 1  # other weights than version 41
+
+        def gather_bucket(self, bucket, out, group=None):
+            self.calls += 1
+            if engine.rank == 1 and self.calls == 3:
+                os._exit(9)
+            engine.gather_bucket(bucket, out, group=group)
+
+    t = time.monotonic()
+    try:
+        pub.publish(DieOnRank1(), version=42)
+        return ("ok", "", 0.0)
+    except Exception as e:
+        return (type(e).__name__, str(e), time.monotonic() - t)
+
+
+def test_a_non_zero_rank_killed_mid_sync(server):
+    r0, r1 = run_ranks(_kill_rank1_mid_sync, 2, args=([server.url],), timeout=200, may_die=(1,))
+    assert r1 is None
+    kind, message, seconds = r0
+    assert kind in ("SyncError", "SyncTimeout"), message
+    # The other ranks wait for a dead rank at most the step's bound: 2 x group_timeout + http_timeout,
+    # plus the agreement's slack (10 s) and the abort's wait (5 s).
+    assert seconds < 2 * 4 + 4 + 10 + 5, f"{seconds:.1f} s: {message}"
+    state = _served([server.url])[server.url]
+    assert state["version"] == "41" and state["generate_s"] < 5
+
+
+def _free_port() -> int:
+    from bridge.process_group import find_free_port
+
+    return find_free_port()
+
+
+# ------------------------------------------------------------------ colocated
+
+
+def _colocated_dies(urls: list[str]):
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(transport="colocated", servers=urls, bucket_mb=0.05, progress=False))
+    pub.publish(engine, version=61)
+    engine.train_batch(__import__("wsync.tasks", fromlist=["make_batch"]).make_batch(engine.tokenizer, 8, seed=engine.rank))
+    pub.publish(sb.Sabotage(engine, after=len(engine.param_specs()) // 2, act=lambda: os._exit(3)), version=62)
+    return "unreachable"
+
+
+def _colocated_fails(urls: list[str]):
+    from bridge.failpoints import ENV
+
+    os.environ[ENV] = "bucket:2@0=RuntimeError"
+    return _publish_each([("fails", urls, dict(transport="colocated", bucket_mb=0.05, version=62))])["fails"]
+
+
+def test_colocated_trainer_killed_then_a_new_trainer_fails(server):
+    with pytest.raises(AssertionError):
+        run_ranks(_colocated_dies, 2, args=([server.url],), timeout=200)
+    r0, r1 = run_ranks(_colocated_fails, 2, args=([server.url],), timeout=200)
+    assert r0[0] == r1[0] == "SyncError", r0
+    state = _served([server.url])[server.url]
+    assert state["version"] == "61" and state["generate_s"] < 5
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith("wsync-")] if os.path.isdir("/dev/shm") else []
+    assert not [n for n in leftovers if not _pid_alive(int(n.split("-")[1]))]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_a_full_shared_memory_folder_is_an_error_not_a_crash(tmp_path):
+    from bridge.errors import ConfigError
+    from bridge.transports import colocated
+
+    small = tmp_path / "shm"
+    small.mkdir()
+    if os.system(f"mount -t tmpfs -o size=1m tmpfs {small} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        with pytest.raises(ConfigError, match="not enough shared memory.*bucket_mb"):
+            colocated.shm_buffer(4 << 20, 0, directory=str(small))
+        assert os.listdir(small) == []  # nothing left behind
+    finally:
+        os.system(f"umount {small}")
