@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Puts SGLang's own code on this machine for the `sglang_code` test tier (tests/test_sglang_*.py), from PyPI only.
+#
+# SGLang's server cannot run on a CPU machine (its kernel package has no CPU build), but its HTTP app and its
+# weight-update code import and run; tests/sglang_harness/ composes them into a receiving server. This script:
+#   1. installs the pure-Python packages SGLang imports at module level into the current environment
+#      (--no-deps each, so nothing replaces the project's torch/transformers pins);
+#   2. unpacks each SGLang version with `pip install --no-deps --target $CACHE/sglang-<ver>`, side by side;
+#      the harness runs each version in its own subprocess with that folder on PYTHONPATH;
+#   3. checks that each version's weight-update modules import (with the stand-ins in tests/sglang_harness).
+# Idempotent: a version folder is complete once its `.complete` stamp exists; a second run only re-checks.
+#
+# Usage: bash scripts/install_sglang.sh [VERSION ...]        (default: the versions the tier tests)
+# Env:   WSYNC_SGLANG_CACHE (default ~/.cache/wsync/sglang)  -- the tests read the same variable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CACHE="${WSYNC_SGLANG_CACHE:-$HOME/.cache/wsync/sglang}"
+VERSIONS=("$@")
+if [ ${#VERSIONS[@]} -eq 0 ]; then
+    # One per dialect the client claims: newest; 0.5.6 (/server_info, load_format, pause mode); 0.4.9 (oldest).
+    VERSIONS=(0.5.23 0.5.6 0.4.9)
+fi
+PIP=(python -m pip install -q --disable-pip-version-check --no-deps)
+t0=$(date +%s)
+
+# Imported at module level by sglang.srt.entrypoints.http_server and the weight-update modules (0.4.9-0.5.23),
+# or by those packages in turn. triton is imported (never run) by SGLang's layer code.
+DEPS=(
+    psutil pybase64 msgspec pyzmq uvloop setproctitle partial-json-parser python-multipart orjson
+    aiohttp multidict yarl propcache aiohappyeyeballs aiosignal frozenlist attrs
+    dill apache-tvm-ffi sentencepiece compressed-tensors loguru gguf einops xgrammar soundfile cffi
+    openai distro jiter anyio sniffio httpx httpcore h11 certifi idna
+    interegular IPython pillow scipy ninja triton
+)
+MODS="psutil pybase64 msgspec zmq uvloop setproctitle partial_json_parser multipart orjson aiohttp dill tvm_ffi \
+sentencepiece compressed_tensors loguru gguf einops xgrammar soundfile openai distro jiter anyio httpx IPython PIL \
+scipy triton"
+if ! python -c "import importlib,sys; [importlib.import_module(m) for m in sys.argv[1:]]" $MODS >/dev/null 2>&1; then
+    echo "== installing SGLang's pure-Python import dependencies"
+    "${PIP[@]}" "${DEPS[@]}"
+fi
+
+mkdir -p "$CACHE"
+for v in "${VERSIONS[@]}"; do
+    dir="$CACHE/sglang-$v"
+    if [ ! -f "$dir/.complete" ]; then
+        echo "== unpacking sglang==$v into $dir"
+        tmp="$CACHE/.tmp-sglang-$v-$$"
+        rm -rf "$tmp"
+        "${PIP[@]}" --target "$tmp" "sglang==$v"
+        rm -rf "$tmp/bin" "$dir"
+        touch "$tmp/.complete"
+        mv "$tmp" "$dir"
+    fi
+done
+
+echo "== checking that SGLang's weight-update code imports"
+for v in "${VERSIONS[@]}"; do
+    if ! out=$(python -m tests.sglang_harness.check_import "$CACHE/sglang-$v" 2>&1); then
+        echo "$out" | tail -20 >&2
+        echo "install_sglang.sh: sglang==$v does not import; see above" >&2
+        exit 1
+    fi
+    echo "   sglang $v: $(echo "$out" | tail -1)"
+done
+echo "== SGLang code ready in $CACHE ($(( $(date +%s) - t0 )) s)"
