@@ -81,10 +81,11 @@ class _Session:
     run: RunClaim = field(default_factory=lambda: RunClaim())
 
     def describe(self) -> str:
-        who = f"colocated trainer pid {self.owner[0]}" if self.owner else \
-            f"group(s) {sorted(self.groups)}" if self.groups else "no trainer known"
-        return (f"{who}, {self.requests} request(s) staged, last request "
-                f"{time.monotonic() - self.last_request:.1f} s ago")
+        if self.owner:
+            who = f"colocated trainer pid {self.owner[0]}"
+        else:
+            who = f"group(s) {sorted(self.groups)}" if self.groups else "no trainer known"
+        return f"{who}, {self.requests} request(s) staged, last request {time.monotonic() - self.last_request:.1f} s ago"
 
 
 def _process_start(pid: int) -> str | None:
@@ -121,18 +122,15 @@ def version_problem(version: str | None, field: str, example: str = "the trainin
     """
     if version is None:
         return None
-    try:
-        version.encode("utf-8")
-        problem = None
-    except UnicodeEncodeError:
-        problem = "holds a lone UTF-16 surrogate"
     if not version:
         problem = "is empty"
     elif len(version) > MAX_VERSION_CHARS:
         problem = f"has {len(version)} characters, more than {MAX_VERSION_CHARS}"
-    elif problem is None and not version.isprintable():
+    elif any("\ud800" <= c <= "\udfff" for c in version):
+        problem = "holds a lone UTF-16 surrogate"
+    elif not version.isprintable():
         problem = "holds control characters"
-    if problem is None:
+    else:
         return None
     shown = version[:40].encode("utf-8", "backslashreplace").decode()
     return f"{field} {shown!r} {problem}; send 1-{MAX_VERSION_CHARS} printable characters, such as {example}"
@@ -369,7 +367,7 @@ class WeightUpdateMixin:
                group_name: str | None, run: RunClaim) -> str:
         """Caller holds _update_lock: stage a validated request in the session, or swap it in without one."""
         staged = {n: t for n, t in received if n not in self._aliases}
-        run = self._session.run if self._session is not None else run
+        run = self._session.run if self._session is not None else run  # a session claims its run at begin
         problem = _non_finite_problem(staged) or self._rollback_problem(weight_version, run)
         if problem:
             sess = " The update session was aborted; nothing it staged was applied." if self._session else ""
@@ -434,11 +432,9 @@ class WeightUpdateMixin:
                                      "has 1 TP rank, so send exactly 1")
                 desc = _shm_descriptor(serialized_named_tensors[0])
                 specs = _wire_specs(desc["names"], desc["dtypes"], desc["shapes"])
+                owner = self._owner(desc.get("pid"))
             except _WireError as e:
                 raise refuse(str(e)) from None
-            owner = self._owner(desc.get("pid"))
-            if isinstance(owner, str):
-                raise refuse(owner)
             problems = [p for p in [version_problem(weight_version, "weight_version")] if p]
             problems += self._check_specs(specs, flattened=True)
             nbytes = sum(sp.nbytes for sp in specs)
@@ -454,21 +450,21 @@ class WeightUpdateMixin:
                 self._session.owner = owner
             return self._stage(unflatten_bucket(buf, specs), weight_version, nbytes, t0, None, run)
 
-    def _owner(self, pid) -> tuple[int, str] | str | None:
-        """A descriptor's ``pid`` as the session's owner ``(pid, start time)``; a string says why it is refused.
+    def _owner(self, pid) -> tuple[int, str] | None:
+        """A descriptor's ``pid`` as the session's owner ``(pid, start time)``; _WireError if it cannot be.
 
         None: no pid (publishers before it was added); only the idle timeout then protects the session.
         """
         if pid is None:
             return None
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-            return f"'pid' must be the trainer's positive process id, got {pid!r}"
+            raise _WireError(f"'pid' must be the trainer's positive process id, got {pid!r}")
         started = _process_start(pid)
         if started is None:
-            return f"'pid' {pid} names no running process on this host; the trainer must be on the same host"
+            raise _WireError(f"'pid' {pid} names no running process on this host; the trainer must be on the same host")
         s = self._session
         if s is not None and s.owner is not None and s.owner != (pid, started):
-            return f"the open session belongs to colocated trainer pid {s.owner[0]}, not pid {pid}"
+            raise _WireError(f"the open session belongs to colocated trainer pid {s.owner[0]}, not pid {pid}")
         return (pid, started)
 
     def abort_session(self) -> str:
