@@ -96,9 +96,9 @@ PIECE_BYTES = 16 << 20
 
 def piece_bytes_for(bucket_bytes: int, world: int) -> int:
     """Bytes per flat gather for a bucket: rank 0 holds ``world`` received pieces plus its own send
-    piece next to two buckets, so pieces are kept to a quarter of a bucket over all ranks (at most
-    ~0.4 x bucket extra), between 1 MiB and :data:`PIECE_BYTES`."""
-    return max(1 << 20, min(PIECE_BYTES, bucket_bytes // (4 * max(1, world))))
+    piece next to two buckets, so pieces are kept to an eighth of a bucket over all ranks (at most
+    ~0.2 x bucket extra, keeping rank 0 under 2.5 x bucket), between 1 MiB and :data:`PIECE_BYTES`."""
+    return max(1 << 20, min(PIECE_BYTES, bucket_bytes // (8 * max(1, world))))
 
 
 def _row_sharded(p: torch.Tensor, world: int) -> bool:
