@@ -74,49 +74,56 @@ def _announced(nr_url: str) -> list[int]:
         nr.close()
 
 
-def _fault_matrix(transport: str, urls: list[str], nr_url: str, root: str, v0: int):
+def _fault_matrix(urls: list[str], nr_url: str, root: str):
+    """Every rank, for each transport: publish v0, train, inject each fault publishing v0+1, retry v0
+    with other weights, then publish v0+1 for real. Records what every rank raised and what was served."""
     from bridge import PublisherConfig, WeightPublisher
     from bridge.failpoints import ENV
     from wsync.tasks import make_batch
 
     engine = sb.engine()
-    disk = transport == "disk"
-    pub = WeightPublisher(PublisherConfig(
-        transport=transport, servers=[] if disk else urls, name_resolve=nr_url, snapshot_root=root,
-        bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False,
-    ))
     rank0 = engine.rank == 0
+    runs = {}
     try:
-        pub.publish(engine, version=v0)
-        before = (_announced(nr_url) if disk else _served(urls)) if rank0 else None
-        engine.train_batch(make_batch(engine.tokenizer, 8, seed=3 + engine.rank))
-        outcomes = []
-        for point, rank, kind in FAULTS:
-            os.environ[ENV] = f"{point}@{rank}={kind}"
-            t = time.monotonic()
+        for transport, v0 in TRANSPORTS:
+            disk = transport == "disk"
+
+            def observe():
+                return (_announced(nr_url) if disk else _served(urls)) if rank0 else None
+
+            def attempt(version: int) -> tuple[str, str]:
+                try:
+                    pub.publish(engine, version=version)
+                    return ("no error", "")
+                except Exception as e:  # the test records whatever comes
+                    return (type(e).__name__, str(e))
+
+            pub = WeightPublisher(PublisherConfig(
+                transport=transport, servers=[] if disk else urls, name_resolve=nr_url, snapshot_root=root,
+                bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False,
+            ))
             try:
-                pub.publish(engine, version=v0 + 1)
-                got = ("no error", "")
-            except Exception as e:  # the test records whatever comes
-                got = (type(e).__name__, str(e))
+                pub.publish(engine, version=v0)
+                run = dict(before=observe(), outcomes=[])
+                engine.train_batch(make_batch(engine.tokenizer, 8, seed=v0 + engine.rank))
+                for point, rank, kind in FAULTS:
+                    os.environ[ENV] = f"{point}@{rank}={kind}"
+                    t = time.monotonic()
+                    try:
+                        got = attempt(v0 + 1)
+                    finally:
+                        del os.environ[ENV]
+                    run["outcomes"].append((point, rank, kind, got, time.monotonic() - t, observe()))
+                # The version already served, with other weights: refused before anything moves.
+                run["same_version"], run["after_same"] = attempt(v0), observe()
+                pub.publish(engine, version=v0 + 1)  # the trainer goes on
+                run["final"] = _announced(nr_url) if disk else sb.check_served(engine, urls, v0 + 1)
+                run["leftovers"] = [n for n in os.listdir(root) if n.startswith(".tmp")] if disk and rank0 else []
             finally:
-                del os.environ[ENV]
-            seconds = time.monotonic() - t
-            after = (_announced(nr_url) if disk else _served(urls)) if rank0 else None
-            outcomes.append((point, rank, kind, got, seconds, after))
-        try:  # the same version as the one served, with other weights: refused before anything moves
-            pub.publish(engine, version=v0)
-            same_version = ("no error", "")
-        except Exception as e:
-            same_version = (type(e).__name__, str(e))
-        after_same = (_announced(nr_url) if disk else _served(urls)) if rank0 else None
-        pub.publish(engine, version=v0 + 1)  # the trainer goes on
-        final = (_announced(nr_url) if disk else sb.check_served(engine, urls, v0 + 1))
-        leftovers = [n for n in os.listdir(root) if n.startswith(".tmp")] if disk and rank0 else []
-        return dict(before=before, outcomes=outcomes, same_version=same_version, after_same=after_same,
-                    final=final, leftovers=leftovers)
+                pub.close()
+            runs[transport] = run
+        return runs
     finally:
-        pub.close()
         engine.destroy()
 
 
@@ -125,33 +132,36 @@ def server(server_factory, tiny_model_dir):
     return server_factory(model=tiny_model_dir)
 
 
-@pytest.mark.parametrize("transport,v0", [("broadcast", 10), ("colocated", 20), ("disk", 30)])
-def test_any_exception_on_any_rank_at_any_step(transport, v0, server, tmp_path):
+TRANSPORTS = [("broadcast", 10), ("colocated", 20), ("disk", 30)]
+
+
+def test_any_exception_on_any_rank_at_any_step(server, tmp_path):
     urls = [server.url]
-    nr_url = f"file://{tmp_path / 'nr'}"
-    r0, r1 = run_ranks(_fault_matrix, 2, args=(transport, urls, nr_url, str(tmp_path / "snap"), v0), timeout=400)
-    for (point, rank, kind, got0, s0, after), (_, _, _, got1, s1, _) in zip(r0["outcomes"], r1["outcomes"]):
-        where = f"{transport}: {kind} at {point} on rank {rank}"
-        assert got0 == got1, f"{where}: the ranks raised different errors: {got0} vs {got1}"
-        assert got0[0] == "SyncError", f"{where}: {got0}"
-        assert f"rank {rank}" in got0[1] and kind in got0[1] and "injected fault" in got0[1], f"{where}: {got0[1]}"
-        assert max(s0, s1) < BOUND_S, f"{where}: took {max(s0, s1):.1f} s"
-        if transport == "disk":
-            assert after == r0["before"] == [v0], f"{where}: announced {after}"
-        else:
+    runs0, runs1 = run_ranks(_fault_matrix, 2, args=(urls, f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")), timeout=400)
+    for transport, v0 in TRANSPORTS:
+        r0, r1 = runs0[transport], runs1[transport]
+        for (point, rank, kind, got0, s0, after), (_, _, _, got1, s1, _) in zip(r0["outcomes"], r1["outcomes"]):
+            where = f"{transport}: {kind} at {point} on rank {rank}"
+            assert got0 == got1, f"{where}: the ranks raised different errors: {got0} vs {got1}"
+            assert got0[0] == "SyncError", f"{where}: {got0}"
+            assert f"rank {rank}" in got0[1] and kind in got0[1] and "injected fault" in got0[1], f"{where}: {got0[1]}"
+            assert max(s0, s1) < BOUND_S, f"{where}: took {max(s0, s1):.1f} s"
+            if transport == "disk":
+                assert after == r0["before"] == [v0], f"{where}: announced {after}"
+                continue
             for url in urls:
                 was, now = r0["before"][url], after[url]
                 assert (now["version"], now["generate_version"]) == (str(v0), str(v0)), f"{where}: {now['version']}"
                 assert now["checksums"] == was["checksums"], f"{where}: the served weights changed"
                 assert now["generate_s"] < 5, f"{where}: generation is still paused"
-    kind, message = r0["same_version"]
-    assert r1["same_version"] == r0["same_version"] and kind == "VersionError" and "different weights" in message
-    if transport == "disk":
-        assert r0["after_same"] == [v0] and r0["final"] == [v0, v0 + 1] and r0["leftovers"] == []
-    else:
-        assert r0["after_same"][server.url]["checksums"] == r0["before"][server.url]["checksums"]
-        check = r0["final"][server.url]
-        assert check["tensors_equal"] and check["version"] == str(v0 + 1)
+        kind, message = r0["same_version"]
+        assert r1["same_version"] == r0["same_version"] and kind == "VersionError" and "different weights" in message
+        if transport == "disk":
+            assert r0["after_same"] == [v0] and r0["final"] == [v0, v0 + 1] and r0["leftovers"] == []
+        else:
+            assert r0["after_same"][server.url]["checksums"] == r0["before"][server.url]["checksums"]
+            check = r0["final"][server.url]
+            assert check["tensors_equal"] and check["version"] == str(v0 + 1), transport
 
 
 # ------------------------------------------------------------------ servers that refuse or fail
