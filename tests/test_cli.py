@@ -139,13 +139,21 @@ def test_rerunning_disk_training_continues_the_version_numbers(tmp_path):
     assert "pass --start-version 3" in last_line(refused) and last_line(refused).startswith("wsync train: error:")
 
 
+def test_an_unreachable_server_is_named_before_any_rank_starts():
+    out = wsync("train", "--publish", "broadcast", "--server", "http://127.0.0.1:9", timeout=60)
+    assert out.returncode == 2
+    assert last_line(out) == ("wsync train: error: cannot reach --server http://127.0.0.1:9: is a server running "
+                              "there (`wsync serve --port N`) and is the URL right?")
+
+
 @pytest.mark.slow
-def test_a_trainer_rank_error_is_one_line_not_a_torchrun_report():
-    # Nothing listens on port 9: every rank fails the same way in its first publish.
-    out = wsync("train", "--steps", "1", "--publish", "broadcast", "--server", "http://127.0.0.1:9",
-                "--start-version", "1")
+def test_a_trainer_rank_error_is_one_line_not_a_torchrun_report(tmp_path):
+    # Every rank fails the same way in its first publish: the snapshot folder cannot be created.
+    out = wsync("train", "--steps", "1", "--publish", "disk", "--snapshot-root", "/proc/no-such-folder",
+                "--name-resolve", f"file://{tmp_path}/nr")
     assert out.returncode == 1
     text = out.stdout + out.stderr
     assert "Traceback" not in text and "ChildFailedError" not in text
     assert [l for l in text.splitlines() if "error:" in l] == [last_line(out)]
-    assert last_line(out).startswith("wsync train: error: http://127.0.0.1:9")
+    assert last_line(out).startswith("wsync train: error: disk publish of version 1 failed")
+    assert "/proc/no-such-folder" in last_line(out)

@@ -11,7 +11,7 @@ import argparse
 import os
 import tempfile
 
-from bridge.errors import ConfigError
+from bridge.errors import ConfigError, ServerError
 from wsync.launch import run_ranks, under_torchrun
 
 # The publisher's default snapshot folder (bridge.publisher.default_snapshot_root), shown in --help.
@@ -126,7 +126,11 @@ def _first_version(args: argparse.Namespace) -> int:
 
 
 def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
-    """The newest version announced for the run's experiment/trial (disk) or served (broadcast), and where."""
+    """The newest version announced for the run's experiment/trial (disk) or served by --server, and where.
+
+    Disk counts the servers too: a server that serves version 5 refuses to load version 1.
+    """
+    found: list[tuple[int, str]] = []
     if args.publish == "disk":
         from bridge import VersionSubscriber
 
@@ -135,12 +139,22 @@ def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
             latest = sub.latest()
         finally:
             sub.close()
-        return (latest and latest.version), f"announced for {args.experiment}/{args.trial} in {args.name_resolve}"
-    from bridge import ServerGroup
+        if latest is not None:
+            found.append((latest.version, f"announced for {args.experiment}/{args.trial} in {args.name_resolve}"))
+    if args.server:
+        from bridge import ServerGroup
 
-    with ServerGroup(args.server, api_key=args.api_key) as servers:
-        served = [int(v) for v in servers.weight_versions().values() if v.isdigit()]
-    return max(served, default=None), "served by " + ", ".join(args.server)
+        try:
+            with ServerGroup(args.server, api_key=args.api_key) as servers:
+                served = [int(v) for v in servers.weight_versions().values() if v.isdigit()]
+        except ServerError as e:
+            if e.status is not None:
+                raise
+            raise ConfigError(f"cannot reach --server {e.server}: is a server running there (`wsync serve --port N`) "
+                              f"and is the URL right?") from e
+        if served:
+            found.append((max(served), "served by " + ", ".join(args.server)))
+    return max(found, default=(None, ""))
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
@@ -187,6 +201,8 @@ def publisher_config(args: argparse.Namespace, servers: list[str]):
     )
     if args.bucket_mb is not None:
         kw["bucket_mb"] = args.bucket_mb
+    if args.admin_api_key:
+        kw["admin_api_key"] = args.admin_api_key
     return PublisherConfig(**kw)
 
 
