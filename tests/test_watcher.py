@@ -122,7 +122,9 @@ def test_catch_up_loads_only_the_newest(nr, trial, tmp_path):
         w.stop()
 
 
-def test_a_burst_loads_only_the_newest(nr, trial, tmp_path):
+@pytest.mark.parametrize("corrupt, loaded", [(None, 4), (4, 3)], ids=["all-intact", "newest-corrupt"])
+def test_a_burst_loads_only_the_newest_intact(nr, trial, tmp_path, caplog, corrupt, loaded):
+    caplog.set_level(logging.ERROR, logger="inference_adapter.watcher")
     loader = Loader()
     loader.gate = threading.Event()
     w = DiskWatcher(nr, "exp", trial, loader)
@@ -131,11 +133,12 @@ def test_a_burst_loads_only_the_newest(nr, trial, tmp_path):
         _publish(nr, tmp_path / "snaps", trial, 1)
         assert loader.entered.wait(30)  # version 1 is loading (held at the gate)
         for v in (2, 3, 4):
-            _publish(nr, tmp_path / "snaps", trial, v)
+            _publish(nr, tmp_path / "snaps", trial, v, corrupt=v == corrupt)
         assert _until(lambda: sorted(w._pending) == [2, 3, 4])
         loader.gate.set()
-        assert w.wait_for_version(4, timeout=30)
-        assert loader.versions == [1, 4]
+        assert w.wait_for_version(loaded, timeout=30)
+        assert loader.versions == [1, loaded]  # a corrupt newest falls back to the newest intact one
+        assert any(f"refusing version {corrupt}" in r.message for r in caplog.records) == (corrupt is not None)
     finally:
         loader.gate.set()
         w.stop()
@@ -219,28 +222,5 @@ def test_a_corrupt_newest_snapshot_falls_back_to_the_newest_intact_one(trial, tm
         assert w.catch_up() == 2 and loader.versions == [2]
         assert any("refusing version 3" in r.message for r in caplog.records)
     finally:
-        w.stop()
-        nr.close()
-
-
-def test_a_corrupt_newest_pending_version_falls_back_while_watching(trial, tmp_path, caplog):
-    """Following: while version 1 loads, 2 (intact) and 3 (corrupt) arrive -> 2 is loaded next, 3 reported."""
-    caplog.set_level(logging.ERROR, logger="inference_adapter.watcher")
-    nr = make_name_resolve(f"memory://watch-{uuid.uuid4().hex}")
-    loader = Loader()
-    loader.gate = threading.Event()
-    w = DiskWatcher(nr, "exp", trial, loader)
-    w.start()
-    try:
-        _publish(nr, tmp_path / "snaps", trial, 1)
-        assert loader.entered.wait(30)
-        _publish(nr, tmp_path / "snaps", trial, 2)
-        _publish(nr, tmp_path / "snaps", trial, 3, corrupt=True)
-        assert _until(lambda: sorted(w._pending) == [2, 3])
-        loader.gate.set()
-        assert w.wait_for_version(2, timeout=30) and loader.versions == [1, 2]
-        assert any("refusing version 3" in r.message for r in caplog.records)
-    finally:
-        loader.gate.set()
         w.stop()
         nr.close()
