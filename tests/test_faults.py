@@ -15,7 +15,8 @@ Read top to bottom, this is the list:
 5. a server that accepts connections but never answers; a server stopped mid-run;
 6. a disk publish that waits for a dead server;
 7. a colocated trainer killed mid-sync, then a new trainer whose sync fails;
-8. a full shared-memory folder (colocated buckets).
+8. a full shared-memory folder (colocated buckets);
+9. in training, a user's ``loss_weight_fn`` raising on one rank only.
 """
 
 from __future__ import annotations
@@ -366,3 +367,32 @@ def test_a_full_shared_memory_folder_is_an_error_not_a_crash(tmp_path):
         assert os.listdir(small) == []  # nothing left behind
     finally:
         os.system(f"umount {small}")
+
+
+# ------------------------------------------------------------------ training
+
+
+def _loss_weight_fails_on_rank1():
+    from wsync.tasks import make_batch
+
+    engine = sb.engine()
+
+    def weight(mb):
+        if engine.rank == 1:
+            raise KeyError("no such column")
+        return float(mb["loss_mask"].sum())
+
+    t = time.monotonic()
+    try:
+        engine.train_batch(make_batch(engine.tokenizer, 8, seed=engine.rank), loss_weight_fn=weight)
+        return ("ok", "", 0.0)
+    except Exception as e:
+        return (type(e).__name__, str(e), time.monotonic() - t)
+    finally:
+        engine.destroy()
+
+
+def test_loss_weight_fn_raising_on_one_rank():
+    r0, r1 = run_ranks(_loss_weight_fails_on_rank1, 2, timeout=120)
+    assert r1[0] == "KeyError" and r0[0] == "ConfigError" and "rank(s) [1]" in r0[1], (r0, r1)
+    assert max(r0[2], r1[2]) < 10

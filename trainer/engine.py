@@ -403,7 +403,7 @@ class FSDPEngine:
         all ranks, and the packed real micro-batches (which rows and columns each came from).
         Any rank's error is raised on every rank, so no rank is left waiting in a collective.
         """
-        error: ConfigError | None = None
+        error: Exception | None = None
         packed: list[MicroBatch] = []
         weights: list[float] = []
         try:
@@ -414,7 +414,7 @@ class FSDPEngine:
                 if not (w >= 0 and math.isfinite(w)):
                     raise ConfigError(f"loss_weight_fn returned {w}; a micro-batch weight must be finite and >= 0")
                 weights.append(w)
-        except ConfigError as e:
+        except Exception as e:  # any type (a user's loss_weight_fn may raise anything): the others must hear of it
             error = e
         n_tokens = sum(mb.n_tokens for mb in packed)
         local = torch.tensor(
@@ -429,7 +429,7 @@ class FSDPEngine:
         if error is not None:
             raise error
         if bad:
-            raise ConfigError(f"rank(s) {bad} rejected their batch (see their error); no step was taken")
+            raise ConfigError(f"rank(s) {bad} failed to prepare their batch (see their error); no step was taken")
         total_weight = float(stats[:, 2].sum())
         if total_weight <= 0:
             raise ConfigError(
