@@ -72,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
 
         return run_worker(json.loads(args.worker_spec))
     from bench.run import run_bench
+    from wsync.serve import require_server_stack
 
+    require_server_stack()
+    if args.plot:
+        import matplotlib  # noqa: F401  (the bench extra: fail now, not after minutes of measuring)
     report = run_bench(config_from_args(args), json_path=args.json, plot_path=args.plot)
     print(report["table"], flush=True)
     if args.json:

@@ -32,6 +32,20 @@ A failure ends with one line naming the cause and the fix; --debug (or WSYNC_DEB
 """
 
 
+# Optional modules -> the extra that installs them (pyproject.toml's optional-dependencies).
+EXTRAS = {"fastapi": "server", "uvicorn": "server", "starlette": "server", "matplotlib": "bench", "etcd3": "etcd",
+          "grpc": "etcd"}
+
+
+def missing_extra(e: ImportError) -> str:
+    """One line for an optional module that is not installed: which extra brings it."""
+    module = (e.name or "").split(".")[0]
+    extra = EXTRAS.get(module)
+    if extra is None:
+        return f"{e}; reinstall wsync: pip install -e '.[all]' (from the checkout)"
+    return f"this needs the {module} package, which is not installed; pip install 'wsync[{extra}]' (or -e '.[{extra}]' in a checkout)"
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Appends ``(default: X)`` to a flag's help unless the help already says its default."""
 
@@ -60,9 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:  # an extra is not installed: the command is listed, and says which extra
+            help_ = f"{help_} [{missing_extra(e)}]"
+            mod = None
         p = _command_parser(name, help_, sub)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if mod is not None:
+            mod.add_arguments(p)
     return parser
 
 
@@ -84,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         # Build only the parser of the command that runs.
         name = argv[0]
         module, help_ = COMMANDS[name]
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            print(f"wsync {name}: error: {missing_extra(e)}", file=sys.stderr)
+            return 2
         p = _command_parser(name, help_)
         mod.add_arguments(p)
         args = p.parse_args(argv[1:])
@@ -123,6 +147,8 @@ def _report(command: str, e: Exception) -> None:
 
     if isinstance(e, BridgeError):
         message = str(e)
+    elif isinstance(e, ImportError):
+        message = missing_extra(e)
     else:  # not raised on purpose: its message may not say what to do
         message = f"{type(e).__name__}: {e} (unexpected; rerun with --debug for the traceback)"
     if debug_enabled():

@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
 def _driver(args: argparse.Namespace) -> int:
     from bridge.presets import make_model_dir
     from inference_adapter.launcher import launch_server
+    from wsync.serve import require_server_stack
+
+    require_server_stack()
 
     for flag in ("steps", "servers", "nproc", "batch_size", "max_new_tokens"):
         if getattr(args, flag) < 1:

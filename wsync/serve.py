@@ -1,4 +1,8 @@
-"""``wsync serve``: the reference server (SGLang's HTTP protocol, a transformers model on CPU)."""
+"""``wsync serve``: the reference server (SGLang's HTTP protocol, a transformers model on CPU).
+
+Its web stack (FastAPI, uvicorn) is the ``server`` extra; without it this module does not import, and
+the command line says which extra to install.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,23 @@ import argparse
 import socket
 
 from bridge.errors import ConfigError
+from inference_adapter.server import add_server_arguments
+from inference_adapter.server import run as serve
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from inference_adapter.server import add_server_arguments
-
     add_server_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)  # before the model loads, which takes a while
-    try:
-        import fastapi  # noqa: F401  (the server's web stack, an optional extra)
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"the reference server needs its web stack ({e}); pip install 'wsync[server]'") from e
-    from inference_adapter.server import run as serve
-
     return serve(args)
+
+
+def require_server_stack() -> None:
+    """For commands that start reference servers: fail now, naming the extra, rather than in a server."""
+    import fastapi  # noqa: F401
+    import uvicorn  # noqa: F401
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -17,7 +17,7 @@ __all__ = ["EtcdNameResolve"]
 # The package's name, not this file's: log lines keep the logger name they had before the split.
 log = get_logger(__package__)
 
-_INSTALL_HINT = "pip install 'python3-etcd3>=0.13'  (it provides `import etcd3`)"
+_INSTALL_HINT = "pip install 'wsync[etcd]'  (python3-etcd3, which provides `import etcd3`)"
 
 
 def _import_etcd3():
