@@ -1,7 +1,9 @@
 """Checking a rank's batch, packing it into micro-batches, and the default next-token loss.
 
-A batch is a TensorDict whose ``input_ids`` and ``attention_mask`` are ``[B, L]``; padding may sit on
-either side. Every other tensor is carried along: ``[B, L, ...]`` tensors token by token (``loss_mask``,
+A batch is a TensorDict, or a plain mapping of tensors (a dict), whose ``input_ids`` and
+``attention_mask`` are ``[B, L]``; padding may sit on either side. A mapping is wrapped into a TensorDict
+of batch size ``[B]``, which checks that every tensor has the batch dimension and lets a micro-batch take
+all of its rows in one indexing. Every other tensor is carried along: ``[B, L, ...]`` tensors token by token (``loss_mask``,
 log-probs, advantages, ...), ``[B, ...]`` tensors row by row. A micro-batch holds whole sequences
 (never split), right-padded to its own longest one, so positions always start at 0.
 
@@ -17,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +30,7 @@ from bridge.errors import ConfigError
 
 __all__ = [
     "MicroBatch",
+    "as_batch",
     "dummy_micro_batch",
     "loss_token_count",
     "next_token_loss",
@@ -53,15 +57,35 @@ class MicroBatch:
         return int(self.data["attention_mask"].sum())
 
 
-def validate_batch(batch: TensorDictBase) -> None:
-    """Check the keys and shapes of one rank's batch.
+def as_batch(batch: TensorDictBase | Mapping[str, torch.Tensor]) -> TensorDictBase:
+    """The batch as a TensorDict: a TensorDict as it is, a mapping wrapped with batch size ``[B]``.
 
     Raises:
-        ConfigError: not a TensorDict, a required key missing, a shape that does not match
-            ``input_ids``, or no tokens at all.
+        ConfigError: neither, no ``input_ids`` to take ``B`` from, or a tensor without the batch dimension.
     """
-    if not isinstance(batch, TensorDictBase):
-        raise ConfigError(f"a batch must be a TensorDict with input_ids and attention_mask, got {type(batch).__name__}")
+    if isinstance(batch, TensorDictBase):
+        return batch
+    if not isinstance(batch, Mapping):
+        raise ConfigError(f"a batch must be a TensorDict or a dict of tensors with input_ids and attention_mask, "
+                          f"got {type(batch).__name__}")
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.ndim == 0:
+        raise ConfigError(f"batch has no input_ids tensor [B, L] (keys present: {sorted(map(str, batch))})")
+    try:
+        return TensorDict(dict(batch), batch_size=[ids.shape[0]])
+    except (RuntimeError, TypeError, ValueError) as e:
+        shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for k, v in batch.items()}
+        raise ConfigError(f"every batch entry must be a tensor with the {ids.shape[0]} rows of input_ids first; "
+                          f"got {shapes}") from e
+
+
+def validate_batch(batch: TensorDictBase | Mapping[str, torch.Tensor]) -> None:
+    """Check the keys and shapes of one rank's batch (a TensorDict or a mapping, see :func:`as_batch`).
+
+    Raises:
+        ConfigError: a required key missing, a shape that does not match ``input_ids``, or no tokens at all.
+    """
+    batch = as_batch(batch)
     for key in REQUIRED_KEYS:
         if key not in batch.keys():
             raise ConfigError(
@@ -80,13 +104,14 @@ def validate_batch(batch: TensorDictBase) -> None:
         raise ConfigError("empty batch: attention_mask is all zeros, so there is no token to train on")
 
 
-def pack_micro_batches(batch: TensorDictBase, max_tokens: int) -> list[MicroBatch]:
+def pack_micro_batches(batch: TensorDictBase | Mapping[str, torch.Tensor], max_tokens: int) -> list[MicroBatch]:
     """Pack the sequences of a validated batch greedily into micro-batches of at most ``max_tokens``.
 
     A micro-batch costs (sequences x its longest sequence) tokens. Sequences are taken longest first,
     so the first one of a micro-batch fixes its padded length; a sequence longer than ``max_tokens``
     gets one of its own. Rows without any token are dropped.
     """
+    batch = as_batch(batch)
     mask = batch["attention_mask"].bool()
     n_rows, n_cols = mask.shape
     lengths = mask.sum(1)
