@@ -1,11 +1,17 @@
 """HTTP client for SGLang's weight-update API: one server (:class:`ServerClient`) or many (:class:`ServerGroup`).
 
 A real SGLang server and the project's reference server look the same to the caller. The client reads
-the server's SGLang version once (``/server_info`` ``version``) and speaks that version's dialect
-(:class:`bridge.protocol.ProtocolFeatures`): it omits fields an old server does not know, turns
-``begin/end_weight_update`` into no-ops where sessions do not exist, and refuses up front what the
-server cannot do (a flattened bucket for a server older than 0.5.10), so the trainer learns it before
-it starts a broadcast.
+the server's SGLang version once (``/server_info`` ``version``, or ``/get_server_info`` on servers older
+than 0.5.6, which have no ``/server_info``) and speaks that version's dialect
+(:class:`bridge.protocol.ProtocolFeatures`): it uses the info routes the server has, omits fields an old
+server does not know, turns ``begin/end_weight_update`` into no-ops where sessions do not exist, never
+asks for a cache flush while generations are paused in place (SGLang asserts or fails there), and
+refuses up front what the server cannot do (a flattened bucket for a server older than 0.5.6; the
+project's shared-memory extension for a server that is not the reference server), so the trainer
+learns it before it starts a broadcast.
+
+Keys follow SGLang's ``srt/utils/auth.py``: the control routes (:data:`bridge.protocol.ADMIN_ROUTES`)
+carry ``admin_api_key`` when one is given, every other route carries ``api_key``.
 
 Errors are the project's own (:mod:`bridge.errors`): an HTTP error or ``success: false`` raises
 ``ServerError(server, message, status, route)`` with the server's message; a connection failure raises
@@ -37,7 +43,7 @@ import torch
 
 from bridge.errors import BridgeError, ConfigError, ServerError, SyncTimeout
 from bridge.log import get_logger
-from bridge.protocol import DEFAULT_GROUP_NAME, ProtocolFeatures
+from bridge.protocol import ADMIN_ROUTES, DEFAULT_GROUP_NAME, SHM_LOAD_FORMAT, ProtocolFeatures
 from bridge.tensors import dtype_to_str
 
 __all__ = ["ServerClient", "ServerGroup"]
@@ -65,8 +71,10 @@ class ServerClient:
 
     Args:
         url: base URL, e.g. ``http://10.0.0.3:30000`` (``host:port`` is accepted).
-        api_key: sent as ``Authorization: Bearer <key>``; give the admin key where the server has one,
-            because SGLang's weight-update routes then accept only that key.
+        api_key: sent as ``Authorization: Bearer <key>`` on the routes SGLang opens with ``--api-key``
+            (generate, info, health) and, when no ``admin_api_key`` is given, on the control routes too.
+        admin_api_key: the server's ``--admin-api-key``: sent on the control routes (weight updates, pause,
+            flush, debug reads), which accept only that key when the server has one.
         timeout: seconds for every call that does not take its own ``timeout``.
         version: the server's SGLang version, to skip the ``/server_info`` lookup (mostly for tests).
 
@@ -74,11 +82,17 @@ class ServerClient:
         url: the normalized base URL (no trailing slash); error messages and ``ServerGroup`` use it.
     """
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 60.0, version: str | None = None):
+    def __init__(
+        self, url: str, *, api_key: str | None = None, admin_api_key: str | None = None, timeout: float = 60.0,
+        version: str | None = None,
+    ):
         if timeout <= 0:
             raise ConfigError(f"timeout must be positive, got {timeout}")
         self.url = _normalize_url(url)
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
+        self._info: dict | None = None
+        self._paused_mode: str | None = None  # what this client last paused the server with
         self.timeout = float(timeout)
         self._version = version
         self._features: ProtocolFeatures | None = None
@@ -94,10 +108,12 @@ class ServerClient:
         s = getattr(self._local, "session", None)
         if s is None:
             s = requests.Session()
-            if self.api_key:
-                s.headers["Authorization"] = f"Bearer {self.api_key}"
             self._local.session = s
         return s
+
+    def _headers(self, route: str) -> dict[str, str]:
+        key = self.admin_api_key if (route in ADMIN_ROUTES and self.admin_api_key) else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _call(
         self,
@@ -112,7 +128,8 @@ class ServerClient:
         """One HTTP call; returns the decoded JSON (or text) or raises ServerError/SyncTimeout."""
         t = self.timeout if timeout is None else float(timeout)
         try:
-            r = self._session().request(method, self.url + route, json=body, timeout=(min(t, 10.0), t))
+            r = self._session().request(method, self.url + route, json=body, headers=self._headers(route),
+                                        timeout=(min(t, 10.0), t))
         except requests.exceptions.ConnectTimeout as e:
             raise ServerError(self.url, f"cannot connect: {e}", None, route) from e
         except requests.exceptions.Timeout as e:
@@ -154,21 +171,39 @@ class ServerClient:
             self._load_server_info()
         return self._tp_size  # type: ignore[return-value]
 
+    @property
+    def is_reference_server(self) -> bool:
+        """True when the server says it is the project's reference server (``wsync_reference_server`` in
+        its server info); real SGLang never does."""
+        if self._info is None:
+            self._load_server_info()
+        return bool((self._info or {}).get("wsync_reference_server"))
+
     def _load_server_info(self) -> None:
         info = self.server_info()
+        self._info = info
         if self._version is None:
             v = info.get("version")
             if not v:
-                raise ServerError(self.url, "/server_info has no 'version'; is this an SGLang server?", 200, "/server_info")
+                raise ServerError(self.url, "server info has no 'version'; is this an SGLang server?", 200, "/server_info")
             self._version = str(v)
         tp = info.get("tp_size") or 1
         self._tp_size = int(tp)
 
     def server_info(self) -> dict:
-        return self._call("GET", "/server_info")
+        """``/server_info``; servers older than 0.5.6 answer 404 there and are asked ``/get_server_info``."""
+        if self._features is not None or self._version is not None:
+            return self._call("GET", self.features.server_info_route)
+        try:
+            return self._call("GET", "/server_info")
+        except ServerError as e:
+            if e.status != 404:
+                raise
+            return self._call("GET", "/get_server_info")
 
-    def model_info(self) -> dict:
-        return self._call("GET", "/model_info")
+    def model_info(self, timeout: float | None = None) -> dict:
+        """``/model_info`` (``/get_model_info`` before 0.5.6): carries the served ``weight_version``."""
+        return self._call("GET", self.features.model_info_route, timeout=timeout)
 
     def health(self, timeout: float = 5.0) -> bool:
         """True when ``/health`` answers 200 (SGLang's answers 503 while paused or busy updating)."""
@@ -189,7 +224,7 @@ class ServerClient:
         while True:
             left = deadline - time.monotonic()
             try:
-                return self._call("GET", "/model_info", timeout=max(0.5, min(10.0, left)))
+                return self.model_info(timeout=max(0.5, min(10.0, left)))
             except BridgeError as e:
                 last = e
             if time.monotonic() + interval > deadline:
@@ -219,16 +254,32 @@ class ServerClient:
         return self._call("POST", "/generate", body, timeout=timeout)
 
     def pause_generation(self, mode: str = "abort") -> dict:
-        """``/pause_generation``; the mode is sent only to servers that know it (>= 0.5.10)."""
+        """``/pause_generation``; the mode is sent only to servers that know it (>= 0.5.6).
+
+        While paused ``in_place`` the requests keep their KV cache, so this client sends every update
+        with ``flush_cache=False`` until :meth:`continue_generation` (SGLang < 0.5.22 asserts on the
+        refused flush and dies; later ones fail the update).
+        """
         if mode not in _PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {_PAUSE_MODES}, got {mode!r}")
         body = {"mode": mode} if self.features.pause_mode else {}
         if mode != "abort" and not self.features.pause_mode:
             logger.warning("%s (SGLang %s) has no pause modes; it pauses in abort mode", self.url, self.version)
-        return self._call("POST", "/pause_generation", body)
+        out = self._call("POST", "/pause_generation", body)
+        self._paused_mode = mode if self.features.pause_mode else "abort"
+        return out
 
     def continue_generation(self) -> dict:
-        return self._call("POST", "/continue_generation", {})
+        out = self._call("POST", "/continue_generation", {})
+        self._paused_mode = None
+        return out
+
+    def _flush(self, flush_cache: bool) -> bool:
+        """The ``flush_cache`` to send: never while this client has the server paused in place."""
+        if flush_cache and self._paused_mode == "in_place":
+            logger.debug("%s: paused in place, so the update is sent with flush_cache=False", self.url)
+            return False
+        return bool(flush_cache)
 
     def flush_cache(self) -> str:
         return self._call("POST", "/flush_cache", text=True)
@@ -287,13 +338,13 @@ class ServerClient:
             raise ConfigError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
         if load_format == "flattened_bucket" and not f.flattened_bucket:
             raise ConfigError(
-                f"{self.url} runs SGLang {f.version}, which has no load_format='flattened_bucket' (needs >= 0.5.10); "
+                f"{self.url} runs SGLang {f.version}, which has no load_format='flattened_bucket' (needs >= 0.5.6); "
                 "send one broadcast per tensor (load_format=None)"
             )
         if f.batched_distributed:
             body: dict[str, Any] = dict(
                 names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
-                flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+                flush_cache=self._flush(flush_cache), abort_all_requests=abort_all_requests,
             )
         else:
             if len(names) != 1:
@@ -327,7 +378,13 @@ class ServerClient:
         describing a file that holds one flattened bucket (:mod:`bridge.buckets` layout).
         SGLang >= 0.5.21 (and the reference server emulating it) takes it only inside a
         ``begin_weight_update``/``end_weight_update`` session.
+
+        Raises:
+            ConfigError: ``load_format="wsync_shm"`` for a server that does not say it is the reference
+                server (real SGLang would unpickle the entry in its scheduler and die); nothing is sent.
         """
+        if load_format == SHM_LOAD_FORMAT:
+            self.require_reference_server(f"load_format={SHM_LOAD_FORMAT!r}")
         if isinstance(serialized_named_tensors, (str, bytes)):
             raise ConfigError("serialized_named_tensors must be a list with one entry per TP rank, not a single string")
         entries = [
@@ -336,7 +393,7 @@ class ServerClient:
         if not entries:
             raise ConfigError("serialized_named_tensors is empty; it needs one entry per TP rank")
         body: dict[str, Any] = dict(
-            serialized_named_tensors=entries, load_format=load_format, flush_cache=flush_cache,
+            serialized_named_tensors=entries, load_format=load_format, flush_cache=self._flush(flush_cache),
             abort_all_requests=abort_all_requests,
         )
         if weight_version is not None:
@@ -345,6 +402,19 @@ class ServerClient:
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, self.features.version, weight_version)
         return self._call("POST", "/update_weights_from_tensor", body, timeout=timeout)
+
+    def require_reference_server(self, what: str = "the shared-memory extension") -> None:
+        """Raise ConfigError unless the server says it is the project's reference server.
+
+        The colocated transport calls this before any byte moves: SGLang has no ``wsync_shm`` format and
+        its scheduler dies unpickling such an entry; with real SGLang use CUDA IPC on a GPU host.
+        """
+        if not self.is_reference_server:
+            raise ConfigError(
+                f"{self.url} (SGLang {self.version}) is not the wsync reference server, so it cannot take {what}; "
+                "real SGLang takes co-located weights only as CUDA IPC handles on a GPU (use transport='broadcast' "
+                "or 'disk' here)"
+            )
 
     def abort_weight_update(self) -> dict:
         """Project extension, reference server only: ``/wsync/abort_weight_update`` discards the open update
@@ -368,9 +438,14 @@ class ServerClient:
         timeout: float | None = None,
     ) -> dict:
         """Load an HF checkpoint directory (as seen from the server's host)."""
-        body: dict[str, Any] = dict(model_path=str(model_path), abort_all_requests=abort_all_requests, flush_cache=flush_cache)
-        if weight_version is not None and self.features.weight_version:
-            body["weight_version"] = str(weight_version)
+        body: dict[str, Any] = dict(
+            model_path=str(model_path), abort_all_requests=abort_all_requests, flush_cache=self._flush(flush_cache),
+        )
+        if weight_version is not None:
+            if self.features.weight_version:
+                body["weight_version"] = str(weight_version)
+            else:
+                logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, self.version, weight_version)
         return self._call("POST", "/update_weights_from_disk", body, timeout=timeout)
 
     def begin_weight_update(self) -> dict:
@@ -386,6 +461,9 @@ class ServerClient:
         return self._call("POST", "/end_weight_update", {})
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        """``/update_weight_version`` (SGLang >= 0.5.1)."""
+        if not self.features.weight_version:
+            raise ConfigError(f"{self.url} runs SGLang {self.version}, which has no weight versions (needs >= 0.5.1)")
         return self._call(
             "POST", "/update_weight_version", {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
         )
@@ -432,14 +510,19 @@ class ServerGroup:
     Args:
         servers: URLs or ready :class:`ServerClient` objects, in rank order.
         api_key: for URLs given as strings.
+        admin_api_key: for URLs given as strings: the servers' ``--admin-api-key`` (control routes).
         timeout: per-call timeout for clients built from URLs.
     """
 
-    def __init__(self, servers: Sequence[str | ServerClient], *, api_key: str | None = None, timeout: float = 60.0):
+    def __init__(
+        self, servers: Sequence[str | ServerClient], *, api_key: str | None = None, admin_api_key: str | None = None,
+        timeout: float = 60.0,
+    ):
         if not servers:
             raise ConfigError("a ServerGroup needs at least one server")
         self.clients: list[ServerClient] = [
-            s if isinstance(s, ServerClient) else ServerClient(s, api_key=api_key, timeout=timeout) for s in servers
+            s if isinstance(s, ServerClient) else ServerClient(s, api_key=api_key, admin_api_key=admin_api_key, timeout=timeout)
+            for s in servers
         ]
         urls = [c.url for c in self.clients]
         if len(set(urls)) != len(urls):

@@ -11,6 +11,8 @@ Example:
     >>> f = ProtocolFeatures.from_version("0.5.10.post1")
     >>> f.flattened_bucket, f.needs_session
     (True, False)
+    >>> ProtocolFeatures.from_version("0.5.5").server_info_route
+    '/get_server_info'
     >>> InitWeightsUpdateGroupReq.model_validate(
     ...     {"master_address": "h", "master_port": "29500", "rank_offset": 1, "world_size": 2, "x": 0}
     ... ).master_port
@@ -30,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from bridge.errors import ConfigError
 
 __all__ = [
+    "ADMIN_ROUTES",
     "DEFAULT_GROUP_NAME",
     "SESSION_REQUIRED_MESSAGE",
     "SHM_LOAD_FORMAT",
@@ -83,26 +86,39 @@ def parse_version(version: str) -> tuple[int, int, int]:
 
 @dataclass(frozen=True, slots=True)
 class ProtocolFeatures:
-    """What a server speaking SGLang version ``version`` supports (see sglang-protocol.md, section 9)."""
+    """What a server speaking SGLang version ``version`` supports.
+
+    Every gate was read in SGLang's own source of the releases named and, where they import on CPU
+    (0.4.9, 0.5.6, 0.5.23), pinned by running that release's code (``tests/test_sglang_code.py``);
+    ``shared/docs/sglang-protocol.md`` section 9 is older than these and wrong on several of them.
+    """
 
     version: str
-    """The version string as the server reported it (``/server_info`` ``version``)."""
+    """The version string as the server reported it (``/server_info`` or ``/get_server_info`` ``version``)."""
     release: tuple[int, int, int]
     """The parsed ``(major, minor, patch)``."""
     needs_session: bool
     """>= 0.5.21: distributed/tensor updates must run between begin_weight_update and end_weight_update."""
     flattened_bucket: bool
-    """>= 0.5.10: ``load_format="flattened_bucket"`` (one uint8 broadcast per request) is accepted."""
+    """>= 0.5.6: ``load_format="flattened_bucket"`` (one uint8 broadcast per request) is accepted; older
+    request structs have no ``load_format`` and drop it, then wait for one broadcast per tensor."""
     destroy_group: bool
     """>= 0.5.3: ``/destroy_weights_update_group`` exists."""
     pause_mode: bool
-    """>= 0.5.10: ``/pause_generation`` takes a ``mode`` (abort, retract, in_place)."""
+    """>= 0.5.6: ``/pause_generation`` takes a ``mode`` (abort, retract, in_place); older ones abort."""
     weight_version: bool
-    """>= 0.5.2: ``weight_version`` fields and ``/update_weight_version`` exist."""
+    """>= 0.5.1: ``weight_version`` fields and ``/update_weight_version`` exist."""
     batched_distributed: bool
     """>= 0.4.9: ``/update_weights_from_distributed`` takes lists (names/dtypes/shapes), not one tensor."""
     get_weight_version_route: bool
-    """0.5.2 <= v < 0.5.10: the old ``/get_weight_version`` route works (later 404, then removed)."""
+    """0.5.1 <= v < 0.5.9: ``/get_weight_version`` answers (an alias of ``/weight_version`` in 0.5.6; gone by 0.5.9)."""
+    info_routes: bool
+    """>= 0.5.6: ``/server_info`` and ``/model_info``; older servers have only ``/get_server_info`` and
+    ``/get_model_info`` (which 0.5.6+ keep as aliases)."""
+    flush_asserts: bool
+    """0.4.9 <= v < 0.5.22: a flush refused because requests are in flight (``pause_generation`` in place)
+    trips an assert in the scheduler and the server dies; 0.5.22+ fail the update instead. Either way an
+    update must not ask for a flush while generations are paused in place."""
 
     @classmethod
     def from_version(cls, version: str) -> ProtocolFeatures:
@@ -111,13 +127,34 @@ class ProtocolFeatures:
             version=str(version),
             release=r,
             needs_session=r >= (0, 5, 21),
-            flattened_bucket=r >= (0, 5, 10),
+            flattened_bucket=r >= (0, 5, 6),
             destroy_group=r >= (0, 5, 3),
-            pause_mode=r >= (0, 5, 10),
-            weight_version=r >= (0, 5, 2),
+            pause_mode=r >= (0, 5, 6),
+            weight_version=r >= (0, 5, 1),
             batched_distributed=r >= (0, 4, 9),
-            get_weight_version_route=(0, 5, 2) <= r < (0, 5, 10),
+            get_weight_version_route=(0, 5, 1) <= r < (0, 5, 9),
+            info_routes=r >= (0, 5, 6),
+            flush_asserts=r < (0, 5, 22),
         )
+
+    @property
+    def server_info_route(self) -> str:
+        return "/server_info" if self.info_routes else "/get_server_info"
+
+    @property
+    def model_info_route(self) -> str:
+        return "/model_info" if self.info_routes else "/get_model_info"
+
+
+# SGLang's control routes, marked ADMIN_OPTIONAL in its http_server.py (srt/utils/auth.py decides): with
+# --admin-api-key set only that key opens them; every other route (generate, info) takes --api-key.
+ADMIN_ROUTES = frozenset({
+    "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
+    "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
+    "/release_memory_occupation", "/resume_memory_occupation", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
+    "/wsync/abort_weight_update",
+})
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

@@ -134,7 +134,9 @@ class PublisherConfig:
     announce_ttl: float | None = None
     """Disk: TTL of announcements (seconds, kept alive while the publisher lives); None = permanent."""
     api_key: str | None = None
-    """Bearer key for the servers' control routes."""
+    """Bearer key for the servers' ``--api-key`` (every route; the control routes too unless ``admin_api_key``)."""
+    admin_api_key: str | None = None
+    """Bearer key for the servers' ``--admin-api-key``: SGLang's control routes then accept only this key."""
     progress: bool = True
     """Show a progress bar for syncs that take longer than a second."""
 
@@ -222,7 +224,10 @@ class WeightPublisher:
         if self._servers is None and self.config.servers:
             from bridge.client import ServerGroup
 
-            self._servers = ServerGroup(self.config.servers, api_key=self.config.api_key, timeout=self.config.http_timeout)
+            self._servers = ServerGroup(
+                self.config.servers, api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
+                timeout=self.config.http_timeout,
+            )
         return self._servers
 
     def publish(self, source: WeightSource | torch.nn.Module, version: int) -> PublishResult:

@@ -54,14 +54,8 @@ from bridge.presets import PRESETS
 
 __all__ = ["ADMIN_ROUTES", "add_server_arguments", "build_parser", "create_app", "main", "run"]
 
-# SGLang marks its control routes ADMIN_OPTIONAL (srt/utils/auth.py).
-ADMIN_ROUTES = frozenset({
-    "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-    "/update_weights_from_disk", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
-    "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
-    "/release_memory_occupation", "/resume_memory_occupation", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
-    "/wsync/abort_weight_update",
-})
+# SGLang marks its control routes ADMIN_OPTIONAL (srt/utils/auth.py); the client sends the admin key on the same set.
+from bridge.protocol import ADMIN_ROUTES  # noqa: E402
 
 
 GENERATION_THREADS = 256
@@ -188,14 +182,21 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     async def ready():
         return Response(status_code=200) if f.release >= (0, 5, 20) else not_found()
 
-    @app.get("/model_info")
+    # /model_info and /server_info exist from 0.5.6; the /get_* names exist in every emulated version.
     @app.get("/get_model_info")
-    async def model_info():
+    async def get_model_info():
         return state.model_info()
 
+    @app.get("/model_info")
+    async def model_info():
+        return state.model_info() if f.info_routes else not_found()
+
     @app.get("/server_info")
-    @app.get("/get_server_info")
     async def server_info():
+        return await get_server_info() if f.info_routes else not_found()
+
+    @app.get("/get_server_info")
+    async def get_server_info():
         return {
             **args, "version": f.version, "tp_size": 1, "dp_size": 1, "pp_size": 1, "model_path": state.model_path,
             "tokenizer_path": state.tokenizer_path, "served_model_name": state.served_model_name,
@@ -213,9 +214,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     async def get_weight_version():
         if f.get_weight_version_route:
             return {"weight_version": state.version}
-        if (0, 5, 10) <= f.release < (0, 5, 21):
-            return JSONResponse({"detail": "/get_weight_version is deprecated; use /model_info"}, status_code=404)
-        return not_found()
+        return not_found()  # before 0.5.1 and from 0.5.9
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -298,7 +297,13 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
         # SGLang <= 0.4.8 took one tensor per request.
         if not f.batched_distributed and "name" in data:
             data = {**data, "names": [data.get("name")], "dtypes": [data.get("dtype")], "shapes": [data.get("shape")]}
-        return data
+        return drop_unknown_fields(data)
+
+    def drop_unknown_fields(data: dict) -> dict:
+        # A field the emulated version's request struct lacks is dropped, as SGLang's parsing drops it:
+        # load_format (flattened buckets) from 0.5.6, weight_version from 0.5.1.
+        gone = ([] if f.flattened_bucket else ["load_format"]) + ([] if f.weight_version else ["weight_version"])
+        return {k: v for k, v in data.items() if k not in gone} if any(k in data for k in gone) else data
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
@@ -315,7 +320,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
-        req = await body(request, UpdateWeightsFromTensorReq, "/update_weights_from_tensor")
+        req = await body(request, UpdateWeightsFromTensorReq, "/update_weights_from_tensor", drop_unknown_fields)
         run = await run_claim(request)
         msg = await run_in_threadpool(
             lambda: state.update_tensor(
@@ -338,7 +343,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        req = await body(request, UpdateWeightFromDiskReq, "/update_weights_from_disk")
+        req = await body(request, UpdateWeightFromDiskReq, "/update_weights_from_disk", drop_unknown_fields)
         run = await run_claim(request)
         msg = await run_in_threadpool(
             lambda: state.update_disk(model_path=req.model_path, weight_version=req.weight_version,

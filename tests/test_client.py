@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import requests
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,14 +26,22 @@ PROMPT = [5, 72, 101, 108, 108, 111]
 @pytest.mark.parametrize(
     "version, release, flags",
     [
-        ("0.5.23", (0, 5, 23), dict(needs_session=True, flattened_bucket=True, destroy_group=True, pause_mode=True)),
+        ("0.5.23", (0, 5, 23), dict(needs_session=True, flattened_bucket=True, destroy_group=True, pause_mode=True,
+                                    info_routes=True, flush_asserts=False)),
         ("0.5.23rc1", (0, 5, 23), dict(needs_session=True)),
-        ("0.5.21", (0, 5, 21), dict(needs_session=True)),
+        ("0.5.22", (0, 5, 22), dict(needs_session=True, flush_asserts=False)),
+        ("0.5.21", (0, 5, 21), dict(needs_session=True, flush_asserts=True)),
         ("0.5.20", (0, 5, 20), dict(needs_session=False, flattened_bucket=True)),
         ("0.5.10.post1", (0, 5, 10), dict(needs_session=False, flattened_bucket=True, pause_mode=True, get_weight_version_route=False)),
-        ("0.5.9", (0, 5, 9), dict(flattened_bucket=False, pause_mode=False, destroy_group=True)),
+        ("0.5.9", (0, 5, 9), dict(flattened_bucket=True, pause_mode=True, destroy_group=True, get_weight_version_route=False)),
+        # 0.5.6: /server_info, /model_info, load_format and the pause mode all start here (SGLang's source).
+        ("0.5.6", (0, 5, 6), dict(info_routes=True, flattened_bucket=True, pause_mode=True, get_weight_version_route=True)),
+        ("0.5.5", (0, 5, 5), dict(info_routes=False, flattened_bucket=False, pause_mode=False, weight_version=True)),
         ("0.5.2", (0, 5, 2), dict(destroy_group=False, weight_version=True, get_weight_version_route=True, batched_distributed=True)),
+        ("0.5.1", (0, 5, 1), dict(weight_version=True, get_weight_version_route=True, info_routes=False)),
+        ("0.5.0", (0, 5, 0), dict(weight_version=False, get_weight_version_route=False)),
         ("0.4.10.post2", (0, 4, 10), dict(weight_version=False, batched_distributed=True)),
+        ("0.4.9", (0, 4, 9), dict(weight_version=False, batched_distributed=True, info_routes=False, flush_asserts=True)),
         ("0.4.8", (0, 4, 8), dict(batched_distributed=False)),
     ],
 )
@@ -68,7 +78,8 @@ def test_client_errors_are_the_projects_own(servers):
     dead = ServerClient(f"http://127.0.0.1:{find_free_port()}", timeout=5)
     with pytest.raises(ServerError) as e:
         dead.model_info()
-    assert e.value.status is None and e.value.route == "/model_info" and dead.url in str(e.value)
+    # Its version is not known yet, so the first call is the /server_info look-up.
+    assert e.value.status is None and e.value.route == "/server_info" and dead.url in str(e.value)
     assert not dead.health()
 
     c = servers["a"].client
@@ -93,11 +104,20 @@ def test_old_server_dialect(servers):
     assert "needs no update session" in c.begin_weight_update()["message"]
     assert "needs no update session" in c.end_weight_update()["message"]
     assert "stays open" in c.destroy_weights_update_group("g")["message"]
-    with pytest.raises(ConfigError, match="0.5.10"):
+    with pytest.raises(ConfigError, match="0.5.6"):
         c.update_weights_from_distributed(["a"], [torch.bfloat16], [[1]], load_format="flattened_bucket")
     assert c.pause_generation("retract")["status"] == "ok"  # sent without a mode
     c.continue_generation()
     assert c.update_weight_version("old-v")["new_version"] == "old-v"
+    # 0.5.2 has no /server_info or /model_info: the client found /get_server_info and reads /get_model_info.
+    assert requests.get(c.url + "/server_info").status_code == 404
+    assert c.model_info()["weight_version"] == "old-v" and c.wait_ready(timeout=5)["weight_version"] == "old-v"
+    # The shared-memory extension is refused before anything is sent to a server that is not the reference server.
+    fake = ServerClient(c.url, version="0.5.23")
+    fake._info = {"version": "0.5.23"}
+    with pytest.raises(ConfigError, match="not the wsync reference server"):
+        fake.update_weights_from_tensor(["e30="], load_format="wsync_shm")
+    assert c.is_reference_server
 
 
 def _sync_group(group: ServerGroup, weights: dict, version: str, *, flattened: bool, name: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from bridge.client import ServerClient
+from bridge.client import ServerClient, ServerGroup
 from bridge.errors import ServerError
 from bridge.protocol import SESSION_REQUIRED_MESSAGE, tensor_checksum
 from tests.fixtures_server import GROUP_TIMEOUT, Trainer, greedy, local_model, random_weights
@@ -477,10 +477,10 @@ def test_old_protocol_server(servers):
         assert r["success"] and "Weight version updated to old-1" in r["message"]
         assert served(c)["version"] == "old-1"
         assert served(c)["checksums"]["model.norm.weight"] == tensor_checksum(w["model.norm.weight"])
-        raw = requests.post(c.url + "/update_weights_from_distributed", json={
-            "names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[128]], "group_name": t.group_name,
-            "load_format": "flattened_bucket"})
-        assert raw.status_code == 400 and "0.5.10" in raw.json()["message"]
+    # Routes 0.5.2 lacks answer 404, as SGLang 0.5.2's do; the /get_* info routes answer.
+    for route in ("/server_info", "/model_info"):
+        assert requests.get(c.url + route).status_code == 404
+    assert requests.get(c.url + "/get_server_info").json()["version"] == "0.5.2"
     for route in ("/begin_weight_update", "/end_weight_update", "/destroy_weights_update_group"):
         assert requests.post(c.url + route, json={}).status_code == 404
     assert requests.get(c.url + "/get_weight_version").json() == {"weight_version": "old-1"}
@@ -505,4 +505,7 @@ def test_api_keys(servers):
     with pytest.raises(ServerError) as e:
         ServerClient(url, api_key="user-key").update_weight_version("x")
     assert e.value.status == 401
-    assert ServerClient(url, api_key="admin-key").update_weight_version("y")["new_version"] == "y"
+    # A server with both keys: the client sends each route the key SGLang's auth decides for it.
+    both = ServerClient(url, api_key="user-key", admin_api_key="admin-key")
+    assert both.update_weight_version("y")["new_version"] == "y" and both.model_info()["weight_version"] == "y"
+    assert ServerGroup([url], api_key="user-key", admin_api_key="admin-key").weight_versions() == {url: "y"}
