@@ -29,7 +29,8 @@ How an update travels:
   as SGLang casts them) before the swap.
 
 Refused on every path, beyond SGLang: weights holding NaN or Inf (they would make sampling fail on every
-request), version labels that answers cannot carry (:func:`version_problem`), and a version older than
+request; in a session each request's tensors are checked on a background thread while the next bucket
+arrives, and ``end_weight_update`` refuses the session if any held them), version labels that answers cannot carry (:func:`version_problem`), and a version older than
 the served one unless the request starts a new run (:class:`RunClaim`).
 """
 
@@ -39,6 +40,7 @@ import hashlib
 import os
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +81,7 @@ class _Session:
     owner: tuple[int, str] | None = None
     last_request: float = field(default_factory=time.monotonic)
     run: RunClaim = field(default_factory=lambda: RunClaim())
+    finite_checks: list[Future] = field(default_factory=list)  # _non_finite_problem of each staged request
 
     def describe(self) -> str:
         if self.owner:
@@ -188,6 +191,10 @@ def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return bad
 
 
+# A session's finite checks run here, overlapping the next bucket's receive; end_weight_update waits for them.
+_finite_checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync-finite-check")
+
+
 def _non_finite_problem(tensors: dict[str, torch.Tensor]) -> str | None:
     bad = _non_finite(tensors)
     if not bad:
@@ -248,7 +255,8 @@ class WeightUpdateMixin:
                 why = f" The last session was aborted: {self._last_session_error}" if self._last_session_error else ""
                 raise RequestError(f"No weight update session is open; call begin_weight_update() first.{why}")
             self._session = None
-            problem = self._rollback_problem(s.version, s.run)
+            problem = next((p for p in (c.result() for c in s.finite_checks) if p), None) \
+                or self._rollback_problem(s.version, s.run)
             if problem:
                 self._last_session_error = problem
                 raise RequestError(f"Weight update session aborted, nothing applied: {problem}.")
@@ -368,7 +376,9 @@ class WeightUpdateMixin:
         """Caller holds _update_lock: stage a validated request in the session, or swap it in without one."""
         staged = {n: t for n, t in received if n not in self._aliases}
         run = self._session.run if self._session is not None else run  # a session claims its run at begin
-        problem = _non_finite_problem(staged) or self._rollback_problem(weight_version, run)
+        problem = self._rollback_problem(weight_version, run)
+        if self._session is None:
+            problem = problem or _non_finite_problem(staged)
         if problem:
             sess = " The update session was aborted; nothing it staged was applied." if self._session else ""
             self._abort_session(problem)
@@ -378,6 +388,7 @@ class WeightUpdateMixin:
         if self._session is not None:
             s = self._session
             s.last_request = time.monotonic()
+            s.finite_checks.append(_finite_checker.submit(_non_finite_problem, staged))
             s.staged.update(staged)
             if group_name is not None:
                 s.groups.add(group_name)
