@@ -14,8 +14,8 @@ default process group):
 3. ``param_specs()`` / ``iter_full_tensors()`` feed a weight sync: the specs come from DTensor metadata
    without any communication; the iterator gathers one tensor at a time (a collective per tensor) and
    hands the full tensor to rank 0 only.
-4. ``save`` / ``load`` in HF safetensors or DCP, optionally with optimizer and schedule state;
-   ``destroy()`` at the end.
+4. ``save`` / ``load`` in HF safetensors or DCP, optionally with optimizer and schedule state
+   (``trainer.checkpoint``); ``destroy()`` at the end.
 
 Example (``torchrun --nproc-per-node 2 script.py``):
 
@@ -28,7 +28,6 @@ Example (``torchrun --nproc-per-node 2 script.py``):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -38,15 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from tensordict import TensorDictBase
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -75,9 +66,6 @@ LossFn = Callable[[torch.Tensor, TensorDictBase], torch.Tensor]
 LossWeightFn = Callable[[TensorDictBase], float]
 """``loss_weight_fn(micro_batch) -> float``: how much the micro-batch's mean loss weighs (e.g. its token count)."""
 
-WEIGHT_FORMATS = ("hf", "dcp")
-_OPTIM_FILE = "optimizer.pt"  # HF format: full optimizer + scheduler state, written by rank 0
-_MAX_SHARD_SIZE = "5GB"  # safetensors shard size, as transformers' save_pretrained
 
 
 class FSDPEngine:
@@ -547,136 +535,21 @@ class FSDPEngine:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, path: str | os.PathLike, weight_format: str = "hf", with_optim: bool = False) -> None:
-        """Write the weights (and optionally optimizer + schedule state) to ``path``; a collective.
+        """Write the weights (and optionally optimizer + schedule state); a collective. See :func:`trainer.checkpoint.save`."""
+        from trainer import checkpoint
 
-        ``"hf"``: rank 0 writes safetensors shards, config, generation config and tokenizer, loadable by
-        ``AutoModelForCausalLM.from_pretrained`` (tied heads are not stored), and with ``with_optim``
-        the full optimizer and scheduler state to ``optimizer.pt``. ``"dcp"``: every rank writes its
-        shards with ``torch.distributed.checkpoint`` (needs a filesystem all ranks share).
-        """
         self._check_initialized()
-        _check_format(weight_format)
-        path = Path(path)
-        if weight_format == "dcp":
-            state = {"model": get_model_state_dict(self._model)}
-            if with_optim:
-                state["optim"] = get_optimizer_state_dict(self._model, self._optimizer)
-                state["extra"] = {"scheduler": self._scheduler.state_dict(), "step": self._step}
-            dcp.save(state, checkpoint_id=str(path))
-            dist.barrier()
-            return
-
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(self._model, options=full)  # {} on ranks other than 0
-        optim = get_optimizer_state_dict(self._model, self._optimizer, options=full) if with_optim else None
-
-        def write() -> None:
-            path.mkdir(parents=True, exist_ok=True)
-            if self._tied_output_name is not None:
-                weights.pop(self._tied_output_name, None)
-            _write_safetensors(weights, path)
-            self._model_config.save_pretrained(path)
-            if self._generation_config is not None:
-                self._generation_config.save_pretrained(path)
-            if self._tokenizer is not None:
-                self._tokenizer.save_pretrained(path)
-            if with_optim:
-                torch.save(
-                    {"optimizer": optim, "scheduler": self._scheduler.state_dict(), "step": self._step},
-                    path / _OPTIM_FILE,
-                )
-
-        self._on_rank0(write, what=f"saving to {path}")
-        if self.rank == 0:
-            logger.info("saved %s checkpoint to %s (optimizer: %s)", weight_format, path, with_optim)
+        checkpoint.save(self, path, weight_format, with_optim)
 
     def load(self, path: str | os.PathLike, weight_format: str = "hf", with_optim: bool = False) -> None:
-        """Load what :meth:`save` wrote (in place, bit-exact); a collective.
+        """Load what :meth:`save` wrote (in place, bit-exact); a collective. See :func:`trainer.checkpoint.load`."""
+        from trainer import checkpoint
 
-        Raises:
-            ConfigError: the path does not exist, misses files, or holds weights of another model.
-        """
         self._check_initialized()
-        _check_format(weight_format)
-        path = Path(path)
-        if weight_format == "dcp":
-            self._load_dcp(path, with_optim)
-            return
-
-        expected = {n: tuple(p.shape) for n, p in self._model.named_parameters()}
-        loaded: dict = {}
-
-        def read() -> None:
-            if not path.is_dir():
-                raise ConfigError(f"checkpoint {str(path)!r} does not exist (or is not a directory)")
-            weights = _read_safetensors(path)
-            if self._tied_output_name is not None and self._tied_output_name not in weights:
-                weights[self._tied_output_name] = weights.get(self._tied_input_name)
-            _check_weights(weights, expected, path)
-            loaded["weights"] = weights
-            if with_optim:
-                if not (path / _OPTIM_FILE).is_file():
-                    raise ConfigError(f"{path} has no {_OPTIM_FILE}; it was saved without with_optim=True")
-                loaded.update(torch.load(path / _OPTIM_FILE, map_location="cpu", weights_only=True))
-
-        self._on_rank0(read, what=f"reading {path}")
-        from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(self._model, loaded.get("weights", {}), options=from_rank0)
-        if with_optim:
-            self._set_optim_state(loaded.get("optimizer", {}), options=from_rank0)
-            extra = [{"scheduler": loaded.get("scheduler"), "step": loaded.get("step")}]
-            dist.broadcast_object_list(extra, src=0)
-            self._scheduler.load_state_dict(extra[0]["scheduler"])
-            self._step = int(extra[0]["step"])
-        if self.rank == 0:
-            logger.info("loaded hf checkpoint from %s (optimizer: %s)", path, with_optim)
-
-    def _load_dcp(self, path: Path, with_optim: bool) -> None:
-        missing = torch.tensor([0 if (path / ".metadata").is_file() else 1], device=self._device)
-        dist.all_reduce(missing)  # every rank reads DCP files: agree before the collective load
-        if int(missing):
-            raise ConfigError(f"DCP checkpoint {str(path)!r} does not exist on every rank (no .metadata)")
-        state = {"model": get_model_state_dict(self._model)}
-        if with_optim:
-            state["optim"] = get_optimizer_state_dict(self._model, self._optimizer)
-            state["extra"] = {"scheduler": self._scheduler.state_dict(), "step": self._step}
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(self._model, state["model"])
-        if with_optim:
-            self._set_optim_state(state["optim"])
-            self._scheduler.load_state_dict(state["extra"]["scheduler"])
-            self._step = int(state["extra"]["step"])
-
-    def _set_optim_state(self, state: dict, options: StateDictOptions | None = None) -> None:
-        set_optimizer_state_dict(self._model, self._optimizer, state, options=options)
-        # Serialisation turns the betas tuple into a list; keep param_groups exactly as AdamW builds them.
-        for group in self._optimizer.param_groups:
-            group["betas"] = tuple(group["betas"])
-
-    def _on_rank0(self, fn: Callable[[], None], what: str) -> None:
-        """Run ``fn`` on rank 0 and raise its error on every rank (instead of leaving them waiting)."""
-        status: list = [None]
-        error: Exception | None = None
-        if self.rank == 0:
-            try:
-                fn()
-            except Exception as e:
-                error = e
-                status[0] = (isinstance(e, ConfigError), f"{type(e).__name__}: {e}")
-        dist.broadcast_object_list(status, src=0)
-        if error is not None:
-            raise error
-        if status[0] is not None:
-            is_config, message = status[0]
-            raise (ConfigError if is_config else RuntimeError)(f"rank 0 failed {what}: {message}")
+        checkpoint.load(self, path, weight_format, with_optim)
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _check_format(weight_format: str) -> None:
-    if weight_format not in WEIGHT_FORMATS:
-        raise ConfigError(f"unknown weight_format {weight_format!r}; use one of {', '.join(WEIGHT_FORMATS)}")
 
 
 def _check_model_dir(path: str):
@@ -716,43 +589,3 @@ def _load_tokenizer(path: str):
     except (OSError, ValueError, TypeError) as e:
         logger.warning("no tokenizer in %s (%s); saved checkpoints will not include one", path, e)
         return None
-
-
-def _write_safetensors(weights: dict[str, torch.Tensor], path: Path) -> None:
-    """Write ``weights`` as safetensors shards (+ index when more than one), like save_pretrained."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    split = split_torch_state_dict_into_shards(weights, max_shard_size=_MAX_SHARD_SIZE)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: weights[n].contiguous() for n in names}, str(path / filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
-                 "weight_map": split.tensor_to_filename}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"checkpoint {str(path)!r} has no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f), device="cpu"))
-    return weights
-
-
-def _check_weights(weights: dict, expected: dict[str, tuple[int, ...]], path: Path) -> None:
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise ConfigError(
-            f"checkpoint {str(path)!r} lacks {len(missing)} parameter(s) of this model, e.g. {missing[:3]}; "
-            "was it written for another model?"
-        )
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ConfigError(
-                f"checkpoint {str(path)!r}: {name} has shape {tuple(weights[name].shape)}, the model expects {shape}"
-            )
