@@ -17,15 +17,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from bridge.protocol import SamplingParams
 from inference_adapter.errors import RequestError
-
-if TYPE_CHECKING:
-    from inference_adapter.model_state import ModelState
 
 __all__ = ["GenerationMixin"]
 
@@ -153,7 +148,7 @@ class GenerationMixin:
 class _Decode:
     """The decoding state of one generation under one weights epoch; ``run`` continues it."""
 
-    def __init__(self, state: ModelState, prompt: list[int], sp: SamplingParams, max_new: int, logprob: bool):
+    def __init__(self, state: GenerationMixin, prompt: list[int], sp: SamplingParams, max_new: int, logprob: bool):
         from transformers import DynamicCache
 
         self.s, self.prompt, self.sp, self.max_new, self.want_logprob = state, prompt, sp, max_new, logprob
@@ -170,7 +165,7 @@ class _Decode:
         self.text_cut: int | None = None
 
     @classmethod
-    def empty(cls, state: ModelState, prompt: list[int], max_new: int) -> _Decode:
+    def empty(cls, state: GenerationMixin, prompt: list[int], max_new: int) -> _Decode:
         d = cls.__new__(cls)
         d.s, d.prompt, d.out, d.logprobs, d.finish, d.version = state, prompt, [], [], None, state._version
         d.want_logprob, d.text_cut, d.sp = False, None, SamplingParams()
