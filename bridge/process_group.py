@@ -16,6 +16,7 @@ import inspect
 import logging
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import torch
@@ -80,6 +81,41 @@ def init_custom_process_group(
     # torchrun sets this to True for its workers, and then rank 0 would not host a TCP store for the new
     # group: the servers would wait forever. It must be False before the rendezvous.
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    # The rendezvous and gloo's connection set-up each wait up to the timeout, and the store client
+    # retries: left alone, they add up to 2-3x ``timeout``. The caller gets its answer within
+    # ``timeout``; a rendezvous that completes later anyway is torn down by its own thread.
+    box: list = []
+    abandoned = threading.Event()
+
+    def join() -> None:
+        try:
+            pg = _join(master_address, master_port, world_size, rank, group_name, backend, timeout)
+        except BaseException as e:  # handed to the caller's thread
+            box.append(("error", e))
+            return
+        if abandoned.is_set():
+            destroy_custom_process_group(pg)
+        else:
+            box.append(("ok", pg))
+
+    worker = threading.Thread(target=join, name=f"wsync-rendezvous-{group_name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not box:
+        abandoned.set()
+        raise SyncTimeout(
+            f"weight-update group {group_name!r}: not all {world_size} ranks joined "
+            f"{_tcp_url(master_address, master_port)} within group_timeout={timeout:g} s"
+        )
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    logger.info("joined weight-update group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
+    return value
+
+
+def _join(master_address: str, master_port: int, world_size: int, rank: int, group_name: str, backend: str,
+          timeout: float) -> dist.ProcessGroup:
     td = timedelta(seconds=timeout)
     try:
         store, rank, world_size = next(
@@ -97,11 +133,10 @@ def init_custom_process_group(
         if "timeout" in str(e).lower() or "timed out" in str(e).lower():
             raise SyncTimeout(
                 f"weight-update group {group_name!r}: not all {world_size} ranks joined "
-                f"tcp://{master_address}:{master_port} within {timeout:.0f} s ({e})"
+                f"tcp://{master_address}:{master_port} within group_timeout={timeout:g} s ({e})"
             ) from e
         raise
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    logger.info("joined weight-update group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
     return pg
 
 

@@ -16,7 +16,9 @@ Read top to bottom, this is the list:
 6. a disk publish that waits for a dead server;
 7. a colocated trainer killed mid-sync, then a new trainer whose sync fails;
 8. a full shared-memory folder (colocated buckets);
-9. in training, a user's ``loss_weight_fn`` raising on one rank only.
+9. in training, a user's ``loss_weight_fn`` raising on one rank only;
+10. every waiting point honours its timeout: a rendezvous nobody joins (as the trainer and as a
+    server), a server that never answers or is stopped (5), a server stopped mid-broadcast.
 """
 
 from __future__ import annotations
@@ -396,3 +398,56 @@ def test_loss_weight_fn_raising_on_one_rank():
     r0, r1 = run_ranks(_loss_weight_fails_on_rank1, 2, timeout=120)
     assert r1[0] == "KeyError" and r0[0] == "ConfigError" and "rank(s) [1]" in r0[1], (r0, r1)
     assert max(r0[2], r1[2]) < 10
+
+
+# ------------------------------------------------------------------ every waiting point honours its timeout
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rendezvous_nobody_joins_within_the_timeout(rank):
+    """Group rank 0 waiting for servers that never come, and a server joining a port nobody serves."""
+    from bridge.errors import SyncTimeout
+    from bridge.process_group import find_free_port, init_custom_process_group
+
+    t = time.monotonic()
+    with pytest.raises(SyncTimeout, match="group_timeout|within 3 s"):
+        init_custom_process_group(master_address="127.0.0.1", master_port=find_free_port(), world_size=2,
+                                  rank=rank, group_name=f"lonely-{rank}", backend="gloo", timeout=3)
+    assert time.monotonic() - t < 3 + 2
+
+
+def _stop_server_mid_sync(urls: list[str], pid: int):
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=4, http_timeout=4, progress=False))
+    try:
+        pub.publish(engine, version=81)
+        before = _served(urls)[urls[0]]["checksums"] if engine.rank == 0 else None
+        stop = sb.Sabotage(engine, after=len(engine.param_specs()) // 2, act=lambda: os.kill(pid, signal.SIGSTOP))
+        t = time.monotonic()
+        try:
+            pub.publish(stop, version=82)
+            return ("ok", "", 0.0, before)
+        except Exception as e:
+            return (type(e).__name__, str(e), time.monotonic() - t, before)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_a_server_stopped_mid_broadcast(server_factory, tiny_model_dir):
+    (victim,) = server_factory.many([dict(model=tiny_model_dir)])
+    try:
+        r0, r1 = run_ranks(_stop_server_mid_sync, 2, args=([victim.url], victim.process.pid), timeout=200)
+    finally:
+        os.kill(victim.process.pid, signal.SIGCONT)
+    kind, message, seconds, before = r0
+    assert r1[:2] == r0[:2] and kind in ("SyncError", "SyncTimeout") and victim.url in message, r0
+    assert "group_timeout + http_timeout" in message, message
+    assert max(r0[2], r1[2]) < 4 + 4 + 5 + 3, r0  # the bucket's bound, the abort's wait, slack
+    deadline = time.monotonic() + 30  # resumed, the server finds its group gone and drops what it staged
+    while time.monotonic() < deadline and _served([victim.url])[victim.url]["version"] != "81":
+        time.sleep(0.5)
+    state = _served([victim.url])[victim.url]
+    assert state["version"] == "81" and state["checksums"] == before
