@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from bridge.buckets import Bucket
 from bridge.tensors import ParamSpec
 
-__all__ = ["ModuleSource", "WeightSource", "as_source", "gather_bucket_into", "local_digest"]
+__all__ = ["ModuleSource", "WeightSource", "as_source", "gather_bucket_into", "local_digest", "tied_embedding_names"]
 
 
 @runtime_checkable
@@ -50,6 +50,23 @@ def _hf_name(name: str) -> str:
     return name
 
 
+def tied_embedding_names(module: torch.nn.Module) -> tuple[str, str] | None:
+    """(input embedding, output head) parameter names when the head *is* the input embedding's weight.
+
+    The one rule for tied embeddings (the trainer and the publisher both use it): the parameters are
+    one object, as ``tie_weights()`` makes them and FSDP2 keeps them; a config flag alone is not enough.
+    SGLang expects the head of a tied model not to be sent.
+    """
+    get_in, get_out = getattr(module, "get_input_embeddings", None), getattr(module, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return None
+    inp, out = get_in(), get_out()
+    if inp is None or out is None or out.weight is not inp.weight:
+        return None
+    names = {id(m): n for n, m in module.named_modules()}
+    return f"{names[id(inp)]}.weight", f"{names[id(out)]}.weight"
+
+
 class ModuleSource:
     """A :class:`WeightSource` over an ``nn.Module`` whose parameters may be FSDP2 DTensors.
 
@@ -67,9 +84,9 @@ class ModuleSource:
                 continue
             seen.add(key)
             self._params[_hf_name(name)] = p
-        tied = getattr(getattr(module, "config", None), "tie_word_embeddings", False)
-        if tied:
-            self._params.pop("lm_head.weight", None)
+        tied = tied_embedding_names(module)
+        if tied is not None:
+            self._params.pop(_hf_name(tied[1]), None)
 
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in self._params.items()]  # DTensor.shape is global

@@ -158,12 +158,9 @@ class FSDPEngine:
         self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
 
     def _find_tied_names(self, model: torch.nn.Module) -> None:
-        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-        if out is None or inp is None or out.weight is not inp.weight:
-            return
-        names = {id(m): n for n, m in model.named_modules()}
-        self._tied_input_name = f"{names[id(inp)]}.weight"
-        self._tied_output_name = f"{names[id(out)]}.weight"
+        from bridge.sources import tied_embedding_names
+
+        self._tied_input_name, self._tied_output_name = tied_embedding_names(model) or (None, None)
 
     def _shard(self, model: torch.nn.Module) -> None:
         cfg = self.config
