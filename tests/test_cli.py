@@ -157,3 +157,21 @@ def test_a_trainer_rank_error_is_one_line_not_a_torchrun_report(tmp_path):
     assert [l for l in text.splitlines() if "error:" in l] == [last_line(out)]
     assert last_line(out).startswith("wsync train: error: disk publish of version 1 failed")
     assert "/proc/no-such-folder" in last_line(out)
+
+
+@pytest.mark.slow
+def test_train_publishes_to_a_server_started_with_keys(tmp_path):
+    from inference_adapter.launcher import launch_server
+
+    server = launch_server(preset="tiny", extra_args=["--api-key", "user-key", "--admin-api-key", "admin-key"],
+                           api_key="user-key", log_path=str(tmp_path / "server.log"))
+    try:
+        broadcast = ["train", "--nproc", "1", "--steps", "1", "--publish", "broadcast", "--server", server.url]
+        out = wsync(*broadcast, "--api-key", "user-key", "--admin-api-key", "admin-key")
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "published v1" in out.stdout
+        wrong = wsync(*broadcast, "--api-key", "user-key", "--admin-api-key", "guess", timeout=120)
+        assert wrong.returncode == 1 and last_line(wrong).startswith("wsync train: error:")
+        assert "401" in last_line(wrong) or "403" in last_line(wrong), last_line(wrong)
+    finally:
+        server.stop()

@@ -145,7 +145,7 @@ def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
         from bridge import ServerGroup
 
         try:
-            with ServerGroup(args.server, api_key=args.api_key) as servers:
+            with ServerGroup(args.server, api_key=args.api_key, admin_api_key=args.admin_api_key) as servers:
                 served = [int(v) for v in servers.weight_versions().values() if v.isdigit()]
         except ServerError as e:
             if e.status is not None:
@@ -197,12 +197,10 @@ def publisher_config(args: argparse.Namespace, servers: list[str]):
     kw = dict(
         transport=args.publish, servers=servers, experiment=args.experiment, trial=args.trial,
         name_resolve=args.name_resolve, snapshot_root=args.snapshot_root, serving_dtype=args.serving_dtype,
-        api_key=args.api_key,
+        api_key=args.api_key, admin_api_key=args.admin_api_key,
     )
     if args.bucket_mb is not None:
         kw["bucket_mb"] = args.bucket_mb
-    if args.admin_api_key:
-        kw["admin_api_key"] = args.admin_api_key
     return PublisherConfig(**kw)
 
 
