@@ -21,6 +21,11 @@ if python -m pip show -q etcd3 >/dev/null 2>&1; then
 fi
 python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev]"
 
+# ---- SGLang's own code for the `sglang_code` tier (tests/test_sglang_code.py); owner: the SGLang-tier work.
+# Several SGLang releases side by side under $WSYNC_SGLANG_CACHE; a no-op (~1 min of import checks) once done.
+bash scripts/install_sglang.sh
+# ---- end of the SGLang block
+
 echo "== running the tests (GPU tests deselected)"
 # 'not gpu': tests that need CUDA, NCCL or a real SGLang server run only on GPU hosts.
 python -m pytest -m "not gpu" -p no:cacheprovider "$@"

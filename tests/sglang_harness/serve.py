@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     from tests.sglang_harness.bootstrap import setup
 
     rel = setup(args.sglang_dir)
+    if rel < (0, 5, 10):
+        _accept_pg_options()
     logging.basicConfig(level=logging.INFO, format="[harness %(asctime)s] %(name)s: %(message)s")
     import torch
     import torch.distributed as dist
@@ -78,6 +80,23 @@ def main(argv=None) -> int:
     h = Harness(args, rel)
     h.serve()
     return 0
+
+
+def _accept_pg_options() -> None:
+    """SGLang before 0.5.10 picks the keyword with ``str(torch.__version__) >= "2.6"``, a string comparison
+    that is False for torch 2.10+ (it was True for the torch each release pinned); it then passes
+    ``pg_options``, which torch renamed ``backend_options`` in 2.6. Map the old name to the new one so
+    SGLang's ``init_custom_process_group`` runs as it did with its own torch."""
+    import torch.distributed.distributed_c10d as c10d
+
+    orig = c10d._new_process_group_helper
+
+    def helper(*a, pg_options=None, **k):
+        if "backend_options" not in k:
+            k["backend_options"] = pg_options
+        return orig(*a, **k)
+
+    c10d._new_process_group_helper = helper
 
 
 class _Done:
@@ -474,7 +493,8 @@ class Harness:
                     raise ValueError("the harness generates from input_ids only")
                 sp = obj.sampling_params or {}
                 n = int(sp.get("max_new_tokens", 8))
-                hold = float(sp.get("harness_hold_s", 0.0))  # keep the request in flight (tests of pausing)
+                # keep the request in flight (tests of pausing); custom_params passes SGLang's validation
+                hold = float((sp.get("custom_params") or {}).get("harness_hold_s", 0.0))
                 version = self.current_version()
 
                 def run():

@@ -1,0 +1,95 @@
+"""SGLang's own code as the receiving side of the ``sglang_code`` test tier, on CPU.
+
+``scripts/install_sglang.sh`` unpacks each SGLang release under ``$WSYNC_SGLANG_CACHE`` (default
+``~/.cache/wsync/sglang``) as ``sglang-<version>/``; :func:`launch` starts :mod:`tests.sglang_harness.serve`
+for one of them in a subprocess of its own (one SGLang per process) and yields its URL. What in that server
+is SGLang's code and what is stubbed is listed in :mod:`tests.sglang_harness.serve`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CACHE = os.environ.get("WSYNC_SGLANG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "wsync", "sglang")
+# One release per dialect the client claims: the newest, the first with /server_info, load_format and pause
+# modes (0.5.6), and the oldest claimed (0.4.9). scripts/install_sglang.sh installs the same list.
+VERSIONS = ("0.5.23", "0.5.6", "0.4.9")
+
+
+def sglang_dir(version: str) -> str:
+    return os.path.join(CACHE, f"sglang-{version}")
+
+
+def installed(version: str) -> bool:
+    return os.path.exists(os.path.join(sglang_dir(version), ".complete"))
+
+
+@contextlib.contextmanager
+def launch(version: str, model_dir: str, *, api_key: str | None = None, admin_api_key: str | None = None,
+           weight_version: str = "default", timeout: float = 240.0) -> Iterator["Launched"]:
+    """Start a harness server of SGLang ``version`` serving ``model_dir``; stop it on exit."""
+    from bridge.process_group import find_free_port
+
+    port = find_free_port()
+    cmd = [sys.executable, "-m", "tests.sglang_harness.serve", "--sglang-dir", sglang_dir(version), "--model", model_dir,
+           "--port", str(port), "--weight-version", weight_version]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if admin_api_key:
+        cmd += ["--admin-api-key", admin_api_key]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"sglang-{version}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:  # type: ignore[union-attr]
+            log.write(line)
+            log.flush()
+            if line.startswith("HARNESS READY"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    server = Launched(version, f"http://127.0.0.1:{port}", proc, log.name)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.5):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"SGLang {version} harness did not start (exit {proc.poll()}):\n{server.log_tail()}")
+        yield server
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.close()
+
+
+class Launched:
+    def __init__(self, version, url, proc, log_path):
+        self.version, self.url, self.proc, self.log_path = version, url, proc, log_path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def checksums(self) -> dict:
+        """``{"weight_version", "checksums": {name: sha256}}`` of every tensor the SGLang-side model serves."""
+        import requests
+
+        return requests.get(self.url + "/wsync_harness/weights", timeout=30).json()

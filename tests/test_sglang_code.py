@@ -1,0 +1,274 @@
+"""The client against SGLang's own code (the ``sglang_code`` tier): 0.5.23, 0.5.6 and 0.4.9 on CPU.
+
+Each receiving server is :mod:`tests.sglang_harness.serve`: SGLang's HTTP app, tokenizer-side and
+scheduler-side weight-update code and model-runner receive/load code of that release, around a transformers
+model (see that module for exactly what is stubbed). ``scripts/install_sglang.sh`` installs the releases.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from bridge.client import ServerClient, ServerGroup
+from bridge.errors import ConfigError, ServerError
+from bridge.process_group import destroy_custom_process_group, find_free_port, init_custom_process_group
+from bridge.protocol import parse_version, tensor_checksum
+from tests import sync_bodies as sb
+from tests.dist_utils import run_ranks
+from tests.sglang_harness import VERSIONS, installed, launch
+
+pytestmark = pytest.mark.sglang_code
+
+
+def _need(version: str) -> None:
+    if not installed(version):
+        pytest.skip(f"SGLang {version} is not installed (bash scripts/install_sglang.sh)")
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def server(request, tiny_model_dir):
+    _need(request.param)
+    with launch(request.param, tiny_model_dir) as s:
+        yield s
+
+
+def _served_equal(srv, want: dict[str, torch.Tensor]) -> None:
+    got = srv.checksums()["checksums"]
+    bad = [n for n, t in want.items() if n in got and got[n] != tensor_checksum(t)]
+    assert not bad, f"SGLang {srv.version}: served tensors differ from the trainer's: {bad[:5]}"
+    assert len([n for n in want if n in got]) >= len(want) - 1  # all (lm_head is tied to the embedding)
+
+
+# ---------------------------------------------------------------------------------------------- discovery
+
+
+def test_discovery_routes_and_version(server):
+    c = ServerClient(server.url)
+    assert c.version == server.version and c.tp_size == 1
+    old = parse_version(server.version) < (0, 5, 6)
+    # SGLang's own app: /server_info and /model_info exist only from 0.5.6.
+    assert requests.get(server.url + "/server_info").status_code == (404 if old else 200)
+    assert requests.get(server.url + "/model_info").status_code == (404 if old else 200)
+    assert c.wait_ready(timeout=10)["model_path"]
+    assert not c.is_reference_server
+    if c.features.weight_version:
+        assert c.update_weight_version("v-set")["success"]
+        assert c.model_info()["weight_version"] == "v-set"
+        assert ServerGroup([server.url]).weight_versions() == {c.url: "v-set"}
+    else:
+        with pytest.raises(ConfigError, match="0.5.1"):
+            c.update_weight_version("x")
+    # /get_weight_version: 0.5.1-0.5.8 only.
+    assert (requests.get(server.url + "/get_weight_version").status_code == 200) == c.features.get_weight_version_route
+    assert server.alive()
+
+
+# ---------------------------------------------------------------------------------------------- broadcast
+
+
+def _train_and_publish(url: str, load_format: str, steps: int):
+    from bridge import PublisherConfig, WeightPublisher
+    from wsync.tasks import make_batch
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(servers=[url], bucket_mb=0.25, load_format=load_format, group_timeout=60,
+                                          progress=False))
+    out = []
+    try:
+        for step in range(1, steps + 1):
+            engine.train_batch(make_batch(engine.tokenizer, 8, seed=step * 7 + engine.rank))
+            res = pub.publish(engine, version=step)
+            full = {s.name: t for s, t in engine.iter_full_tensors()}  # collective (None off rank 0)
+            if engine.rank == 0:
+                c = ServerClient(url)
+                got = requests.get(url + "/wsync_harness/weights", timeout=30).json()["checksums"]
+                out.append(dict(
+                    version=res.version, buckets=res.buckets, servers=res.servers,
+                    bad=[n for n, t in full.items() if n in got and got[n] != tensor_checksum(t.to(torch.bfloat16))],
+                    compared=len([n for n in full if n in got]), total=len(full),
+                    reported=c.model_info().get("weight_version"),
+                ))
+        return out
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+@pytest.mark.parametrize("load_format", ["auto", "per_tensor"])
+def test_publish_broadcast_bit_equal(server, load_format):
+    """A 2-rank FSDP2 trainer publishes twice; every served tensor is bit-equal to the trainer's."""
+    rank0, _ = run_ranks(_train_and_publish, 2, args=(server.url, load_format, 2), timeout=400)
+    assert [r["version"] for r in rank0] == [1, 2]
+    f = ServerClient(server.url).features
+    for r in rank0:
+        assert r["servers"] == {server.url: "ok"} and r["buckets"] > 1
+        assert not r["bad"], f"SGLang {server.version}: {r['bad'][:5]} differ"
+        assert r["compared"] >= r["total"] - 1
+        if f.weight_version:
+            assert r["reported"] == str(r["version"])
+    assert server.alive()
+
+
+# ---------------------------------------------------------------------------------------------- disk
+
+
+def test_disk_load_bit_equal_and_version(server, tmp_path):
+    from safetensors.torch import load_file
+
+    from bridge.presets import make_model_dir
+
+    d = make_model_dir(tmp_path / "m", "tiny", seed=11)
+    c = ServerClient(server.url)
+    r = c.update_weights_from_disk(d, weight_version="d11")
+    assert r["success"], r
+    want = {n: t.to(torch.bfloat16) for n, t in load_file(f"{d}/model.safetensors").items()}
+    _served_equal(server, want)
+    if c.features.weight_version:  # the version rides on the disk request from 0.5.1 (was 0.5.2)
+        assert c.model_info()["weight_version"] == "d11"
+    with pytest.raises(ServerError):
+        c.update_weights_from_disk(str(tmp_path / "missing"))
+    _served_equal(server, want)  # a failed load left the weights as they were
+
+
+# ---------------------------------------------------------------------------------------------- control
+
+
+def _one_bucket(c: ServerClient, weights: dict[str, torch.Tensor], *, flattened: bool, version: str | None,
+                group: str, flush_cache: bool = True) -> dict:
+    port = find_free_port()
+    t = threading.Thread
+    res: dict = {}
+    th = t(target=lambda: res.update(init=c.init_weights_update_group("127.0.0.1", port, 1, 2, group, "gloo", 60)))
+    th.start()
+    pg = init_custom_process_group(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
+                                   group_name=group, backend="gloo", timeout=30)
+    th.join(60)
+    try:
+        items = sorted(weights.items(), key=lambda kv: -kv[1].element_size())
+        fields = dict(names=[n for n, _ in items], dtypes=[x.dtype for _, x in items], shapes=[list(x.shape) for _, x in items])
+        err: list = []
+
+        def send():
+            try:
+                res["update"] = c.update_weights_from_distributed(
+                    **fields, group_name=group, load_format="flattened_bucket" if flattened else None,
+                    weight_version=version, flush_cache=flush_cache)
+            except Exception as e:  # noqa: BLE001
+                err.append(e)
+
+        th = t(target=send)
+        th.start()
+        if flattened:
+            torch.distributed.broadcast(torch.cat([x.reshape(-1).view(torch.uint8) for _, x in items]), src=0, group=pg)
+        else:
+            for _, x in items:
+                torch.distributed.broadcast(x.contiguous(), src=0, group=pg)
+        th.join(60)
+        if err:
+            raise err[0]
+        res["destroy"] = c.destroy_weights_update_group(group)
+        return res
+    finally:
+        destroy_custom_process_group(pg)
+
+
+def test_pause_sessions_destroy_retry(server):
+    c = ServerClient(server.url)
+    w = {"model.norm.weight": torch.full((128,), 0.5, dtype=torch.bfloat16),
+         "model.layers.0.mlp.down_proj.weight": torch.randn(128, 256).to(torch.bfloat16)}
+    c.pause_generation("retract" if c.features.pause_mode else "abort")
+    c.begin_weight_update()  # a real session on 0.5.21+, a no-op before
+    r = _one_bucket(c, w, flattened=c.features.flattened_bucket, version="p1" if c.features.weight_version else None,
+                    group="g-a")
+    c.end_weight_update()
+    c.continue_generation()
+    assert r["init"]["success"] and r["update"]["success"] and r["destroy"]["success"]
+    _served_equal(server, w)
+    # Retry: the same group name again after destroy, per-tensor this time, same weights.
+    c.begin_weight_update()
+    r = _one_bucket(c, w, flattened=False, version=None, group="g-a")
+    c.end_weight_update()
+    assert r["update"]["success"]
+    _served_equal(server, w)
+    if c.features.needs_session:  # SGLang's own gate: no session, no update
+        raw = requests.post(server.url + "/update_weights_from_distributed", json={
+            "names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[128]]})
+        assert raw.status_code == 400 and "begin_weight_update" in raw.json()["message"]
+        assert requests.post(server.url + "/end_weight_update", json={}).status_code == 400  # none open
+    else:
+        assert requests.post(server.url + "/begin_weight_update", json={}).status_code == 404
+    if not c.features.destroy_group:
+        assert requests.post(server.url + "/destroy_weights_update_group", json={}).status_code == 404
+    assert server.alive()
+
+
+def test_shm_extension_refused_before_sending(server):
+    c = ServerClient(server.url)
+    with pytest.raises(ConfigError, match="not the wsync reference server"):
+        c.update_weights_from_tensor(["e30="], load_format="wsync_shm")
+    assert server.alive() and c.wait_ready(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------- in place + flush
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.6"])
+def test_in_place_pause_never_asks_for_a_flush(version, tiny_model_dir):
+    """Paused in place with a request in flight: the client's update succeeds (it sends flush_cache=False);
+    the same update asking for a flush fails the update (0.5.22+) or kills the server (0.5.6-0.5.21)."""
+    _need(version)
+    w = {"model.norm.weight": torch.full((128,), 0.75, dtype=torch.bfloat16)}
+    with launch(version, tiny_model_dir) as srv:
+        c = ServerClient(srv.url)
+        gen = threading.Thread(target=lambda: c.generate(input_ids=[1, 2, 3], timeout=120,
+                                                          sampling_params={"max_new_tokens": 2, "custom_params": {"harness_hold_s": 30}}))
+        gen.start()
+        time.sleep(2.0)  # the request is in flight
+        c.pause_generation("in_place")
+        c.begin_weight_update()
+        r = _one_bucket(c, w, flattened=True, version="ip1", group="g-ip")
+        c.end_weight_update()
+        assert r["update"]["success"] and srv.alive()
+        _served_equal(srv, w)
+        # Without the client's guard: SGLang's own scheduler code refuses the flush.
+        c._paused_mode = None
+        c.begin_weight_update()
+        if c.features.flush_asserts:
+            with pytest.raises(Exception):
+                _one_bucket(c, w, flattened=True, version="ip2", group="g-ip2")
+            deadline = time.monotonic() + 20
+            while srv.alive() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not srv.alive() and "Cache flush failed" in srv.log_tail(200)
+        else:
+            with pytest.raises(ServerError, match="cache was not flushed"):
+                _one_bucket(c, w, flattened=True, version="ip2", group="g-ip2")
+            c.end_weight_update()
+            c.continue_generation()
+            assert srv.alive()
+        gen.join(60)
+
+
+# ---------------------------------------------------------------------------------------------- keys
+
+
+def test_api_key_and_admin_key(tiny_model_dir):
+    """SGLang's own auth middleware with both keys: the client's admin key opens the control routes."""
+    _need("0.5.23")
+    with launch("0.5.23", tiny_model_dir, api_key="user-key", admin_api_key="admin-key") as srv:
+        both = ServerClient(srv.url, api_key="user-key", admin_api_key="admin-key")
+        assert both.update_weight_version("k1")["success"] and both.model_info()["weight_version"] == "k1"
+        both.pause_generation("retract")
+        both.continue_generation()
+        with pytest.raises(ServerError) as e:
+            ServerClient(srv.url, api_key="user-key").update_weight_version("k2")
+        assert e.value.status == 401
+        with pytest.raises(ServerError) as e:
+            ServerClient(srv.url, api_key="admin-key").model_info()
+        assert e.value.status == 401
+        assert ServerGroup([srv.url], api_key="user-key", admin_api_key="admin-key").weight_versions() == {srv.url: "k1"}
