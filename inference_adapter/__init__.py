@@ -1,8 +1,11 @@
-"""The serving side: an HTTP client for SGLang's weight-update API, a launcher, and the reference server.
+"""The serving side: the reference server, the launcher, and the disk watcher.
 
-``ServerClient``/``ServerGroup`` live in :mod:`bridge.client` (the publisher uses them) and are re-exported
-here. The reference server is ``python -m inference_adapter.server``; :func:`launch_server` starts it, or
-real SGLang on a CUDA host, as a subprocess; :class:`DiskWatcher` loads each version announced in name resolution.
+The reference server (``wsync serve``, ``python -m inference_adapter.server``) speaks SGLang's
+weight-update protocol around a transformers model on CPU, swapping each update atomically;
+:func:`launch_server` starts it, or real SGLang on a CUDA host, as a subprocess; :class:`DiskWatcher`
+loads each version announced in name resolution into every server. The HTTP client
+(``ServerClient``/``ServerGroup``) lives in :mod:`bridge.client`, shared with the publisher, and is
+re-exported here.
 """
 
 from bridge.client import ServerClient, ServerGroup
