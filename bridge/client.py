@@ -274,6 +274,13 @@ class ServerClient:
         self._paused_mode = None
         return out
 
+    def _record_version(self, out: Any, body: dict) -> Any:
+        """SGLang 0.5.1-0.5.8 drop the version of an update made while paused: set it explicitly."""
+        v = body.get("weight_version")
+        if v is not None and self._paused_mode is not None and self.features.version_lost_when_paused:
+            self.update_weight_version(v, abort_all_requests=False)
+        return out
+
     def _flush(self, flush_cache: bool) -> bool:
         """The ``flush_cache`` to send: never while this client has the server paused in place."""
         if flush_cache and self._paused_mode == "in_place":
@@ -357,7 +364,7 @@ class ServerClient:
                 body["weight_version"] = str(weight_version)
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, f.version, weight_version)
-        return self._call("POST", "/update_weights_from_distributed", body, timeout=timeout)
+        return self._record_version(self._call("POST", "/update_weights_from_distributed", body, timeout=timeout), body)
 
     def update_weights_from_tensor(
         self,
@@ -401,7 +408,7 @@ class ServerClient:
                 body["weight_version"] = str(weight_version)
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, self.features.version, weight_version)
-        return self._call("POST", "/update_weights_from_tensor", body, timeout=timeout)
+        return self._record_version(self._call("POST", "/update_weights_from_tensor", body, timeout=timeout), body)
 
     def require_reference_server(self, what: str = "the shared-memory extension") -> None:
         """Raise ConfigError unless the server says it is the project's reference server.

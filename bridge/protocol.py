@@ -120,6 +120,12 @@ class ProtocolFeatures:
     trips an assert in the scheduler and the server dies; 0.5.22+ fail the update instead. Either way an
     update must not ask for a flush while generations are paused in place."""
 
+    @property
+    def version_lost_when_paused(self) -> bool:
+        """0.5.1 <= v < 0.5.9: an update sent while the server is paused returns before the tokenizer side
+        records its ``weight_version`` (seen running 0.5.6's code); the client then sets it explicitly."""
+        return self.weight_version and self.release < (0, 5, 9)
+
     @classmethod
     def from_version(cls, version: str) -> ProtocolFeatures:
         r = parse_version(version)

@@ -3,7 +3,9 @@
 ``python -m inference_adapter.server --preset tiny --port 30000`` serves a causal LM and speaks SGLang's
 native API -- ``/generate``, ``/model_info``, ``/server_info``, the weight-update routes -- with SGLang's
 request and response shapes, as the SGLang version given by ``--protocol-version`` does (0.5.23 by
-default; ``0.5.2`` behaves like an old server: no sessions, no flattened buckets, no destroy route).
+default; ``0.5.2`` behaves like an old server: no sessions, no flattened buckets, no destroy route, no
+``/server_info``/``/model_info`` (only the ``/get_*`` names), and request fields that version's structs lack
+are dropped as SGLang's parsing drops them).
 Unlike SGLang, every weight update is atomic: staged, validated, then swapped, and a failed update
 leaves the previous weights and version serving (see :mod:`inference_adapter.model_state`).
 

@@ -189,9 +189,10 @@ def test_pause_sessions_destroy_retry(server):
     c.continue_generation()
     assert r["init"]["success"] and r["update"]["success"] and r["destroy"]["success"]
     _served_equal(server, w)
-    # Retry: the same group name again after destroy, per-tensor this time, same weights.
+    # Retry: the same group name again after destroy (a new one where the server cannot destroy: SGLang
+    # 0.4.9 refuses a group name it has seen), per-tensor this time, same weights.
     c.begin_weight_update()
-    r = _one_bucket(c, w, flattened=False, version=None, group="g-a")
+    r = _one_bucket(c, w, flattened=False, version=None, group="g-a" if c.features.destroy_group else "g-b")
     c.end_weight_update()
     assert r["update"]["success"]
     _served_equal(server, w)
@@ -272,3 +273,19 @@ def test_api_key_and_admin_key(tiny_model_dir):
             ServerClient(srv.url, api_key="admin-key").model_info()
         assert e.value.status == 401
         assert ServerGroup([srv.url], api_key="user-key", admin_api_key="admin-key").weight_versions() == {srv.url: "k1"}
+
+
+def test_colocated_publish_refused_by_real_sglang(server):
+    """The colocated transport refuses a real SGLang server before it pauses, gathers or writes anything."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    if server.version != VERSIONS[0]:
+        pytest.skip("one version is enough: the check reads the server info, not the version")
+    pub = WeightPublisher(PublisherConfig(transport="colocated", servers=[server.url], progress=False))
+    try:
+        with pytest.raises(ConfigError, match="not the wsync reference server"):
+            pub.publish(torch.nn.Linear(4, 4), version=1)
+    finally:
+        pub.close()
+    c = ServerClient(server.url)
+    assert server.alive() and c.model_info()["weight_version"] != "1"

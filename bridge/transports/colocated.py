@@ -52,6 +52,9 @@ class ColocatedTransport(Transport):
         sweep_stale_files()
 
     def begin(self, plan: Plan) -> None:
+        # wsync_shm is a reference-server extension: real SGLang would unpickle the entry and its scheduler die.
+        # Refuse before anything is paused, gathered or written (ConfigError naming the server).
+        self.servers.map(lambda c: c.require_reference_server(f"the colocated transport (load_format={SHM_LOAD_FORMAT!r})"))
         self.sessions = ServerSessions(self.servers, self.config.pause_mode)
         self.sessions.open()
 
