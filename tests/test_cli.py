@@ -16,6 +16,9 @@ def wsync(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_help_explains_every_command():
+    from bridge.name_resolve import DEFAULT_URL
+    from bridge.publisher import default_snapshot_root
+
     out = wsync("--help")
     assert out.returncode == 0
     for name in COMMANDS:
@@ -23,6 +26,9 @@ def test_help_explains_every_command():
         sub = wsync(name, "--help")
         assert sub.returncode == 0, sub.stderr
         assert "--" in sub.stdout  # flags are listed with their help
+        if name == "train":  # where the disk transport's state lives
+            text = " ".join(sub.stdout.split())
+            assert f"(default: {DEFAULT_URL})" in text and f"(default: {default_snapshot_root()})" in text
 
 
 def test_make_model_writes_a_loadable_hf_directory(tmp_path):
@@ -41,14 +47,6 @@ def test_bad_flags_are_refused_with_a_message():
     assert out.returncode == 2 and "--steps" in out.stderr
     out = wsync("train", "--schedule", "sideways")
     assert out.returncode == 2 and "sideways" in out.stderr
-
-
-@pytest.mark.slow
-def test_train_prints_loss_and_lr_per_step():
-    out = wsync("train", "--steps", "2", "--nproc", "2")
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [l for l in out.stdout.splitlines() if l.startswith("step ")]
-    assert len(lines) == 2 and all("loss" in l and "lr" in l for l in lines)
 
 
 @pytest.mark.slow
@@ -86,14 +84,6 @@ def test_debug_brings_tracebacks_back():
     assert last_line(out).startswith("wsync train: error: --bucket-mb")
 
 
-def test_train_help_shows_where_disk_state_lives():
-    from bridge.name_resolve import DEFAULT_URL
-    from bridge.publisher import default_snapshot_root
-
-    text = " ".join(wsync("train", "--help").stdout.split())
-    assert f"(default: {DEFAULT_URL})" in text and f"(default: {default_snapshot_root()})" in text
-
-
 def test_serve_on_a_taken_port_says_so_before_loading(tmp_path):
     import socket
 
@@ -128,15 +118,17 @@ def test_watch_once_says_why_nothing_was_loaded(tmp_path):
 def test_rerunning_disk_training_continues_the_version_numbers(tmp_path):
     disk = ["--nproc", "1", "--publish", "disk", "--name-resolve", f"file://{tmp_path}/nr",
             "--snapshot-root", str(tmp_path / "snap")]
-    first = wsync("train", "--steps", "1", *disk)
+    first = wsync("train", "--steps", "2", *disk)
     assert first.returncode == 0, first.stderr[-2000:]
+    steps = [l for l in first.stdout.splitlines() if l.startswith("step ")]
+    assert len(steps) == 2 and all("loss" in l and "lr" in l and "published v" in l for l in steps)
     again = wsync("train", "--steps", "1", *disk)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "publishing versions 2..2" in again.stdout
-    assert "published v2" in again.stdout.strip().splitlines()[-1]
+    assert "publishing versions 3..3" in again.stdout
+    assert "published v3" in again.stdout.strip().splitlines()[-1]
     refused = wsync("train", "--steps", "1", "--start-version", "1", *disk, timeout=60)
     assert refused.returncode == 2
-    assert "pass --start-version 3" in last_line(refused) and last_line(refused).startswith("wsync train: error:")
+    assert "pass --start-version 4" in last_line(refused) and last_line(refused).startswith("wsync train: error:")
 
 
 def test_an_unreachable_server_is_named_before_any_rank_starts():
@@ -170,8 +162,5 @@ def test_train_publishes_to_a_server_started_with_keys(tmp_path):
         out = wsync(*broadcast, "--api-key", "user-key", "--admin-api-key", "admin-key")
         assert out.returncode == 0, out.stderr[-3000:]
         assert "published v1" in out.stdout
-        wrong = wsync(*broadcast, "--api-key", "user-key", "--admin-api-key", "guess", timeout=120)
-        assert wrong.returncode == 1 and last_line(wrong).startswith("wsync train: error:")
-        assert "401" in last_line(wrong) or "403" in last_line(wrong), last_line(wrong)
     finally:
         server.stop()
