@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from bridge.errors import BridgeError
+
 _QUICK = {"sizes": ["small"], "repeats": 2}
 
 
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and report["rows"]:
         print(f"wsync bench: wrote {args.plot}", file=sys.stderr)
     if report["failed"]:
-        print(f"wsync bench: FAILED for {', '.join(report['failed'])}", file=sys.stderr)
-        return 1
+        # Each failure's first line is its cause (the trainer ranks' error); the details were printed above.
+        raise BridgeError("measuring failed for " + "; ".join(
+            f"{label}: {message.splitlines()[0]}" for label, message in report["failed"].items()))
     return 0
