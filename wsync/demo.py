@@ -4,9 +4,10 @@ What runs:
 - ``--servers`` reference-server processes (SGLang's HTTP protocol, transformers on CPU);
 - for the disk transport, a watcher following announcements in name resolution (a directory under the
   run's folder by default, or ``--name-resolve etcd://host:port``) that loads each version into the servers;
-- a 2-rank FSDP2 trainer (torchrun, gloo) that trains on a string-reversal task and, after every step,
-  publishes its weights (broadcast, disk, or both), asks every server a fixed prompt, and compares each
-  server's greedy answer and version with its own greedy answer for the same weights.
+- a 2-rank FSDP2 trainer (local ranks in torchrun's environment, gloo) that trains on a string-reversal
+  task and, after every step, publishes its weights (broadcast, disk, or both), asks every server a fixed
+  prompt, and compares each server's greedy answer and version with its own greedy answer for the same
+  weights.
 
 It prints one table row per sync, writes the same facts to ``--json``, exits non-zero if any server ever
 served a version other than the trainer's latest or a different answer, and stops every process it
