@@ -82,8 +82,8 @@ def _runnable() -> list:
 
 
 def test_the_rules_find_the_readme_blocks():
-    text = ("Prose.\n\n```python\nprint(1)\n```\n\n<!-- readme-test: skip (installs) -->\n```bash\npip install x\n```\n\n"
-            "```text\n$ out\n```\n\n- a list item\n\n    its continuation\n")
+    text = ("Prose.\n\n```python\nprint(1)\n```\n\n<!-- readme-test: skip (installs) -->\n"
+            "```bash\npip install x\n```\n\n```text\n$ out\n```\n\n- a list item\n\n    its continuation\n")
     got = [(b.line, b.lang, b.skip) for b in readme_blocks(text)]
     assert got == [(3, "python", None), (8, "bash", "installs"), (12, "text", None)]
     with pytest.raises(AssertionError, match="indented code block"):

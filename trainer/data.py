@@ -2,10 +2,10 @@
 
 A batch is a TensorDict, or a plain mapping of tensors (a dict), whose ``input_ids`` and
 ``attention_mask`` are ``[B, L]``; padding may sit on either side. A mapping is wrapped into a TensorDict
-of batch size ``[B]``, which checks that every tensor has the batch dimension and lets a micro-batch take
-all of its rows in one indexing. Every other tensor is carried along: ``[B, L, ...]`` tensors token by token (``loss_mask``,
-log-probs, advantages, ...), ``[B, ...]`` tensors row by row. A micro-batch holds whole sequences
-(never split), right-padded to its own longest one, so positions always start at 0.
+of batch size ``[B]``, which checks that every tensor has the batch dimension. Every other tensor is
+carried along: ``[B, L, ...]`` tensors token by token (``loss_mask``, log-probs, advantages, ...),
+``[B, ...]`` tensors row by row. A micro-batch holds whole sequences (never split), right-padded to its
+own longest one, so positions always start at 0.
 
 Example:
     >>> import torch

@@ -43,7 +43,8 @@ def missing_extra(e: ImportError) -> str:
     extra = EXTRAS.get(module)
     if extra is None:
         return f"{e}; reinstall wsync: pip install -e '.[all]' (from the checkout)"
-    return f"this needs the {module} package, which is not installed; pip install 'wsync[{extra}]' (or -e '.[{extra}]' in a checkout)"
+    return (f"this needs the {module} package, which is not installed; pip install 'wsync[{extra}]' "
+            f"(or -e '.[{extra}]' in a checkout)")
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
