@@ -280,6 +280,9 @@ class WeightPublisher:
 
     def close(self) -> None:
         """Tear the weight-update group down on both sides and stop background work."""
+        deadline = time.monotonic() + self.config.http_timeout
+        while _pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
+            _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -434,8 +437,13 @@ def _abort_within(transport: Transport, reason: str, seconds: float) -> str:
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
+        _pending_aborts.append(worker)
         return f"cleanup goes on in the background: a server did not answer within {seconds:g} s"
     return box[0]
+
+
+_pending_aborts: list[threading.Thread] = []
+"""Clean-ups still running after their failed sync raised; ``close()`` gives them time to finish."""
 
 
 def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None, group) -> None:

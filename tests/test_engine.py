@@ -254,8 +254,9 @@ def test_batch_validation_names_the_key():
         validate_batch(TensorDict(input_ids=ids, batch_size=[2]))
     with pytest.raises(ConfigError, match="loss_mask has shape"):
         validate_batch(TensorDict(input_ids=ids, attention_mask=ids, loss_mask=ids[:, :3], batch_size=[2]))
-    with pytest.raises(ConfigError, match="TensorDict"):
-        validate_batch({"input_ids": ids, "attention_mask": ids})
+    validate_batch({"input_ids": ids, "attention_mask": ids})  # a plain mapping is a batch too
+    with pytest.raises(ConfigError, match="rows of input_ids"):
+        validate_batch({"input_ids": ids, "attention_mask": ids[:1]})
 
 
 def test_packing_keeps_every_token_within_budget():
