@@ -96,7 +96,9 @@ def test_client_errors_are_the_projects_own(servers):
             c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}, timeout=0.5)
     finally:
         c.continue_generation()
-    assert c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    # Resumed: it generates again (ignore_eos, so a sampled end-of-sequence cannot cut it short).
+    out = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 2
 
 
 def test_old_server_dialect(servers):
