@@ -211,6 +211,21 @@ def discard_session(c) -> None:
         c.end_weight_update()
 
 
+def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting: str) -> list[str]:
+    """Wait, against one deadline of ``seconds``, for every server's answer to bucket ``k``; the
+    failures, one line each (a server that did not answer in time names ``setting``)."""
+    deadline = time.monotonic() + seconds
+    errors = []
+    for c, f in zip(clients, futures):
+        try:
+            f.result(timeout=deadline_left(deadline))
+        except cf.TimeoutError:
+            errors.append(f"{c.url}: no answer to bucket {k} within {seconds:g} s ({setting})")
+        except BridgeError as e:
+            errors.append(str(e))
+    return errors
+
+
 def deadline_left(deadline: float) -> float:
     """Seconds left until ``deadline`` (time.monotonic), at least 0.1."""
     return max(0.1, deadline - time.monotonic())

@@ -30,7 +30,7 @@ from bridge.buckets import Bucket
 from bridge.errors import BridgeError, ConfigError, SyncError, SyncTimeout
 from bridge.log import get_logger
 from bridge.process_group import default_backend, destroy_custom_process_group, find_free_port, init_custom_process_group
-from bridge.transports.base import Plan, ServerSessions, Transport, deadline_left
+from bridge.transports.base import Plan, ServerSessions, Transport, bucket_answers, deadline_left
 
 __all__ = ["BroadcastTransport", "is_local"]
 
@@ -96,16 +96,9 @@ class BroadcastTransport(Transport):
             return
         (k, works, futures, _), self._inflight = self._inflight, None
         cfg = self.config
-        bound = cfg.group_timeout + cfg.http_timeout
-        deadline = time.monotonic() + bound
-        errors = []
-        for c, f in zip(self.servers.clients, futures):
-            try:
-                f.result(timeout=deadline_left(deadline))
-            except FutureTimeout:
-                errors.append(f"{c.url}: no answer to bucket {k} within {bound:.0f} s (group_timeout + http_timeout)")
-            except BridgeError as e:
-                errors.append(str(e))
+        deadline = time.monotonic() + cfg.group_timeout + cfg.http_timeout
+        errors = bucket_answers(self.servers.clients, futures, k, cfg.group_timeout + cfg.http_timeout,
+                                "group_timeout + http_timeout")
         if errors:
             # A server that refused the bucket may not have joined its broadcast: the group is not
             # trustworthy any more (abort tears it down; the next publish builds a new one).

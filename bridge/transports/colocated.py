@@ -21,17 +21,15 @@ import glob
 import json
 import os
 import tempfile
-import time
 import uuid
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
 from bridge.buckets import Bucket
-from bridge.errors import BridgeError, ConfigError, SyncError
+from bridge.errors import ConfigError, SyncError
 from bridge.log import fmt_bytes, get_logger
 from bridge.protocol import SHM_LOAD_FORMAT
-from bridge.transports.base import Plan, ServerSessions, Transport, deadline_left
+from bridge.transports.base import Plan, ServerSessions, Transport, bucket_answers
 
 __all__ = ["ColocatedTransport", "sweep_stale_files"]
 
@@ -79,16 +77,8 @@ class ColocatedTransport(Transport):
         if self._inflight is None:
             return
         (k, futures, path), self._inflight = self._inflight, None
-        deadline = time.monotonic() + self.config.http_timeout
-        errors = []
         try:
-            for c, f in zip(self.servers.clients, futures):
-                try:
-                    f.result(timeout=deadline_left(deadline))
-                except FutureTimeout:
-                    errors.append(f"{c.url}: no answer to bucket {k} within http_timeout={self.config.http_timeout:g} s")
-                except BridgeError as e:
-                    errors.append(str(e))
+            errors = bucket_answers(self.servers.clients, futures, k, self.config.http_timeout, "http_timeout")
         finally:
             # Every server answered (or gave up on) this bucket: it copied the bytes out already.
             self._unlink(path)
