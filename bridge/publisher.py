@@ -43,6 +43,7 @@ import threading
 import time
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -256,8 +257,11 @@ class WeightPublisher:
             with PeakMemory() as memory:
                 self._transfer(plan)
             # Every rank votes on the commit here (failpoint "commit"): once rank 0 commits, it is live.
-            self._step("settle", lambda: self._transport.settle(), self._bucket_bound(),
-                       on_every_rank=lambda: failpoint("commit", self._rank))
+            digests = self._step("settle", lambda: self._transport.settle(), self._bucket_bound(),
+                                 on_every_rank=lambda: failpoint("commit", self._rank),
+                                 collect=lambda: plan.local_digest.result() if plan.local_digest else None)
+            if not plan.retried:
+                plan.digest = _combine(digests)
             peak = max(memory.extra_bytes, memory.device_extra_bytes)
             commit = (lambda: {**self._transport.commit(plan), "peak": peak}) if self._rank == 0 else (lambda: None)
             outcome = self._agree.step("commit", commit, timeout=self._commit_bound() + SLACK_S)[0]
@@ -299,14 +303,17 @@ class WeightPublisher:
 
     # ---------------------------------------------------------------- the steps
 
-    def _step(self, name: str, on_rank0, bound: float, on_every_rank=None) -> list:
-        """Run one step (``on_every_rank`` here, then ``on_rank0`` on rank 0) and agree on the outcome."""
+    def _step(self, name: str, on_rank0, bound: float, on_every_rank=None, collect=None) -> list:
+        """Run one step (``on_every_rank`` here, then ``on_rank0`` on rank 0) and agree on the outcome;
+        returns what ``collect()`` gave on each rank (None without it)."""
 
         def run():
             failpoint(name, self._rank)
             if on_every_rank is not None:
                 on_every_rank()
-            return on_rank0() if self._rank == 0 else None
+            if self._rank == 0:
+                on_rank0()
+            return collect() if collect is not None else None
 
         return self._agree.step(name, run, timeout=bound + SLACK_S)
 
@@ -314,29 +321,40 @@ class WeightPublisher:
         """Step "prepare" (every rank): plan, digests, the gather group; decide retry vs new weights."""
         cfg = self.config
 
+        retry = version == self.last_version
+        background = []
+
         def prepare():
             failpoint("prepare", self._rank)
             specs = self._wire_specs(source)
-            digest = getattr(source, "local_digest", None)
             if self._rank == 0 and self._transport is None:
                 self._transport = self._make_transport()
-            return specs, digest() if digest is not None else None
+            if retry:  # only a retry needs the digests before anything moves
+                return specs, _local_digest(source)
+            # Otherwise the digest is taken while the buckets travel (crc32 releases the GIL) and
+            # collected at settle, for the next retry.
+            background.append(_digest_in_background(source))
+            return specs, None
 
         results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
         specs = results[0][0]
-        digests = [d for _, d in results]
         plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source)
-        plan.digest = None if None in digests else zlib.crc32(repr(digests).encode())
-        if version == self.last_version:
-            if plan.digest is None or plan.digest != self._last_digest:
-                raise VersionError(
-                    f"version {version} was already published with different weights"
-                    + ("" if plan.digest is not None else " (or this source cannot tell: it has no local_digest())")
-                    + "; publish the new weights under a higher version"
-                )
-            plan.retried = True
+        if not retry:
+            plan.local_digest = background[0]
+            return self._with_gather_group(plan)
+        plan.digest = _combine([d for _, d in results])
+        if plan.digest is None or plan.digest != self._last_digest:
+            raise VersionError(
+                f"version {version} was already published with different weights"
+                + ("" if plan.digest is not None else " (or this source cannot tell: it has no local_digest())")
+                + "; publish the new weights under a higher version"
+            )
+        plan.retried = True
+        return self._with_gather_group(plan)
+
+    def _with_gather_group(self, plan: Plan) -> Plan:
         if self._agree.world > 1 and self._gather_group is None:
-            self._step("gather group", lambda: None, cfg.group_timeout, on_every_rank=self._make_gather_group)
+            self._step("gather group", lambda: None, self.config.group_timeout, on_every_rank=self._make_gather_group)
         return plan
 
     def _transfer(self, plan: Plan) -> None:
@@ -419,6 +437,31 @@ class WeightPublisher:
         cfg = self.config
         wait = cfg.wait_loaded_timeout if cfg.transport == "disk" else 0.0
         return 3 * cfg.http_timeout + wait  # end sessions and resume, or announce and wait for the load
+
+
+def _local_digest(source: WeightSource) -> int | None:
+    digest = getattr(source, "local_digest", None)
+    return digest() if digest is not None else None
+
+
+def _digest_in_background(source: WeightSource) -> Future | None:
+    if getattr(source, "local_digest", None) is None:
+        return None
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(source.local_digest())
+        except Exception as e:  # surfaces at settle, through the agreement
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="wsync-digest", daemon=True).start()
+    return future
+
+
+def _combine(digests: list[int | None]) -> int | None:
+    """One digest of every rank's shards (None when a source cannot tell)."""
+    return None if None in digests else zlib.crc32(repr(digests).encode())
 
 
 def _abort_within(transport: Transport, reason: str, seconds: float) -> str:
