@@ -104,7 +104,7 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
     ``failed`` and the others are still reported.
     """
     from bench import report as rep
-    from bridge.local_etcd import LocalEtcd
+    from wsync.local_etcd import LocalEtcd
 
     os.makedirs(cfg.workdir, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=_mkdir(cfg.workdir, "runs"))

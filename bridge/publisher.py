@@ -397,8 +397,7 @@ class WeightPublisher:
                 status = self._agree.exchange("abort", status, timeout=self.config.http_timeout * 2 + SLACK_S)[0]
             except BridgeError:
                 pass
-        what = "weight sync" if self.config.transport != "disk" else "disk publish"
-        text = f"{what} of version {version} failed: {error}" + (f"; {status}" if status else "")
+        text = f"{self.config.transport} sync of version {version} failed: {error}" + (f"; {status}" if status else "")
         return type(error)(text)
 
     # ---------------------------------------------------------------- helpers
@@ -434,9 +433,9 @@ class WeightPublisher:
         return 2 * cfg.group_timeout + cfg.http_timeout  # the gather, then the previous bucket's arrival
 
     def _commit_bound(self) -> float:
-        cfg = self.config
-        wait = cfg.wait_loaded_timeout if cfg.transport == "disk" else 0.0
-        return 3 * cfg.http_timeout + wait  # end sessions and resume, or announce and wait for the load
+        from bridge.transports import transport_class
+
+        return transport_class(self.config.transport).commit_seconds(self.config)
 
 
 def _local_digest(source: WeightSource) -> int | None:

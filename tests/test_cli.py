@@ -147,7 +147,7 @@ def test_a_trainer_rank_error_is_one_line_not_a_torchrun_report(tmp_path):
     text = out.stdout + out.stderr
     assert "Traceback" not in text and "ChildFailedError" not in text
     assert [l for l in text.splitlines() if "error:" in l] == [last_line(out)]
-    assert last_line(out).startswith("wsync train: error: disk publish of version 1 failed")
+    assert last_line(out).startswith("wsync train: error: disk sync of version 1 failed")
     assert "/proc/no-such-folder" in last_line(out)
 
 

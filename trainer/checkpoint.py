@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from bridge.agreement import Agreement
 from bridge.errors import ConfigError
 from bridge.log import get_logger
 
@@ -35,6 +36,8 @@ logger = get_logger(__name__)
 WEIGHT_FORMATS = ("hf", "dcp")
 _OPTIM_FILE = "optimizer.pt"  # HF format: full optimizer + scheduler state, written by rank 0
 _MAX_SHARD_SIZE = "5GB"  # safetensors shard size, as transformers' save_pretrained
+CHECKPOINT_IO_S = 3600.0
+"""How long the other ranks wait for rank 0 to write or read an HF checkpoint."""
 
 
 def save(engine, path: str | os.PathLike, weight_format: str = "hf", with_optim: bool = False) -> None:
@@ -142,22 +145,11 @@ def _set_optim_state(engine, state: dict, options: StateDictOptions | None = Non
     for group in engine._optimizer.param_groups:
         group["betas"] = tuple(group["betas"])
 
+
 def _on_rank0(engine, fn: Callable[[], None], what: str) -> None:
-    """Run ``fn`` on rank 0 and raise its error on every rank (instead of leaving them waiting)."""
-    status: list = [None]
-    error: Exception | None = None
-    if engine.rank == 0:
-        try:
-            fn()
-        except Exception as e:
-            error = e
-            status[0] = (isinstance(e, ConfigError), f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(status, src=0)
-    if error is not None:
-        raise error
-    if status[0] is not None:
-        is_config, message = status[0]
-        raise (ConfigError if is_config else RuntimeError)(f"rank 0 failed {what}: {message}")
+    """Run ``fn`` on rank 0; its error, of any type, is raised on every rank (:mod:`bridge.agreement`,
+    the same agreement a weight sync uses), instead of leaving the other ranks waiting."""
+    Agreement.of_default_group().step(what, lambda: fn() if engine.rank == 0 else None, timeout=CHECKPOINT_IO_S)
 
 
 def _check_format(weight_format: str) -> None:

@@ -10,19 +10,24 @@ from __future__ import annotations
 
 from bridge.transports.base import Plan, Transport
 
-__all__ = ["Plan", "Transport", "make_transport"]
+__all__ = ["Plan", "Transport", "make_transport", "transport_class"]
+
+
+def transport_class(name: str) -> type[Transport]:
+    """The class of the transport called ``name`` (``broadcast``, ``colocated`` or ``disk``)."""
+    if name == "broadcast":
+        from bridge.transports.broadcast import BroadcastTransport
+
+        return BroadcastTransport
+    if name == "colocated":
+        from bridge.transports.colocated import ColocatedTransport
+
+        return ColocatedTransport
+    from bridge.transports.disk import DiskTransport
+
+    return DiskTransport
 
 
 def make_transport(config, servers) -> Transport:
     """The transport named by ``config.transport``, talking to ``servers`` (a ServerGroup or None)."""
-    if config.transport == "broadcast":
-        from bridge.transports.broadcast import BroadcastTransport
-
-        return BroadcastTransport(config, servers)
-    if config.transport == "colocated":
-        from bridge.transports.colocated import ColocatedTransport
-
-        return ColocatedTransport(config, servers)
-    from bridge.transports.disk import DiskTransport
-
-    return DiskTransport(config, servers)
+    return transport_class(config.transport)(config, servers)

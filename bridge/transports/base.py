@@ -73,6 +73,12 @@ class Transport:
     def __init__(self, config):
         self.config = config
 
+    @classmethod
+    def commit_seconds(cls, config) -> float:
+        """How long ``commit`` may take (every rank waits that long for rank 0 at most): end the
+        sessions and resume by default."""
+        return 3 * config.http_timeout
+
     def begin(self, plan: Plan) -> None:
         """Rank 0: open the sync."""
 

@@ -56,6 +56,10 @@ class DiskTransport(Transport):
         # can tell a dead publisher from a slow one. Announcements themselves are permanent.
         self.nr.add(self._key("publisher"), f"{socket.gethostname()}:{os.getpid()}", ttl=10, keepalive=True, replace=True)
 
+    @classmethod
+    def commit_seconds(cls, config) -> float:
+        return 3 * config.http_timeout + (config.wait_loaded_timeout if config.wait_loaded else 0.0)
+
     def _key(self, leaf: str) -> str:
         return f"{self.names.trial_root(self.config.experiment, self.config.trial)}/{leaf}"
 
