@@ -140,10 +140,12 @@ class Agreement:
             return [pickle.loads(self._store.get(k)) for k in keys]
         except (RuntimeError, dist.DistError) as e:
             missing = self._missing(keys)
-            raise SyncTimeout(
+            error = SyncTimeout(
                 f"ranks {missing or '?'} did not finish {name} within {timeout:.0f} s (a trainer rank died or "
                 f"hangs; raise group_timeout / http_timeout if it is only slow): {describe(e)}"
-            ) from e
+            )
+            error.agreement_broken = True  # the ranks no longer meet: no further exchange can succeed
+            raise error from e
 
     def _missing(self, keys: list[str]) -> list[int]:
         try:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from bridge.agreement import Agreement
 from bridge.buckets import Bucket, pack_one, plan_buckets
-from bridge.errors import BridgeError, ConfigError, SyncTimeout, VersionError
+from bridge.errors import BridgeError, ConfigError, VersionError
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger
 from bridge.memory import PeakMemory
@@ -392,7 +392,7 @@ class WeightPublisher:
         if began:
             # A gather may have been left half-done on some rank: the next publish builds a new group.
             self._drop_gather_group()
-        if not isinstance(error, SyncTimeout) or "did not finish" not in str(error):
+        if not getattr(error, "agreement_broken", False):
             try:  # every rank reports what the servers serve now, as rank 0 saw it
                 status = self._agree.exchange("abort", status, timeout=self.config.http_timeout * 2 + SLACK_S)[0]
             except BridgeError:
