@@ -166,6 +166,7 @@ def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, et
         server = launch_server(
             model=model_dir, log_path=os.path.join(size_dir, "server.log"), dtype=cfg.serving_dtype, use_sglang=False,
             extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)], env=quiet, ready_timeout=300,
+            disk_roots=[size_dir],
         )
         disk = [{"backend": b, "trial": f"{label}-{b}", "name_resolve": url,
                  "snapshot_root": os.path.join(size_dir, f"snapshots-{b}")} for b, url in backends.items()]
