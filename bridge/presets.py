@@ -29,7 +29,8 @@ __all__ = ["PRESETS", "build_config", "build_model", "build_tokenizer", "make_mo
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 VOCAB_SIZE = 272  # 3 specials + 256 bytes, rounded up to a multiple of 16
 
-# Qwen2-style shapes. Parameter counts include the (tied) embedding once.
+# Qwen2-style shapes (q/k/v carry biases, as Qwen2 does). Parameter counts include the (tied) embedding once.
+# A preset may override the defaults of build_config (``tie_word_embeddings``, say).
 PRESETS: dict[str, dict] = {
     # ~0.33 M params: tests and the demo.
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
@@ -37,16 +38,21 @@ PRESETS: dict[str, dict] = {
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2),
     # ~192 M params.
     "medium": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4),
+    # ~19 M params (39 MB in bfloat16) in 339 tensors: Qwen2.5-7B's layout (28 layers of q/k/v with
+    # biases, o, gate/up/down and 2 norms; embedding, final norm, untied lm_head) at 1/14 of its width,
+    # so a sync pays real models' per-tensor costs in seconds on a laptop (`wsync bench --sizes many`).
+    "many": dict(hidden_size=256, intermediate_size=640, num_hidden_layers=28, num_attention_heads=4, num_key_value_heads=2,
+                 tie_word_embeddings=False),
 }
 
 
 def build_config(preset: str = "tiny"):
-    """The ``Qwen2Config`` of a preset (tied embeddings, byte-level vocabulary)."""
+    """The ``Qwen2Config`` of a preset (byte-level vocabulary; tied embeddings unless the preset says otherwise)."""
     from transformers import Qwen2Config
 
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    return Qwen2Config(
+    defaults = dict(
         vocab_size=VOCAB_SIZE,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
@@ -56,8 +62,8 @@ def build_config(preset: str = "tiny"):
         bos_token_id=1,
         eos_token_id=2,
         dtype="float32",
-        **PRESETS[preset],
     )
+    return Qwen2Config(**{**defaults, **PRESETS[preset]})
 
 
 def build_model(preset: str = "tiny", seed: int = 0):
