@@ -101,6 +101,7 @@ def launch_server(
     api_key: str | None = None,
     log_path: str | None = None,
     env: dict[str, str] | None = None,
+    disk_roots: Sequence[str] = (),
 ) -> LaunchedServer:
     """Start a server and wait until ``/model_info`` answers.
 
@@ -115,6 +116,8 @@ def launch_server(
         api_key: for the returned client (pass the server's flag in ``extra_args`` too).
         log_path: file for the server's stdout/stderr (default: a temporary file).
         env: extra environment variables for the server.
+        disk_roots: directories the reference server may load snapshots from (``--disk-root``; default:
+            wsync's default snapshot root and the model's directory). Real SGLang loads any directory.
 
     Raises:
         ServerError: the server exited or was not ready in time; the message ends with its log tail.
@@ -133,6 +136,8 @@ def launch_server(
     else:
         cmd = [sys.executable, "-m", "inference_adapter.server", "--host", host, "--port", str(port), "--dtype", dtype]
         cmd += ["--model", model] if model is not None else ["--preset", preset]
+        for root in disk_roots:
+            cmd += ["--disk-root", str(root)]
     cmd += [str(a) for a in extra_args]
     kind = "sglang" if sglang else "reference"
     if log_path is None:

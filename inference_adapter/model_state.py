@@ -56,12 +56,23 @@ def load_model(*, model: str | None, preset: str | None, seed: int, dtype: torch
     return m, build_tokenizer(), f"preset:{preset or 'tiny'}", f"preset:{preset or 'tiny'}"
 
 
-def _disk_roots(roots: list[str] | None) -> list[str]:
-    """The resolved directories disk loads may come from; ConfigError for one that does not exist."""
-    import tempfile
+def _disk_roots(roots: list[str] | None, model_path: str) -> list[str]:
+    """The resolved directories disk loads may come from; ConfigError for one that does not exist.
 
+    Default (no ``--disk-root``): the snapshot roots this server knows of without being told: wsync's
+    default snapshot root (``<temp>/wsync-snapshots``, where ``wsync train`` and ``PublisherConfig``
+    write by default; created if missing) and the directory of the model it serves (reloading the base
+    weights). Any other directory, the rest of the temp folder included, must be named.
+    """
+    if not roots:
+        from bridge.transports.disk import default_snapshot_root
+
+        roots = [default_snapshot_root()]
+        os.makedirs(roots[0], exist_ok=True)
+        if os.path.isdir(model_path):
+            roots.append(model_path)
     out = []
-    for r in roots or [tempfile.gettempdir()]:
+    for r in roots:
         real = os.path.realpath(r)
         if not os.path.isdir(real):
             raise ConfigError(f"--disk-root {r}: not a directory; give an existing directory that holds snapshots")
@@ -139,7 +150,7 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
         self.features = ProtocolFeatures.from_version(protocol_version)
         self.group_timeout = float(group_timeout)
         self.receive_timeout = float(receive_timeout)
-        self.disk_roots = _disk_roots(disk_roots)
+        self.disk_roots = _disk_roots(disk_roots, model_path)
         self.allow_version_rollback = bool(allow_version_rollback)
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path

@@ -4,7 +4,8 @@
 more servers (flags as ``extra_args``), several at once with ``server_factory.many``; everything is
 stopped at module teardown. Servers accept versions older than the served one
 (``--allow-version-rollback``), since publishers of successive tests restart at version 1; pass
-``strict_versions=True`` for the production behaviour. :class:`Trainer` plays trainer rank 0 of a weight-update group inside the
+``strict_versions=True`` for the production behaviour. They load snapshots from anywhere under the
+temp folder (``--disk-root``), where pytest's folders are; ``default_disk_roots=True`` keeps the default. :class:`Trainer` plays trainer rank 0 of a weight-update group inside the
 test process: it joins the group while the HTTP init runs in a thread, announces each update over HTTP
 and broadcasts the tensors concurrently, as a real trainer does.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import os
+import tempfile
 from collections.abc import Sequence
 
 import pytest
@@ -43,6 +45,10 @@ def _launch(**kw) -> LaunchedServer:
     # unless the test is about refusing exactly that.
     if not kw.pop("strict_versions", False):
         extra += ["--allow-version-rollback"]
+    # Tests write snapshots into pytest's temp folders; the server's default roots are narrower
+    # (``default_disk_roots=True`` keeps them, for the test of exactly that).
+    if not kw.pop("default_disk_roots", False) and "--disk-root" not in extra:
+        extra += ["--disk-root", tempfile.gettempdir()]
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **kw.pop("env", {})}
     return launch_server(extra_args=extra, env=env, ready_timeout=kw.pop("ready_timeout", 240.0), **kw)
 

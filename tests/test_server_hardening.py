@@ -305,6 +305,28 @@ def test_disk_loads_are_confined_to_the_allowed_roots(client, roots):
     assert served(client) == before
 
 
+def test_by_default_only_the_wsync_snapshot_root_and_the_model_directory_load(server_factory, tiny_model_dir, tmp_path):
+    """Without --disk-root the server loads from the roots it knows of, not from the whole temp folder."""
+    from bridge.transports.disk import default_snapshot_root
+
+    srv = server_factory(model=tiny_model_dir, default_disk_roots=True, strict_versions=True)
+    before = served(srv.client)
+    with pytest.raises(ServerError, match="outside the directories this server loads from") as e:
+        srv.client.update_weights_from_disk(snapshot(str(tmp_path), 50), weight_version="50")
+    assert "--disk-root" in e.value.message
+    assert served(srv.client) == before
+    os.makedirs(default_snapshot_root(), exist_ok=True)
+    root = tempfile.mkdtemp(prefix="test-default-root-", dir=default_snapshot_root())
+    try:
+        assert srv.client.update_weights_from_disk(snapshot(root, 51), weight_version="51")["success"]
+        assert served(srv.client)["version"] == "51"
+        # The base weights can always be reloaded from the served model's own directory.
+        assert srv.client.update_weights_from_disk(tiny_model_dir, weight_version="52")["success"]
+        assert served(srv.client)["checksums"] == before["checksums"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_manifest_entries_that_leave_the_snapshot_are_refused(client, roots):
     from bridge.snapshot import MANIFEST_NAME
 

@@ -84,11 +84,13 @@ def _driver(args: argparse.Namespace) -> int:
 
     servers, watcher, trainer, failed = [], None, None, True
     old = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    snapshot_root = os.path.join(workdir, "snapshots")
+    os.makedirs(snapshot_root, exist_ok=True)
     try:
         for i in range(args.servers):
             servers.append(launch_server(
                 model=model_dir, dtype=args.serving_dtype, log_path=os.path.join(workdir, f"server{i}.log"),
-                extra_args=["--log-level", args.log_level],
+                extra_args=["--log-level", args.log_level], disk_roots=[snapshot_root],
             ))
         urls = [s.url for s in servers]
         print(f"  servers ready: {', '.join(urls)}", flush=True)
@@ -96,7 +98,7 @@ def _driver(args: argparse.Namespace) -> int:
             watcher = _start_watcher(name_resolve, urls)
         spec = dict(
             model=model_dir, steps=args.steps, transport=args.transport, servers=urls, name_resolve=name_resolve,
-            snapshot_root=os.path.join(workdir, "snapshots"), lr=args.lr, batch_size=args.batch_size,
+            snapshot_root=snapshot_root, lr=args.lr, batch_size=args.batch_size,
             bucket_mb=args.bucket_mb, serving_dtype=args.serving_dtype, max_new_tokens=args.max_new_tokens,
             json=os.path.abspath(args.json) if args.json else None, log_level=args.log_level,
         )
