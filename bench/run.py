@@ -71,6 +71,11 @@ class BenchConfig:
     """Seconds any single HTTP call, broadcast or disk load may take before the run fails."""
     log_level: str = "WARNING"
     """Log level of the server and trainer processes."""
+    device: str = "auto"
+    """``cpu`` (gloo), ``cuda`` (NCCL; fails on a host without CUDA) or ``auto`` (cuda where available).
+    See :func:`placement` for which GPU each process gets."""
+    colocated: bool = True
+    """Also measure the colocated transport (/dev/shm), at the first bucket size, against its shm floor."""
 
     def __post_init__(self) -> None:
         from bridge.presets import PRESETS
@@ -94,7 +99,49 @@ class BenchConfig:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
         if not self.timeout > 0:
             raise ConfigError(f"timeout must be positive seconds, got {self.timeout}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         dtype_from_str(self.serving_dtype)
+
+
+def placement(device: str, nproc: int) -> dict:
+    """Which devices the trainer ranks and the server see, and the trainer-to-server backend.
+
+    Returns ``{"device", "trainer_env", "server_env", "backend", "note"}``: ``backend`` is None for the
+    publisher's default (NCCL on CUDA, gloo on CPU) or ``"gloo"``; the envs set ``CUDA_VISIBLE_DEVICES``.
+
+    - ``cpu`` (or ``auto`` without CUDA): every process sees no GPU; gloo throughout.
+    - ``cuda`` with at least ``nproc + 1`` GPUs: trainer rank r on GPU r, the server on the last GPU;
+      NCCL for the gathers and for trainer -> server (NCCL cannot join two ranks of one group on the
+      same GPU, so the server needs a GPU of its own).
+    - ``cuda`` with one GPU and ``nproc == 1``: the trainer on the GPU, the server on the CPU, and
+      trainer -> server over gloo (an NCCL broadcast figure needs a second GPU; the note says so).
+
+    Raises:
+        ConfigError: ``cuda`` was asked for on a host without CUDA, or the GPUs cannot hold the layout.
+    """
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        hide = {"CUDA_VISIBLE_DEVICES": ""}
+        return {"device": "cpu", "trainer_env": hide, "server_env": hide, "backend": None, "note": None}
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device cuda: this host has no usable CUDA (torch {torch.__version__}, built for CUDA "
+                          f"{torch.version.cuda or 'none'}); run on a CUDA host or pass --device cpu")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
+    ids = ids or [str(i) for i in range(torch.cuda.device_count())]
+    if len(ids) >= nproc + 1:
+        return {"device": "cuda", "trainer_env": {"CUDA_VISIBLE_DEVICES": ",".join(ids[:nproc])},
+                "server_env": {"CUDA_VISIBLE_DEVICES": ids[-1]}, "backend": None, "note": None}
+    if len(ids) == 1 and nproc == 1:
+        return {"device": "cuda", "trainer_env": {"CUDA_VISIBLE_DEVICES": ids[0]},
+                "server_env": {"CUDA_VISIBLE_DEVICES": ""}, "backend": "gloo",
+                "note": "one GPU: the trainer runs on it, the server on the CPU, trainer -> server over gloo "
+                        "(NCCL cannot join two ranks on one GPU; an NCCL broadcast figure needs 2 GPUs)"}
+    raise ConfigError(f"--device cuda with --nproc {nproc} needs {nproc + 1} GPUs (one per trainer rank, one for the "
+                      f"server: NCCL cannot join two ranks on one GPU); this host has {len(ids)}: pass "
+                      f"--nproc {max(1, len(ids) - 1)}")
 
 
 def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str | None = None) -> dict:
@@ -106,6 +153,9 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
     from bench import report as rep
     from wsync.local_etcd import LocalEtcd
 
+    place = placement(cfg.device, cfg.nproc)  # a layout the GPUs cannot hold fails before anything starts
+    if place["note"]:
+        print(f"wsync bench: {place['note']}", file=sys.stderr, flush=True)
     os.makedirs(cfg.workdir, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=_mkdir(cfg.workdir, "runs"))
     print(f"wsync bench: run folder {run_dir}", file=sys.stderr, flush=True)
@@ -124,7 +174,7 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
         for label, model_dir in models:
             print(f"wsync bench: {label} ({model_dir})", file=sys.stderr, flush=True)
             try:
-                sizes.append(_measure_size(cfg, label, model_dir, run_dir, etcd))
+                sizes.append(_measure_size(cfg, label, model_dir, run_dir, etcd, place))
             except BridgeError as e:
                 failed[label] = str(e)
                 print(f"wsync bench: {label} FAILED: {e}", file=sys.stderr, flush=True)
@@ -136,7 +186,7 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
     rows = rep.build_rows(sizes)
     targets = rep.check_targets(rows)
     warmups = rep.build_warmups(sizes)
-    meta = _meta(cfg, sizes, time.perf_counter() - t0, etcd is not None)
+    meta = _meta(cfg, sizes, time.perf_counter() - t0, etcd is not None, place)
     table = rep.format_table(rows, targets, warmups)
     result = {"meta": meta, "rows": rows, "targets": targets, "warmups": warmups, "sizes": sizes, "failed": failed,
               "table": table}
@@ -151,13 +201,17 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
 # ------------------------------------------------------------------------------------------ one size
 
 
-def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etcd) -> dict:
+def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etcd, place: dict) -> dict:
     from inference_adapter.launcher import launch_server
     from wsync.launch import start_ranks
 
     size_dir = _mkdir(run_dir, label)
     quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "WSYNC_LOG_LEVEL": cfg.log_level}
+    # Trainer ranks: glibc maps every allocation of 1 MiB or more afresh and unmaps it when freed. Its default
+    # (a threshold that rises to 32 MiB after the first free) serves later bucket buffers from heap that is
+    # already resident, which rank 0's RSS high-water growth (the peak memory figure) cannot see.
+    trainer_env = {**quiet, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), **place["trainer_env"]}
     backends = {"dir": f"file://{_mkdir(run_dir, 'name_resolve')}"}
     if etcd is not None:
         backends["etcd"] = etcd.url
@@ -165,7 +219,8 @@ def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, et
     try:
         server = launch_server(
             model=model_dir, log_path=os.path.join(size_dir, "server.log"), dtype=cfg.serving_dtype, use_sglang=False,
-            extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)], env=quiet, ready_timeout=300,
+            extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)],
+            env={**quiet, **place["server_env"]}, ready_timeout=300,
             disk_roots=[size_dir],
         )
         disk = [{"backend": b, "trial": f"{label}-{b}", "name_resolve": url,
@@ -174,9 +229,10 @@ def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, et
         out = os.path.join(size_dir, "result.json")
         spec = dict(label=label, model_dir=model_dir, server=server.url, serving_dtype=cfg.serving_dtype,
                     buckets_mb=cfg.bucket_mb, per_tensor_bucket_mb=cfg.per_tensor_bucket_mb, repeats=cfg.repeats,
-                    disk=disk, floor_dir=os.path.join(size_dir, "floor"), out=out, timeout=cfg.timeout)
+                    disk=disk, floor_dir=os.path.join(size_dir, "floor"), out=out, timeout=cfg.timeout,
+                    colocated=cfg.colocated, backend=place["backend"])
         # The trainer's ranks write to this process's stderr (progress, warnings, tracebacks).
-        trainer = start_ranks(cfg.nproc, ["bench", "--_worker-spec", json.dumps(spec)], env=quiet)
+        trainer = start_ranks(cfg.nproc, ["bench", "--_worker-spec", json.dumps(spec)], env=trainer_env)
         rc = trainer.wait()
         if rc != 0 or not os.path.exists(out):
             raise BridgeError(f"the trainer job failed: {trainer.failure()}; server log {server.log_path} ends "
@@ -244,18 +300,23 @@ def _raise_interrupt(*_):
     raise KeyboardInterrupt()
 
 
-def _meta(cfg: BenchConfig, sizes: list[dict], seconds: float, etcd: bool) -> dict:
+def _meta(cfg: BenchConfig, sizes: list[dict], seconds: float, etcd: bool, place: dict) -> dict:
     import torch
 
     return {
         "config": asdict(cfg), "seconds": seconds, "etcd": etcd, "torch": torch.__version__,
         "python": platform.python_version(), "host": platform.node(), "cpus": os.cpu_count(),
-        "cuda": torch.cuda.is_available(), "backend": sizes[0]["backend"] if sizes else None,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cuda": torch.cuda.is_available(), "device": place["device"], "placement_note": place["note"],
+        "backend": sizes[0]["backend"] if sizes else None,
+        "server_backend": sizes[0].get("server_backend") if sizes else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 
 
 def _title(meta: dict) -> str:
     c = meta["config"]
-    return (f"wsync bench: {meta['cpus']} CPUs, {'CUDA/NCCL' if meta['cuda'] else 'CPU/gloo'}, torch {meta['torch']}, "
+    where = (f"{meta['gpus'][0] if meta.get('gpus') else 'CUDA'}, gathers {meta['backend']}, trainer->server "
+             f"{meta.get('server_backend')}" if meta.get("device") == "cuda" else "CPU/gloo")
+    return (f"wsync bench: {meta['cpus']} CPUs, {where}, torch {meta['torch']}, "
             f"{c['nproc']} FSDP ranks, {c['repeats']} repeats, serving {c['serving_dtype']}, {meta['date']}")

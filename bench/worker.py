@@ -12,8 +12,17 @@ Methods (each is one ``WeightPublisher.publish``, collective on every rank):
   pays the weight-update group's creation (``phases["group_init"]``).
 - ``per-tensor``: the same publisher with ``load_format="per_tensor"`` and a tiny ``bucket_mb``: one
   ``/update_weights_from_distributed`` request and one broadcast per tensor.
+- ``colocated-<N>MiB``: buckets of N MiB (the first bucket size) handed over in /dev/shm files
+  (``spec["colocated"]``, on by default).
 - ``disk-<backend>``: snapshot write + fsync + announcement + load, ``wait_loaded=True``; a watcher in
   the driver process loads each announced version into the server.
+
+Gathers, every method's first half, timed alone (every rank): ``gather-<N>MiB`` and
+``gather-per-tensor`` run :meth:`trainer.FSDPEngine.gather_bucket` over the same bucket plan as the
+method of that budget (the publisher's own gather: flat pieces of FSDP2 shards to rank 0), into
+buffers allocated as a transport does (one per bucket, on the transport's device), and send nothing.
+Each method record names its gather item (``gather_item``); the report subtracts it, round by round,
+to give the method's *transfer only* time.
 
 Floors, on the same bytes ``B`` (the model in the serving dtype), in the same processes:
 
@@ -24,14 +33,19 @@ Floors, on the same bytes ``B`` (the model in the serving dtype), in the same pr
 - ``raw-broadcast`` (rank 0): one ``uint8`` broadcast of ``B`` bytes to the server over a custom group
   of the same kind as the publisher's (``wsync_bench_raw``), received and dropped by the server's
   ``POST /wsync/bench/recv_raw``; timed from posting the request to the end of both.
+- ``raw-shm`` (rank 0, with colocated): create a ``B``-byte file in /dev/shm with its space reserved,
+  copy ``B`` bytes into its mapping, then copy them out of a fresh read-only mapping (what the server's
+  ``wsync_shm`` load does); write and read are also timed separately.
 - ``raw-disk`` (rank 0): ``safetensors`` write of one ``B``-byte tensor, fsync of the file and its
   directory, then ``load_file`` back and copied out (which is what reads the mapped file); write and read
   are also timed separately.
 
-Diagnostic, not a floor: ``fsdp-gather`` (every rank) gathers the model parameter by parameter in the
-serving dtype (``engine.iter_full_tensors``) and drops it: what every method pays before it sends a byte.
-
 Buffers of the floors are allocated and touched before the clock starts: a floor is the transport alone.
+
+Devices: the engine runs on CUDA with NCCL where CUDA is visible (the driver decides what each
+process sees, see :mod:`bench.run`), else on the CPU with gloo. ``spec["backend"]`` overrides the
+backend of the trainer-to-server groups (the publisher's and the raw floor's): ``gloo`` when the server
+has no GPU of its own.
 """
 
 from __future__ import annotations
@@ -102,7 +116,19 @@ class _Bench:
         self.timeout = float(spec.get("timeout", 120.0))
         common = dict(servers=[self.url], serving_dtype=spec["serving_dtype"], progress=False,
                       http_timeout=self.timeout, group_timeout=self.timeout)
+        self.backend = spec.get("backend")  # None: NCCL on CUDA, gloo on CPU (the publisher's default)
+        if self.backend:
+            common["backend"] = self.backend
         self.broadcast = WeightPublisher(PublisherConfig(transport="broadcast", bucket_mb=spec["buckets_mb"][0], **common))
+        self.colocated = None
+        self.skipped: dict[str, str] = {}
+        if spec.get("colocated", True) and self._shm_short(spec["buckets_mb"][0]):
+            self.skipped["colocated"] = self._shm_short(spec["buckets_mb"][0])
+            if self.rank0:
+                print(f"wsync bench: colocated not measured: {self.skipped['colocated']}", file=sys.stderr, flush=True)
+        elif spec.get("colocated", True):
+            self.colocated = WeightPublisher(PublisherConfig(transport="colocated", bucket_mb=spec["buckets_mb"][0],
+                                                             **common))
         self.disks = {
             d["backend"]: WeightPublisher(PublisherConfig(
                 transport="disk", experiment=EXPERIMENT, trial=d["trial"], name_resolve=d["name_resolve"],
@@ -110,6 +136,11 @@ class _Bench:
                 **common))
             for d in spec["disk"]
         }
+        # The device the broadcast transport gathers into (BroadcastTransport.buffer): CUDA only under NCCL.
+        self.wire_device = self.device if (self.backend or _default_backend()) == "nccl" else torch.device("cpu")
+        # The bench's own gathers run on a group of their own, as the publisher's do.
+        self.gather_group = (dist.new_group(backend=self.backend or _default_backend())
+                             if engine.world_size > 1 else None)
         self.raw_pg = None
         self.pool = cf.ThreadPoolExecutor(2, thread_name_prefix="bench-http") if self.rank0 else None
         os.makedirs(spec["floor_dir"], exist_ok=True)
@@ -117,19 +148,36 @@ class _Bench:
     # ------------------------------------------------------------------ the run
 
     def items(self) -> list[tuple[str, Callable[[], dict | None]]]:
+        """(name, function) of everything timed in one round, in the order the round runs them."""
+        spec = self.spec
         out: list[tuple[str, Callable[[], dict | None]]] = [
             ("raw-gather", self._raw_gather),
             (f"raw-gather-{GATHER_CHUNK_MB}MiB", lambda: self._raw_gather(GATHER_CHUNK_MB << 20)),
             ("raw-broadcast", self._raw_broadcast),
-            ("fsdp-gather", self._fsdp_gather),
         ]
-        for mb in self.spec["buckets_mb"]:
+        if self.colocated is not None:
+            out.append(("raw-shm", self._raw_shm))
+        for name, budget in self.gather_budgets().items():
+            out.append((name, lambda b=budget: self._gather_only(b)))
+        for mb in spec["buckets_mb"]:
             out.append((f"flat-{mb:g}MiB", lambda mb=mb: self._publish_broadcast("flattened_bucket", mb)))
-        out.append(("per-tensor", lambda: self._publish_broadcast("per_tensor", self.spec["per_tensor_bucket_mb"])))
+        out.append(("per-tensor", lambda: self._publish_broadcast("per_tensor", spec["per_tensor_bucket_mb"])))
+        if self.colocated is not None:
+            out.append((f"colocated-{self.colocated.config.bucket_mb:g}MiB", self._publish_colocated))
         out.append(("raw-disk", self._raw_disk))
         for backend in self.disks:
             out.append((f"disk-{backend}", lambda b=backend: self._publish_disk(b)))
         return out
+
+    def gather_budgets(self) -> dict[str, int]:
+        """gather item name -> bucket budget in bytes, one per bucket plan some method uses."""
+        budgets = {_gather_name(int(mb * 2**20)): int(mb * 2**20) for mb in self.spec["buckets_mb"]}
+        per_tensor = int(self.spec["per_tensor_bucket_mb"] * 2**20)
+        budgets[_gather_name(per_tensor, per_tensor=True)] = per_tensor
+        pubs = [self.colocated] if self.colocated is not None else []
+        for pub in pubs + list(self.disks.values()):
+            budgets.setdefault(_gather_name(pub.config.bucket_bytes), pub.config.bucket_bytes)
+        return budgets
 
     def run(self) -> dict | None:
         items = self.items()
@@ -157,12 +205,30 @@ class _Bench:
         return {
             "label": self.spec["label"], "model_dir": self.spec["model_dir"], "params": params, "bytes": self.nbytes,
             "tensors": len(self.wire), "world_size": self.engine.world_size, "backend": dist.get_backend(),
+            "device": str(self.device), "server_backend": self.backend or _default_backend(),
             "serving_dtype": self.spec["serving_dtype"], "repeats": repeats, "items": records,
-            "seconds_total": time.perf_counter() - t_start,
+            "seconds_total": time.perf_counter() - t_start, "skipped": self.skipped,
         }
+
+    def _shm_short(self, bucket_mb: float) -> str | None:
+        """Why /dev/shm cannot hold the colocated method and its floor (the model's bytes, then two
+        buckets), or None. The same answer on every rank: they share the host."""
+        import shutil
+
+        from bridge.log import fmt_bytes
+        from bridge.transports.colocated import shm_dir
+
+        need = self.nbytes + 3 * int(bucket_mb * 2**20)
+        free = shutil.disk_usage(shm_dir()).free
+        if free >= need:
+            return None
+        return (f"{shm_dir()} has {fmt_bytes(free)} free, the shm floor and two buckets need {fmt_bytes(need)} "
+                "(give the container more shared memory, e.g. docker --shm-size)")
 
     def close(self) -> None:
         self.broadcast.close()
+        if self.colocated is not None:
+            self.colocated.close()
         for pub in self.disks.values():
             pub.close()
         if self.raw_pg is not None:
@@ -181,26 +247,49 @@ class _Bench:
     # ------------------------------------------------------------------ methods
 
     def _publish_broadcast(self, load_format: str, bucket_mb: float) -> dict | None:
-        from bridge.buckets import plan_buckets
-
         cfg = self.broadcast.config
         cfg.load_format, cfg.bucket_mb = load_format, bucket_mb
+        gather = _gather_name(cfg.bucket_bytes, per_tensor=load_format == "per_tensor")
+        return self._publish(self.broadcast, gather)
+
+    def _publish_colocated(self) -> dict | None:
+        return self._publish(self.colocated, _gather_name(self.colocated.config.bucket_bytes))
+
+    def _publish_disk(self, backend: str) -> dict | None:
+        pub = self.disks[backend]
+        return self._publish(pub, _gather_name(pub.config.bucket_bytes))
+
+    def _publish(self, pub, gather_item: str) -> dict | None:
+        """One timed publish; rank 0's record of it (None on the other ranks)."""
+        from bridge.buckets import plan_buckets
+
+        cfg = pub.config
         t0 = time.perf_counter()
-        res = self.broadcast.publish(self.engine, version=next(self.versions))
+        res = pub.publish(self.engine, version=next(self.versions))
         seconds = time.perf_counter() - t0
         if not self.rank0:
             return None
         largest = max(b.nbytes for b in plan_buckets(self.wire, cfg.bucket_bytes))
-        return {"seconds": seconds, "bytes": res.bytes, "buckets": res.buckets, "peak_extra_bytes": res.peak_extra_bytes,
-                "bucket_bytes": cfg.bucket_bytes, "largest_bucket_bytes": largest, "phases": res.phases}
+        rec = {"seconds": seconds, "bytes": res.bytes, "buckets": res.buckets, "peak_extra_bytes": res.peak_extra_bytes,
+               "bucket_bytes": cfg.bucket_bytes, "largest_bucket_bytes": largest, "phases": res.phases,
+               "gather_item": gather_item}
+        if res.path:
+            rec["path"] = res.path
+        return rec
 
-    def _publish_disk(self, backend: str) -> dict | None:
+    def _gather_only(self, bucket_bytes: int) -> dict | None:
+        """The publisher's gather of every bucket of this budget's plan, alone: nothing is sent."""
+        from bridge.buckets import plan_buckets
+
+        buckets = plan_buckets(self.wire, bucket_bytes)
         t0 = time.perf_counter()
-        res = self.disks[backend].publish(self.engine, version=next(self.versions))
+        for bucket in buckets:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.wire_device) if self.rank0 else None
+            self.engine.gather_bucket(bucket, buf, group=self.gather_group)
+            del buf
+        self._sync()
         seconds = time.perf_counter() - t0
-        if not self.rank0:
-            return None
-        return {"seconds": seconds, "bytes": res.bytes, "phases": res.phases, "path": res.path}
+        return {"seconds": seconds, "bytes": self.nbytes, "buckets": len(buckets)} if self.rank0 else None
 
     # ------------------------------------------------------------------ floors
 
@@ -227,13 +316,6 @@ class _Bench:
         del shard, out
         return {"seconds": seconds, "bytes": per_rank * world * dtype.itemsize} if self.rank0 else None
 
-    def _fsdp_gather(self) -> dict | None:
-        t0 = time.perf_counter()
-        for _spec, full in self.engine.iter_full_tensors(self.wire):
-            del full
-        seconds = time.perf_counter() - t0
-        return {"seconds": seconds, "bytes": self.nbytes} if self.rank0 else None
-
     def _raw_broadcast(self) -> dict | None:
         if not self.rank0:
             return None
@@ -242,7 +324,7 @@ class _Bench:
         if first:
             self._init_raw_group()
         group_init = time.perf_counter() - t_init
-        buf = torch.ones(self.nbytes, dtype=torch.uint8, device=self.device)
+        buf = torch.ones(self.nbytes, dtype=torch.uint8, device=self.wire_device)
         t0 = time.perf_counter()
         answer = self.pool.submit(self._post, RECV_RAW_ROUTE, {"group_name": RAW_GROUP, "nbytes": self.nbytes})
         work = dist.broadcast(buf, src=0, group=self.raw_pg, async_op=True)
@@ -254,6 +336,37 @@ class _Bench:
         if first:
             rec["group_init"] = group_init
         return rec
+
+    def _raw_shm(self) -> dict | None:
+        if not self.rank0:
+            return None
+        import mmap
+
+        import numpy as np
+
+        from bridge.transports.colocated import shm_buffer
+
+        data = torch.ones(self.nbytes, dtype=torch.uint8)
+        dest = torch.zeros(self.nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        buf, path = shm_buffer(self.nbytes, 0)  # the colocated transport's own file: created, space reserved, mapped
+        try:
+            buf.copy_(data)
+            del buf
+            t1 = time.perf_counter()
+            fd = os.open(path, os.O_RDONLY)
+            try:  # as the server's wsync_shm load reads it: a read-only mapping copied out
+                with mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_READ) as mm:
+                    view = np.frombuffer(mm, dtype=np.uint8)
+                    dest.numpy()[:] = view
+                    del view
+            finally:
+                os.close(fd)
+            t2 = time.perf_counter()
+        finally:
+            os.unlink(path)
+        del data, dest
+        return {"seconds": t2 - t0, "write_seconds": t1 - t0, "read_seconds": t2 - t1, "bytes": self.nbytes}
 
     def _raw_disk(self) -> dict | None:
         if not self.rank0:
@@ -307,10 +420,10 @@ class _Bench:
 
     def _init_raw_group(self) -> None:
         from bridge.client import ServerClient
-        from bridge.process_group import default_backend, find_free_port, init_custom_process_group
+        from bridge.process_group import find_free_port, init_custom_process_group
 
         port = find_free_port()
-        backend = default_backend()
+        backend = self.backend or _default_backend()
         client = ServerClient(self.url, timeout=self.timeout)
         joined = self.pool.submit(lambda: client.init_weights_update_group(
             master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=RAW_GROUP,
@@ -318,6 +431,17 @@ class _Bench:
         self.raw_pg = init_custom_process_group(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
                                                 group_name=RAW_GROUP, backend=backend, timeout=self.timeout)
         joined.result(timeout=2 * self.timeout)
+
+
+def _gather_name(bucket_bytes: int, per_tensor: bool = False) -> str:
+    """The gather item of a bucket budget (``gather-32MiB``; ``gather-per-tensor``)."""
+    return "gather-per-tensor" if per_tensor else f"gather-{bucket_bytes / 2**20:g}MiB"
+
+
+def _default_backend() -> str:
+    from bridge.process_group import default_backend
+
+    return default_backend()
 
 
 def _fsync(path: str) -> None:

@@ -1,4 +1,5 @@
-"""``wsync bench``: broadcast vs disk vs per-tensor sync, side by side, as ratios to the raw transport.
+"""``wsync bench``: broadcast vs colocated vs disk vs per-tensor sync, side by side, as ratios to the raw transport
+(end to end, and transfer only: the sync minus its own gather).
 
 A thin command line over :mod:`bench.run` (the driver) and :mod:`bench.worker` (the trainer ranks,
 re-run by torchrun with ``--_worker-spec``). ``--quick``: the small preset, 2 repeats, one bucket size.
@@ -31,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-etcd", dest="etcd", action="store_false",
                    help="skip the etcd disk backend even when an etcd binary is on PATH")
     p.add_argument("--nproc", type=int, default=2, help="FSDP ranks of the trainer")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="cuda: NCCL and CUDA tensors, the server on a GPU of its own (needs nproc+1 GPUs; with one "
+                        "GPU and --nproc 1 the server runs on the CPU over gloo); cpu: gloo; auto: cuda where "
+                        "available (default)")
+    p.add_argument("--no-colocated", dest="colocated", action="store_false",
+                   help="skip the colocated (/dev/shm) transport")
     p.add_argument("--serving-dtype", default="bfloat16", help="dtype the server serves")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one transfer or load may take")
     p.add_argument("--keep-run", action="store_true", help="keep the run folder (snapshots, logs)")
@@ -65,7 +72,8 @@ def config_from_args(args: argparse.Namespace):
     if args.workdir:
         kw["workdir"] = args.workdir
     return BenchConfig(models=list(args.model), nproc=args.nproc, etcd=args.etcd, serving_dtype=args.serving_dtype,
-                       timeout=args.timeout, keep_run=args.keep_run, log_level=args.log_level.upper(), **kw)
+                       timeout=args.timeout, keep_run=args.keep_run, log_level=args.log_level.upper(),
+                       device=args.device, colocated=args.colocated, **kw)
 
 
 def run(args: argparse.Namespace) -> int:
