@@ -28,22 +28,26 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
     report = json.loads(out.read_text())
     assert report["failed"] == {}
     methods = {r["method"] for r in report["rows"] if r["size"] == "tiny"}
-    expected = {"raw-gather", "raw-gather-16MiB", "raw-broadcast", "raw-disk", "fsdp-gather", "floor: gather+broadcast",
-                "floor: disk write+fsync+read",
-                f"flat-{report['meta']['config']['bucket_mb'][0]:g}MiB", "per-tensor", "disk-dir"}
+    bucket = f"{report['meta']['config']['bucket_mb'][0]:g}MiB"
+    expected = {"raw-gather", "raw-gather-16MiB", "raw-broadcast", "raw-shm", "raw-disk", "floor: gather+broadcast",
+                "floor: gather+shm write+read", "floor: gather+disk write+fsync+read", f"gather-{bucket}",
+                "gather-per-tensor", f"flat-{bucket}", "per-tensor", f"colocated-{bucket}", "disk-dir"}
     if shutil.which("etcd"):
         expected.add("disk-etcd")
     assert expected <= methods, f"missing rows: {expected - methods}"
     for r in report["rows"]:
-        assert r["bytes"] > 0 and r["seconds"]["median"] > 0, r
-        assert r["seconds"]["n"] == 1
-        if r["kind"] not in ("floor", "diagnostic"):
+        assert r["bytes"] > 0 and r["seconds"]["n"] == 1, r
+        assert r["seconds"]["median"] > 0, r
+        if r["kind"] not in ("floor", "gather"):
+            # Every method is reported end to end and transfer only, against floors of the same run.
             assert r["ratio"] > 0 and r["first_seconds"] > 0, r
+            assert r["gather_item"] in methods and r["transfer_seconds"]["n"] == 1, r
     assert {t["target"].split(" ")[0] for t in report["targets"]} >= {"flattened", "disk", "rank-0"}
+    assert report["meta"]["device"] == "cpu" and report["sizes"][0]["server_backend"] == "gloo"
     # Every published byte went through the server: the broadcast rows carry the whole model.
     model_bytes = {r["model_bytes"] for r in report["rows"]}
     assert len(model_bytes) == 1
-    assert all(r["bytes"] == r["model_bytes"] for r in report["rows"] if r["kind"] in ("flattened", "per-tensor"))
+    assert all(r["bytes"] == r["model_bytes"] for r in report["rows"] if r["kind"] in ("flattened", "per-tensor", "colocated"))
     per_tensor = next(r for r in report["rows"] if r["method"] == "per-tensor")
     assert per_tensor["buckets"] == report["sizes"][0]["tensors"]  # one request per tensor
     assert png.stat().st_size > 0
@@ -77,23 +81,26 @@ def test_recv_raw_route_validates_before_receiving(tiny_model_dir):
             assert r.json()["success"] is False and words in r.json()["message"], r.text
 
 
-def _fake_size(label: str, nbytes: int) -> dict:
+def _fake_size(label: str, nbytes: int, tensors: int = 9) -> dict:
     def runs(*secs, **extra):
         return {"first": {"seconds": 10 * secs[0], "bytes": nbytes, "phases": {"group_init": 1.0}, **extra},
                 "runs": [{"seconds": s, "bytes": nbytes, "phases": {}, **extra} for s in secs]}
 
-    bucket = {"peak_extra_bytes": 3 * 2**20, "buckets": 2, "bucket_bytes": 2**20, "largest_bucket_bytes": 2**20}
+    bucket = {"peak_extra_bytes": 3 * 2**20, "buckets": 2, "bucket_bytes": 2**20, "largest_bucket_bytes": 2**20,
+              "gather_item": "gather-1MiB"}
     items = {
         "raw-gather": runs(1.0, 2.0, 3.0),
         "raw-gather-16MiB": runs(2.0, 1.5, 4.0),  # the floor takes the faster gather of each round: 1, 1.5, 3
         "raw-broadcast": runs(1.0, 1.0, 1.0, server_seconds=0.5),
+        "gather-1MiB": runs(1.0, 1.0, 1.0, buckets=2),
+        "gather-per-tensor": runs(2.0, 2.0, 2.0, buckets=9),
         "flat-1MiB": runs(3.0, 4.0, 5.0, **bucket),
-        "per-tensor": runs(12.0, 12.0, 12.0, **{**bucket, "buckets": 9}),
+        "per-tensor": runs(12.0, 12.0, 12.0, **{**bucket, "buckets": 9, "gather_item": "gather-per-tensor"}),
         "raw-disk": runs(2.0, 2.0, 2.0, write_seconds=1.5, read_seconds=0.5),
-        "disk-dir": runs(4.0, 4.0, 4.0),
+        "disk-dir": runs(4.0, 4.0, 4.0, **{**bucket, "peak_extra_bytes": 2**20}),
     }
     items["disk-dir"]["runs"] = [{**r, "phases": {"write": 3.0, "load": 1.0}} for r in items["disk-dir"]["runs"]]
-    return {"label": label, "params": nbytes // 2, "bytes": nbytes, "tensors": 9, "items": items}
+    return {"label": label, "params": nbytes // 2, "bytes": nbytes, "tensors": tensors, "items": items}
 
 
 def test_report_ratios_are_floor_over_method_per_round():
@@ -103,14 +110,23 @@ def test_report_ratios_are_floor_over_method_per_round():
     by = {r["method"]: r for r in rows}
     floor = by["floor: gather+broadcast"]["seconds"]
     assert floor["median"] == 2.5 and (floor["min"], floor["max"]) == (2.0, 4.0)  # summed per round
+    assert by["floor: gather+disk write+fsync+read"]["seconds"]["median"] == 3.5  # the gather + the disk floor
+    assert "floor: gather+shm write+read" not in by  # no raw-shm measured: no colocated floor
     assert by["flat-1MiB"]["ratio"] == pytest.approx(2.5 / 4.0)
     assert by["flat-1MiB"]["ratio_min"] == pytest.approx(2.0 / 3.0)
     assert by["per-tensor"]["ratio"] == pytest.approx(2.5 / 12.0)
     assert by["flat-1MiB"]["speedup_vs_per_tensor"] == pytest.approx(12.0 / 4.0)
-    assert by["disk-dir"]["ratio"] == pytest.approx(2.0 / 4.0)
+    assert by["disk-dir"]["ratio"] == pytest.approx(3.5 / 4.0)
+    # Transfer only: the sync minus its own gather, round by round, against the transport's floor alone.
+    assert by["flat-1MiB"]["transfer_seconds"]["median"] == pytest.approx(3.0)
+    assert by["flat-1MiB"]["transfer_ratio"] == pytest.approx(1.0 / 3.0)
+    assert by["per-tensor"]["transfer_seconds"]["median"] == pytest.approx(10.0)
+    assert by["flat-1MiB"]["transfer_speedup_vs_per_tensor"] == pytest.approx(10.0 / 3.0)
+    assert by["disk-dir"]["transfer_ratio"] == pytest.approx(2.0 / 3.0)
     assert by["flat-1MiB"]["peak_ratio"] == pytest.approx(3.0)
     assert by["flat-1MiB"]["gbps"] == pytest.approx(1000 / 4.0 / 1e9)
-    met = {t["target"].split(" ")[0] + str(i): t["met"] for i, t in enumerate(check_targets(rows))}
-    assert list(met.values()) == [False, True, False, False]
-    text = format_table(rows, check_targets(rows))
-    assert "MISSED" in text and "MET" in text
+    targets = check_targets(rows)
+    # flat e2e, flat transfer, many-tensor x2 (no such size), disk e2e, disk transfer, peak (no colocated row)
+    assert [t["met"] for t in targets] == [False, False, None, None, True, False, False]
+    text = format_table(rows, targets)
+    assert "MISSED" in text and "[    MET     ]" in text and "not measured" in text
