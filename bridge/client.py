@@ -41,9 +41,9 @@ from typing import Any, TypeVar
 import requests
 import torch
 
-from bridge.errors import BridgeError, ConfigError, ServerError, SyncTimeout
+from bridge.errors import BridgeError, ConfigError, ServerError, SyncTimeout, VersionError
 from bridge.log import get_logger
-from bridge.protocol import ADMIN_ROUTES, DEFAULT_GROUP_NAME, SHM_LOAD_FORMAT, ProtocolFeatures
+from bridge.protocol import ADMIN_ROUTES, DEFAULT_GROUP_NAME, SHM_LOAD_FORMAT, VERSION_GOES_BACK, ProtocolFeatures
 from bridge.tensors import dtype_to_str
 
 __all__ = ["ServerClient", "ServerGroup"]
@@ -97,6 +97,7 @@ class ServerClient:
         self._version = version
         self._features: ProtocolFeatures | None = None
         self._tp_size: int | None = None
+        self._run: dict[str, Any] = {}  # the project's run fields, see claim_run
         self._local = threading.local()  # one requests.Session per thread: Session is not thread-safe
 
     def __repr__(self) -> str:
@@ -141,6 +142,10 @@ class ServerClient:
         except ValueError:
             data = None
         if not 200 <= r.status_code < 300:
+            if isinstance(data, dict) and data.get("wsync_reason") == VERSION_GOES_BACK:
+                raise VersionError(
+                    f"{self.url}{route}: {_message(data, r)} (a trainer starts a new run with "
+                    "PublisherConfig(new_run=True), `wsync train --new-run`, or another experiment/trial)")
             raise ServerError(self.url, _message(data, r), r.status_code, route)
         if check_success and isinstance(data, dict) and data.get("success") is False:
             raise ServerError(self.url, _message(data, r), r.status_code, route)
@@ -178,6 +183,23 @@ class ServerClient:
         if self._info is None:
             self._load_server_info()
         return bool((self._info or {}).get("wsync_reference_server"))
+
+    def claim_run(self, run_id: str | None, new_run: bool = False) -> None:
+        """Say which run the weight-changing requests that follow belong to (project fields).
+
+        The reference server refuses a weight version older than the one it serves unless the request
+        starts a new run: ``run_id`` other than the served version's run, or ``new_run=True`` (an explicit
+        reset). The fields ``wsync_run_id``/``wsync_new_run`` go only to a server that says it is the
+        reference server; real SGLang has no such check, and its request parsing would ignore them anyway.
+        """
+        self._run = {"wsync_run_id": run_id} if run_id is not None else {}
+        if new_run:
+            self._run["wsync_new_run"] = True
+
+    def _with_run(self, body: dict) -> dict:
+        if self._run and self.is_reference_server:
+            body.update(self._run)
+        return body
 
     def _load_server_info(self) -> None:
         info = self.server_info()
@@ -364,7 +386,8 @@ class ServerClient:
                 body["weight_version"] = str(weight_version)
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, f.version, weight_version)
-        return self._record_version(self._call("POST", "/update_weights_from_distributed", body, timeout=timeout), body)
+        return self._record_version(
+            self._call("POST", "/update_weights_from_distributed", self._with_run(body), timeout=timeout), body)
 
     def update_weights_from_tensor(
         self,
@@ -408,7 +431,8 @@ class ServerClient:
                 body["weight_version"] = str(weight_version)
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, self.features.version, weight_version)
-        return self._record_version(self._call("POST", "/update_weights_from_tensor", body, timeout=timeout), body)
+        return self._record_version(
+            self._call("POST", "/update_weights_from_tensor", self._with_run(body), timeout=timeout), body)
 
     def require_reference_server(self, what: str = "the shared-memory extension") -> None:
         """Raise ConfigError unless the server says it is the project's reference server.
@@ -453,13 +477,13 @@ class ServerClient:
                 body["weight_version"] = str(weight_version)
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, self.version, weight_version)
-        return self._call("POST", "/update_weights_from_disk", body, timeout=timeout)
+        return self._call("POST", "/update_weights_from_disk", self._with_run(body), timeout=timeout)
 
     def begin_weight_update(self) -> dict:
         """Open an update session (SGLang >= 0.5.21); elsewhere a no-op that reports success."""
         if not self.features.needs_session:
             return {"success": True, "message": f"SGLang {self.version} needs no update session"}
-        return self._call("POST", "/begin_weight_update", {})
+        return self._call("POST", "/begin_weight_update", self._with_run({}))
 
     def end_weight_update(self) -> dict:
         """Close the update session (SGLang >= 0.5.21; the reference server swaps weights here)."""
@@ -472,7 +496,8 @@ class ServerClient:
         if not self.features.weight_version:
             raise ConfigError(f"{self.url} runs SGLang {self.version}, which has no weight versions (needs >= 0.5.1)")
         return self._call(
-            "POST", "/update_weight_version", {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+            "POST", "/update_weight_version",
+            self._with_run({"new_version": str(new_version), "abort_all_requests": abort_all_requests}),
         )
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
@@ -596,6 +621,11 @@ class ServerGroup:
 
     def continue_generation(self) -> list[dict]:
         return self.map(lambda c: c.continue_generation())
+
+    def claim_run(self, run_id: str | None, new_run: bool = False) -> None:
+        """:meth:`ServerClient.claim_run` for every server."""
+        for c in self.clients:
+            c.claim_run(run_id, new_run)
 
     def begin_weight_update(self) -> list[dict]:
         return self.map(lambda c: c.begin_weight_update())

@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_GROUP_NAME",
     "SESSION_REQUIRED_MESSAGE",
     "SHM_LOAD_FORMAT",
+    "VERSION_GOES_BACK",
     "BeginWeightUpdateReq",
     "ContinueGenerationReq",
     "DestroyWeightsUpdateGroupReq",
@@ -65,6 +66,10 @@ SESSION_REQUIRED_MESSAGE = (
 # Project extension of /update_weights_from_tensor (reference server only): the serialized entry is base64
 # of JSON {"path", "nbytes", "names", "dtypes", "shapes"} naming a shared-memory file, not a pickle.
 SHM_LOAD_FORMAT = "wsync_shm"
+
+VERSION_GOES_BACK = "version_goes_back"
+"""``wsync_reason`` of the reference server's 400 for a version older than the served one without a new
+run; the client raises :class:`bridge.errors.VersionError` for it."""
 
 _VERSION_RE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?")
 

@@ -140,6 +140,10 @@ class PublisherConfig:
     """Bearer key for the servers' ``--admin-api-key``: SGLang's control routes then accept only this key."""
     progress: bool = True
     """Show a progress bar for syncs that take longer than a second."""
+    new_run: bool = False
+    """This publisher starts a new run: its first publish may go below the version the servers serve (a
+    restarted trainer counting from 1 again). Without it the reference server refuses a version older
+    than the served one unless ``experiment``/``trial`` (the run id it is sent) changed."""
 
     def __post_init__(self) -> None:
         self.transport = _ALIASES.get(self.transport, self.transport)
@@ -229,7 +233,13 @@ class WeightPublisher:
                 self.config.servers, api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
                 timeout=self.config.http_timeout,
             )
+            self._servers.claim_run(self.run_id, new_run=self.config.new_run)
         return self._servers
+
+    @property
+    def run_id(self) -> str:
+        """The run this publisher's versions belong to, as servers and watchers see it: ``experiment/trial``."""
+        return f"{self.config.experiment}/{self.config.trial}"
 
     def publish(self, source: WeightSource | torch.nn.Module, version: int) -> PublishResult:
         """Publish ``source``'s weights as ``version``. Collective: every trainer rank calls it.
@@ -268,6 +278,8 @@ class WeightPublisher:
         except BridgeError as e:
             raise self._failed(version, e, began) from None
         self.last_version, self._last_digest = version, plan.digest
+        if self.config.new_run and self._servers is not None:  # the run is started; later versions only go up
+            self._servers.claim_run(self.run_id)
         result = PublishResult(
             version=version, transport=self.config.transport, bytes=outcome.get("bytes", plan.nbytes),
             seconds=time.perf_counter() - t0, buckets=len(plan.buckets), servers=outcome["servers"],

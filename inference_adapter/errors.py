@@ -13,12 +13,16 @@ __all__ = ["RequestError", "json_object"]
 
 
 class RequestError(Exception):
-    """A request the server refuses; ``status`` is the HTTP code, ``message`` says why and what to do."""
+    """A request the server refuses; ``status`` is the HTTP code, ``message`` says why and what to do.
 
-    def __init__(self, message: str, status: int = 400):
+    ``reason``: a machine-readable cause sent as ``wsync_reason`` (e.g. :data:`bridge.protocol.VERSION_GOES_BACK`).
+    """
+
+    def __init__(self, message: str, status: int = 400, reason: str | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
+        self.reason = reason
 
 
 MAX_DEPTH = 32

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from bridge.errors import ConfigError
-from bridge.protocol import ProtocolFeatures, tensor_checksum
+from bridge.protocol import VERSION_GOES_BACK, ProtocolFeatures, tensor_checksum
 from bridge.tensors import dtype_to_str
 from inference_adapter.errors import RequestError
 from inference_adapter.generation import GenerationMixin
@@ -258,7 +258,7 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
         with self._update_lock:
             problem = self._rollback_problem(new_version, run)
             if problem:
-                raise RequestError(f"Failed to update weight version: {problem}.")
+                raise RequestError(f"Failed to update weight version: {problem}.", reason=VERSION_GOES_BACK)
             if abort_all_requests:
                 self.abort_all("Abort by update_weight_version(abort_all_requests=True).")
             self._claim(new_version, run)

@@ -156,7 +156,8 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
         state.log.warning("%s -> %d: %s", request.url.path, e.status, e.message)
         if request.url.path == "/generate":
             return JSONResponse({"error": {"message": e.message, "type": "BadRequest", "code": e.status}}, status_code=e.status)
-        return JSONResponse({"success": False, "message": e.message}, status_code=e.status)
+        extra = {"wsync_reason": e.reason} if e.reason else {}
+        return JSONResponse({"success": False, "message": e.message, **extra}, status_code=e.status)
 
     async def body(request: Request, model: type[BaseModel], route: str, convert=None) -> Any:
         data = json_object(await request.body(), route)

@@ -87,6 +87,8 @@ class DiskWatcher:
         elif hasattr(servers, "clients") and hasattr(servers, "map"):
             self._apply, self._group = None, servers
             targets = [c.url for c in servers.clients]
+            if hasattr(servers, "claim_run"):  # the run id a publisher to (experiment, trial) sends too
+                servers.claim_run(f"{experiment}/{trial}")
         else:
             raise ConfigError(f"servers must be a ServerGroup or a callable apply(path, version), got {servers!r}")
         self.on_loaded = on_loaded

@@ -47,7 +47,7 @@ import torch
 
 from bridge.buckets import Bucket, unflatten_bucket
 from bridge.errors import ConfigError, SnapshotError
-from bridge.protocol import SESSION_REQUIRED_MESSAGE, SHM_LOAD_FORMAT
+from bridge.protocol import SESSION_REQUIRED_MESSAGE, SHM_LOAD_FORMAT, VERSION_GOES_BACK
 from bridge.tensors import ParamSpec, dtype_to_str
 from inference_adapter.errors import RequestError
 from inference_adapter.wire import (
@@ -255,11 +255,13 @@ class WeightUpdateMixin:
                 why = f" The last session was aborted: {self._last_session_error}" if self._last_session_error else ""
                 raise RequestError(f"No weight update session is open; call begin_weight_update() first.{why}")
             self._session = None
-            problem = next((p for p in (c.result() for c in s.finite_checks) if p), None) \
-                or self._rollback_problem(s.version, s.run)
+            problem, reason = next((p for p in (c.result() for c in s.finite_checks) if p), None), None
+            if not problem:
+                problem = self._rollback_problem(s.version, s.run)
+                reason = VERSION_GOES_BACK if problem else None
             if problem:
                 self._last_session_error = problem
-                raise RequestError(f"Weight update session aborted, nothing applied: {problem}.")
+                raise RequestError(f"Weight update session aborted, nothing applied: {problem}.", reason=reason)
             self._claim(s.version, s.run)
             self._swap(s.staged, s.version)
         msg = f"Weight update session ended: {len(s.staged)} tensors from {s.requests} requests applied atomically."
@@ -377,13 +379,14 @@ class WeightUpdateMixin:
         staged = {n: t for n, t in received if n not in self._aliases}
         run = self._session.run if self._session is not None else run  # a session claims its run at begin
         problem = self._rollback_problem(weight_version, run)
+        reason = VERSION_GOES_BACK if problem else None
         if self._session is None:
             problem = problem or _non_finite_problem(staged)
         if problem:
             sess = " The update session was aborted; nothing it staged was applied." if self._session else ""
             self._abort_session(problem)
             raise RequestError(f"Failed to update parameter online: {problem}.{sess} Nothing was applied; still "
-                               f"serving weight version {self._version}.")
+                               f"serving weight version {self._version}.", reason=reason)
         dt = time.perf_counter() - t0
         if self._session is not None:
             s = self._session
@@ -547,7 +550,7 @@ class WeightUpdateMixin:
             keep = f" Nothing was applied; still serving weight version {self._version}."
             problem = self._rollback_problem(weight_version, run)
             if problem:
-                raise RequestError(f"Failed to update weights: {problem}.{keep}")
+                raise RequestError(f"Failed to update weights: {problem}.{keep}", reason=VERSION_GOES_BACK)
             t0 = time.perf_counter()
             tensors = _read_checkpoint(model_path, self.disk_roots, keep)
             problems, staged = [], {}

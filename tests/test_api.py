@@ -89,6 +89,28 @@ def test_disk_versions_and_wait_loaded(server, model, tmp_path):
         watcher.stop()
 
 
+def test_a_restarted_trainer_goes_back_in_versions_only_when_it_starts_a_new_run(server_factory, tiny_model_dir, model):
+    """The run id (experiment/trial) and new_run reach the server, which refuses a version going back otherwise."""
+    strict = server_factory(model=tiny_model_dir, strict_versions=True)
+    cfg = dict(servers=[strict.url], bucket_mb=0.5, progress=False, experiment="api", trial="runs")
+    with WeightPublisher(PublisherConfig(**cfg)) as pub:
+        pub.publish(model, version=7)
+    with WeightPublisher(PublisherConfig(**cfg)) as restarted, pytest.raises(VersionError) as e:
+        restarted.publish(model, version=1)  # the same run counting from 1 again
+    assert "older than the served version 7" in str(e.value) and "new_run" in str(e.value)
+    info = strict.client.server_info()["internal_states"][0]
+    assert strict.client.model_info()["weight_version"] == "7" and not info["update_session_open"]
+    with WeightPublisher(PublisherConfig(**cfg, new_run=True)) as fresh:
+        fresh.publish(model, version=1)
+        fresh.publish(model, version=2)  # later versions of the new run claim nothing more
+    with WeightPublisher(PublisherConfig(**cfg)) as again, pytest.raises(VersionError):
+        again.publish(model, version=1)
+    with WeightPublisher(PublisherConfig(**{**cfg, "trial": "another"})) as other:
+        other.publish(model, version=1)  # another trial is another run
+    assert strict.client.model_info()["weight_version"] == "1"
+    assert _served_checksums(strict, model)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(transport="carrier-pigeon", servers=["x"]), "transport"),
     (dict(servers=[]), "at least one server"),

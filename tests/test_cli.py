@@ -159,8 +159,16 @@ def test_train_publishes_to_a_server_started_with_keys(tmp_path):
                            api_key="user-key", log_path=str(tmp_path / "server.log"))
     try:
         broadcast = ["train", "--nproc", "1", "--steps", "1", "--publish", "broadcast", "--server", server.url]
-        out = wsync(*broadcast, "--api-key", "user-key", "--admin-api-key", "admin-key")
+        keys = ["--api-key", "user-key", "--admin-api-key", "admin-key"]
+        out = wsync(*broadcast, *keys)
         assert out.returncode == 0, out.stderr[-3000:]
         assert "published v1" in out.stdout
+        # A restarted trainer of the same run cannot take the server back to version 1 ...
+        refused = wsync(*broadcast, *keys, "--start-version", "1", timeout=60)
+        assert refused.returncode == 2 and "--new-run" in last_line(refused), refused.stdout + refused.stderr
+        # ... unless it says it starts a new run (the server is strict: no --allow-version-rollback).
+        fresh = wsync(*broadcast, *keys, "--new-run")
+        assert fresh.returncode == 0, fresh.stderr[-3000:]
+        assert "published v1" in fresh.stdout and server.client.model_info()["weight_version"] == "1"
     finally:
         server.stop()

@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-version", type=int, metavar="N",
                    help="version of the first publish (default: one past the newest version already announced "
                         "for --experiment/--trial (disk) or served (broadcast), else 1)")
+    p.add_argument("--new-run", action="store_true",
+                   help="start a new run on the servers: versions may start below the one they serve (a restarted "
+                        "trainer counting from 1 again); without it they refuse a version that goes back. Disk "
+                        "announcements still only go up per --experiment/--trial")
     p.add_argument("--bucket-mb", type=float, help="broadcast bucket size in MiB (default: 32 on CPU, 512 on GPU)")
     p.add_argument("--serving-dtype", default="bfloat16", help="dtype the servers serve; weights are cast on the way")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO; env WSYNC_LOG_LEVEL)")
@@ -119,16 +123,18 @@ def _first_version(args: argparse.Namespace) -> int:
               f"{newest + args.steps} (pass --start-version N to choose, or a new --trial to start at 1)", flush=True)
         return newest + 1
     if args.start_version <= newest:
+        restart = ", or --new-run to start over on these servers" if where.startswith("served") else ""
         raise ConfigError(f"--start-version {args.start_version}: version {newest} is already {where} and versions "
                           f"must increase; pass --start-version {newest + 1} (or leave it out to continue there), "
-                          f"or a new --trial")
+                          f"or a new --trial{restart}")
     return args.start_version
 
 
 def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
     """The newest version announced for the run's experiment/trial (disk) or served by --server, and where.
 
-    Disk counts the servers too: a server that serves version 5 refuses to load version 1.
+    Disk counts the servers too: a server that serves version 5 refuses to load version 1, unless
+    ``--new-run`` (then only the announcements count).
     """
     found: list[tuple[int, str]] = []
     if args.publish == "disk":
@@ -141,7 +147,7 @@ def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
             sub.close()
         if latest is not None:
             found.append((latest.version, f"announced for {args.experiment}/{args.trial} in {args.name_resolve}"))
-    if args.server:
+    if args.server and not args.new_run:
         from bridge import ServerGroup
 
         try:
@@ -197,7 +203,7 @@ def publisher_config(args: argparse.Namespace, servers: list[str]):
     kw = dict(
         transport=args.publish, servers=servers, experiment=args.experiment, trial=args.trial,
         name_resolve=args.name_resolve, snapshot_root=args.snapshot_root, serving_dtype=args.serving_dtype,
-        api_key=args.api_key, admin_api_key=args.admin_api_key,
+        api_key=args.api_key, admin_api_key=args.admin_api_key, new_run=args.new_run,
     )
     if args.bucket_mb is not None:
         kw["bucket_mb"] = args.bucket_mb

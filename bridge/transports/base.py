@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from bridge.buckets import Bucket
-from bridge.errors import BridgeError, ServerError
+from bridge.errors import BridgeError, ServerError, SyncError, VersionError
 from bridge.log import get_logger
 
 __all__ = ["Plan", "ServerSessions", "Transport"]
@@ -219,19 +219,25 @@ def discard_session(c) -> None:
         c.end_weight_update()
 
 
-def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting: str) -> list[str]:
-    """Wait, against one deadline of ``seconds``, for every server's answer to bucket ``k``; the
-    failures, one line each (a server that did not answer in time names ``setting``)."""
+def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting: str) -> None:
+    """Wait, against one deadline of ``seconds``, for every server's answer to bucket ``k``.
+
+    Raises:
+        VersionError: every server that failed refused the bucket's version (nothing was applied).
+        SyncError: the failures, one per server (a server that did not answer in time names ``setting``).
+    """
     deadline = time.monotonic() + seconds
-    errors = []
+    errors: list[BridgeError | str] = []
     for c, f in zip(clients, futures):
         try:
             f.result(timeout=deadline_left(deadline))
         except cf.TimeoutError:
             errors.append(f"{c.url}: no answer to bucket {k} within {seconds:g} s ({setting})")
         except BridgeError as e:
-            errors.append(str(e))
-    return errors
+            errors.append(e)
+    if errors:
+        refused = all(isinstance(e, VersionError) for e in errors)
+        raise (VersionError if refused else SyncError)("; ".join(map(str, errors)))
 
 
 def deadline_left(deadline: float) -> float:

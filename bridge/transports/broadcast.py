@@ -97,12 +97,10 @@ class BroadcastTransport(Transport):
         (k, works, futures, _), self._inflight = self._inflight, None
         cfg = self.config
         deadline = time.monotonic() + cfg.group_timeout + cfg.http_timeout
-        errors = bucket_answers(self.servers.clients, futures, k, cfg.group_timeout + cfg.http_timeout,
-                                "group_timeout + http_timeout")
-        if errors:
-            # A server that refused the bucket may not have joined its broadcast: the group is not
-            # trustworthy any more (abort tears it down; the next publish builds a new one).
-            raise SyncError("; ".join(errors))
+        # On an error, a server that refused the bucket may not have joined its broadcast: the group is
+        # not trustworthy any more (abort tears it down; the next publish builds a new one).
+        bucket_answers(self.servers.clients, futures, k, cfg.group_timeout + cfg.http_timeout,
+                       "group_timeout + http_timeout")
         for w in works:
             try:
                 w.wait(timedelta(seconds=deadline_left(deadline)))
