@@ -164,8 +164,9 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
         m = "raw-gather-chunked" if r["method"].startswith("raw-gather-") else r["method"]
         sub = floor_order.index(m) if m in floor_order else 0
         bucket = r.get("bucket_budget_bytes", 0)
-        if r["kind"] == "gather":
-            bucket = 0 if r["method"] == "gather-per-tensor" else float(r["method"][len("gather-"):-len("MiB")])
+        if r["kind"] == "gather":  # gather-per-tensor, gather-<N>MiB, gather-<N>MiB-host
+            budget = r["method"][len("gather-"):].removesuffix("-host")
+            bucket = 0 if budget == "per-tensor" else float(budget.removesuffix("MiB"))
         return (sizes_order.index(r["size"]), order[r["kind"]], sub, bucket, r["method"])
 
     return sorted(rows, key=key)

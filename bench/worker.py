@@ -20,7 +20,8 @@ Methods (each is one ``WeightPublisher.publish``, collective on every rank):
 Gathers, every method's first half, timed alone (every rank): ``gather-<N>MiB`` and
 ``gather-per-tensor`` run :meth:`trainer.FSDPEngine.gather_bucket` over the same bucket plan as the
 method of that budget (the publisher's own gather: flat pieces of FSDP2 shards to rank 0), into
-buffers allocated as a transport does (one per bucket, on the transport's device), and send nothing.
+buffers allocated as a transport does (one per bucket, on the transport's device: ``-host`` names a
+gather into host memory on a CUDA trainer, as colocated and disk do), and send nothing.
 Each method record names its gather item (``gather_item``); the report subtracts it, round by round,
 to give the method's *transfer only* time.
 
@@ -157,8 +158,8 @@ class _Bench:
         ]
         if self.colocated is not None:
             out.append(("raw-shm", self._raw_shm))
-        for name, budget in self.gather_budgets().items():
-            out.append((name, lambda b=budget: self._gather_only(b)))
+        for name, (budget, device) in self.gather_budgets().items():
+            out.append((name, lambda b=budget, d=device: self._gather_only(b, d)))
         for mb in spec["buckets_mb"]:
             out.append((f"flat-{mb:g}MiB", lambda mb=mb: self._publish_broadcast("flattened_bucket", mb)))
         out.append(("per-tensor", lambda: self._publish_broadcast("per_tensor", spec["per_tensor_bucket_mb"])))
@@ -169,14 +170,17 @@ class _Bench:
             out.append((f"disk-{backend}", lambda b=backend: self._publish_disk(b)))
         return out
 
-    def gather_budgets(self) -> dict[str, int]:
-        """gather item name -> bucket budget in bytes, one per bucket plan some method uses."""
-        budgets = {_gather_name(int(mb * 2**20)): int(mb * 2**20) for mb in self.spec["buckets_mb"]}
+    def gather_budgets(self) -> dict[str, tuple[int, torch.device]]:
+        """gather item name -> (bucket budget in bytes, buffer device), one per bucket plan and device some
+        method uses: broadcast gathers into ``wire_device`` buffers, colocated and disk into host memory."""
+        wire = self.wire_device
+        budgets = {_gather_name(int(mb * 2**20), wire): (int(mb * 2**20), wire) for mb in self.spec["buckets_mb"]}
         per_tensor = int(self.spec["per_tensor_bucket_mb"] * 2**20)
-        budgets[_gather_name(per_tensor, per_tensor=True)] = per_tensor
+        budgets[_gather_name(per_tensor, wire, per_tensor=True)] = (per_tensor, wire)
         pubs = [self.colocated] if self.colocated is not None else []
+        cpu = torch.device("cpu")
         for pub in pubs + list(self.disks.values()):
-            budgets.setdefault(_gather_name(pub.config.bucket_bytes), pub.config.bucket_bytes)
+            budgets.setdefault(_gather_name(pub.config.bucket_bytes, cpu), (pub.config.bucket_bytes, cpu))
         return budgets
 
     def run(self) -> dict | None:
@@ -249,15 +253,15 @@ class _Bench:
     def _publish_broadcast(self, load_format: str, bucket_mb: float) -> dict | None:
         cfg = self.broadcast.config
         cfg.load_format, cfg.bucket_mb = load_format, bucket_mb
-        gather = _gather_name(cfg.bucket_bytes, per_tensor=load_format == "per_tensor")
+        gather = _gather_name(cfg.bucket_bytes, self.wire_device, per_tensor=load_format == "per_tensor")
         return self._publish(self.broadcast, gather)
 
     def _publish_colocated(self) -> dict | None:
-        return self._publish(self.colocated, _gather_name(self.colocated.config.bucket_bytes))
+        return self._publish(self.colocated, _gather_name(self.colocated.config.bucket_bytes, torch.device("cpu")))
 
     def _publish_disk(self, backend: str) -> dict | None:
         pub = self.disks[backend]
-        return self._publish(pub, _gather_name(pub.config.bucket_bytes))
+        return self._publish(pub, _gather_name(pub.config.bucket_bytes, torch.device("cpu")))
 
     def _publish(self, pub, gather_item: str) -> dict | None:
         """One timed publish; rank 0's record of it (None on the other ranks)."""
@@ -277,14 +281,15 @@ class _Bench:
             rec["path"] = res.path
         return rec
 
-    def _gather_only(self, bucket_bytes: int) -> dict | None:
-        """The publisher's gather of every bucket of this budget's plan, alone: nothing is sent."""
+    def _gather_only(self, bucket_bytes: int, device: torch.device) -> dict | None:
+        """The publisher's gather of every bucket of this budget's plan into ``device`` buffers, alone:
+        nothing is sent."""
         from bridge.buckets import plan_buckets
 
         buckets = plan_buckets(self.wire, bucket_bytes)
         t0 = time.perf_counter()
         for bucket in buckets:
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.wire_device) if self.rank0 else None
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if self.rank0 else None
             self.engine.gather_bucket(bucket, buf, group=self.gather_group)
             del buf
         self._sync()
@@ -433,9 +438,11 @@ class _Bench:
         joined.result(timeout=2 * self.timeout)
 
 
-def _gather_name(bucket_bytes: int, per_tensor: bool = False) -> str:
-    """The gather item of a bucket budget (``gather-32MiB``; ``gather-per-tensor``)."""
-    return "gather-per-tensor" if per_tensor else f"gather-{bucket_bytes / 2**20:g}MiB"
+def _gather_name(bucket_bytes: int, device: torch.device, per_tensor: bool = False) -> str:
+    """The gather item of a bucket budget (``gather-32MiB``; ``gather-per-tensor``); ``-host`` when it gathers
+    into host memory while the CUDA transports gather into device memory (so on a CPU host: never)."""
+    name = "gather-per-tensor" if per_tensor else f"gather-{bucket_bytes / 2**20:g}MiB"
+    return name + ("-host" if device.type == "cpu" and torch.cuda.is_available() else "")
 
 
 def _default_backend() -> str:

@@ -54,6 +54,45 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
     assert "targets:" in proc.stdout and "per-tensor" in proc.stdout
 
 
+def test_device_placement_names_what_is_missing():
+    """--device cuda on a host without CUDA fails before anything starts, naming the fix; cpu hides GPUs."""
+    import torch
+
+    from bench.run import placement
+    from bridge.errors import ConfigError
+
+    cpu = placement("cpu", 2)
+    assert cpu["device"] == "cpu" and cpu["backend"] is None
+    assert cpu["trainer_env"] == cpu["server_env"] == {"CUDA_VISIBLE_DEVICES": ""}
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the error path is for hosts without it")
+    assert placement("auto", 2)["device"] == "cpu"
+    with pytest.raises(ConfigError, match="no usable CUDA.*--device cpu"):
+        placement("cuda", 2)
+
+
+@pytest.mark.gpu
+def test_bench_on_cuda_measures_over_nccl(tmp_path):
+    """On a CUDA host: the tiny bench with NCCL gathers, and NCCL to a server on its own GPU when there is one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gpus = torch.cuda.device_count()
+    nproc = 2 if gpus >= 3 else 1
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "wsync.cli", "bench", "--device", "cuda", "--nproc", str(nproc), "--sizes", "tiny",
+           "--repeats", "1", "--bucket-mb", "32", "--no-etcd", "--json", str(out), "--workdir", str(tmp_path / "work"),
+           "--timeout", "60"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["device"] == "cuda" and report["sizes"][0]["device"].startswith("cuda")
+    assert report["sizes"][0]["server_backend"] == ("nccl" if gpus >= 2 else "gloo")
+    assert {"flat-32MiB", "per-tensor", "colocated-32MiB", "disk-dir"} <= {r["method"] for r in report["rows"]}
+    assert all(r["ratio"] > 0 for r in report["rows"] if r["kind"] not in ("floor", "gather"))
+
+
 def test_recv_raw_route_validates_before_receiving(tiny_model_dir):
     """The route answers 400 without touching a group for a bad body, and names the missing group."""
     import torch
