@@ -237,6 +237,8 @@ class Harness:
         if hasattr(sa, "weight_version"):
             sa.weight_version = self.args.weight_version
         sa.load_format = "auto"
+        if hasattr(sa, "custom_weight_loader") and sa.custom_weight_loader is None:
+            sa.custom_weight_loader = []  # as ServerArgs.__post_init__ (skipped here) normalizes it
         return sa
 
     def _flush_cache(self, *a, **k) -> bool:
@@ -255,6 +257,7 @@ class Harness:
                 setattr(tw, attr, self.model_runner)
             except AttributeError:
                 pass
+        tw.tp_rank = 0  # before 0.5.23 the worker picks its own tensor entry by this
         self.tp_worker = tw
 
         sched = object.__new__(Scheduler)
@@ -277,8 +280,14 @@ class Harness:
         if SchedulerWeightUpdaterManager is not None:
             import sglang.srt.managers.scheduler_components.weight_updater as wu_mod
 
-            # STUB: the parallel topology (one TP rank; SGLang's barriers on a group of one are no-ops).
-            wu_mod.get_parallel = lambda: types.SimpleNamespace(tp_group=types.SimpleNamespace(cpu_group=None), tp_rank=0)
+            import sglang.srt.managers.tp_worker as tw_mod
+            import sglang.srt.model_executor.model_runner_components.weight_updater as mr_wu_mod
+
+            # STUB: the parallel topology (one TP rank; SGLang's barriers on a group of one are no-ops), where the
+            # scheduler's updater, the worker (each rank deserializes its own tensor entry) and the runner read it.
+            parallel = types.SimpleNamespace(tp_group=types.SimpleNamespace(cpu_group=None), tp_rank=0)
+            for mod in (wu_mod, tw_mod, mr_wu_mod):
+                mod.get_parallel = lambda: parallel
             sched.waiting_queue, sched.chunked_req, sched.hisparse_coordinator = [], None, None
             sched.collect_inflight_reqs = lambda: set()
             wu = SchedulerWeightUpdaterManager(

@@ -1,0 +1,148 @@
+"""The colocated transport's SGLang payload checked by SGLang's own code, in a process where SGLang imports.
+
+``python -m tests.sglang_harness.ipc_payload decode --sglang-dir DIR``: builds flattened and per-tensor
+payloads for buckets of several dtypes with the project's :mod:`bridge.transports.cuda_ipc` (CPU tensors:
+this machine has no GPU), decodes every TP rank's entry as SGLang's receiving side does
+(``MultiprocessingSerializer.deserialize``, then for flattened buckets ``FlattenedTensorMetadata`` and
+``FlattenedTensorBucket(...).reconstruct_tensors()`` as ``_update_weights_from_flattened_bucket`` does), and
+prints one JSON line: what was sent and what SGLang decoded, per bucket and rank, for the test to compare.
+
+``python -m tests.sglang_harness.ipc_payload send --sglang-dir DIR --url URL --model MODEL_DIR --load-format F``:
+posts the model's weights, each tensor changed, in several buckets of the same payloads to a harness
+server (SGLang's own receive code, see :mod:`tests.sglang_harness.serve`) inside one update session, and
+prints one JSON line: the sha256 of every tensor sent. CPU tensors cross processes here through torch's
+``file_system`` sharing strategy (shared-memory files named in the pickle); on a GPU the same payload
+carries CUDA IPC handles instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _setup(sglang_dir: str) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tests.sglang_harness.bootstrap import setup
+
+    setup(sglang_dir)
+
+
+def _specs():
+    """Tensors of every kind a bucket may hold: bf16/fp16/fp32, integer buffers, a scalar, an empty tensor,
+    odd sizes (offsets stay aligned by itemsize), and a tied pair (two names, identical bytes)."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(7, 5, generator=g).to(torch.bfloat16)
+    return {
+        "model.embed_tokens.weight": emb,
+        "lm_head.weight": emb.clone(),
+        "layers.0.norm.weight": torch.randn(3, generator=g).to(torch.bfloat16),
+        "layers.0.proj.weight": torch.randn(4, 3, generator=g),
+        "layers.0.proj.bias": torch.randn(5, generator=g).to(torch.float16),
+        "layers.0.position_ids": torch.arange(9, dtype=torch.int64).view(1, 9),
+        "layers.0.counts": torch.tensor([-3, 0, 2**31 - 1], dtype=torch.int32),
+        "layers.0.mask": torch.tensor([True, False, True]),
+        "layers.0.scale": torch.tensor(0.125),
+        "layers.0.empty": torch.empty(0, 4),
+    }
+
+
+def _describe(named) -> list:
+    from bridge.protocol import tensor_checksum
+
+    return [[n, str(t.dtype).removeprefix("torch."), list(t.shape), tensor_checksum(t)] for n, t in named]
+
+
+def decode(args) -> dict:
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    from bridge.buckets import flatten_tensors, plan_buckets
+    from bridge.tensors import ParamSpec
+    from bridge.transports.cuda_ipc import serialize_bucket
+
+    tensors = _specs()
+    specs = [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    out = {"buckets": []}
+    for bucket in plan_buckets(specs, bucket_bytes=96):
+        buf = flatten_tensors(bucket, tensors)
+        sent = _describe((n, tensors[n]) for n in bucket.names)
+        for flattened in (True, False):
+            entries = serialize_bucket(bucket, buf, tp_size=args.tp_size, flattened=flattened)
+            ranks = []
+            for entry in entries:
+                data = MultiprocessingSerializer.deserialize(entry)  # SGLang's SafeUnpickler
+                if flattened:  # as SGLang's _update_weights_from_flattened_bucket
+                    meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                                    end_idx=m.end_idx, numel=m.numel) for m in data["metadata"]]
+                    named = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=meta).reconstruct_tensors()
+                else:
+                    named = data
+                ranks.append(_describe(named))
+            out["buckets"].append({"flattened": flattened, "sent": sent, "ranks": ranks,
+                                   "entry_types": sorted({type(e).__name__ for e in entries})})
+    # Building a CPU payload leaves torch's own reductions in place: CPU tensors still pickle.
+    from multiprocessing.reduction import ForkingPickler
+
+    ForkingPickler.dumps(torch.zeros(2))
+    return out
+
+
+def send(args) -> dict:
+    import torch
+    import torch.multiprocessing
+    from safetensors.torch import load_file
+
+    from bridge.buckets import flatten_tensors, plan_buckets
+    from bridge.client import ServerClient
+    from bridge.protocol import tensor_checksum
+    from bridge.tensors import ParamSpec
+    from bridge.transports.cuda_ipc import serialize_bucket
+
+    # CPU stand-in for CUDA IPC: shared-memory files another process can open by name.
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    weights = {}
+    for f in sorted(os.listdir(args.model)):
+        if f.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(args.model, f)))
+    weights = {n: (t.float() * 0.5 + 0.25).to(torch.bfloat16) for n, t in weights.items()}
+    if "lm_head.weight" not in weights:  # tied: a trainer sends the head too; SGLang's Qwen2 loader skips it
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    specs = [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
+    buckets = plan_buckets(specs, bucket_bytes=64 * 1024)
+    flattened = args.load_format == "flattened_bucket"
+    c = ServerClient(args.url)
+    c.begin_weight_update()
+    for k, bucket in enumerate(buckets):
+        buf = flatten_tensors(bucket, weights)
+        entries = serialize_bucket(bucket, buf, tp_size=c.tp_size, flattened=flattened)
+        last = k == len(buckets) - 1
+        c.update_weights_from_tensor(entries, load_format="flattened_bucket" if flattened else None, flush_cache=last,
+                                     weight_version="ipc1" if last else None, timeout=60)
+        del buf  # the server answered: it copied the bytes out
+    c.end_weight_update()
+    return {"buckets": len(buckets), "checksums": {n: tensor_checksum(t) for n, t in weights.items()}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=("decode", "send"))
+    p.add_argument("--sglang-dir", required=True)
+    p.add_argument("--tp-size", type=int, default=3)
+    p.add_argument("--url")
+    p.add_argument("--model")
+    p.add_argument("--load-format", default="flattened_bucket")
+    args = p.parse_args(argv)
+    _setup(args.sglang_dir)
+    out = decode(args) if args.what == "decode" else send(args)
+    print("IPC_PAYLOAD " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

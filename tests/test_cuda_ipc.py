@@ -1,0 +1,156 @@
+"""The colocated transport's GPU half: SGLang's flattened-bucket payload, checked by SGLang's own code.
+
+CPU tier (``sglang_code``): the payload the project builds (:mod:`bridge.transports.cuda_ipc`, with SGLang's
+own ``FlattenedTensorBucket`` and ``MultiprocessingSerializer``) for buckets of CPU tensors is decoded by
+SGLang's own deserializer in one process (0.5.23 and 0.5.6), and is loaded by SGLang 0.5.23's and 0.5.6's own
+receive code over HTTP (the harness server), whose served weights must be bit-equal. Both run in processes of
+their own where SGLang imports (:mod:`tests.sglang_harness.ipc_payload`). On CPU the tensors cross processes
+as shared-memory files; the CUDA IPC handles themselves need a GPU.
+
+GPU tier (``gpu``): a trainer on a CUDA device publishes with ``transport="colocated"`` into a real SGLang
+server on the same host, end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from tests.sglang_harness import ROOT, installed, launch, sglang_dir
+
+IPC_VERSIONS = ("0.5.23", "0.5.6")  # SGLang >= 0.5.6 takes flattened buckets; the payload needs it
+
+
+def _need(version: str) -> None:
+    if not installed(version):
+        pytest.skip(f"SGLang {version} is not installed (bash scripts/install_sglang.sh)")
+
+
+def _run(version: str, *args: str, timeout: float = 240) -> dict:
+    """Run :mod:`tests.sglang_harness.ipc_payload` with SGLang ``version`` importable; its JSON answer.
+
+    Output goes to files, not pipes: torch's shared-memory manager, which the sender starts, inherits them
+    and lives as long as the server holds its files, so a pipe would not close when the sender exits."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        rc = subprocess.run([sys.executable, "-m", "tests.sglang_harness.ipc_payload", *args, "--sglang-dir",
+                             sglang_dir(version)], cwd=ROOT, env=env, stdout=out, stderr=err, timeout=timeout).returncode
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("IPC_PAYLOAD ")]
+    assert rc == 0 and lines, f"exit {rc}:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    return json.loads(lines[-1].removeprefix("IPC_PAYLOAD "))
+
+
+@pytest.mark.sglang_code
+@pytest.mark.parametrize("version", IPC_VERSIONS)
+def test_payload_decodes_with_sglang_own_deserializer(version):
+    """Every TP rank's entry decodes, with SGLang's SafeUnpickler and FlattenedTensorBucket, to the bucket's
+    tensors: same names in order, dtypes, shapes and bytes (bf16, fp16, fp32, int64, int32, bool, a scalar,
+    an empty tensor, a tied pair), flattened and per tensor."""
+    _need(version)
+    out = _run(version, "decode", "--tp-size", "3")
+    buckets = out["buckets"]
+    assert len(buckets) >= 4 and {b["flattened"] for b in buckets} == {True, False}
+    seen = set()
+    for b in buckets:
+        assert b["entry_types"] == ["str"]  # base64 text, sent in the JSON body as is
+        assert len(b["ranks"]) == 3
+        for rank in b["ranks"]:
+            assert rank == b["sent"]
+        seen |= {n for n, *_ in b["sent"]}
+    dtypes = {d for b in buckets for _, d, _, _ in b["sent"]}
+    assert {"bfloat16", "float16", "float32", "int64", "int32", "bool"} <= dtypes
+    assert {"model.embed_tokens.weight", "lm_head.weight", "layers.0.scale", "layers.0.empty"} <= seen
+
+
+@pytest.mark.sglang_code
+@pytest.mark.parametrize("load_format", ["flattened_bucket", "per_tensor"])
+@pytest.mark.parametrize("version", IPC_VERSIONS)
+def test_sglang_receive_code_serves_payload_bit_equal(version, load_format, tiny_model_dir):
+    """SGLang's own ``/update_weights_from_tensor`` path (HTTP app, tokenizer and scheduler side, model runner's
+    ``deserialize`` + ``_update_weights_from_flattened_bucket`` or per-tensor load) takes the project's payload,
+    bucket by bucket in one session; every served tensor is then bit-equal to the one sent."""
+    _need(version)
+    with launch(version, tiny_model_dir) as srv:
+        sent = _run(version, "send", "--url", srv.url, "--model", tiny_model_dir, "--load-format", load_format)
+        assert srv.alive(), srv.log_tail()
+        served = srv.checksums()
+    assert sent["buckets"] > 1
+    assert served["weight_version"] == "ipc1"
+    got, want = served["checksums"], sent["checksums"]
+    assert set(got) <= set(want)
+    assert [n for n in got if got[n] != want[n]] == []
+    assert "lm_head.weight" not in got or got["lm_head.weight"] == want["model.embed_tokens.weight"]
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _cuda_and_sglang() -> str | None:
+    """Why the GPU tests cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    from inference_adapter import sglang_available
+
+    if not sglang_available():
+        return "needs sglang installed (pip install sglang) on this CUDA host"
+    return None
+
+
+def _skip_without_gpu() -> None:
+    why = _cuda_and_sglang()
+    if why:
+        pytest.skip(why)
+
+
+def _publish_and_check(tiny_model_dir, extra_args=(), versions=(1, 2)):
+    # The trainer shares the GPU with the server: leave it memory (SGLang takes most of the free memory otherwise).
+    extra_args = ["--mem-fraction-static", "0.5", *extra_args]
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.presets import build_model
+    from inference_adapter import launch_server
+
+    model = build_model("tiny", seed=1).to("cuda")
+    with launch_server(model=tiny_model_dir, use_sglang=True, ready_timeout=900, extra_args=list(extra_args)) as s:
+        assert s.kind == "sglang"
+        pub = WeightPublisher(PublisherConfig(transport="colocated", servers=[s.url], bucket_mb=1, progress=False))
+        try:
+            for v in versions:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5).add_(0.01 * v)
+                res = pub.publish(model, version=v)
+                assert res.servers == {s.url: "ok"} and res.buckets > 1
+                assert s.client.model_info()["weight_version"] == str(v)
+                for name in ("model.norm.weight", "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"):
+                    want = dict(model.named_parameters())[name].detach().to(torch.bfloat16).float().reshape(-1)
+                    got = torch.tensor(s.client.get_weights_by_name(name, truncate_size=64)).reshape(-1)
+                    assert torch.equal(got, want[: got.numel()].cpu()), f"v{v}: {name} differs from the trainer's"
+        finally:
+            pub.close()
+        assert s.alive(), s.log_tail()
+
+
+@pytest.mark.gpu
+def test_colocated_cuda_ipc_publish_into_real_sglang(tiny_model_dir):
+    """GPU host: the trainer's buckets reach a real SGLang server as CUDA IPC flattened buckets; the served
+    weights equal the trainer's and the version is live, twice in a row."""
+    _skip_without_gpu()
+    _publish_and_check(tiny_model_dir)
+
+
+@pytest.mark.gpu
+def test_colocated_cuda_ipc_publish_into_real_sglang_tp2(tiny_model_dir):
+    """Two GPUs: a TP=2 server gets one entry per TP rank, each rank opening its own handles."""
+    _skip_without_gpu()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices for a TP=2 server")
+    _publish_and_check(tiny_model_dir, extra_args=["--tp-size", "2"], versions=(1,))
