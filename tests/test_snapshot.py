@@ -102,6 +102,75 @@ def test_shard_bytes_match_safetensors_reference_serializer(tmp_path):
         assert f.read() == save(tensors, metadata={"format": "pt"})
 
 
+def _write_shard_in_a_process(path, tensors):
+    from bridge.snapshot import write_shard
+
+    return write_shard(path, tensors)
+
+
+def test_shards_written_by_other_processes_make_the_same_snapshot(tmp_path, tiny):
+    """What disk_writers="all" does: each shard written by its own process straight under its final name
+    into the writer's temporary directory, recorded with add_shard. Every file, the index and the manifest
+    (but its write time) are byte-identical to the streaming writer's with the same shard boundaries, and
+    a missing or truncated shard fails the snapshot and removes the directory."""
+    import multiprocessing as mp
+
+    from bridge.snapshot import shard_name
+
+    model, sd, tok = tiny
+    items = [(n, t.to(torch.bfloat16)) for n, t in sd.items()]
+    limit = 100_000  # the streaming writer closes a shard before a tensor that would not fit
+    groups, size = [[]], 0
+    for n, t in items:
+        if groups[-1] and size + t.numel() * 2 > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((n, t))
+        size += t.numel() * 2
+    assert len(groups) >= 3
+    ref = write_snapshot(tmp_path / "ref", 0, items, config=model.config, tokenizer=tok, max_shard_bytes=limit)
+    writer = SnapshotWriter(tmp_path / "new", 0, config=model.config, tokenizer=tok)
+    with mp.get_context("spawn").Pool(2) as pool:
+        entries = pool.starmap(_write_shard_in_a_process, [
+            (os.path.join(writer.tmp_dir, shard_name(i, len(groups))), g) for i, g in enumerate(groups, 1)])
+    for i, entry in reversed(list(enumerate(entries, 1))):  # any order
+        writer.add_shard(shard_name(i, len(groups)), entry)
+    info = writer.finish()
+    verify_snapshot(info.path, info.manifest_sha256)
+    assert sorted(os.listdir(info.path)) == sorted(os.listdir(ref.path))
+    for fname in os.listdir(ref.path):
+        with open(os.path.join(ref.path, fname), "rb") as a, open(os.path.join(info.path, fname), "rb") as b:
+            if fname == MANIFEST_NAME:
+                ma, mb = json.load(a), json.load(b)
+                ma.pop("created_at"), mb.pop("created_at")
+                assert ma == mb
+            else:
+                assert a.read() == b.read(), fname
+    back = read_snapshot(info.path)
+    assert all(torch.equal(_bits(back[n]), _bits(t)) for n, t in items)
+
+    # A shard that is missing, or shorter than its writer reported: refused, nothing published.
+    for damage in ("missing", "short"):
+        writer = SnapshotWriter(tmp_path / damage, 1)
+        paths = [os.path.join(writer.tmp_dir, shard_name(i, 2)) for i in (1, 2)]
+        got = [_write_shard_in_a_process(p, g) for p, g in zip(paths, groups[:2])]
+        if damage == "missing":
+            os.unlink(paths[1])
+        else:
+            os.truncate(paths[1], got[1]["bytes"] - 1)
+        writer.add_shard(shard_name(1, 2), got[0])
+        with pytest.raises(SnapshotError, match=shard_name(2, 2)):
+            writer.add_shard(shard_name(2, 2), got[1])
+        assert list_snapshots(tmp_path / damage) == [] and _leftovers(tmp_path / damage) == []
+    # Only some of the shards recorded: finish refuses to publish an incomplete set.
+    writer = SnapshotWriter(tmp_path / "partial", 1)
+    path = os.path.join(writer.tmp_dir, shard_name(2, 3))
+    writer.add_shard(shard_name(2, 3), _write_shard_in_a_process(path, groups[0]))
+    with pytest.raises(SnapshotError, match="complete snapshot"):
+        writer.finish()
+    assert list_snapshots(tmp_path / "partial") == [] and _leftovers(tmp_path / "partial") == []
+
+
 def test_manifest_format_is_pinned(tmp_path):
     a, b = torch.arange(4, dtype=torch.float32), torch.ones(2, 3).bfloat16()
     info = write_snapshot(tmp_path, 5, [("a", a), ("b", b)], config={"model_type": "qwen2"})

@@ -9,11 +9,14 @@ A snapshot is a Hugging Face model directory that SGLang's ``/update_weights_fro
         config.json, generation_config.json, tokenizer files   (when given)
         wsync-manifest.json
 
-Protocol (trainer rank 0 writes, a watcher or server reads):
+Protocol (trainer rank 0 writes, or every trainer rank writes its share; a watcher or server reads):
 
 1. ``SnapshotWriter`` creates ``<root>/.tmp-v<version>-<random>`` and streams tensors into it one at a
    time (fed by a collective gather); at most one shard is held in memory. Shards get temporary names
-   because the shard count is only known at the end.
+   because the shard count is only known at the end. Or, when the shards are known in advance (one per
+   bucket of a sync), each trainer rank writes its own with ``write_shard`` straight under its final
+   name into the same temporary directory (the ranks share the filesystem), and rank 0's writer
+   records them with ``add_shard``; the result on disk is the same.
 2. ``finish()`` renames the shards to their HF names, writes the index, config and tokenizer files and
    the manifest, fsyncs every file and the directory, then renames the directory to ``<root>/v<version>``
    and fsyncs ``<root>``. A directory under its final name is therefore always complete; a failed write
@@ -49,13 +52,14 @@ from bridge.snapshot.manifest import (
     SnapshotInfo,
     list_snapshots,
     read_manifest,
+    shard_name,
     snapshot_dir,
 )
 
 # Importable from ``bridge.snapshot`` before it became a package, though never in ``__all__``.
 from bridge.snapshot.manifest import FORMAT, INDEX_NAME, SINGLE_NAME  # noqa: F401
 from bridge.snapshot.reader import read_snapshot, verify_snapshot
-from bridge.snapshot.writer import DEFAULT_MAX_SHARD_BYTES, SnapshotWriter, write_snapshot
+from bridge.snapshot.writer import DEFAULT_MAX_SHARD_BYTES, SnapshotWriter, write_shard, write_snapshot
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -68,7 +72,9 @@ __all__ = [
     "list_snapshots",
     "read_manifest",
     "read_snapshot",
+    "shard_name",
     "snapshot_dir",
     "verify_snapshot",
+    "write_shard",
     "write_snapshot",
 ]

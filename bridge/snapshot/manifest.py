@@ -26,6 +26,7 @@ __all__ = [
     "SnapshotInfo",
     "list_snapshots",
     "read_manifest",
+    "shard_name",
     "snapshot_dir",
 ]
 
@@ -82,6 +83,12 @@ class SnapshotInfo:
 def snapshot_dir(root: str | os.PathLike, version: int) -> str:
     """The final directory of ``version`` under ``root``: ``<root>/v<version>``."""
     return os.path.join(os.fspath(root), f"v{_check_version(version)}")
+
+
+def shard_name(i: int, n: int) -> str:
+    """The HF file name of shard ``i`` (1-based) of ``n``: ``model.safetensors`` when ``n == 1``, else
+    ``model-0000i-of-0000n.safetensors``."""
+    return SINGLE_NAME if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
 
 
 def list_snapshots(root: str | os.PathLike) -> list[int]:

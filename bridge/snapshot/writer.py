@@ -11,7 +11,7 @@ import struct
 import time
 import uuid
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -33,11 +33,12 @@ from bridge.snapshot.manifest import (
     _crc_extend,
     _hex,
     _read_manifest_bytes,
+    shard_name,
     snapshot_dir,
 )
 from bridge.tensors import dtype_from_str, dtype_to_str
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "SnapshotWriter", "write_snapshot"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "SnapshotWriter", "write_shard", "write_snapshot"]
 
 # The package's name, not this file's: log lines keep the logger name they had before the split.
 log = get_logger(__package__)
@@ -100,6 +101,7 @@ class SnapshotWriter:
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._pending_bytes = 0
         self._shards: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+        self._placed: list[str] = []  # shards other processes wrote under their final names (add_shard)
         self._tensors: dict[str, dict] = {}
         self._files: dict[str, dict] = {}
         self._tensor_bytes = 0
@@ -149,6 +151,43 @@ class SnapshotWriter:
         except BaseException as e:
             self._fail(e)
 
+    def add_shard(self, fname: str, entry: dict) -> None:
+        """Record a shard that another process wrote into ``tmp_dir`` with :func:`write_shard`.
+
+        For writers that share the snapshot's filesystem (trainer ranks on one host, or on a shared
+        filesystem): each writes its shards straight under their final names, ``shard_name(i, n)``, and
+        this writer, given every ``(fname, entry)``, writes the index and the manifest and publishes the
+        directory as usual. Not to be mixed with :meth:`add` in one snapshot.
+
+        Raises:
+            ConfigError: the writer already streams tensors, or a file or tensor name repeats.
+            SnapshotError: the file is missing or has another size than ``entry`` says (the temporary
+                directory is already removed).
+        """
+        self._check_open()
+        try:
+            if self._pending or self._shards:
+                raise ConfigError(f"snapshot v{self.version}: add_shard() cannot be mixed with add()")
+            if fname in self._files:
+                raise ConfigError(f"shard {fname!r} appears twice in snapshot v{self.version}")
+            twice = [n for n in entry["tensors"] if n in self._tensors]
+            if twice:
+                raise ConfigError(f"tensors {twice} appear twice in snapshot v{self.version}")
+            try:
+                size = os.path.getsize(os.path.join(self.tmp_dir, fname))
+            except FileNotFoundError:
+                raise SnapshotError(
+                    f"shard {fname} of snapshot v{self.version} is not in {self.tmp_dir}: was it written on a "
+                    "filesystem this process does not share?"
+                ) from None
+            if size != entry["bytes"]:
+                raise SnapshotError(f"shard {fname} of snapshot v{self.version} has {size} bytes, its writer wrote {entry['bytes']}")
+            self._record_shard(fname, entry)
+            self._placed.append(fname)
+            self._tensor_bytes += entry["tensor_bytes"]
+        except BaseException as e:
+            self._fail(e)
+
     def finish(self) -> SnapshotInfo:
         """Write the last shard and the metadata, fsync, and rename the directory to its final name.
 
@@ -161,7 +200,7 @@ class SnapshotWriter:
         """
         self._check_open()
         try:
-            if not self._pending and not self._shards:
+            if not self._pending and not self._shards and not self._placed:
                 raise ConfigError(f"snapshot v{self.version} has no tensors; add at least one before finish()")
             if self._pending:
                 self._flush_shard()
@@ -195,49 +234,36 @@ class SnapshotWriter:
 
     def _flush_shard(self) -> None:
         tmp_name = f"shard-{len(self._shards) + 1:05d}.safetensors.part"
-        # safetensors' own order (by dtype, itemsize descending, then by name): every tensor starts aligned
-        # to its itemsize, and a shard is byte-identical to what safetensors.torch.save writes.
-        self._pending.sort(key=lambda nt: (_ST_ORDER.index(_ST_DTYPES[nt[1].dtype]), nt[0]))
-        header: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, t in self._pending:
-            n = t.numel() * t.element_size()
-            header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-            offset += n
-        header_bytes = json.dumps(header, separators=(",", ":")).encode()
-        header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors pads the header to 8 bytes
-        prefix = struct.pack("<Q", len(header_bytes)) + header_bytes
-        file_crc = zlib.crc32(prefix)
-        path = os.path.join(self.tmp_dir, tmp_name)
-        with open(path, "wb") as f:
-            f.write(prefix)
-            for name, t in self._pending:
-                data = _raw_bytes(t)
-                f.write(data)
-                tensor_crc = zlib.crc32(data)
-                file_crc = _crc_extend(file_crc, tensor_crc, data)
-                self._tensors[name] = {
-                    "file": tmp_name,
-                    "dtype": dtype_to_str(t.dtype),
-                    "shape": list(t.shape),
-                    "checksum": _hex(tensor_crc),
-                }
-            f.flush()
-            os.fsync(f.fileno())
-        self._files[tmp_name] = {"bytes": len(prefix) + offset, "checksum": _hex(file_crc)}
-        self._shards.append((tmp_name, [n for n, _ in self._pending]))
+        entry = write_shard(os.path.join(self.tmp_dir, tmp_name), self._pending)
+        self._record_shard(tmp_name, entry)
+        self._shards.append((tmp_name, list(entry["tensors"])))
         self._pending = []
         self._pending_bytes = 0
 
+    def _record_shard(self, fname: str, entry: dict) -> None:
+        for name, tensor in entry["tensors"].items():
+            self._tensors[name] = {"file": fname, **tensor}
+        self._files[fname] = {"bytes": entry["bytes"], "checksum": entry["checksum"]}
+
     def _name_shards(self) -> None:
-        n = len(self._shards)
-        renames = {}
-        for i, (tmp_name, _) in enumerate(self._shards, 1):
-            renames[tmp_name] = SINGLE_NAME if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-            os.rename(os.path.join(self.tmp_dir, tmp_name), os.path.join(self.tmp_dir, renames[tmp_name]))
-        self._files = {renames[k]: v for k, v in self._files.items()}
-        for entry in self._tensors.values():
-            entry["file"] = renames[entry["file"]]
+        if self._placed:
+            # Written by their ranks under their final names: check that they are the complete set.
+            n = len(self._placed)
+            expected = {shard_name(i, n) for i in range(1, n + 1)}
+            if set(self._placed) != expected:
+                raise SnapshotError(
+                    f"snapshot v{self.version} got shards {sorted(self._placed)}, not the {n} files "
+                    f"{sorted(expected)} of a complete snapshot"
+                )
+        else:
+            n = len(self._shards)
+            renames = {}
+            for i, (tmp_name, _) in enumerate(self._shards, 1):
+                renames[tmp_name] = shard_name(i, n)
+                os.rename(os.path.join(self.tmp_dir, tmp_name), os.path.join(self.tmp_dir, renames[tmp_name]))
+            self._files = {renames[k]: v for k, v in self._files.items()}
+            for entry in self._tensors.values():
+                entry["file"] = renames[entry["file"]]
         if n > 1:
             index = {
                 "metadata": {"total_size": self._tensor_bytes},
@@ -328,6 +354,45 @@ class SnapshotWriter:
         log.info("snapshot v%d already published with the same content at %s", self.version, self.final_dir)
         return SnapshotInfo(self.final_dir, self.version, old["total_bytes"], hashlib.sha256(old_bytes).hexdigest(),
                             time.perf_counter() - self._t0, float(old["created_at"]), existed=True)
+
+
+def write_shard(path: str, tensors: list[tuple[str, torch.Tensor]], between: Callable[[], None] | None = None) -> dict:
+    """Write one safetensors shard of ``tensors`` (contiguous CPU tensors of storable dtypes) to ``path``
+    and fsync it; its manifest entry: ``bytes``, ``checksum``, ``tensor_bytes`` and ``tensors`` (name ->
+    dtype, shape, checksum). ``between`` is called after the header and after each tensor (raising
+    there stops the write; the caller removes the file).
+
+    Tensors are laid out in safetensors' own order (by dtype, itemsize descending, then by name): every
+    tensor starts aligned to its itemsize, and the shard is byte-identical to what
+    ``safetensors.torch.save`` writes.
+    """
+    tensors = sorted(tensors, key=lambda nt: (_ST_ORDER.index(_ST_DTYPES[nt[1].dtype]), nt[0]))
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors pads the header to 8 bytes
+    prefix = struct.pack("<Q", len(header_bytes)) + header_bytes
+    file_crc = zlib.crc32(prefix)
+    entries: dict[str, dict] = {}
+    with open(path, "wb") as f:
+        f.write(prefix)
+        for name, t in tensors:
+            if between is not None:
+                between()
+            data = _raw_bytes(t)
+            f.write(data)
+            tensor_crc = zlib.crc32(data)
+            file_crc = _crc_extend(file_crc, tensor_crc, data)
+            entries[name] = {"dtype": dtype_to_str(t.dtype), "shape": list(t.shape), "checksum": _hex(tensor_crc)}
+        if between is not None:
+            between()
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(prefix) + offset, "checksum": _hex(file_crc), "tensor_bytes": offset, "tensors": entries}
 
 
 def write_snapshot(
