@@ -7,11 +7,13 @@ The publisher never imports the trainer. It takes a :class:`WeightSource`: an ob
 ``iter_full_tensors`` is collective when parameters are DTensors: every rank calls it with the same
 specs and consumes it to the end; rank 0 receives full tensors, the other ranks ``None``.
 
-A source may also offer ``gather_bucket(bucket, out)``, the fast path: :func:`gather_bucket_into`
-moves a whole bucket of FSDP2 shards to rank 0 in a few flat ``gather`` calls (one per 1-16 MiB piece)
-and writes each parameter's rows straight into the bucket's wire buffer. One collective per piece
-instead of one all-gather per parameter, and only rank 0 receives: every other rank sends its shards
-and allocates nothing but its send buffer.
+A source may also offer ``gather_bucket(bucket, out, group=None, dst=0)``, the fast path:
+:func:`gather_bucket_into` moves a whole bucket of FSDP2 shards to rank ``dst`` (rank 0, or for disk
+the rank that writes the bucket's shard) in a few flat ``gather`` calls (one per 1-16 MiB piece) and
+writes each parameter's rows straight into the bucket's wire buffer. One collective per piece instead
+of one all-gather per parameter, and only ``dst`` receives: every other rank sends its shards and
+allocates nothing but its send buffer. A source whose ``gather_bucket`` takes no ``dst`` gathers to
+rank 0 only (the publisher then has rank 0 write every shard).
 """
 
 from __future__ import annotations
@@ -91,8 +93,8 @@ class ModuleSource:
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in self._params.items()]  # DTensor.shape is global
 
-    def gather_bucket(self, bucket: Bucket, out: torch.Tensor | None, group=None) -> None:
-        gather_bucket_into([(s, self._params[s.name]) for s in bucket.specs], bucket, out, group=group)
+    def gather_bucket(self, bucket: Bucket, out: torch.Tensor | None, group=None, dst: int = 0) -> None:
+        gather_bucket_into([(s, self._params[s.name]) for s in bucket.specs], bucket, out, group=group, dst=dst)
 
     def local_digest(self) -> int:
         return local_digest(self._params.items())
@@ -127,8 +129,11 @@ def _row_sharded(p: torch.Tensor, world: int) -> bool:
 
 
 def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: Bucket, out: torch.Tensor | None,
-                       piece_bytes: int | None = None, group: dist.ProcessGroup | None = None) -> None:
-    """Collective: fill rank 0's ``out`` (the bucket's uint8 wire buffer) with the full parameters.
+                       piece_bytes: int | None = None, group: dist.ProcessGroup | None = None, dst: int = 0) -> None:
+    """Collective: fill rank ``dst``'s ``out`` (the bucket's uint8 wire buffer) with the full parameters.
+
+    ``dst`` is rank 0 for the transports that send from rank 0; the disk transport gathers each bucket
+    to the rank that writes its shard, so no rank receives more than its share of the model.
 
     ``items`` are (wire spec, parameter) in ``bucket.specs`` order, the same on every rank. Parameters
     sharded on dim 0 (FSDP2) travel in flat pieces; anything else (replicated tensors, other
@@ -145,7 +150,7 @@ def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: 
     def flush() -> None:
         nonlocal piece, size
         if piece:
-            _gather_piece(piece, offsets, out, world, rank, group)
+            _gather_piece(piece, offsets, out, world, rank, group, dst)
         piece, size = [], 0
 
     for spec, p in items:
@@ -165,7 +170,7 @@ def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: 
     flush()
 
 
-def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, world: int, rank: int, group) -> None:
+def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, world: int, rank: int, group, dst: int) -> None:
     layout = []  # (spec, rows per rank c, bytes per row, offset in the send buffer)
     total = 0
     for spec, _ in piece:
@@ -182,8 +187,8 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
         expected = max(0, min(c, spec.shape[0] - rank * c))
         assert local.shape[0] == expected, f"{spec.name}: rank {rank} holds {local.shape[0]} rows, chunking says {expected}"
         send[off : off + local.numel() * spec.dtype.itemsize].copy_(local.reshape(-1).view(torch.uint8))
-    recv = torch.empty(world * total, dtype=torch.uint8, device=device) if rank == 0 else None
-    dist.gather(send, list(recv.split(total)) if recv is not None else None, dst=0, group=group)
+    recv = torch.empty(world * total, dtype=torch.uint8, device=device) if rank == dst else None
+    dist.gather(send, list(recv.split(total)) if recv is not None else None, dst=dst, group=group)
     del send
     if out is None:
         return

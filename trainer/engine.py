@@ -493,11 +493,11 @@ class FSDPEngine:
                 del full  # nothing to hand out: free it before yielding
                 yield spec, None
 
-    def gather_bucket(self, bucket, out: torch.Tensor | None, group=None) -> None:
-        """Collective: write a whole bucket's full parameters into rank 0's wire buffer ``out``.
+    def gather_bucket(self, bucket, out: torch.Tensor | None, group=None, dst: int = 0) -> None:
+        """Collective: write a whole bucket's full parameters into rank ``dst``'s wire buffer ``out``.
 
         The fast path of a sync (see :func:`bridge.sources.gather_bucket_into`): FSDP2 shards travel in
-        a few flat gathers to rank 0 instead of one all-gather per parameter. Other ranks pass None.
+        a few flat gathers to rank ``dst`` instead of one all-gather per parameter. Other ranks pass None.
         """
         from bridge.sources import gather_bucket_into
 
@@ -506,7 +506,7 @@ class FSDPEngine:
         missing = [s.name for s in bucket.specs if s.name not in params]
         if missing:
             raise ConfigError(f"no parameters named {missing}; use names from param_specs()")
-        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, group=group)
+        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, group=group, dst=dst)
 
     def local_digest(self) -> int:
         """CRC32 of this rank's shards of the published parameters (see :func:`bridge.sources.local_digest`)."""
