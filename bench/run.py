@@ -201,7 +201,10 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
 # ------------------------------------------------------------------------------------------ one size
 
 
-def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etcd, place: dict) -> dict:
+def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etcd, place: dict,
+                  extra: dict | None = None) -> dict:
+    """One size's trainer job against its own server and watchers; the worker's result. ``extra`` goes into
+    the worker spec (``{"profile": ...}``: :mod:`bench.profile`)."""
     from inference_adapter.launcher import launch_server
     from wsync.launch import start_ranks
 
@@ -230,7 +233,7 @@ def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, et
         spec = dict(label=label, model_dir=model_dir, server=server.url, serving_dtype=cfg.serving_dtype,
                     buckets_mb=cfg.bucket_mb, per_tensor_bucket_mb=cfg.per_tensor_bucket_mb, repeats=cfg.repeats,
                     disk=disk, floor_dir=os.path.join(size_dir, "floor"), out=out, timeout=cfg.timeout,
-                    colocated=cfg.colocated, backend=place["backend"])
+                    colocated=cfg.colocated, backend=place["backend"], **(extra or {}))
         # The trainer's ranks write to this process's stderr (progress, warnings, tracebacks).
         trainer = start_ranks(cfg.nproc, ["bench", "--_worker-spec", json.dumps(spec)], env=trainer_env)
         rc = trainer.wait()

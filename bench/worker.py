@@ -89,7 +89,12 @@ def run_worker(spec: dict) -> int:
     bench = None
     try:
         bench = _Bench(engine, spec)
-        result = bench.run()
+        if spec.get("profile"):
+            from bench.profile import profile_method
+
+            result = profile_method(bench, **spec["profile"])
+        else:
+            result = bench.run()
         if engine.rank == 0:
             tmp = spec["out"] + ".tmp"
             with open(tmp, "w") as f:
