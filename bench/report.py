@@ -14,8 +14,9 @@ same run (``floor seconds / method seconds``; 1.0 = as fast as the bare transpor
 ``ratio_min`` / ``transfer_ratio_min`` come from each one's fastest repeat (noise on a shared machine
 only ever adds time, so the fastest repeats are the least disturbed). Floors are summed per round:
 
-- gather: the faster, in that round, of one flat all-gather of the model's bytes and the same bytes in
-  16 MiB gathers (``raw-gather``, ``raw-gather-16MiB``);
+- gather (``floor: gather``): the faster, in that round, of one flat all-gather of the model's bytes and
+  the same bytes in 16 MiB gathers (``raw-gather``, ``raw-gather-16MiB``); a ``gather-*`` row's ratio
+  is against it (the publisher's gather casts, packs and unpacks as well);
 - broadcast methods (flattened, per-tensor): ``raw-broadcast``, one broadcast of the same bytes;
 - colocated: ``raw-shm``, the bytes written into a /dev/shm file and copied out again;
 - disk: ``raw-disk``, safetensors write + fsync + read back.
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 
 __all__ = ["TARGETS", "build_rows", "build_warmups", "check_targets", "format_table", "plot", "stats"]
 
+FLOOR_GATHER = "floor: gather"
 FLOOR_BROADCAST = "floor: gather+broadcast"
 FLOOR_SHM = "floor: gather+shm write+read"
 FLOOR_DISK = "floor: gather+disk write+fsync+read"
@@ -95,7 +97,7 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
         gathers = [n for n in items if n.startswith("raw-gather")]
         gather = [min(g) for g in zip(*(per_round[n] for n in gathers))]  # the faster way, round by round
         gather_first = min(items[n]["first"]["seconds"] for n in gathers)
-        floors, floor_first = {}, {}
+        floors, floor_first = {FLOOR_GATHER: gather}, {FLOOR_GATHER: gather_first}
         for floor, raw in {(f, r) for f, r in _FLOORS.values()}:
             if raw in items:
                 floors[floor] = [g + b for g, b in zip(gather, per_round[raw])]
@@ -134,7 +136,11 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
                 if rec["first"] and "group_init" in rec["first"].get("phases", {}):
                     row["first_group_init_seconds"] = rec["first"]["phases"]["group_init"]
             if kind == "gather" and runs:
+                # How close the publisher's gather (cast, pack, gather to rank 0, unpack) is to the raw gather.
                 row["buckets"] = runs[0].get("buckets")
+                row.update(floor=FLOOR_GATHER, floor_seconds=floor_stats[FLOOR_GATHER]["median"],
+                           ratio=_over(floor_stats[FLOOR_GATHER]["median"], s["median"]),
+                           ratio_min=_over(floor_stats[FLOOR_GATHER]["min"], s["min"]))
             if kind == "disk":
                 row["phases"] = {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]}
             if name == "raw-broadcast":
@@ -156,7 +162,7 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
                          "first_seconds": floor_first[floor],
                          "gbps": size["bytes"] / s["median"] / 1e9 if s["median"] else None})
     order = {"floor": 0, "gather": 1, "flattened": 2, "per-tensor": 3, "colocated": 4, "disk": 5}
-    floor_order = ["raw-gather", "raw-gather-chunked", "raw-broadcast", FLOOR_BROADCAST, "raw-shm", FLOOR_SHM,
+    floor_order = ["raw-gather", "raw-gather-chunked", FLOOR_GATHER, "raw-broadcast", FLOOR_BROADCAST, "raw-shm", FLOOR_SHM,
                    "raw-disk", FLOOR_DISK]
     sizes_order = [s["label"] for s in sizes]
 
@@ -317,7 +323,7 @@ def format_table(rows: Sequence[dict], targets: Sequence[dict], warmups: dict | 
         "faster of the two raw gathers in each round; r@min = the same from each one's fastest repeat (least touched "
         "by noise). xfer s = transfer only: the sync minus its own bucket plan's gather (the gather-* row named in "
         "the JSON's gather_item), round by round; x-rat = the transport's floor alone / xfer s; x@min from the "
-        "fastest repeats. first s = warm-up sync (not in the median); pk/bkt = peak extra memory (RSS high-water "
+        "fastest repeats; a gather-* row (a bucket plan's gather alone) has ratio = floor: gather / its seconds. first s = warm-up sync (not in the median); pk/bkt = peak extra memory (RSS high-water "
         "growth) / largest bucket; x p-t = speed-up over per-tensor, end to end; xfer p-t = the same, transfer only.")
     if any((r.get("transfer_ratio") or 0) > 1 for r in rows):
         lines.append("note: an x-rat above 1 is the publisher's overlap (bucket k+1 is gathered while bucket k "

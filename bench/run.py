@@ -2,6 +2,8 @@
 
 Step by step, and which process runs each step:
 
+0. driver: decides which GPU each process sees (:func:`placement`, ``--device``): none on a CPU host;
+   on a CUDA host one per trainer rank and one for the server, so every group can use NCCL.
 1. driver: builds each preset's HF directory once, cached under ``<workdir>/models/<preset>``;
    starts etcd on free loopback ports when an ``etcd`` binary is on PATH (temp data dir, stopped at
    the end).

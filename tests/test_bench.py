@@ -151,6 +151,7 @@ def test_report_ratios_are_floor_over_method_per_round():
     assert floor["median"] == 2.5 and (floor["min"], floor["max"]) == (2.0, 4.0)  # summed per round
     assert by["floor: gather+disk write+fsync+read"]["seconds"]["median"] == 3.5  # the gather + the disk floor
     assert "floor: gather+shm write+read" not in by  # no raw-shm measured: no colocated floor
+    assert by["floor: gather"]["seconds"]["median"] == 1.5 and by["gather-1MiB"]["ratio"] == pytest.approx(1.5)
     assert by["flat-1MiB"]["ratio"] == pytest.approx(2.5 / 4.0)
     assert by["flat-1MiB"]["ratio_min"] == pytest.approx(2.0 / 3.0)
     assert by["per-tensor"]["ratio"] == pytest.approx(2.5 / 12.0)
