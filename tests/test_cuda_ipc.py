@@ -91,6 +91,45 @@ def test_sglang_receive_code_serves_payload_bit_equal(version, load_format, tiny
     assert "lm_head.weight" not in got or got["lm_head.weight"] == want["model.embed_tokens.weight"]
 
 
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def _refused(urls: list[str], match: str) -> None:
+    """A colocated publish to ``urls`` raises ConfigError matching ``match``; nothing reached a server."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.client import ServerGroup
+    from bridge.errors import ConfigError
+
+    before = ServerGroup(urls).weight_versions()
+    pub = WeightPublisher(PublisherConfig(transport="colocated", servers=urls, progress=False))
+    try:
+        with pytest.raises(ConfigError, match=match):
+            pub.publish(torch.nn.Linear(4, 4), version=1)
+    finally:
+        pub.close()
+    assert ServerGroup(urls).weight_versions() == before
+
+
+@pytest.mark.sglang_code
+def test_colocated_refuses_sglang_older_than_flattened_buckets(tiny_model_dir):
+    """SGLang 0.4.9 cannot decode the payload (its module paths differ): refused before anything moves,
+    naming the release it needs, whatever this host has."""
+    _need("0.4.9")
+    with launch("0.4.9", tiny_model_dir) as srv:
+        _refused([srv.url], r"SGLang >= 0\.5\.6")
+        assert srv.alive()
+
+
+@pytest.mark.sglang_code
+def test_colocated_refuses_a_mix_of_reference_and_real_servers(tiny_model_dir, server_factory):
+    """Shared-memory files for one, CUDA IPC for the other: one publisher takes one kind."""
+    _need("0.5.23")
+    ref = server_factory.many([dict(model=tiny_model_dir)])[0]
+    with launch("0.5.23", tiny_model_dir) as srv:
+        _refused([ref.url, srv.url], "mixes")
+        assert srv.alive() and ref.alive()
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 

@@ -1,21 +1,35 @@
-"""Colocated (CPU): trainer and servers on one host, buckets handed over in shared-memory files.
+"""Colocated: trainer and servers on one host, buckets handed over by reference through ``/update_weights_from_tensor``.
 
-Rank 0 gathers each bucket straight into a file under ``/dev/shm`` (``wsync-<pid>-<uuid>-<k>``, mode
-0600, mapped shared) and posts ``/update_weights_from_tensor`` to every server, which copies the bytes
-out; the file is unlinked once every server answered, and on any error. CPU tensors cannot be pickled
-across HTTP (SGLang issue #4551), so this uses the project's ``load_format="wsync_shm"`` extension,
-which only the reference server understands: each serialized entry is base64 of the JSON object
-``{"path", "nbytes", "names", "dtypes", "shapes", "pid"}`` (no pickle). ``pid`` is the trainer's: the
-server discards a session whose trainer died. Every server URL must be a loopback address.
+Which way a bucket goes depends on the servers, decided in ``begin`` before anything is paused or moved:
 
-The space of every bucket file is reserved with ``posix_fallocate`` before it is mapped: a full
-``/dev/shm`` (Docker's default is 64 MiB) is an error that says so, not a SIGBUS. Files left by a
-trainer that was killed are swept at the next start.
+* **The project's reference server** (it says so in its server info): shared-memory files. Rank 0 gathers
+  each bucket straight into a file under ``/dev/shm`` (``wsync-<pid>-<uuid>-<k>``, mode 0600, mapped
+  shared) and posts it to every server, which copies the bytes out; the file is unlinked once every server
+  answered, and on any error. CPU tensors cannot be pickled across HTTP (SGLang issue #4551), so this uses
+  the project's ``load_format="wsync_shm"`` extension, which only the reference server understands: each
+  serialized entry is base64 of the JSON object ``{"path", "nbytes", "names", "dtypes", "shapes", "pid"}``
+  (no pickle). ``pid`` is the trainer's: the server discards a session whose trainer died. The space of
+  every bucket file is reserved with ``posix_fallocate`` before it is mapped: a full ``/dev/shm``
+  (Docker's default is 64 MiB) is an error that says so, not a SIGBUS. Files left by a trainer that was
+  killed are swept at the next start.
+* **Real SGLang >= 0.5.6 and a trainer with CUDA**: CUDA IPC. Rank 0 gathers each bucket into a buffer on
+  its current CUDA device and posts SGLang's own payload (:mod:`bridge.transports.cuda_ipc`: a flattened
+  bucket, ``load_format="flattened_bucket"``, or with ``load_format="per_tensor"`` a list of named views;
+  one entry per TP rank, built with SGLang's serializer from the trainer host's SGLang installation). The
+  buffer is kept until every server answered. **Not yet run on a GPU**: the payload is checked by SGLang's
+  own code on CPU only (``tests/test_cuda_ipc.py``; its ``gpu`` tests run it end to end on a CUDA host).
+* **Anything else** is a ConfigError before any byte moves: real SGLang without CUDA here (it would unpickle
+  a ``wsync_shm`` entry in its scheduler and die; use ``broadcast`` or ``disk``), SGLang older than 0.5.6
+  (no flattened buckets, other module paths in the pickle), no SGLang importable on the trainer host, or a
+  mix of reference and real servers in one publisher.
+
+Every server URL must be a loopback address.
 """
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures as cf
 import errno
 import glob
 import json
@@ -29,6 +43,7 @@ from bridge.buckets import Bucket
 from bridge.errors import ConfigError
 from bridge.log import fmt_bytes, get_logger
 from bridge.protocol import SHM_LOAD_FORMAT
+from bridge.transports import cuda_ipc
 from bridge.transports.base import Plan, ServerSessions, Transport, bucket_answers
 
 __all__ = ["ColocatedTransport", "sweep_stale_files"]
@@ -45,49 +60,92 @@ class ColocatedTransport(Transport):
         super().__init__(config)
         self.servers = servers
         self.sessions: ServerSessions | None = None
-        self._inflight = None  # (k, futures, path)
+        self.device: torch.device | None = None  # the buckets' CUDA device for real SGLang; None: shm files
+        self._inflight = None  # (k, futures, path or CUDA buffer)
         self._paths: list[str] = []
         sweep_stale_files()
 
     def begin(self, plan: Plan) -> None:
-        # wsync_shm is a reference-server extension: real SGLang would unpickle the entry and its scheduler die.
-        # Refuse before anything is paused, gathered or written (ConfigError naming the server).
-        self.servers.map(lambda c: c.require_reference_server(f"the colocated transport (load_format={SHM_LOAD_FORMAT!r})"))
+        self.device = self._choose_device()
         self.sessions = ServerSessions(self.servers, self.config.pause_mode)
         self.sessions.open()
 
+    def _choose_device(self) -> torch.device | None:
+        """None (shared-memory files) when every server is the reference server, the CUDA device for real
+        SGLang; a ConfigError naming the server and the fix otherwise. Reads server info only."""
+        reference = self.servers.map(lambda c: c.is_reference_server)
+        if all(reference):
+            return None
+        real = [c for c, ref in zip(self.servers.clients, reference) if not ref]
+        if any(reference):
+            raise ConfigError(
+                f"the colocated transport mixes the wsync reference server (shared-memory files) with real SGLang "
+                f"(CUDA IPC) at {[c.url for c in real]}; publish to each kind with a publisher of its own"
+            )
+        need = ".".join(map(str, cuda_ipc.MIN_RELEASE))
+        for c in real:
+            if c.features.release < cuda_ipc.MIN_RELEASE:
+                raise ConfigError(
+                    f"{c.url} runs SGLang {c.version}; the colocated transport hands real SGLang its weights as "
+                    f"flattened buckets of CUDA IPC handles, which needs SGLang >= {need} on the server (older "
+                    "releases cannot decode the payload); upgrade it, or use transport='broadcast' or 'disk'"
+                )
+        if not torch.cuda.is_available():
+            # Real SGLang takes co-located weights only as CUDA IPC handles; wsync_shm would kill its scheduler.
+            real[0].require_reference_server(
+                f"the colocated transport's shared-memory buckets (load_format={SHM_LOAD_FORMAT!r}), and this "
+                "trainer has no CUDA device for CUDA IPC"
+            )
+        cuda_ipc.sglang_code()  # importable here, before anything is paused
+        return torch.device("cuda", torch.cuda.current_device())
+
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        if self.device is not None:
+            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
         buf, path = shm_buffer(bucket.nbytes, k)
         self._paths.append(path)
         return buf
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
-        cfg, last, path = self.config, version is not None, self._paths[-1]
-        entry = {"path": path, "nbytes": bucket.nbytes, **bucket.request_fields(), "pid": os.getpid()}
-        entry = base64.b64encode(json.dumps(entry).encode()).decode()
+        cfg, last = self.config, version is not None
+        if self.device is not None:
+            flattened = cfg.load_format != "per_tensor"
+            entries = {c.url: cuda_ipc.serialize_bucket(bucket, buf, c.tp_size, flattened) for c in self.servers.clients}
+            load_format, held = (cuda_ipc.FLATTENED if flattened else None), buf
+        else:
+            entry = {"path": self._paths[-1], "nbytes": bucket.nbytes, **bucket.request_fields(), "pid": os.getpid()}
+            entry = base64.b64encode(json.dumps(entry).encode()).decode()
+            entries = {c.url: [entry] * c.tp_size for c in self.servers.clients}
+            load_format, held = SHM_LOAD_FORMAT, self._paths[-1]
         futures = self.servers.submit(
             lambda c: c.update_weights_from_tensor(
-                [entry] * c.tp_size, load_format=SHM_LOAD_FORMAT, flush_cache=last,
+                entries[c.url], load_format=load_format, flush_cache=last,
                 weight_version=str(version) if last else None, timeout=cfg.http_timeout,
             )
         )
-        self._inflight = (k, futures, path)
+        # The file (or the CUDA buffer the IPC handles point at) lives until every server answered.
+        self._inflight = (k, futures, held)
 
     def settle(self) -> None:
         if self._inflight is None:
             return
-        (k, futures, path), self._inflight = self._inflight, None
+        (k, futures, held), self._inflight = self._inflight, None
         try:
             bucket_answers(self.servers.clients, futures, k, self.config.http_timeout, "http_timeout")
         finally:
             # Every server answered (or gave up on) this bucket: it copied the bytes out already.
-            self._unlink(path)
+            if isinstance(held, str):
+                self._unlink(held)
 
     def commit(self, plan: Plan) -> dict:
         return {"servers": self.sessions.commit()}
 
     def abort(self, reason: str) -> str:
-        self._inflight = None
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and isinstance(inflight[2], torch.Tensor):
+            # A server may still be reading the CUDA buffer; torch's contract is that the producer keeps a
+            # shared CUDA tensor while a consumer uses it. Each call is bounded by http_timeout.
+            cf.wait(inflight[1], timeout=self.config.http_timeout)
         for p in list(self._paths):
             self._unlink(p)
         if self.sessions is None:
