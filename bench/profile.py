@@ -46,7 +46,7 @@ def profile_method(bench, method: str, repeats: int = 5, top: int = 30) -> dict 
         raise SystemExit(f"unknown method {method!r}; choose one of {', '.join(n for n in items if not n.startswith('raw'))}")
     fn = items[method]
     dist.barrier()
-    rec = fn()  # warm-up: groups, connections, first allocations
+    rec = fn()  # warm-up: groups, connections, first allocations (rank 0: its record)
     # The same bucket plan's gather alone, timed between the syncs: how much slower it is inside one.
     name = [rec.get("gather_item") if rec else None]
     dist.broadcast_object_list(name, src=0)
@@ -56,14 +56,14 @@ def profile_method(bench, method: str, repeats: int = 5, top: int = 30) -> dict 
     counts: collections.Counter = collections.Counter()
     restore = _instrument(bench, totals, counts) if bench.rank0 else []
     prof = cProfile.Profile() if bench.rank0 else None
-    seconds = []
+    seconds, last = [], None
     try:
         for _ in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
             if prof is not None:
                 prof.enable()
-            fn()
+            last = fn()
             if prof is not None:
                 prof.disable()
             seconds.append(time.perf_counter() - t0)
@@ -77,6 +77,7 @@ def profile_method(bench, method: str, repeats: int = 5, top: int = 30) -> dict 
             undo()
     if not bench.rank0:
         return None
+    snapshot = _snapshot_costs(last["path"]) if last and last.get("path") else {}
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
     n = len(seconds)
@@ -84,8 +85,29 @@ def profile_method(bench, method: str, repeats: int = 5, top: int = 30) -> dict 
         "label": bench.spec["label"], "method": method, "repeats": n, "tensors": len(bench.wire), "bytes": bench.nbytes,
         "seconds": seconds, "per_sync": {k: v / n for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
         "calls_per_sync": {k: v / n for k, v in counts.items()}, "cprofile": text.getvalue(),
-        "gather_item": name[0], "gather_alone_seconds": alone,
+        "gather_item": name[0], "gather_alone_seconds": alone, "snapshot": snapshot,
     }
+
+
+def _snapshot_costs(path: str) -> dict:
+    """Disk: what the load side of the last snapshot costs here, piece by piece (the watcher verifies the
+    snapshot, then the server reads it): ``verify_snapshot`` alone, and reading every tensor of it."""
+    from safetensors.torch import load_file
+
+    from bridge.snapshot import verify_snapshot
+
+    if not os.path.isdir(path):
+        return {}
+    t = time.perf_counter()
+    verify_snapshot(path)
+    verify = time.perf_counter() - t
+    t = time.perf_counter()
+    nbytes = 0
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            for tensor in load_file(os.path.join(path, f)).values():
+                nbytes += tensor.clone().nbytes  # the copy is what reads the mapped file
+    return {"verify_seconds": verify, "read_seconds": time.perf_counter() - t, "bytes": nbytes}
 
 
 def _instrument(bench, totals, counts) -> list:
@@ -170,6 +192,10 @@ def format_breakdown(out: dict) -> str:
         alone = out["gather_alone_seconds"]
         lines.append(f"  {out['gather_item'] + ' alone, between the syncs':<44} {sum(alone) / len(alone):8.4f} s  "
                      "(mean; the same bucket plan's gather with nothing else running)")
+    if out.get("snapshot"):
+        sn = out["snapshot"]
+        lines.append(f"  snapshot (the last sync's): verify_snapshot {sn['verify_seconds']:.4f} s, reading "
+                     f"its {sn['bytes'] / 1e6:.0f} MB of tensors {sn['read_seconds']:.4f} s")
     lines += ["", out["cprofile"]]
     return "\n".join(lines)
 
