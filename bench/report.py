@@ -442,7 +442,10 @@ def _lines(ax_s, ax_r, ax_t, shown: Sequence[dict], methods, colour) -> None:
             have = [(x, r[field]) for x, r in zip(xs, pts) if r.get(field) is not None]
             if have:
                 ax.plot(*zip(*have), style, color=colour[m], label=m)
+    sizes = sorted({(r["model_bytes"], r["size"]) for r in shown})
     for ax in (ax_s, ax_r, ax_t):
         ax.set_xscale("log")
         ax.set_xlabel("model size in the serving dtype (MB)")
+        ax.set_xticks([mb / 1e6 for mb, _ in sizes], [f"{label}\n{mb / 1e6:.0f}" for mb, label in sizes], fontsize=8)
+        ax.minorticks_off()
     ax_s.set_yscale("log")
