@@ -230,6 +230,10 @@ def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, et
         )
         disk = [{"backend": b, "trial": f"{label}-{b}", "name_resolve": url,
                  "snapshot_root": os.path.join(size_dir, f"snapshots-{b}")} for b, url in backends.items()]
+        if _has_disk_writers() and cfg.nproc > 1:
+            # The rank-0 writer next to the default (every rank writes its share), on the directory backend.
+            disk.append({"backend": "dir-rank0", "trial": f"{label}-dir-rank0", "name_resolve": backends["dir"],
+                         "snapshot_root": os.path.join(size_dir, "snapshots-dir-rank0"), "disk_writers": "rank0"})
         watchers = [_start_watcher(d, server.url, cfg.timeout) for d in disk]
         out = os.path.join(size_dir, "result.json")
         spec = dict(label=label, model_dir=model_dir, server=server.url, serving_dtype=cfg.serving_dtype,
@@ -252,6 +256,15 @@ def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, et
             w.stop()
         if server is not None:
             server.stop()
+
+
+def _has_disk_writers() -> bool:
+    """True when the publisher can choose who writes a disk snapshot (``PublisherConfig.disk_writers``)."""
+    import dataclasses
+
+    from bridge import PublisherConfig
+
+    return any(f.name == "disk_writers" for f in dataclasses.fields(PublisherConfig))
 
 
 def _start_watcher(disk: dict, url: str, timeout: float):

@@ -15,7 +15,9 @@ Methods (each is one ``WeightPublisher.publish``, collective on every rank):
 - ``colocated-<N>MiB``: buckets of N MiB (the first bucket size) handed over in /dev/shm files
   (``spec["colocated"]``, on by default).
 - ``disk-<backend>``: snapshot write + fsync + announcement + load, ``wait_loaded=True``; a watcher in
-  the driver process loads each announced version into the server.
+  the driver process loads each announced version into the server. ``disk-dir-rank0`` (when the
+  publisher has ``disk_writers`` and there are 2+ ranks): the same with rank 0 writing every file, the
+  baseline of the default where every rank writes its share.
 
 Gathers, every method's first half, timed alone (every rank): ``gather-<N>MiB`` and
 ``gather-per-tensor`` run :meth:`trainer.FSDPEngine.gather_bucket` over the same bucket plan as the
@@ -139,7 +141,7 @@ class _Bench:
             d["backend"]: WeightPublisher(PublisherConfig(
                 transport="disk", experiment=EXPERIMENT, trial=d["trial"], name_resolve=d["name_resolve"],
                 snapshot_root=d["snapshot_root"], keep_snapshots=2, wait_loaded=True, wait_loaded_timeout=self.timeout,
-                **common))
+                **({"disk_writers": d["disk_writers"]} if "disk_writers" in d else {}), **common))
             for d in spec["disk"]
         }
         # The device the broadcast transport gathers into (BroadcastTransport.buffer): CUDA only under NCCL.

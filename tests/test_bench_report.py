@@ -75,6 +75,10 @@ def test_the_disk_target_is_judged_on_medium_only():
     targets = report.check_targets(_rows("small", disk=(0.1, 0.1)) + _rows("medium", disk=(0.85, 0.7)))
     assert _target(targets, "disk", "end to end")["met"] is True
     assert _target(targets, "disk", "transfer only")["met"] is False
+    # The rank-0 writer is the baseline of the default disk method: shown, not judged.
+    rows = _rows("medium") + [_row("medium", "disk-dir-rank0", "disk", 0.6, ratio=0.4, ratio_min=0.4)]
+    t = _target(report.check_targets(rows), "disk", "end to end")
+    assert t["met"] is True and "for reference medium disk-dir-rank0 0.40" in t["measured"]
 
 
 @pytest.mark.parametrize("peak_mib", [0, 10])
