@@ -144,23 +144,42 @@ def _cuda_and_sglang() -> str | None:
     return None
 
 
-def _skip_without_gpu() -> None:
-    why = _cuda_and_sglang()
-    if why:
-        pytest.skip(why)
+NO_GPU = _cuda_and_sglang()
 
 
-def _publish_and_check(tiny_model_dir, extra_args=(), versions=(1, 2)):
-    # The trainer shares the GPU with the server: leave it memory (SGLang takes most of the free memory otherwise).
-    extra_args = ["--mem-fraction-static", "0.5", *extra_args]
+def _llama_dir(path) -> str:
+    """The tiny preset's sizes as a Llama model: SGLang's Llama answers ``/get_weights_by_name`` (its Qwen2 does
+    not), so the served weights can be read back. Untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bridge.presets import build_config, build_tokenizer
+
+    q = build_config("tiny")
+    cfg = LlamaConfig(vocab_size=q.vocab_size, hidden_size=q.hidden_size, intermediate_size=q.intermediate_size,
+                      num_hidden_layers=q.num_hidden_layers, num_attention_heads=q.num_attention_heads,
+                      num_key_value_heads=q.num_key_value_heads, max_position_embeddings=q.max_position_embeddings,
+                      rms_norm_eps=q.rms_norm_eps, tie_word_embeddings=False, pad_token_id=q.pad_token_id,
+                      bos_token_id=q.bos_token_id, eos_token_id=q.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _publish_and_check(model_dir: str, extra_args=(), versions=(1, 2)):
+    """Publish ``versions`` from a trainer on this GPU into a real SGLang server; read the weights back."""
+    from transformers import AutoModelForCausalLM
+
     from bridge import PublisherConfig, WeightPublisher
-    from bridge.presets import build_model
     from inference_adapter import launch_server
 
-    model = build_model("tiny", seed=1).to("cuda")
-    with launch_server(model=tiny_model_dir, use_sglang=True, ready_timeout=900, extra_args=list(extra_args)) as s:
+    # The trainer shares the GPU with the server: leave it memory (SGLang takes most of the free memory otherwise).
+    extra_args = ["--mem-fraction-static", "0.5", *extra_args]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).to("cuda")
+    params = dict(model.named_parameters())
+    with launch_server(model=model_dir, use_sglang=True, ready_timeout=900, extra_args=extra_args) as s:
         assert s.kind == "sglang"
-        pub = WeightPublisher(PublisherConfig(transport="colocated", servers=[s.url], bucket_mb=1, progress=False))
+        pub = WeightPublisher(PublisherConfig(transport="colocated", servers=[s.url], bucket_mb=0.25, progress=False))
         try:
             for v in versions:
                 with torch.no_grad():
@@ -169,27 +188,27 @@ def _publish_and_check(tiny_model_dir, extra_args=(), versions=(1, 2)):
                 res = pub.publish(model, version=v)
                 assert res.servers == {s.url: "ok"} and res.buckets > 1
                 assert s.client.model_info()["weight_version"] == str(v)
-                for name in ("model.norm.weight", "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"):
-                    want = dict(model.named_parameters())[name].detach().to(torch.bfloat16).float().reshape(-1)
+                for name in ("model.norm.weight", "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight",
+                             "lm_head.weight"):
+                    want = params[name].detach().to(torch.bfloat16).float().reshape(-1).cpu()
                     got = torch.tensor(s.client.get_weights_by_name(name, truncate_size=64)).reshape(-1)
-                    assert torch.equal(got, want[: got.numel()].cpu()), f"v{v}: {name} differs from the trainer's"
+                    assert torch.equal(got, want[: got.numel()]), f"v{v}: served {name} differs from the trainer's"
         finally:
             pub.close()
         assert s.alive(), s.log_tail()
 
 
 @pytest.mark.gpu
-def test_colocated_cuda_ipc_publish_into_real_sglang(tiny_model_dir):
+@pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
+def test_colocated_cuda_ipc_publish_into_real_sglang(tmp_path):
     """GPU host: the trainer's buckets reach a real SGLang server as CUDA IPC flattened buckets; the served
     weights equal the trainer's and the version is live, twice in a row."""
-    _skip_without_gpu()
-    _publish_and_check(tiny_model_dir)
+    _publish_and_check(_llama_dir(tmp_path))
 
 
 @pytest.mark.gpu
-def test_colocated_cuda_ipc_publish_into_real_sglang_tp2(tiny_model_dir):
+@pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices for a TP=2 server")
+def test_colocated_cuda_ipc_publish_into_real_sglang_tp2(tmp_path):
     """Two GPUs: a TP=2 server gets one entry per TP rank, each rank opening its own handles."""
-    _skip_without_gpu()
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA devices for a TP=2 server")
-    _publish_and_check(tiny_model_dir, extra_args=["--tp-size", "2"], versions=(1,))
+    _publish_and_check(_llama_dir(tmp_path), extra_args=["--tp-size", "2"], versions=(1,))

@@ -2,7 +2,8 @@
 
 ``base`` documents the lifecycle (begin, buffer, send, settle, commit, abort) and which process runs
 each step; :class:`bridge.publisher.WeightPublisher` drives it. ``broadcast``: a custom process group
-(NCCL on GPU, gloo on CPU); ``colocated``: shared-memory files on one host (reference server);
+(NCCL on GPU, gloo on CPU); ``colocated``: buckets handed over by reference on one host, as shared-memory
+files to the reference server or as SGLang's CUDA IPC flattened buckets to real SGLang (``cuda_ipc``);
 ``disk``: HF snapshots announced in name resolution.
 """
 
