@@ -69,6 +69,9 @@ def test_payload_decodes_with_sglang_own_deserializer(version):
     dtypes = {d for b in buckets for _, d, _, _ in b["sent"]}
     assert {"bfloat16", "float16", "float32", "int64", "int32", "bool"} <= dtypes
     assert {"model.embed_tokens.weight", "lm_head.weight", "layers.0.scale", "layers.0.empty"} <= seen
+    # The device-UUID patch a CUDA payload is built under is scoped: active inside, undone after, and a
+    # patch the trainer applied itself is kept.
+    assert out["uuid_patch"] == {"inside": True, "restored": True, "kept": True}
 
 
 @pytest.mark.sglang_code

@@ -86,11 +86,39 @@ def decode(args) -> dict:
                 ranks.append(_describe(named))
             out["buckets"].append({"flattened": flattened, "sent": sent, "ranks": ranks,
                                    "entry_types": sorted({type(e).__name__ for e in entries})})
-    # Building a CPU payload leaves torch's own reductions in place: CPU tensors still pickle.
-    from multiprocessing.reduction import ForkingPickler
-
-    ForkingPickler.dumps(torch.zeros(2))
+    out["uuid_patch"] = _uuid_patch_scope()
     return out
+
+
+def _uuid_patch_scope() -> dict:
+    """What a CUDA payload does around serializing (on CPU: the scope itself, not the CUDA pickles): SGLang's
+    device-UUID patch of torch's reductions is active inside and gone afterwards, so CPU tensors pickle again
+    (the patched reduction fails on them); a patch the process applied itself is left in place."""
+    import torch
+    from multiprocessing.reduction import ForkingPickler
+    from torch.multiprocessing import reductions
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    from bridge.transports.cuda_ipc import _device_uuids
+
+    def cpu_pickles() -> bool:
+        try:
+            ForkingPickler.dumps(torch.zeros(2))
+            return True
+        except IndexError:
+            return False
+
+    original = reductions.reduce_tensor
+    with _device_uuids(monkey_patch_torch_reductions, cuda=True):
+        inside = (reductions.rebuild_cuda_tensor.__module__ == "sglang.srt.utils.patch_torch"
+                  and ForkingPickler._extra_reducers[torch.Tensor] is not original and not cpu_pickles())
+    restored = (reductions.reduce_tensor is original and ForkingPickler._extra_reducers[torch.Tensor] is original
+                and not hasattr(reductions, "_reduce_tensor_original") and cpu_pickles())
+    monkey_patch_torch_reductions()  # as verl and slime do in the trainer
+    with _device_uuids(monkey_patch_torch_reductions, cuda=True):
+        pass
+    kept = hasattr(reductions, "_reduce_tensor_original") and not cpu_pickles()
+    return {"inside": inside, "restored": restored, "kept": kept}
 
 
 def send(args) -> dict:
