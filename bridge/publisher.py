@@ -13,7 +13,10 @@ disk); after each step every rank learns every rank's outcome (:mod:`bridge.agre
 3. **bucket k** (every rank): gather the bucket's shards into rank 0's buffer, in a few flat gathers on a
    group whose timeout is ``group_timeout``; rank 0 waits for bucket k-1 to arrive, then sends bucket k
    (so the gather of k overlaps the transfer of k-1, and rank 0 holds about two buckets at most). The
-   last bucket carries the version.
+   last bucket carries the version. Disk with ``disk_writers="all"`` (the default) gathers bucket k to
+   rank ``k % world`` instead, which writes it as one shard of the snapshot in the background; every
+   rank then waits for its own previous shard before gathering the next bucket it writes, so it too
+   holds about two buckets at most (:mod:`bridge.transports.disk`).
 4. **settle** (every rank): rank 0 waits for the last bucket; every rank says whether it may commit.
 5. **commit** (rank 0): the version goes live (sessions end, or the snapshot is announced).
 
@@ -38,6 +41,7 @@ Example (one process, a reference server started with ``wsync serve --preset tin
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -134,6 +138,10 @@ class PublisherConfig:
     """Disk: seconds to wait for the servers to load an announced version."""
     announce_ttl: float | None = None
     """Disk: TTL of announcements (seconds, kept alive while the publisher lives); None = permanent."""
+    disk_writers: str = "all"
+    """Disk: ``all`` (every trainer rank gathers and writes a share of the snapshot's shards, so the write
+    bandwidth grows with the ranks; the ranks must share ``snapshot_root``: one host or a shared
+    filesystem) or ``rank0`` (rank 0 gathers and writes every shard)."""
     api_key: str | None = None
     """Bearer key for the servers' ``--api-key`` (every route; the control routes too unless ``admin_api_key``)."""
     admin_api_key: str | None = None
@@ -169,6 +177,8 @@ class PublisherConfig:
         for name in ("http_timeout", "group_timeout", "wait_loaded_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.disk_writers not in ("all", "rank0"):
+            raise ConfigError(f"disk_writers must be all or rank0, got {self.disk_writers!r}")
         if self.keep_snapshots < 1:
             raise ConfigError(f"keep_snapshots must be >= 1, got {self.keep_snapshots}")
 
@@ -219,6 +229,8 @@ class WeightPublisher:
         self._rank = self._agree.rank
         self._servers = None
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
+        self._shards = None  # disk with disk_writers="all": this rank's ShardWriter (every rank)
+        self._targets = False  # True when buckets may be gathered to other ranks than 0 (the source can)
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
 
     # ---------------------------------------------------------------- public API
@@ -263,17 +275,28 @@ class WeightPublisher:
         try:
             plan = self._prepare(source, version)
             began = True
-            self._step("begin", lambda: self._transport.begin(plan), self._begin_bound())
+            staging = self._step("begin", lambda: self._transport.begin(plan), self._begin_bound(),
+                                 collect=lambda: self._transport.staging_dir if self._shards is not None and self._rank == 0 else None)
+            if self._shards is not None:
+                self._shards.begin(staging[0], plan.version, len(plan.buckets))
             with PeakMemory() as memory:
                 self._transfer(plan)
             # Every rank votes on the commit here (failpoint "commit"): once rank 0 commits, it is live.
-            digests = self._step("settle", lambda: self._transport.settle(), self._bucket_bound(),
+            settled = self._step("settle", lambda: self._transport.settle(), self._bucket_bound(),
                                  on_every_rank=lambda: failpoint("commit", self._rank),
-                                 collect=lambda: plan.local_digest.result() if plan.local_digest else None)
+                                 collect=lambda: (plan.local_digest.result() if plan.local_digest else None,
+                                                  self._shards.settle() if self._shards is not None else None))
             if not plan.retried:
-                plan.digest = _combine(digests)
+                plan.digest = _combine([d for d, _ in settled])
             peak = max(memory.extra_bytes, memory.device_extra_bytes)
-            commit = (lambda: {**self._transport.commit(plan), "peak": peak}) if self._rank == 0 else (lambda: None)
+
+            def commit() -> dict | None:
+                if self._rank != 0:
+                    return None
+                if self._shards is not None:  # the shards every rank wrote into the snapshot
+                    self._transport.add_shards({f: e for _, written in settled for f, e in written.items()})
+                return {**self._transport.commit(plan), "peak": peak}
+
             outcome = self._agree.step("commit", commit, timeout=self._commit_bound() + SLACK_S)[0]
         except BridgeError as e:
             raise self._failed(version, e, began) from None
@@ -302,6 +325,9 @@ class WeightPublisher:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+        if self._shards is not None:
+            self._shards.close()
+            self._shards = None
         self._drop_gather_group()
         if self._servers is not None:
             self._servers.close()
@@ -341,6 +367,11 @@ class WeightPublisher:
             specs = self._wire_specs(source)
             if self._rank == 0 and self._transport is None:
                 self._transport = self._make_transport()
+            if cfg.transport == "disk" and cfg.disk_writers == "all" and self._shards is None:
+                from bridge.transports.disk import ShardWriter
+
+                self._shards = ShardWriter(cfg, self._rank, self._agree.world)
+            self._targets = _can_gather_to_any_rank(source)
             if retry:  # only a retry needs the digests before anything moves
                 return specs, _local_digest(source)
             # Otherwise the digest is taken while the buckets travel (crc32 releases the GIL) and
@@ -374,17 +405,28 @@ class WeightPublisher:
         last = len(plan.buckets) - 1
         bar = _progress(self.config.progress and self._rank == 0, plan.nbytes, f"sync v{plan.version}")
 
+        shards = self._shards
+
         def one(k: int, bucket: Bucket) -> None:
+            # With per-rank disk writers the bucket goes to the rank that writes it, else to rank 0.
+            dst = shards.owner(k) if shards is not None and self._targets else 0
             try:
                 failpoint(f"bucket:{k}", self._rank)
-                buf = self._transport.buffer(k, bucket) if self._rank == 0 else None
+                buf = None
+                if self._rank == dst:
+                    buf = shards.buffer(k, bucket) if shards is not None else self._transport.buffer(k, bucket)
             except Exception:
                 # Still take part in the bucket's gathers (receiving nothing), so the other ranks are
                 # not left waiting in them for group_timeout; the agreement then fails the step at once.
-                _gather_into(plan.source, bucket, None, self._gather_group)
+                _gather_into(plan.source, bucket, None, self._gather_group, dst)
                 raise
-            _gather_into(plan.source, bucket, buf, self._gather_group)
-            if self._rank == 0:
+            _gather_into(plan.source, bucket, buf, self._gather_group, dst)
+            if shards is not None:
+                if self._rank == dst:
+                    shards.send(k, bucket, buf)
+                if self._rank == 0 and k:
+                    bar.update(plan.buckets[k - 1].nbytes)
+            elif self._rank == 0:
                 self._transport.settle()
                 if k:
                     bar.update(plan.buckets[k - 1].nbytes)
@@ -399,12 +441,22 @@ class WeightPublisher:
     def _failed(self, version: int, error: BridgeError, began: bool) -> BridgeError:
         """After an agreed failure: rank 0 aborts the transport; the error every rank raises."""
         status = ""
+        broken = getattr(error, "agreement_broken", False)
+        if began and self._shards is not None:
+            # Every rank stops writing and removes its files; only once all have does rank 0 remove the
+            # temporary directory (a late file would otherwise be left behind in it).
+            self._shards.abort(ABORT_WAIT_S)
+            if not broken:
+                try:
+                    self._agree.exchange("writers stopped", None, timeout=ABORT_WAIT_S + SLACK_S)
+                except BridgeError:
+                    pass
         if self._rank == 0 and began and self._transport is not None:
             status = _abort_within(self._transport, str(error), ABORT_WAIT_S)
         if began:
             # A gather may have been left half-done on some rank: the next publish builds a new group.
             self._drop_gather_group()
-        if not getattr(error, "agreement_broken", False):
+        if not broken:
             try:  # every rank reports what the servers serve now, as rank 0 saw it
                 status = self._agree.exchange("abort", status, timeout=self.config.http_timeout * 2 + SLACK_S)[0]
             except BridgeError:
@@ -500,11 +552,26 @@ _pending_aborts: list[threading.Thread] = []
 """Clean-ups still running after their failed sync raised; ``close()`` gives them time to finish."""
 
 
-def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None, group) -> None:
-    """Collective: fill rank 0's wire buffer with the bucket, by the source's fast path when it has one."""
+def _can_gather_to_any_rank(source: WeightSource) -> bool:
+    """True when the source's fast path takes ``dst`` (else every bucket is gathered to rank 0)."""
+    gather = getattr(source, "gather_bucket", None)
+    if gather is None:
+        return False
+    try:
+        return "dst" in inspect.signature(gather).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None, group, dst: int = 0) -> None:
+    """Collective: fill rank ``dst``'s wire buffer with the bucket, by the source's fast path when it has
+    one (``dst`` other than 0 only when :func:`_can_gather_to_any_rank`)."""
     gather = getattr(source, "gather_bucket", None)
     if gather is not None:
-        gather(bucket, buf, group=group)
+        if dst:
+            gather(bucket, buf, group=group, dst=dst)
+        else:
+            gather(bucket, buf, group=group)
         return
     index = bucket.index() if buf is not None else None
     for spec, full in source.iter_full_tensors(bucket.specs):

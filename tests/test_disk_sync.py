@@ -188,3 +188,141 @@ def test_disk_full_during_write_announces_nothing(tmp_path):
         assert [d for d in left if d.startswith("v") or d.startswith(".tmp")] == []
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+# ------------------------------------------------------------------ every rank writes its share
+
+
+def _io_write_bytes() -> int:
+    """Bytes this process (all its threads) caused to be written to storage, as the kernel counts them."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    raise AssertionError("no write_bytes in /proc/self/io")
+
+
+def _publish_measuring_writes(url: str, nr_url: str, root: str, runs: list[tuple[int, str]]):
+    """Every rank: for each (version, disk_writers), train a step and publish with a new publisher that
+    waits for ``url`` to load the version; what this process wrote to storage during the publish (read
+    from the kernel, not from the publisher) and, on rank 0, what the server serves."""
+    import sys
+
+    from bridge import PublisherConfig, WeightPublisher
+    from wsync.tasks import make_batch
+
+    sys.dont_write_bytecode = True  # a module imported during a publish must not count as its writes
+    engine = sb.engine()
+    out = []
+    try:
+        for version, writers in runs:
+            engine.train_batch(make_batch(engine.tokenizer, 8, seed=version * 7 + engine.rank))
+            pub = WeightPublisher(PublisherConfig(
+                transport="disk", servers=[url], name_resolve=nr_url, snapshot_root=root, experiment="e2e",
+                trial="writers", bucket_mb=0.05, disk_writers=writers, wait_loaded_timeout=60, progress=False,
+            ))
+            try:
+                before = _io_write_bytes()
+                res = pub.publish(engine, version=version)
+                wrote = _io_write_bytes() - before
+            finally:
+                pub.close()
+            out.append(dict(version=version, writers=writers, bytes=res.bytes, buckets=res.buckets, path=res.path,
+                            servers=res.servers, wrote=wrote, check=sb.check_served(engine, [url], version)))
+    finally:
+        engine.destroy()
+    return out
+
+
+def test_every_rank_writes_its_share_of_the_snapshot(server, tmp_path):
+    """disk_writers="all" (the default): each bucket's shard is gathered to and written by its owner
+    rank, so rank 1 writes about half the bytes itself; the snapshot has the same files, index and
+    tensor placement as the rank-0 writer's, and loads bit-exact into a server."""
+    from bridge.client import ServerGroup
+    from bridge.snapshot import read_manifest, verify_snapshot
+    from inference_adapter.watcher import DiskWatcher
+
+    nr_url = f"file://{tmp_path / 'nr'}"
+    watcher = DiskWatcher(nr_url, "e2e", "writers", ServerGroup([server.url]))
+    watcher.start()
+    try:
+        rank0, rank1 = run_ranks(_publish_measuring_writes, 2, timeout=300,
+                                 args=(server.url, nr_url, str(tmp_path / "snap"), [(1, "rank0"), (2, "all")]))
+    finally:
+        watcher.stop()
+    placement, wrote = {}, {}
+    for r0, r1 in zip(rank0, rank1):
+        total, mode = r0["bytes"], r0["writers"]
+        shares = f"{mode}: rank 0 wrote {r0['wrote']} B, rank 1 {r1['wrote']} B of a {total} B snapshot"
+        print(shares)
+        assert r0["buckets"] >= 8, "the test needs many buckets"
+        assert r0["servers"] == {server.url: "ok"}
+        c = r0["check"][server.url]
+        assert c["tensors_equal"] and c["answer_equal"] and c["version"] == str(r0["version"]), mode
+        verify_snapshot(r0["path"])
+        manifest = read_manifest(r0["path"])
+        placement[mode] = ({n: e["file"] for n, e in manifest["tensors"].items()}, sorted(manifest["files"]))
+        wrote[mode] = r0["wrote"], r1["wrote"]
+        if mode == "all":
+            assert r1["wrote"] >= 0.35 * total, shares  # about half the shards (odd buckets)
+        else:
+            assert r1["wrote"] <= 0.05 * total and r0["wrote"] >= 0.9 * total, shares
+    # Rank 0 was relieved of what rank 1 wrote (less its own small files: manifest, index, announcement).
+    assert wrote["all"][0] <= wrote["rank0"][0] - 0.8 * wrote["all"][1], wrote
+    assert placement["all"] == placement["rank0"], "per-rank writers changed the snapshot's layout"
+    assert any(f.startswith("model-00001-of-") for f in placement["all"][1])
+
+
+def _fail_while_rank1_writes(nr_url: str, root: str):
+    """Every rank: publish v1; then v2 with rank 1 failing inside its write of bucket 1's shard (after the
+    file was created); then v2 again. What each rank raised, how long it took, and (rank 0) what was
+    announced and left behind right after the failure."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.failpoints import ENV
+    from bridge.name_resolve import make_name_resolve, names
+
+    engine = sb.engine()
+
+    def announced():
+        keys = make_name_resolve(nr_url).find_subtree(names.update_weights_from_disk_root("e2e", "fault"))
+        return sorted(names.version_of(k) for k in keys)
+
+    pub = WeightPublisher(PublisherConfig(transport="disk", name_resolve=nr_url, snapshot_root=root, experiment="e2e",
+                                          trial="fault", bucket_mb=0.05, group_timeout=20, http_timeout=20,
+                                          progress=False))
+    try:
+        pub.publish(engine, version=1)
+        from wsync.tasks import make_batch
+
+        engine.train_batch(make_batch(engine.tokenizer, 8, seed=5 + engine.rank))
+        os.environ[ENV] = "write:1@1=OSError"
+        t = time.monotonic()
+        try:
+            pub.publish(engine, version=2)
+            got = ("no error", "")
+        except Exception as e:  # the test records whatever comes
+            got = (type(e).__name__, str(e))
+        finally:
+            del os.environ[ENV]
+        seconds = time.monotonic() - t
+        after = (announced(), sorted(os.listdir(root))) if engine.rank == 0 else None
+        pub.publish(engine, version=2)  # the trainer goes on
+        final = announced() if engine.rank == 0 else None
+        return got, seconds, after, final
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_a_failed_write_on_rank_1_fails_every_rank_and_announces_nothing(tmp_path):
+    root = str(tmp_path / "snap")
+    r0, r1 = run_ranks(_fail_while_rank1_writes, 2, args=(f"file://{tmp_path / 'nr'}", root), timeout=300)
+    (got0, s0, after, final), (got1, s1, _, _) = r0, r1
+    print(f"every rank raised, after {s0:.2f} s / {s1:.2f} s: {got0[0]}: {got0[1]}")
+    assert got0 == got1, f"the ranks raised different errors: {got0} vs {got1}"
+    assert got0[0] == "SnapshotError" and "rank 1" in got0[1] and "OSError" in got0[1] and "injected fault at write:1" in got0[1], got0
+    assert max(s0, s1) < 15, f"took {max(s0, s1):.1f} s"
+    versions, left = after
+    assert versions == [1], f"announced {versions}"
+    assert [d for d in left if d.startswith(".tmp")] == [] and "v2" not in left, left
+    assert final == [1, 2]

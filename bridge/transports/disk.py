@@ -1,31 +1,57 @@
 """Disk: an HF snapshot written bucket by bucket, announced in name resolution once complete.
 
-``begin`` checks the version against the newest one announced for (experiment, trial), checks that
-the servers to wait for answer (a dead server fails the publish now, not after ``wait_loaded_timeout``),
-and opens a :class:`bridge.snapshot.SnapshotWriter` under a temporary name. ``send`` writes the bucket's
-tensors (shards are closed at the bucket size, so rank 0 holds at most about two buckets). ``commit``
-finishes the snapshot (fsync, rename into ``<root>/v<version>``), then announces it under
-``<root>/<experiment>/<trial>/update_weights_from_disk/<version>``, optionally waits until every server
-reports the version, and garbage-collects old snapshots. ``abort`` removes the temporary directory:
-a version that was not complete is never announced, and one that was announced can be loaded.
+``begin`` (rank 0) checks the version against the newest one announced for (experiment, trial), checks
+that the servers to wait for answer (a dead server fails the publish now, not after
+``wait_loaded_timeout``), and opens a :class:`bridge.snapshot.SnapshotWriter` under a temporary name.
+
+Who writes the shards (``PublisherConfig.disk_writers``):
+
+- ``"all"`` (default): every trainer rank writes a share. Bucket ``k`` is owned by rank
+  ``k % world_size`` (:meth:`ShardWriter.owner`); the bucket's full tensors are gathered to its owner
+  (not to rank 0), and the owner's :class:`ShardWriter` writes them, in a background thread, as shard
+  ``k + 1`` of ``n`` straight under its final HF name into the temporary directory, while the ranks
+  gather the next buckets. The write bandwidth grows with the ranks, and a rank holds at most the shard
+  it writes plus the bucket it gathers (it waits for its previous write before gathering a bucket it
+  owns). Each rank reports its files (name, size, checksum, tensors with their checksums) at settle,
+  through the agreement; rank 0 records them (``SnapshotWriter.add_shard``, which checks that every file
+  is there with its size), then commits as below. **The ranks must share the snapshot root**: one
+  host, or a shared filesystem mounted at the same path on every trainer host; a rank that does not
+  see the temporary directory fails the sync with a ConfigError at its first bucket.
+- ``"rank0"``: every bucket is gathered to rank 0, whose writer streams it into bucket-sized shards
+  (rank 0 holds at most about two buckets); the other ranks write nothing. For trainer hosts without a
+  shared filesystem.
+
+A failed write on any rank (``WSYNC_FAILPOINTS="write:<k>@<rank>=OSError"`` injects one inside the write
+of shard ``k``, after its file was created) fails the bucket step or the settle of that rank, so every
+rank raises the same error; every rank then stops its writer and removes its files, and only after all
+have (one more exchange) rank 0 removes the temporary directory: nothing is announced, nothing is left.
+
+``commit`` (rank 0) finishes the snapshot (index, manifest with checksums, fsync, rename into
+``<root>/v<version>``), then announces it under ``<root>/<experiment>/<trial>/update_weights_from_disk/<version>``,
+optionally waits until every server reports the version, and garbage-collects old snapshots. ``abort``
+removes the temporary directory: a version that was not complete is never announced, and one that was
+announced can be loaded. Both ways give the same files on disk, byte for byte the same format.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import socket
 import tempfile
+import threading
 import time
 
 import torch
 
 from bridge.buckets import Bucket, unflatten_bucket
-from bridge.errors import BridgeError, ServerError, SnapshotError, SyncError, VersionError
-from bridge.log import get_logger
+from bridge.errors import BridgeError, ConfigError, ServerError, SnapshotError, SyncError, SyncTimeout, VersionError
+from bridge.failpoints import failpoint
+from bridge.log import fmt_bytes, get_logger
 from bridge.tensors import dtype_from_str
 from bridge.transports.base import Plan, Transport
 
-__all__ = ["DiskTransport", "default_snapshot_root"]
+__all__ = ["DiskTransport", "ShardWriter", "default_snapshot_root"]
 
 logger = get_logger(__name__)
 
@@ -93,6 +119,17 @@ class DiskTransport(Transport):
         # the latest, shards being bucket-sized): at most about two buckets alive on rank 0.
         for name, tensor in unflatten_bucket(buf, bucket.specs):
             self.writer.add(name, tensor)
+
+    @property
+    def staging_dir(self) -> str | None:
+        """The temporary directory of the open snapshot (the other ranks write their shards into it)."""
+        return self.writer.tmp_dir if self.writer is not None else None
+
+    def add_shards(self, shards: dict[str, dict]) -> None:
+        """Record the shards the ranks wrote into :attr:`staging_dir` (file name -> entry, from
+        :meth:`ShardWriter.settle` of every rank); ``commit`` then finishes the snapshot around them."""
+        for fname in sorted(shards):
+            self.writer.add_shard(fname, shards[fname])
 
     def commit(self, plan: Plan) -> dict:
         from bridge.name_resolve import Announcement
@@ -177,6 +214,122 @@ class DiskTransport(Transport):
         return {u: (s if s == "ok" or s.startswith("unreachable for") else
                     f"did not load version {want} within wait_loaded_timeout={cfg.wait_loaded_timeout:g} s ({s})")
                 for u, s in status.items()}
+
+
+class ShardWriter:
+    """Every rank's part of a disk sync with ``disk_writers="all"``: writes the shards of its buckets.
+
+    Driven by the publisher on every rank: ``begin`` (with rank 0's temporary directory), then for each
+    bucket this rank owns ``buffer`` (the gather target) and ``send`` (write it in the background),
+    ``settle`` (wait for the last write; this rank's file entries), or ``abort`` after a failure.
+    """
+
+    def __init__(self, config, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.wait_s = config.group_timeout
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="wsync-shard")
+        self._dir: str | None = None
+        self._version = 0
+        self._n = 0
+        self._pending: tuple[str, cf.Future] | None = None  # (shard file name, its write)
+        self._written: dict[str, dict] = {}
+        self._paths: list[str] = []
+        self._bytes = 0
+        self._stop = threading.Event()
+
+    def owner(self, k: int) -> int:
+        """The rank that gathers and writes bucket ``k``. Round robin: a rank's buckets are
+        ``world_size`` apart, so its write of one overlaps the gathers of the next ones."""
+        return k % self.world
+
+    def begin(self, staging_dir: str, version: int, n_buckets: int) -> None:
+        self._dir, self._version, self._n = staging_dir, version, n_buckets
+        self._pending, self._written, self._paths, self._bytes = None, {}, [], 0
+        self._stop = threading.Event()  # a new one: a write of an aborted sync still sees its own set
+
+    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        """The buffer bucket ``k`` is gathered into, once this rank's previous shard is written (so it
+        holds at most two buckets)."""
+        self._wait()
+        if k == self.rank and not os.path.isdir(self._dir):
+            raise ConfigError(
+                f"trainer rank {self.rank} does not see the snapshot's temporary directory {self._dir}: with "
+                "disk_writers='all' every trainer rank writes into snapshot_root, so it must be one filesystem "
+                "for all of them (one host, or a shared filesystem at the same path); or use disk_writers='rank0'"
+            )
+        return torch.empty(bucket.nbytes, dtype=torch.uint8)
+
+    def send(self, k: int, bucket: Bucket, buf: torch.Tensor) -> None:
+        """Write bucket ``k`` (in ``buf``) as shard ``k + 1`` in the background."""
+        from bridge.snapshot import shard_name, write_shard
+
+        fname = shard_name(k + 1, self._n)
+        path = os.path.join(self._dir, fname)
+        stop, rank = self._stop, self.rank
+
+        def between() -> None:
+            if stop.is_set():
+                raise SyncError("the sync was aborted")
+            failpoint(f"write:{k}", rank)
+
+        def write() -> tuple[str, dict]:
+            if stop.is_set():
+                raise SyncError("the sync was aborted")
+            return fname, write_shard(path, unflatten_bucket(buf, bucket.specs), between)
+
+        self._paths.append(path)
+        self._pending = (fname, self._pool.submit(write))
+
+    def settle(self) -> dict[str, dict]:
+        """Wait for this rank's last write; file name -> entry of every shard this rank wrote."""
+        self._wait()
+        if self._written:
+            logger.debug("rank %d wrote %d shards, %s", self.rank, len(self._written), fmt_bytes(self._bytes))
+        written, self._written, self._paths = self._written, {}, []
+        return written
+
+    def abort(self, seconds: float) -> None:
+        """Stop writing (waiting at most ``seconds`` for a write in progress) and remove this rank's
+        files of the failed sync. Never raises."""
+        self._stop.set()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending[1].result(timeout=seconds)
+            except Exception:  # the failure, if it is this one, was already reported through the agreement
+                pass
+        for path in self._paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("could not remove %s of a failed sync: %s", path, e)
+        self._paths, self._written = [], {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _wait(self) -> None:
+        from bridge.snapshot.writer import _write_error
+
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        fname, future = pending
+        try:
+            fname, entry = future.result(timeout=self.wait_s)
+        except cf.TimeoutError:
+            raise SyncTimeout(
+                f"trainer rank {self.rank} did not finish writing {fname} of snapshot v{self._version} within "
+                f"group_timeout={self.wait_s:g} s"
+            ) from None
+        except BridgeError:
+            raise
+        except Exception as e:  # disk full, permissions, ...: the rank-0 writer's message, naming the shard
+            raise SnapshotError(f"{fname}: {_write_error(os.path.dirname(self._dir), self._version, e, self._bytes)}") from e
+        self._written[fname] = entry
+        self._bytes += entry["tensor_bytes"]
 
 
 def _model_config(source):
