@@ -49,8 +49,9 @@ def _default_workdir() -> str:
 class BenchConfig:
     """What to measure and where. Checked in ``__post_init__``."""
 
-    sizes: list[str] = field(default_factory=lambda: ["small", "medium"])
-    """Preset names (``bridge.presets.PRESETS``) to measure, in this order."""
+    sizes: list[str] = field(default_factory=lambda: ["many", "small", "medium"])
+    """Preset names (``bridge.presets.PRESETS``) to measure, in this order (``many``: 339 tensors, for the
+    per-tensor targets; ``medium``: for the disk target)."""
     models: list[str] = field(default_factory=list)
     """Extra HF model directories to measure after the presets (labelled by their folder name)."""
     bucket_mb: list[float] = field(default_factory=lambda: [32.0, 128.0, 512.0])

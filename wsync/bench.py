@@ -18,8 +18,8 @@ _QUICK = {"sizes": ["small"], "repeats": 2}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", nargs="+", metavar="PRESET",
-                   help="presets to measure, e.g. `--sizes small medium` or `--sizes tiny`; `none` for --model only "
-                        "(default: small medium; with --quick: small)")
+                   help="presets to measure, e.g. `--sizes many small medium` or `--sizes tiny`; `none` for --model "
+                        "only (default: many small medium; with --quick: small)")
     p.add_argument("--model", action="append", default=[], metavar="DIR",
                    help="also measure this local HF model directory (repeatable)")
     p.add_argument("--bucket-mb", nargs="+", type=float, metavar="MIB",
