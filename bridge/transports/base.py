@@ -21,6 +21,11 @@ method        who       what
 ``close``     rank 0    release connections (the publisher is closed).
 ============  ========  ==================================================================================
 
+Disk with ``disk_writers="all"`` (the default) is the one exception to "rank 0": each bucket is
+gathered to, and written as a shard by, the rank that owns it, through that rank's
+:class:`bridge.transports.disk.ShardWriter` (``buffer``, ``send`` and ``settle`` on every rank); rank 0's
+transport still runs ``begin``, ``commit`` and ``abort``.
+
 Failure handling lives once, in the driver: a transport raises whatever it meets and the driver turns
 it into one agreed error, calls ``abort`` on rank 0 and re-raises on every rank. Adding a transport is
 one new module with a subclass of :class:`Transport`.

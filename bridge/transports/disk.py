@@ -308,7 +308,7 @@ class ShardWriter:
         self._paths, self._written = [], {}
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)  # a write still going was aborted already
 
     def _wait(self) -> None:
         from bridge.snapshot.writer import _write_error
