@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("rank0", "all")
+MODES = ["rank0", "all"]
 
 
 def _status_kib(field: str) -> int:
@@ -60,17 +60,21 @@ def _rank(rank: int, world: int, port: int, args: dict, q) -> None:
 
         engine = FSDPEngine(EngineConfig(preset=args["preset"], optimizer=OptimizerConfig(lr=1e-3)))
         engine.initialize()
+        MODES[:] = args["modes"]
+        # Code from before disk_writers existed (--modes rank0 on an older checkout) has only rank 0.
+        has_writers = "disk_writers" in PublisherConfig.__dataclass_fields__
         pubs = {
             mode: WeightPublisher(PublisherConfig(
                 transport="disk", name_resolve=f"file://{args['root']}/nr", snapshot_root=f"{args['root']}/{mode}",
-                experiment="bench", trial=mode, keep_snapshots=1, bucket_mb=args["bucket_mb"], disk_writers=mode,
-                progress=False,
+                experiment="bench", trial=mode, keep_snapshots=1, bucket_mb=args["bucket_mb"],
+                progress=False, **(dict(disk_writers=mode) if has_writers else {}),
             ))
             for mode in MODES
         }
         rows = []
         version = 0
         order = [MODES] + [MODES if i % 2 == 0 else MODES[::-1] for i in range(args["repeats"])]
+        assert has_writers or MODES == ["rank0"], "this checkout has no disk_writers: use --modes rank0"
         for round_, modes in enumerate(order):
             for mode in modes:
                 version += 1
@@ -100,7 +104,7 @@ def run(world: int, preset: str, repeats: int, bucket_mb: float, root: str) -> l
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = find_free_port()
-    args = dict(preset=preset, repeats=repeats, bucket_mb=bucket_mb, root=root)
+    args = dict(preset=preset, repeats=repeats, bucket_mb=bucket_mb, root=root, modes=list(MODES))
     procs = [ctx.Process(target=_rank, args=(r, world, port, args, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -144,8 +148,10 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--root", default=None, help="snapshot root (default: a new folder under the temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--modes", default="rank0,all", help="which writers to run, comma-separated")
     ap.add_argument("--exact-memory", action="store_true", help="MALLOC_MMAP_THRESHOLD_=1 MiB in the ranks (see above)")
     a = ap.parse_args()
+    MODES[:] = a.modes.split(",")
     if a.exact_memory:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # inherited by the spawned ranks
     root = a.root or tempfile.mkdtemp(prefix="wsync-dw-")
@@ -163,8 +169,21 @@ def main() -> None:
         print(f"    rank-0 peak extra {mb(s['rank0_peak_reported'])} = {s['rank0_peak_reported'] / bucket:.2f} x bucket "
               f"(publisher); per rank {[round(p / bucket, 2) for p in s['peak_by_rank']]} x bucket; "
               f"written per rank {[mb(w) for w in s['wrote_by_rank']]}")
-    old, new = summary["rank0"]["seconds"], summary["all"]["seconds"]
-    print(f"  all / rank0 time: {new / old:.2f} ({old / new:.2f}x faster)")
+    # The same weights were published both ways: the newest snapshots must hold the same files, bytes
+    # and tensors (only the version and the write time differ).
+    from bridge.snapshot import list_snapshots, read_manifest, snapshot_dir, verify_snapshot
+
+    same = {}
+    for mode in MODES if len(MODES) == 2 else ():
+        path = snapshot_dir(f"{root}/{mode}", list_snapshots(f"{root}/{mode}")[-1])
+        verify_snapshot(path)
+        m = read_manifest(path)
+        same[mode] = (m["files"], m["tensors"], m["total_bytes"])
+    if same:
+        assert same["rank0"] == same["all"], "the two writers made different snapshots of the same weights"
+        print("  both snapshots verified against their manifests; same files, bytes and tensor checksums")
+        old, new = summary["rank0"]["seconds"], summary["all"]["seconds"]
+        print(f"  all / rank0 time: {new / old:.2f} ({old / new:.2f}x faster)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(world=a.world, preset=a.preset, bucket_mb=a.bucket_mb, repeats=a.repeats, exact_memory=a.exact_memory,
