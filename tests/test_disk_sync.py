@@ -326,3 +326,12 @@ def test_a_failed_write_on_rank_1_fails_every_rank_and_announces_nothing(tmp_pat
     assert versions == [1], f"announced {versions}"
     assert [d for d in left if d.startswith(".tmp")] == [] and "v2" not in left, left
     assert final == [1, 2]
+
+
+def test_disk_writers_setting_is_checked():
+    from bridge import PublisherConfig
+    from bridge.errors import ConfigError
+
+    assert PublisherConfig(transport="disk").disk_writers == "all"
+    with pytest.raises(ConfigError, match="disk_writers must be all or rank0"):
+        PublisherConfig(transport="disk", disk_writers="rank1")
