@@ -96,8 +96,10 @@ class PublisherConfig:
 
     transport: str = "broadcast"
     """``broadcast`` (alias ``nccl``): a custom process group, one broadcast per bucket; ``colocated``:
-    servers on this host, buckets handed over in ``/dev/shm`` files via ``/update_weights_from_tensor``
-    (``load_format="wsync_shm"``, reference server); ``disk``: HF snapshots announced in name resolution."""
+    servers on this host, buckets handed over by reference via ``/update_weights_from_tensor``: shared-memory
+    files for the reference server (``load_format="wsync_shm"``), SGLang's CUDA IPC flattened buckets for
+    real SGLang >= 0.5.6 on a CUDA trainer (:mod:`bridge.transports.cuda_ipc`); ``disk``: HF snapshots
+    announced in name resolution."""
     servers: Sequence[str] = ()
     """Base URLs of the servers (required for broadcast and colocated, loopback only for colocated; for
     disk, servers to wait for)."""
