@@ -34,6 +34,7 @@ one new module with a subclass of :class:`Transport`.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -248,3 +249,13 @@ def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting
 def deadline_left(deadline: float) -> float:
     """Seconds left until ``deadline`` (time.monotonic), at least 0.1."""
     return max(0.1, deadline - time.monotonic())
+
+
+def remove_file(path: str, what: str) -> None:
+    """Remove ``path`` if it is still there; a failure is logged (naming ``what``), never raised."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("could not remove %s %s: %s", what, path, e)

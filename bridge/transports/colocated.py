@@ -44,7 +44,7 @@ from bridge.errors import ConfigError
 from bridge.log import fmt_bytes, get_logger
 from bridge.protocol import SHM_LOAD_FORMAT
 from bridge.transports import cuda_ipc
-from bridge.transports.base import Plan, ServerSessions, Transport, bucket_answers
+from bridge.transports.base import Plan, ServerSessions, Transport, bucket_answers, remove_file
 
 __all__ = ["ColocatedTransport", "sweep_stale_files"]
 
@@ -228,9 +228,4 @@ def _free_bytes(path: str) -> int:
 
 
 def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        logger.warning("could not remove shared-memory file %s: %s", path, e)
+    remove_file(path, "shared-memory file")

@@ -52,7 +52,7 @@ from bridge.errors import BridgeError, ConfigError, ServerError, SnapshotError, 
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger
 from bridge.tensors import dtype_from_str
-from bridge.transports.base import Plan, Transport
+from bridge.transports.base import Plan, Transport, remove_file
 
 __all__ = ["DiskTransport", "ShardWriter", "default_snapshot_root"]
 
@@ -302,12 +302,7 @@ class ShardWriter:
             except Exception:  # the failure, if it is this one, was already reported through the agreement
                 pass
         for path in self._paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                logger.warning("could not remove %s of a failed sync: %s", path, e)
+            remove_file(path, "the shard of a failed sync")
         self._paths, self._written = [], {}
 
     def close(self) -> None:
