@@ -92,7 +92,7 @@ def run_worker(spec: dict) -> int:
     try:
         bench = _Bench(engine, spec)
         if spec.get("profile"):
-            from bench.profile import profile_method
+            from bench.phase_timer import profile_method
 
             result = profile_method(bench, **spec["profile"])
         else:

@@ -1,0 +1,124 @@
+"""Rank side of ``python -m bench.profile`` (see that module): the timed syncs of one method.
+
+Kept apart from the command so that :mod:`bench.worker`, which runs it in the trainer's ranks, does not
+import the driver (:mod:`bench.run`) back.
+"""
+
+from __future__ import annotations
+
+import collections
+import cProfile
+import io
+import os
+import pstats
+import time
+
+__all__ = ["profile_method"]
+
+
+def profile_method(bench, method: str, repeats: int = 5, top: int = 30) -> dict | None:
+    """Collective on every rank: ``repeats`` timed syncs of ``method`` (a :meth:`bench.worker._Bench.items`
+    name) after one warm-up; rank 0's breakdown (None on the other ranks)."""
+    import torch.distributed as dist
+
+    items = dict(bench.items())
+    if method not in items:
+        raise SystemExit(f"unknown method {method!r}; choose one of {', '.join(n for n in items if not n.startswith('raw'))}")
+    fn = items[method]
+    dist.barrier()
+    rec = fn()  # warm-up: groups, connections, first allocations (rank 0: its record)
+    # The same bucket plan's gather alone, timed between the syncs: how much slower it is inside one.
+    name = [rec.get("gather_item") if rec else None]
+    dist.broadcast_object_list(name, src=0)
+    gather_alone = items.get(name[0])
+    alone = []
+    totals: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    restore = _instrument(bench, totals, counts) if bench.rank0 else []
+    prof = cProfile.Profile() if bench.rank0 else None
+    seconds, last = [], None
+    try:
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            last = fn()
+            if prof is not None:
+                prof.disable()
+            seconds.append(time.perf_counter() - t0)
+            if gather_alone is not None:
+                dist.barrier()
+                r = gather_alone()
+                if r:
+                    alone.append(r["seconds"])
+    finally:
+        for undo in restore:
+            undo()
+    if not bench.rank0:
+        return None
+    snapshot = _snapshot_costs(last["path"]) if last and last.get("path") else {}
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+    n = len(seconds)
+    return {
+        "label": bench.spec["label"], "method": method, "repeats": n, "tensors": len(bench.wire), "bytes": bench.nbytes,
+        "seconds": seconds, "per_sync": {k: v / n for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+        "calls_per_sync": {k: v / n for k, v in counts.items()}, "cprofile": text.getvalue(),
+        "gather_item": name[0], "gather_alone_seconds": alone, "snapshot": snapshot,
+    }
+
+
+def _snapshot_costs(path: str) -> dict:
+    """Disk: what the load side of the last snapshot costs here, piece by piece (the watcher verifies the
+    snapshot, then the server reads it): ``verify_snapshot`` alone, and reading every tensor of it."""
+    from safetensors.torch import load_file
+
+    from bridge.snapshot import verify_snapshot
+
+    if not os.path.isdir(path):
+        return {}
+    t = time.perf_counter()
+    verify_snapshot(path)
+    verify = time.perf_counter() - t
+    t = time.perf_counter()
+    nbytes = 0
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            for tensor in load_file(os.path.join(path, f)).values():
+                nbytes += tensor.clone().nbytes  # the copy is what reads the mapped file
+    return {"verify_seconds": verify, "read_seconds": time.perf_counter() - t, "bytes": nbytes}
+
+
+def _instrument(bench, totals, counts) -> list:
+    """Clock wrappers around the real calls on rank 0; returns the undo functions."""
+    import bridge.publisher as publisher
+    from bridge.agreement import Agreement
+    from bridge.client import ServerClient
+
+    undo = []
+
+    def timed(owner, attr, key):
+        real = getattr(owner, attr)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                k = key(args) if callable(key) else key
+                totals[k] += time.perf_counter() - t
+                counts[k] += 1
+
+        setattr(owner, attr, wrapper)
+        undo.append(lambda: setattr(owner, attr, real))
+
+    timed(publisher, "_gather_into", "gather")
+    timed(Agreement, "exchange", "agreement")
+    timed(ServerClient, "_call", lambda args: f"http {args[2]}")
+    for pub in [bench.broadcast, bench.colocated, *bench.disks.values()]:
+        transport = getattr(pub, "_transport", None) if pub is not None else None
+        if transport is not None:  # built at the warm-up publish
+            for attr in ("begin", "buffer", "send", "settle", "commit"):
+                timed(transport, attr, attr)
+    return undo
