@@ -124,6 +124,7 @@ class FSDPEngine:
 
         self._shard(model)
         self._model = model
+        self._param_index: dict[str, torch.Tensor] | None = None
         self._optimizer = build_optimizer(model.parameters(), cfg.optimizer)
         self._scheduler = build_scheduler(self._optimizer, cfg.optimizer)
         if self.rank == 0:
@@ -203,7 +204,7 @@ class FSDPEngine:
         if getattr(self, "_publisher", None) is not None:
             self._publisher.close()
             self._publisher = None
-        self._model = self._optimizer = self._scheduler = None
+        self._model = self._optimizer = self._scheduler = self._param_index = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
@@ -477,7 +478,7 @@ class FSDPEngine:
         """
         self._check_initialized()
         specs = self.param_specs() if specs is None else specs
-        params = dict(self._model.named_parameters(remove_duplicate=False))
+        params = self._params_by_name()
         rank0 = self.rank == 0
         for spec in specs:
             param = params.get(spec.name)
@@ -493,6 +494,13 @@ class FSDPEngine:
                 del full  # nothing to hand out: free it before yielding
                 yield spec, None
 
+    def _params_by_name(self) -> dict[str, torch.Tensor]:
+        """Name -> parameter (DTensor under FSDP2), built once: the parameter objects outlive every step,
+        and rebuilding the map per bucket was most of the per-tensor gather on a 339-tensor model."""
+        if self._param_index is None:
+            self._param_index = dict(self._model.named_parameters(remove_duplicate=False))
+        return self._param_index
+
     def gather_bucket(self, bucket, out: torch.Tensor | None, group=None, dst: int = 0) -> None:
         """Collective: write a whole bucket's full parameters into rank ``dst``'s wire buffer ``out``.
 
@@ -502,7 +510,7 @@ class FSDPEngine:
         from bridge.sources import gather_bucket_into
 
         self._check_initialized()
-        params = dict(self._model.named_parameters(remove_duplicate=False))
+        params = self._params_by_name()
         missing = [s.name for s in bucket.specs if s.name not in params]
         if missing:
             raise ConfigError(f"no parameters named {missing}; use names from param_specs()")
@@ -513,7 +521,7 @@ class FSDPEngine:
         from bridge.sources import local_digest
 
         self._check_initialized()
-        params = dict(self._model.named_parameters(remove_duplicate=False))
+        params = self._params_by_name()
         return local_digest((s.name, params[s.name]) for s in self.param_specs())
 
     def _gather(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

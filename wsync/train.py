@@ -21,7 +21,9 @@ _DEFAULT_SNAPSHOT_ROOT = os.path.join(tempfile.gettempdir(), "wsync-snapshots")
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", metavar="DIR", help="a local HF causal-LM directory (default: the tiny preset)")
-    g.add_argument("--preset", choices=["tiny", "small", "medium"], help="build a preset model from its config (default: tiny)")
+    from bridge.presets import PRESETS
+
+    g.add_argument("--preset", choices=list(PRESETS), help="build a preset model from its config (default: tiny)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
