@@ -13,6 +13,7 @@ server on the same host, end to end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -74,18 +75,31 @@ def test_payload_decodes_with_sglang_own_deserializer(version):
     assert out["uuid_patch"] == {"inside": True, "restored": True, "kept": True}
 
 
+@pytest.fixture(scope="module")
+def sglang_servers(tiny_model_dir):
+    """``get(version)``: one SGLang-code server per release, started on first use, shared by the module."""
+    started: dict = {}
+    with contextlib.ExitStack() as stack:
+        def get(version: str):
+            _need(version)
+            if version not in started:
+                started[version] = stack.enter_context(launch(version, tiny_model_dir))
+            return started[version]
+
+        yield get
+
+
 @pytest.mark.sglang_code
 @pytest.mark.parametrize("load_format", ["flattened_bucket", "per_tensor"])
 @pytest.mark.parametrize("version", IPC_VERSIONS)
-def test_sglang_receive_code_serves_payload_bit_equal(version, load_format, tiny_model_dir):
+def test_sglang_receive_code_serves_payload_bit_equal(version, load_format, tiny_model_dir, sglang_servers):
     """SGLang's own ``/update_weights_from_tensor`` path (HTTP app, tokenizer and scheduler side, model runner's
     ``deserialize`` + ``_update_weights_from_flattened_bucket`` or per-tensor load) takes the project's payload,
     bucket by bucket in one session; every served tensor is then bit-equal to the one sent."""
-    _need(version)
-    with launch(version, tiny_model_dir) as srv:
-        sent = _run(version, "send", "--url", srv.url, "--model", tiny_model_dir, "--load-format", load_format)
-        assert srv.alive(), srv.log_tail()
-        served = srv.checksums()
+    srv = sglang_servers(version)
+    sent = _run(version, "send", "--url", srv.url, "--model", tiny_model_dir, "--load-format", load_format)
+    assert srv.alive(), srv.log_tail()
+    served = srv.checksums()
     assert sent["buckets"] > 1
     assert served["weight_version"] == "ipc1"
     got, want = served["checksums"], sent["checksums"]
@@ -124,13 +138,12 @@ def test_colocated_refuses_sglang_older_than_flattened_buckets(tiny_model_dir):
 
 
 @pytest.mark.sglang_code
-def test_colocated_refuses_a_mix_of_reference_and_real_servers(tiny_model_dir, server_factory):
+def test_colocated_refuses_a_mix_of_reference_and_real_servers(tiny_model_dir, server_factory, sglang_servers):
     """Shared-memory files for one, CUDA IPC for the other: one publisher takes one kind."""
-    _need("0.5.23")
+    srv = sglang_servers("0.5.23")
     ref = server_factory.many([dict(model=tiny_model_dir)])[0]
-    with launch("0.5.23", tiny_model_dir) as srv:
-        _refused([ref.url, srv.url], "mixes")
-        assert srv.alive() and ref.alive()
+    _refused([ref.url, srv.url], "mixes")
+    assert srv.alive() and ref.alive()
 
 
 # ---------------------------------------------------------------------------------------------- GPU
