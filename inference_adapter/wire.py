@@ -221,14 +221,14 @@ def _slack_buffer(nbytes: int, own: bool = False) -> torch.Tensor:
         except (OSError, ValueError):
             return None
 
-    if own and nbytes <= physical:
-        buf = mapping(nbytes + physical)
+    if nbytes <= physical:
+        if own:
+            buf = mapping(nbytes + physical)
+        else:
+            _reserve = _reserve if _reserve is not None else mapping(2 * physical)
+            buf = _reserve[: nbytes + physical] if _reserve is not None else None
         if buf is not None:
             return buf
-    elif _reserve is None and nbytes <= physical:
-        _reserve = mapping(2 * physical)
-    if not own and _reserve is not None and nbytes <= physical:
-        return _reserve[: nbytes + physical]
     return torch.empty(nbytes + max(nbytes, 4096), dtype=torch.uint8)
 
 
