@@ -32,10 +32,14 @@ DEPS=(
     dill apache-tvm-ffi sentencepiece compressed-tensors loguru gguf einops xgrammar soundfile cffi
     openai distro jiter anyio sniffio httpx httpcore h11 certifi idna
     interegular IPython pillow scipy ninja triton
+    # IPython's own imports (sglang.utils imports IPython.display): needed on a machine that lacks them.
+    traitlets decorator jedi parso matplotlib-inline pexpect ptyprocess prompt_toolkit wcwidth pygments
+    stack_data executing asttokens pure_eval ipython-pygments-lexers
+    jsonschema jsonschema-specifications referencing rpds-py
 )
 MODS="psutil pybase64 msgspec zmq uvloop setproctitle partial_json_parser multipart orjson aiohttp dill tvm_ffi \
 sentencepiece compressed_tensors loguru gguf einops xgrammar soundfile openai distro jiter anyio httpx IPython PIL \
-scipy triton"
+scipy triton traitlets jsonschema"
 if ! python -c "import importlib,sys; [importlib.import_module(m) for m in sys.argv[1:]]" $MODS >/dev/null 2>&1; then
     echo "== installing SGLang's pure-Python import dependencies"
     "${PIP[@]}" "${DEPS[@]}"
