@@ -70,11 +70,12 @@ def profile_method(bench, method: str, repeats: int = 5, top: int = 30) -> dict 
 
 
 def _snapshot_costs(path: str) -> dict:
-    """Disk: what the load side of the last snapshot costs here, piece by piece (the watcher verifies the
-    snapshot, then the server reads it): ``verify_snapshot`` alone, and reading every tensor of it."""
+    """Disk: what the load side of the last snapshot costs here, piece by piece: ``verify_snapshot`` alone
+    (what the watcher does before real SGLang reads a snapshot), a plain unverified read of every tensor,
+    and the reference server's read, which verifies the bytes it loads in the same pass."""
     from safetensors.torch import load_file
 
-    from bridge.snapshot import verify_snapshot
+    from bridge.snapshot import read_snapshot, verify_snapshot
 
     if not os.path.isdir(path):
         return {}
@@ -87,7 +88,11 @@ def _snapshot_costs(path: str) -> dict:
         if f.endswith(".safetensors"):
             for tensor in load_file(os.path.join(path, f)).values():
                 nbytes += tensor.clone().nbytes  # the copy is what reads the mapped file
-    return {"verify_seconds": verify, "read_seconds": time.perf_counter() - t, "bytes": nbytes}
+    read = time.perf_counter() - t
+    t = time.perf_counter()
+    for tensor in read_snapshot(path).values():
+        tensor.clone()
+    return {"verify_seconds": verify, "read_seconds": read, "verified_read_seconds": time.perf_counter() - t, "bytes": nbytes}
 
 
 def _instrument(bench, totals, counts) -> list:

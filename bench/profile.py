@@ -84,8 +84,9 @@ def format_breakdown(out: dict) -> str:
                      "(mean; the same bucket plan's gather with nothing else running)")
     if out.get("snapshot"):
         sn = out["snapshot"]
-        lines.append(f"  snapshot (the last sync's): verify_snapshot {sn['verify_seconds']:.4f} s, reading "
-                     f"its {sn['bytes'] / 1e6:.0f} MB of tensors {sn['read_seconds']:.4f} s")
+        lines.append(f"  snapshot (the last sync's, {sn['bytes'] / 1e6:.0f} MB of tensors): verify_snapshot "
+                     f"{sn['verify_seconds']:.4f} s, plain read {sn['read_seconds']:.4f} s, read_snapshot (verifies "
+                     f"as it reads) {sn.get('verified_read_seconds', float('nan')):.4f} s")
     lines += ["", out["cprofile"]]
     return "\n".join(lines)
 

@@ -146,7 +146,8 @@ class ServerClient:
                 raise VersionError(
                     f"{self.url}{route}: {_message(data, r)} (a trainer starts a new run with "
                     "PublisherConfig(new_run=True), `wsync train --new-run`, or another experiment/trial)")
-            raise ServerError(self.url, _message(data, r), r.status_code, route)
+            reason = data.get("wsync_reason") if isinstance(data, dict) else None
+            raise ServerError(self.url, _message(data, r), r.status_code, route, reason=reason if isinstance(reason, str) else None)
         if check_success and isinstance(data, dict) and data.get("success") is False:
             raise ServerError(self.url, _message(data, r), r.status_code, route)
         if text:
@@ -467,11 +468,19 @@ class ServerClient:
         abort_all_requests: bool = False,
         flush_cache: bool = True,
         timeout: float | None = None,
+        manifest_sha256: str | None = None,
     ) -> dict:
-        """Load an HF checkpoint directory (as seen from the server's host)."""
+        """Load an HF checkpoint directory (as seen from the server's host).
+
+        ``manifest_sha256`` (a wsync snapshot's announced manifest digest) goes only to the reference
+        server, which verifies the snapshot against it while reading it and refuses a mismatch with
+        ``ServerError.reason == SNAPSHOT_INVALID``; real SGLang reads what it is given.
+        """
         body: dict[str, Any] = dict(
             model_path=str(model_path), abort_all_requests=abort_all_requests, flush_cache=self._flush(flush_cache),
         )
+        if manifest_sha256 is not None and self.is_reference_server:
+            body["wsync_manifest_sha256"] = manifest_sha256
         if weight_version is not None:
             if self.features.weight_version:
                 body["weight_version"] = str(weight_version)

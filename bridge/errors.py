@@ -45,13 +45,17 @@ class ServerError(BridgeError):
         server: the server's base URL.
         status: the HTTP status code, or None when no answer came back.
         message: the server's own message (SGLang's ``message`` field), or the transport error.
+        reason: the reference server's machine-readable cause (``wsync_reason``, e.g.
+            ``bridge.protocol.SNAPSHOT_INVALID``), None from real SGLang.
     """
 
-    def __init__(self, server: str, message: str, status: int | None = None, route: str | None = None):
+    def __init__(self, server: str, message: str, status: int | None = None, route: str | None = None,
+                 reason: str | None = None):
         self.server = server
         self.status = status
         self.route = route
         self.message = message
+        self.reason = reason
         where = f"{server}{route or ''}"
         code = f" (HTTP {status})" if status is not None else ""
         super().__init__(f"{where}{code}: {message}")

@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_GROUP_NAME",
     "SESSION_REQUIRED_MESSAGE",
     "SHM_LOAD_FORMAT",
+    "SNAPSHOT_INVALID",
     "VERSION_GOES_BACK",
     "BeginWeightUpdateReq",
     "ContinueGenerationReq",
@@ -70,6 +71,11 @@ SHM_LOAD_FORMAT = "wsync_shm"
 VERSION_GOES_BACK = "version_goes_back"
 """``wsync_reason`` of the reference server's 400 for a version older than the served one without a new
 run; the client raises :class:`bridge.errors.VersionError` for it."""
+
+SNAPSHOT_INVALID = "snapshot_invalid"
+"""``wsync_reason`` of the reference server's 400 for a snapshot that fails verification against its
+manifest (or whose manifest is not the announced one, ``wsync_manifest_sha256``); the disk watcher then
+falls back to the newest older announced version, as when it verifies a snapshot itself."""
 
 _VERSION_RE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?")
 

@@ -24,6 +24,9 @@ Routes beyond SGLang's (project extensions, safe to ignore):
     routes and ``/update_weight_version``: without a new run (a run id other than the served run's, or
     ``wsync_new_run=true``) a version older than the served one is refused; ``--allow-version-rollback``
     turns that off. Real SGLang ignores these fields.
+    Field ``wsync_manifest_sha256`` on ``/update_weights_from_disk``: the announced manifest digest; a
+    snapshot is verified against it in the pass that reads it, and a failed check answers 400 with
+    ``wsync_reason: snapshot_invalid`` (the disk watcher then falls back to an older announced version).
 
 Refused beyond SGLang (each a 400 naming what was wrong): disk paths outside ``--disk-root``, non-regular
 files, NaN/Inf weights, version labels answers could not carry, bodies nested deeper than 32 levels or
@@ -43,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import secrets
 import sys
 import time
@@ -349,9 +353,13 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     async def update_weights_from_disk(request: Request):
         req = await body(request, UpdateWeightFromDiskReq, "/update_weights_from_disk", drop_unknown_fields)
         run = await run_claim(request)
+        sha = json_object(await request.body(), request.url.path).get("wsync_manifest_sha256")
+        if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+            raise RequestError(f"wsync_manifest_sha256 must be the announced manifest's sha256 (64 lowercase hex "
+                               f"digits), got {sha!r}")
         msg = await run_in_threadpool(
             lambda: state.update_disk(model_path=req.model_path, weight_version=req.weight_version,
-                                      abort_all_requests=req.abort_all_requests, run=run)
+                                      abort_all_requests=req.abort_all_requests, run=run, manifest_sha256=sha)
         )
         return ok(msg, num_paused_requests=0)
 

@@ -8,10 +8,13 @@ group of servers:
    loop), starting with the announcements that already exist (so starting late catches up);
 2. parses each announcement (``Announcement.from_json``) and drops versions not newer than the one
    loaded; when several are waiting, only the newest intact one is loaded;
-3. verifies the snapshot against its manifest and the announced manifest sha256
-   (``verify_snapshot``); a snapshot that fails is refused and logged naming the file, and the next
-   older waiting version is tried instead (so a corrupt newest snapshot never leaves the servers on
-   weights older than an intact announced one);
+3. makes sure the snapshot matches its manifest and the announced manifest sha256 before anything
+   serves it. When every server is the reference server, the servers check it themselves in the pass
+   that reads it (``wsync_manifest_sha256``), so the snapshot is read once; otherwise (real SGLang
+   loads what it is given, or a callable) the watcher verifies it first (``verify_snapshot``). A
+   snapshot that fails is refused and logged naming the file, and the next older waiting version is
+   tried instead (so a corrupt newest snapshot never leaves the servers on weights older than an intact
+   announced one);
 4. asks every server concurrently to ``/update_weights_from_disk`` with ``weight_version=str(version)``
    and records, per server, the version it loaded (``status()``);
 5. records the latency from the announcement's ``created_at`` to the first request (``latencies``,
@@ -40,6 +43,7 @@ from collections.abc import Callable, Sequence
 from bridge.errors import BridgeError, ConfigError, SnapshotError
 from bridge.log import fmt_bytes, get_logger, setup_logging
 from bridge.name_resolve import DEFAULT_URL, Announcement, NameResolve, WatchEvent, make_name_resolve, names
+from bridge.protocol import SNAPSHOT_INVALID
 from bridge.snapshot import verify_snapshot
 from bridge.subscriber import parse_announcement
 
@@ -215,18 +219,20 @@ class DiskWatcher:
                     return "stale"
             if (v, ann.manifest_sha256) in self._rejected:
                 return "corrupt"
-            try:
-                verify_snapshot(ann.path, ann.manifest_sha256)
-            except SnapshotError as e:
-                self._rejected.add((v, ann.manifest_sha256))
-                log.error("refusing version %d: %s; trying the newest older announced version instead (the servers "
-                          "serve version %s)", v, e, self.latest_version)
-                return "corrupt"
+            servers_verify = self._servers_verify()
+            if not servers_verify:
+                try:
+                    verify_snapshot(ann.path, ann.manifest_sha256)
+                except SnapshotError as e:
+                    return self._refuse(ann, str(e))
             latency = time.time() - ann.created_at
             t0 = time.perf_counter()
-            results = self._send(ann)
+            results = self._send(ann, servers_verify)
             seconds = time.perf_counter() - t0
             ok = [target for target, err in results if err is None]
+            invalid = [(target, err) for target, err in results if getattr(err, "reason", None) == SNAPSHOT_INVALID]
+            if invalid and not ok:  # the servers' own check of the snapshot, as verify_snapshot's above
+                return self._refuse(ann, "; ".join(f"{target} found: {getattr(err, 'message', err)}" for target, err in invalid))
             for target, err in results:
                 if err is not None:
                     log.error(
@@ -254,7 +260,24 @@ class DiskWatcher:
                     log.exception("on_loaded callback failed for version %d", v)
             return "loaded"
 
-    def _send(self, ann: Announcement) -> list[tuple[str, BaseException | None]]:
+    def _refuse(self, ann: Announcement, why: str) -> str:
+        self._rejected.add((ann.version, ann.manifest_sha256))
+        loaded = self.latest_version
+        log.error("refusing version %d: %s; trying the newest older announced version instead (%s)", ann.version, why,
+                  f"this watcher last loaded version {loaded}" if loaded is not None else "this watcher has loaded none yet")
+        return "corrupt"
+
+    def _servers_verify(self) -> bool:
+        """True when every server is the reference server, which verifies a snapshot as it reads it."""
+        if self._group is None:
+            return False
+        try:
+            return all(getattr(c, "is_reference_server", False) for c in self._group.clients)
+        except Exception as e:  # a server that cannot say: verify here, and let its load request report it
+            log.debug("cannot tell whether every server verifies snapshots (%s); verifying here", e)
+            return False
+
+    def _send(self, ann: Announcement, servers_verify: bool = False) -> list[tuple[str, BaseException | None]]:
         if self._apply is not None:
             try:
                 self._apply(ann.path, ann.version)
@@ -267,7 +290,8 @@ class DiskWatcher:
             try:
                 client.update_weights_from_disk(model_path=ann.path, weight_version=str(ann.version),
                                                 abort_all_requests=self.abort_all_requests,
-                                                timeout=self.request_timeout)
+                                                timeout=self.request_timeout,
+                                                **({"manifest_sha256": ann.manifest_sha256} if servers_verify else {}))
                 return client.url, None
             except Exception as e:
                 return client.url, e

@@ -47,7 +47,7 @@ import torch
 
 from bridge.buckets import Bucket, unflatten_bucket
 from bridge.errors import ConfigError, SnapshotError
-from bridge.protocol import SESSION_REQUIRED_MESSAGE, SHM_LOAD_FORMAT, VERSION_GOES_BACK
+from bridge.protocol import SESSION_REQUIRED_MESSAGE, SHM_LOAD_FORMAT, SNAPSHOT_INVALID, VERSION_GOES_BACK
 from bridge.tensors import ParamSpec, dtype_to_str
 from inference_adapter.errors import RequestError
 from inference_adapter.wire import (
@@ -539,8 +539,13 @@ class WeightUpdateMixin:
         return out
 
     def update_disk(self, *, model_path: str, weight_version: str | None, abort_all_requests: bool,
-                    run: RunClaim = RunClaim()) -> str:
-        """Load a whole HF checkpoint directory, validate it, then swap; SGLang's success message."""
+                    run: RunClaim = RunClaim(), manifest_sha256: str | None = None) -> str:
+        """Load a whole HF checkpoint directory, validate it, then swap; SGLang's success message.
+
+        A wsync snapshot is verified against its manifest (and the manifest against ``manifest_sha256``,
+        the announced digest, when given) in the same pass that reads it; a failure is refused with
+        ``wsync_reason`` :data:`~bridge.protocol.SNAPSHOT_INVALID`.
+        """
         if abort_all_requests:
             self.abort_all("Abort by update_weights_from_disk(abort_all_requests=True).")
         problem = version_problem(weight_version, "weight_version")
@@ -552,7 +557,7 @@ class WeightUpdateMixin:
             if problem:
                 raise RequestError(f"Failed to update weights: {problem}.{keep}", reason=VERSION_GOES_BACK)
             t0 = time.perf_counter()
-            tensors = _read_checkpoint(model_path, self.disk_roots, keep)
+            tensors = _read_checkpoint(model_path, self.disk_roots, keep, manifest_sha256)
             problems, staged = [], {}
             for n, t in tensors.items():
                 target = self._params.get(self._aliases.get(n, n))
@@ -580,15 +585,15 @@ class WeightUpdateMixin:
 _MAX_JSON_BYTES = 64 << 20  # a manifest or index larger than this is not a checkpoint's
 
 
-def _read_checkpoint(path: str, roots: list[str], keep: str) -> dict[str, torch.Tensor]:
+def _read_checkpoint(path: str, roots: list[str], keep: str, manifest_sha256: str | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at ``path``, after :func:`_checked_checkpoint_dir` let it through."""
     from bridge.snapshot import read_snapshot
 
     real = _checked_checkpoint_dir(path, roots, keep)
     try:
-        return read_snapshot(real, verify=True)
+        return read_snapshot(real, verify=True, expected_manifest_sha256=manifest_sha256)
     except SnapshotError as e:
-        raise RequestError(f"Failed to get weights iterator: {e}.{keep}") from e
+        raise RequestError(f"Failed to get weights iterator: {e}.{keep}", reason=SNAPSHOT_INVALID) from e
     except Exception as e:  # noqa: BLE001 - safetensors/JSON/OS errors of a corrupt directory
         raise RequestError(f"Failed to get weights iterator: cannot read {path}: {type(e).__name__}: {e}.{keep}") from e
 

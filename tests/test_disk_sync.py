@@ -4,6 +4,7 @@ the trainer's, bit for bit, at every version."""
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import subprocess
@@ -108,11 +109,17 @@ def test_disk_sync_on_etcd_survives_an_etcd_restart(server, etcd_server, tmp_pat
     _assert_loaded(rank0, server.url, [10, 11, 12], watcher)
 
 
-def test_corrupt_snapshot_after_announcement_is_refused(server, tmp_path):
+def test_corrupt_snapshot_after_announcement_is_refused(server, tmp_path, caplog):
+    """The reference server verifies a snapshot in the pass that reads it, so the watcher does not read it
+    first: the fall-back to the newest intact version rests on the server's verdict."""
     from bridge.client import ServerGroup
     from bridge.errors import ServerError
-    from bridge.snapshot import snapshot_dir
+    from bridge.name_resolve import Announcement, make_name_resolve, names
+    from bridge.protocol import SNAPSHOT_INVALID
+    from bridge.snapshot import read_manifest, snapshot_dir
     from inference_adapter.watcher import DiskWatcher
+
+    caplog.set_level(logging.ERROR, logger="inference_adapter.watcher")
 
     nr_url = f"file://{tmp_path / 'nr'}"
     root = str(tmp_path / "snap")
@@ -130,15 +137,27 @@ def test_corrupt_snapshot_after_announcement_is_refused(server, tmp_path):
     watcher = DiskWatcher(nr_url, "e2e", "t0", ServerGroup([server.url]))
     try:
         watcher.catch_up()
-        # v21 is refused; the watcher falls back to the newest intact announced version.
+        # v21 is refused by the server; the watcher falls back to the newest intact announced version.
         assert watcher.status() == {server.url: 20}
+        assert any(f"refusing version 21: {server.url} found:" in r.message and shard in r.message
+                   for r in caplog.records), [r.message for r in caplog.records]
+        # An announcement whose manifest digest is not the directory's (stale, or rewritten): refused too.
+        nr = make_name_resolve(nr_url)
+        v20 = snapshot_dir(root, 20)
+        stale = Announcement(22, v20, "0" * 64, read_manifest(v20)["total_bytes"], time.time())
+        nr.add(names.update_weights_from_disk("e2e", "t0", 22), stale.to_json())
+        nr.close()
+        watcher.catch_up()
+        assert watcher.status() == {server.url: 20}
+        assert any("refusing version 22" in r.message and "announcement says" in r.message for r in caplog.records)
     finally:
         watcher.stop()
     group = ServerGroup([server.url])
     assert group.weight_versions() == {server.url: "20"}
-    # Asked directly, the server refuses too, names the file, and keeps version 20.
-    with pytest.raises(ServerError, match=shard):
+    # Asked directly, the server refuses too, names the file and why, and keeps version 20.
+    with pytest.raises(ServerError, match=shard) as e:
         group.clients[0].update_weights_from_disk(snapshot_dir(root, 21), weight_version="21")
+    assert e.value.reason == SNAPSHOT_INVALID
     assert group.weight_versions() == {server.url: "20"}
 
 

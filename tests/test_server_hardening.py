@@ -8,6 +8,7 @@ throughout, and the served weights and version unchanged afterwards.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -420,6 +421,24 @@ def test_an_older_version_is_refused_unless_a_new_run_starts(client, roots):
     assert served(client)["version"] == "1"
     r = post(client, "/update_weight_version", {"new_version": "x", "wsync_run_id": 5})
     assert r.status_code == 400 and "wsync_run_id" in message(r)
+
+
+def test_a_disk_load_is_checked_against_the_announced_manifest_digest(client, roots):
+    from bridge.protocol import SNAPSHOT_INVALID
+
+    path = snapshot(roots["allowed"], 70)
+    with open(os.path.join(path, "wsync-manifest.json"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    before = served(client)
+    for bad in (5, "ABC", "0" * 63):
+        r = post(client, "/update_weights_from_disk", {"model_path": path, "wsync_manifest_sha256": bad})
+        assert r.status_code == 400 and "wsync_manifest_sha256" in message(r), r.text
+    r = post(client, "/update_weights_from_disk", {"model_path": path, "weight_version": "70", "wsync_manifest_sha256": "0" * 64})
+    assert r.status_code == 400 and "announcement says" in message(r) and r.json()["wsync_reason"] == SNAPSHOT_INVALID
+    assert served(client) == before
+    r = post(client, "/update_weights_from_disk", {"model_path": path, "weight_version": "70", "wsync_manifest_sha256": digest})
+    assert r.status_code == 200, r.text
+    assert served(client)["version"] == "70"
 
 
 def test_the_raw_bench_receive_survives_an_oversized_broadcast(client):

@@ -211,8 +211,9 @@ def test_corrupt_tensor_is_named(tmp_path):
     with open(path, "r+b") as f:  # flip one byte of the last tensor ("b" comes second by name)
         f.seek(os.path.getsize(path) - 1)
         f.write(b"\x01")
-    with pytest.raises(SnapshotError, match=r"tensor 'b' in model\.safetensors has checksum .* manifest says"):
-        verify_snapshot(info.path)
+    for check in (verify_snapshot, read_snapshot):  # read_snapshot verifies the very bytes it loads
+        with pytest.raises(SnapshotError, match=r"tensor 'b' in model\.safetensors has checksum .* manifest says"):
+            check(info.path)
     read_snapshot(info.path, verify=False)  # unverified reads do not look
 
 
@@ -225,8 +226,11 @@ def test_altered_manifest_checksum_and_stale_announcement(tmp_path):
         json.dump(m, f)
     with pytest.raises(SnapshotError, match="announcement says"):
         verify_snapshot(info.path, info.manifest_sha256)
-    with pytest.raises(SnapshotError, match=r"file config\.json has checksum"):
-        verify_snapshot(info.path)
+    with pytest.raises(SnapshotError, match="announcement says"):
+        read_snapshot(info.path, expected_manifest_sha256=info.manifest_sha256)
+    for check in (verify_snapshot, read_snapshot):
+        with pytest.raises(SnapshotError, match=r"file config\.json has checksum"):
+            check(info.path)
 
 
 def test_missing_dir_and_plain_hf_dir(tmp_path, tiny_model_dir):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
 import struct
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -58,22 +61,7 @@ def verify_snapshot(path: str | os.PathLike, expected_manifest_sha256: str | Non
     """
     t0 = time.perf_counter()
     path = os.fspath(path)
-    data = _read_manifest_bytes(path)
-    digest = hashlib.sha256(data).hexdigest()
-    if expected_manifest_sha256 is not None and digest != expected_manifest_sha256:
-        raise SnapshotError(
-            f"snapshot {path}: {MANIFEST_NAME} has sha256 {digest}, the announcement says "
-            f"{expected_manifest_sha256}; the directory was rewritten or the announcement is stale"
-        )
-    manifest = _parse_manifest(path, data)
-    by_file: dict[str, dict[str, dict]] = {}
-    for tname, entry in manifest["tensors"].items():
-        if entry["file"] not in manifest["files"]:
-            raise SnapshotError(f"snapshot {path}: manifest puts tensor {tname!r} in {entry['file']}, a file it does not list")
-        by_file.setdefault(entry["file"], {})[tname] = entry
-    for fname in os.listdir(path):
-        if fname.endswith(".safetensors") and fname not in manifest["files"]:
-            raise SnapshotError(f"snapshot {path}: {fname} is not in the manifest; a loader would read it")
+    manifest, digest, by_file = _checked_manifest(path, expected_manifest_sha256)
     for fname, fentry in manifest["files"].items():
         _verify_file(path, fname, fentry, by_file.get(fname, {}))
     seconds = time.perf_counter() - t0
@@ -82,14 +70,21 @@ def verify_snapshot(path: str | os.PathLike, expected_manifest_sha256: str | Non
     return SnapshotInfo(path, manifest["version"], total, digest, seconds, float(manifest["created_at"]))
 
 
-def read_snapshot(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
+def read_snapshot(path: str | os.PathLike, *, verify: bool = True,
+                  expected_manifest_sha256: str | None = None) -> dict[str, torch.Tensor]:
     """Load every tensor of a HF model directory (a wsync snapshot or a plain HF checkpoint).
+
+    A snapshot with a manifest is verified and loaded in one pass: each safetensors file is mapped into
+    memory, its checksums are taken from the mapped bytes, and the tensors are views of them (so
+    verifying costs the checksums only, not a second read). Files are checked by a few threads at once.
 
     Args:
         path: the directory: sharded with ``model.safetensors.index.json``, a single
             ``model.safetensors``, or any ``*.safetensors`` files.
-        verify: with a manifest present, run ``verify_snapshot`` first. Directories without a manifest
-            are read unverified.
+        verify: with a manifest present, check everything ``verify_snapshot`` checks. Directories
+            without a manifest are read unverified.
+        expected_manifest_sha256: as for ``verify_snapshot`` (the announced digest); the directory must
+            then have a manifest.
 
     Returns:
         name -> CPU tensor, in file order.
@@ -109,8 +104,8 @@ def read_snapshot(path: str | os.PathLike, *, verify: bool = True) -> dict[str, 
 
     path = os.fspath(path)
     _check_dir(path)
-    if verify and os.path.exists(os.path.join(path, MANIFEST_NAME)):
-        verify_snapshot(path)
+    if expected_manifest_sha256 is not None or (verify and os.path.exists(os.path.join(path, MANIFEST_NAME))):
+        return _read_verified(path, expected_manifest_sha256)
     out: dict[str, torch.Tensor] = {}
     for fname in _weight_files(path):
         try:
@@ -127,7 +122,104 @@ def read_snapshot(path: str | os.PathLike, *, verify: bool = True) -> dict[str, 
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def _verify_file(path: str, fname: str, fentry: dict, tensors: dict[str, dict]) -> None:
+def _checked_manifest(path: str, expected_manifest_sha256: str | None) -> tuple[dict, str, dict[str, dict[str, dict]]]:
+    """The manifest, its sha256, and file -> {tensor -> entry}; checks what needs no file contents."""
+    data = _read_manifest_bytes(path)
+    digest = hashlib.sha256(data).hexdigest()
+    if expected_manifest_sha256 is not None and digest != expected_manifest_sha256:
+        raise SnapshotError(
+            f"snapshot {path}: {MANIFEST_NAME} has sha256 {digest}, the announcement says "
+            f"{expected_manifest_sha256}; the directory was rewritten or the announcement is stale"
+        )
+    manifest = _parse_manifest(path, data)
+    by_file: dict[str, dict[str, dict]] = {}
+    for tname, entry in manifest["tensors"].items():
+        if entry["file"] not in manifest["files"]:
+            raise SnapshotError(f"snapshot {path}: manifest puts tensor {tname!r} in {entry['file']}, a file it does not list")
+        by_file.setdefault(entry["file"], {})[tname] = entry
+    for fname in os.listdir(path):
+        if fname.endswith(".safetensors") and fname not in manifest["files"]:
+            raise SnapshotError(f"snapshot {path}: {fname} is not in the manifest; a loader would read it")
+    return manifest, digest, by_file
+
+
+_READ_THREADS = 4  # file reads and zlib.crc32 release the GIL
+
+
+def _read_verified(path: str, expected_manifest_sha256: str | None) -> dict[str, torch.Tensor]:
+    t0 = time.perf_counter()
+    manifest, _, by_file = _checked_manifest(path, expected_manifest_sha256)
+
+    def one(item: tuple[str, dict]) -> list[tuple[str, torch.Tensor]]:
+        fname, fentry = item
+        keep = fname.endswith(".safetensors")
+        ranges, data = _verify_file(path, fname, fentry, by_file.get(fname, {}), keep=keep)
+        return [(tname, _tensor_at(data, begin, end, dtype, shape)) for tname, begin, end, dtype, shape in ranges] if keep else []
+
+    files = list(manifest["files"].items())
+    if len(files) > 1:
+        with ThreadPoolExecutor(min(_READ_THREADS, len(files)), thread_name_prefix="wsync-read") as pool:
+            parts = list(pool.map(one, files))
+    else:
+        parts = [one(f) for f in files]
+    out = {name: t for part in parts for name, t in part}
+    log.debug("snapshot %s verified and read: %s in %.2f s", path, fmt_bytes(manifest["total_bytes"]),
+              time.perf_counter() - t0)
+    return out
+
+
+def _tensor_at(data: torch.Tensor, begin: int, end: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    raw = data[begin:end]
+    if begin % dtype.itemsize:  # safetensors aligns its data; a file that does not is copied once more
+        raw = raw.clone()
+    return raw.view(dtype).view(shape)
+
+
+class _Stream:
+    """Byte ranges of an open file, read in chunks (verifying without keeping the bytes)."""
+
+    def __init__(self, f):
+        self.f, self.buf = f, bytearray(_CHUNK)
+
+    def read(self, pos: int, n: int) -> bytes:
+        self.f.seek(pos)
+        return self.f.read(n)
+
+    def crc(self, pos: int, end: int, crcs: list[int]) -> list[int]:
+        # CRC of bytes [pos, end), continuing each running value in crcs.
+        self.f.seek(pos)
+        view = memoryview(self.buf)
+        while pos < end:
+            got = self.f.readinto(view[: min(len(self.buf), end - pos)])
+            if not got:
+                raise SnapshotError(f"unexpected end of file in {self.f.name} at byte {pos}")
+            crcs = [zlib.crc32(view[:got], c) for c in crcs]
+            pos += got
+        return crcs
+
+
+class _Whole:
+    """A whole file mapped into memory (private, copy-on-write), so that the bytes verified are the bytes
+    loaded: the tensors are views of the mapping, and reading costs no copy (as in safetensors' own
+    ``load_file``). Snapshots are never rewritten in place, so the mapping cannot change under them."""
+
+    def __init__(self, f, size: int):
+        if size:
+            self.data = torch.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+        else:
+            self.data = torch.empty(0, dtype=torch.uint8)
+        self.view = memoryview(self.data.numpy())
+
+    def read(self, pos: int, n: int) -> bytes:
+        return bytes(self.view[pos : pos + n])
+
+    def crc(self, pos: int, end: int, crcs: list[int]) -> list[int]:
+        return [zlib.crc32(self.view[pos:end], c) for c in crcs]
+
+
+def _verify_file(path: str, fname: str, fentry: dict, tensors: dict[str, dict], keep: bool = False):
+    """Check one file against its manifest entry. Returns the safetensors tensors' (name, begin, end,
+    dtype, shape), sorted by offset, and with ``keep`` the file's bytes as a uint8 tensor (else None)."""
     full = os.path.join(path, fname)
     try:
         size = os.path.getsize(full)
@@ -138,20 +230,20 @@ def _verify_file(path: str, fname: str, fentry: dict, tensors: dict[str, dict]) 
             f"snapshot {path}: file {fname} has {size} bytes, the manifest says {fentry['bytes']} "
             f"({'truncated' if size < fentry['bytes'] else 'grown'})"
         )
-    buf = bytearray(_CHUNK)
+    ranges = []
     with open(full, "rb") as f:
-        file_crc = 0
+        src = _Whole(f, size) if keep else _Stream(f)
         if fname.endswith(".safetensors"):
-            ranges, head = _check_header(path, fname, f, size, tensors)
+            ranges, head = _check_header(path, fname, src, size, tensors)
             file_crc = zlib.crc32(head)
             pos = len(head)
-            for tname, begin, end in ranges:
+            for tname, begin, end, _, _ in ranges:
                 if begin > pos:
-                    file_crc = _crc_span(f, end=begin, pos=pos, buf=buf, crcs=[file_crc])[0]
+                    file_crc = src.crc(pos, begin, [file_crc])[0]
                 if end - begin < _COMBINE_MIN_BYTES:
-                    file_crc, tcrc = _crc_span(f, end=end, pos=begin, buf=buf, crcs=[file_crc, 0])
+                    file_crc, tcrc = src.crc(begin, end, [file_crc, 0])
                 else:  # one pass over the bytes; the file's CRC is combined arithmetically
-                    (tcrc,) = _crc_span(f, end=end, pos=begin, buf=buf, crcs=[0])
+                    (tcrc,) = src.crc(begin, end, [0])
                     file_crc = _crc32_combine(file_crc, tcrc, end - begin)
                 if _hex(tcrc) != tensors[tname]["checksum"]:
                     raise SnapshotError(
@@ -160,22 +252,23 @@ def _verify_file(path: str, fname: str, fentry: dict, tensors: dict[str, dict]) 
                     )
                 pos = end
             if pos < size:
-                file_crc = _crc_span(f, end=size, pos=pos, buf=buf, crcs=[file_crc])[0]
+                file_crc = src.crc(pos, size, [file_crc])[0]
         else:
-            file_crc = _crc_span(f, end=size, pos=0, buf=buf, crcs=[0])[0]
+            file_crc = src.crc(0, size, [0])[0]
     if _hex(file_crc) != fentry["checksum"]:
         raise SnapshotError(
             f"snapshot {path}: file {fname} has checksum {_hex(file_crc)}, the manifest says "
             f"{fentry['checksum']} (corrupt data)"
         )
+    return ranges, (src.data if keep else None)
 
 
-def _check_header(path: str, fname: str, f, size: int, tensors: dict[str, dict]):
-    raw = f.read(8)
+def _check_header(path: str, fname: str, src, size: int, tensors: dict[str, dict]):
+    raw = src.read(0, 8)
     (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (size,)
     if len(raw) < 8 or n > size - 8:
         raise SnapshotError(f"snapshot {path}: file {fname} has a corrupt safetensors header length")
-    header_bytes = f.read(n)
+    header_bytes = src.read(8, n)
     try:
         header = json.loads(header_bytes)
     except ValueError:
@@ -202,22 +295,12 @@ def _check_header(path: str, fname: str, f, size: int, tensors: dict[str, dict])
         begin, end = (8 + n + int(x) for x in h["data_offsets"])
         if not (8 + n <= begin <= end <= size):
             raise SnapshotError(f"snapshot {path}: tensor {tname!r} in {fname} lies outside the file (truncated)")
-        ranges.append((tname, begin, end))
+        if end - begin != dtype.itemsize * math.prod(want["shape"]):
+            raise SnapshotError(f"snapshot {path}: tensor {tname!r} in {fname} spans {end - begin} bytes, its dtype "
+                                f"and shape need {dtype.itemsize * math.prod(want['shape'])}")
+        ranges.append((tname, begin, end, dtype, list(want["shape"])))
     ranges.sort(key=lambda r: r[1])
     return ranges, raw + header_bytes
-
-
-def _crc_span(f, *, end: int, pos: int, buf: bytearray, crcs: list[int]) -> list[int]:
-    # CRC of bytes [pos, end) of f, continuing each running value in crcs; f is positioned at pos.
-    f.seek(pos)
-    view = memoryview(buf)
-    while pos < end:
-        got = f.readinto(view[: min(len(buf), end - pos)])
-        if not got:
-            raise SnapshotError(f"unexpected end of file in {f.name} at byte {pos}")
-        crcs = [zlib.crc32(view[:got], c) for c in crcs]
-        pos += got
-    return crcs
 
 
 def _weight_files(path: str) -> list[str]:
