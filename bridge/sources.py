@@ -183,12 +183,28 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
         device = torch.device("cuda", torch.cuda.current_device())  # CPU-offloaded shards under NCCL
     send = torch.empty(total, dtype=torch.uint8, device=device)
     for (spec, p), (_, c, row, off) in zip(piece, layout):
-        local = p.detach().to_local().to(device=device, dtype=spec.dtype).contiguous()
+        local = p.detach().to_local()
         expected = max(0, min(c, spec.shape[0] - rank * c))
         assert local.shape[0] == expected, f"{spec.name}: rank {rank} holds {local.shape[0]} rows, chunking says {expected}"
-        send[off : off + local.numel() * spec.dtype.itemsize].copy_(local.reshape(-1).view(torch.uint8))
-    recv = torch.empty(world * total, dtype=torch.uint8, device=device) if rank == dst else None
-    dist.gather(send, list(recv.split(total)) if recv is not None else None, dst=dst, group=group)
+        if local.numel():  # cast, move and pack in one copy
+            send[off : off + local.numel() * spec.dtype.itemsize].view(spec.dtype).view(local.shape).copy_(local)
+    if rank != dst:
+        dist.gather(send, None, dst=dst, group=group)
+        return
+    if out is not None and len(piece) == 1 and out.device == device:
+        # One parameter: rank r's rows are one contiguous span of the bucket, so they land there directly.
+        # A last rank with fewer rows than the others (its chunk is padded) lands in a scratch tensor.
+        spec, c, row, _ = layout[0]
+        base = offsets[spec.name]
+        spans = [(base + r * c * row, max(0, min(c, spec.shape[0] - r * c)) * row) for r in range(world)]
+        recv = [out[b : b + total] if n == total else torch.empty(total, dtype=torch.uint8, device=device) for b, n in spans]
+        dist.gather(send, recv, dst=dst, group=group)
+        for (b, n), buf in zip(spans, recv):
+            if n != total and n:
+                out[b : b + n].copy_(buf[:n])
+        return
+    recv = torch.empty(world * total, dtype=torch.uint8, device=device)
+    dist.gather(send, list(recv.split(total)), dst=dst, group=group)
     del send
     if out is None:
         return
