@@ -185,6 +185,15 @@ class ServerClient:
             self._load_server_info()
         return bool((self._info or {}).get("wsync_reference_server"))
 
+    @property
+    def disk_roots(self) -> list[str] | None:
+        """The directories a reference server loads snapshots from (``wsync_disk_roots`` in its server
+        info, resolved); None for real SGLang, which loads any directory it can read."""
+        if self._info is None:
+            self._load_server_info()
+        roots = (self._info or {}).get("wsync_disk_roots")
+        return [str(r) for r in roots] if isinstance(roots, list) else None
+
     def claim_run(self, run_id: str | None, new_run: bool = False) -> None:
         """Say which run the weight-changing requests that follow belong to (project fields).
 

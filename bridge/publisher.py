@@ -111,7 +111,9 @@ class PublisherConfig:
     """Name-resolution URL for disk: ``etcd://host:port``, ``file:///path`` or ``memory://``.
     Default: a directory under the system temp folder, the same one ``wsync watch`` follows."""
     snapshot_root: str | None = None
-    """Directory that receives one ``v<version>`` snapshot per version (disk). Default: a temp dir."""
+    """Directory that receives one ``v<version>`` snapshot per version (disk); one per trial, since old
+    versions in it are garbage-collected. Default: ``<temp>/wsync-snapshots/<experiment>/<trial>``, under
+    the reference server's default ``--disk-root``."""
     keep_snapshots: int = 3
     """Snapshots kept on disk (the newest ones); older ones are garbage-collected."""
     bucket_mb: float = field(default_factory=_default_bucket_mb)

@@ -210,7 +210,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
             "tokenizer_path": state.tokenizer_path, "served_model_name": state.served_model_name,
             "weight_version": state.version, "dtype": str(state.dtype).removeprefix("torch."),
             "context_length": state.context_length, "startup_time": started, "wsync_reference_server": True,
-            "internal_states": [state.internal_state()],
+            "wsync_disk_roots": state.disk_roots, "internal_states": [state.internal_state()],
         }
 
     @app.get("/v1/models")

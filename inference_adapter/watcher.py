@@ -233,13 +233,13 @@ class DiskWatcher:
             invalid = [(target, err) for target, err in results if getattr(err, "reason", None) == SNAPSHOT_INVALID]
             if invalid and not ok:  # the servers' own check of the snapshot, as verify_snapshot's above
                 return self._refuse(ann, "; ".join(f"{target} found: {getattr(err, 'message', err)}" for target, err in invalid))
+            # The reference server stages a load and applies all of it or nothing; SGLang loads in place.
+            after = ("It keeps its weights; the next version is tried" if servers_verify else
+                     "A failed disk load may leave a server's weights undefined: it is retried with the next "
+                     "version; restart it if it keeps failing")
             for target, err in results:
                 if err is not None:
-                    log.error(
-                        "%s failed to load version %d from %s: %s. A failed disk load may leave a server's "
-                        "weights undefined: it is retried with the next version; restart it if it keeps failing",
-                        target, v, ann.path, err,
-                    )
+                    log.error("%s failed to load version %d from %s: %s. %s", target, v, ann.path, err, after)
             if not ok:
                 return "failed"
             with self._cond:

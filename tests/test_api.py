@@ -129,3 +129,31 @@ def test_bad_version_values():
     for bad in (-1, 1.5, "3", True):
         with pytest.raises(VersionError):
             pub.publish(torch.nn.Linear(1, 1), version=bad)
+
+
+def test_two_trials_on_the_default_snapshot_root_do_not_collide(model, tmp_path):
+    """Each trial gets its own folder under <temp>/wsync-snapshots: one trial's garbage collection or
+    version numbers never touch another's announced snapshots."""
+    import os
+    import shutil
+    import uuid
+
+    from bridge.publisher import default_snapshot_root
+    from bridge.snapshot import verify_snapshot
+
+    experiment = f"api-{uuid.uuid4().hex[:8]}"
+    paths = {}
+    try:
+        for trial in ("a", "b"):
+            cfg = PublisherConfig(transport="disk", name_resolve=f"file://{tmp_path / 'nr'}", experiment=experiment,
+                                  trial=trial, keep_snapshots=1, progress=False)
+            with WeightPublisher(cfg) as pub:
+                paths[trial] = [pub.publish(model, version=v).path for v in (1, 2)]
+        assert paths["a"][-1] == os.path.join(default_snapshot_root(experiment, "a"), "v2")
+        assert paths["a"][-1] != paths["b"][-1]
+        for trial in ("a", "b"):  # each trial's newest announced version is still there, intact
+            verify_snapshot(paths[trial][-1])
+        with pytest.raises(ConfigError, match="snapshot folder"):
+            default_snapshot_root(experiment, "..")
+    finally:
+        shutil.rmtree(os.path.join(default_snapshot_root(), experiment), ignore_errors=True)

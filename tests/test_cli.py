@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -30,7 +31,8 @@ def test_help_explains_every_command():
         assert "--" in sub.stdout  # flags are listed with their help
         if name == "train":  # where the disk transport's state lives
             text = " ".join(sub.stdout.split())
-            assert f"(default: {DEFAULT_URL})" in text and f"(default: {default_snapshot_root()})" in text
+            root = os.path.join(default_snapshot_root(), "<experiment>", "<trial>")
+            assert f"(default: {DEFAULT_URL})" in text and f"(default: {root})" in text
 
 
 def test_make_model_writes_a_loadable_hf_directory(tmp_path):

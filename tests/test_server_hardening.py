@@ -23,8 +23,8 @@ import requests
 import torch
 
 from bridge.client import ServerClient
-from bridge.errors import ServerError
-from tests.fixtures_server import Trainer, random_weights
+from bridge.errors import ConfigError, ServerError
+from tests.fixtures_server import Trainer, local_model, random_weights
 
 PROMPT = [5, 72, 101, 108, 108, 111, 44, 32]
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -326,6 +326,18 @@ def test_by_default_only_the_wsync_snapshot_root_and_the_model_directory_load(se
         assert served(srv.client)["checksums"] == before["checksums"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    # A publisher whose snapshot root the server does not load from fails before writing anything,
+    # naming the fix, instead of waiting wait_loaded_timeout for a load that cannot happen.
+    from bridge import PublisherConfig, WeightPublisher
+
+    outside = tmp_path / "pub"
+    cfg = PublisherConfig(transport="disk", servers=[srv.url], name_resolve=f"file://{tmp_path / 'nr'}",
+                          snapshot_root=str(outside), new_run=True, progress=False)
+    t0 = time.monotonic()
+    with WeightPublisher(cfg) as pub, pytest.raises(ConfigError, match="--disk-root") as e:
+        pub.publish(local_model(random_weights(seed=53)), version=53)
+    assert time.monotonic() - t0 < 20 and str(outside) in str(e.value)
+    assert not [d for d in os.listdir(outside) if not d.startswith("name_resolve")] and served(srv.client)["version"] == "52"
 
 
 def test_manifest_entries_that_leave_the_snapshot_are_refused(client, roots):

@@ -15,7 +15,7 @@ from bridge.errors import ConfigError, ServerError
 from wsync.launch import run_ranks, under_torchrun
 
 # The publisher's default snapshot folder (bridge.publisher.default_snapshot_root), shown in --help.
-_DEFAULT_SNAPSHOT_ROOT = os.path.join(tempfile.gettempdir(), "wsync-snapshots")
+_DEFAULT_SNAPSHOT_ROOT = os.path.join(tempfile.gettempdir(), "wsync-snapshots", "<experiment>", "<trial>")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--name-resolve", metavar="URL", default=DEFAULT_URL,
                    help="disk transport: where versions are announced: etcd://host:port, file:///path or memory://")
-    p.add_argument("--snapshot-root", metavar="DIR", default=_DEFAULT_SNAPSHOT_ROOT,
-                   help="disk transport: where version directories are written")
+    p.add_argument("--snapshot-root", metavar="DIR", default=None,
+                   help="disk transport: where version directories are written, one folder per trial (old versions "
+                        f"in it are removed) (default: {_DEFAULT_SNAPSHOT_ROOT})")
     p.add_argument("--experiment", default="default", help="experiment name in announcement keys")
     p.add_argument("--trial", default="trial0", help="trial name in announcement keys")
     p.add_argument("--start-version", type=int, metavar="N",

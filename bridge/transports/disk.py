@@ -62,8 +62,17 @@ UNREACHABLE_GRACE_S = 3.0
 """A server that refuses connections for this long while we wait for it to load is reported dead."""
 
 
-def default_snapshot_root() -> str:
-    return os.path.join(tempfile.gettempdir(), "wsync-snapshots")
+def default_snapshot_root(experiment: str | None = None, trial: str | None = None) -> str:
+    """``<temp>/wsync-snapshots``, the reference server's default ``--disk-root``; with ``experiment`` and
+    ``trial``, the publisher's default snapshot root, one folder per trial under it (versions are
+    ``v<N>`` directories and old ones are collected, so two trials must never share a root)."""
+    base = os.path.join(tempfile.gettempdir(), "wsync-snapshots")
+    if experiment is None and trial is None:
+        return base
+    for what, name in (("experiment", experiment), ("trial", trial)):
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name:
+            raise ConfigError(f"{what} {name!r} cannot name a snapshot folder; use a name without '/' that is not '.' or '..'")
+    return os.path.join(base, experiment, trial)
 
 
 class DiskTransport(Transport):
@@ -74,7 +83,7 @@ class DiskTransport(Transport):
 
         super().__init__(config)
         self.servers = servers
-        self.root = config.snapshot_root or default_snapshot_root()
+        self.root = config.snapshot_root or default_snapshot_root(config.experiment, config.trial)
         # The same default as `wsync watch`, so a trainer and a watcher on one machine meet with no flags.
         self.url = config.name_resolve or DEFAULT_URL
         self.names = names
@@ -111,11 +120,25 @@ class DiskTransport(Transport):
             )
         if self.config.wait_loaded and self.servers is not None:
             self.servers.model_info()  # a server that is down fails the publish before anything is written
+            self._check_disk_roots()
         self.writer = SnapshotWriter(
             self.root, plan.version, config=_model_config(plan.source), tokenizer=getattr(plan.source, "tokenizer", None),
             dtype=dtype_from_str(self.config.serving_dtype), max_shard_bytes=max(1, self.config.bucket_bytes),
         )
         self._t_write = time.perf_counter()
+
+    def _check_disk_roots(self) -> None:
+        """A reference server loads only from its ``--disk-root`` directories: a snapshot root outside them
+        fails here, before anything is written, instead of at the end of ``wait_loaded_timeout``."""
+        root = os.path.realpath(self.root)
+        for c in self.servers.clients:
+            roots = c.disk_roots  # None: real SGLang, which loads any directory it can read
+            if roots and not any(root == r or root.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+                raise ConfigError(
+                    f"{c.url} loads snapshots only from {', '.join(roots)} (its --disk-root), and the snapshot root "
+                    f"{self.root} is outside: start the server with --disk-root {self.root}, or publish under "
+                    "one of those directories (snapshot_root, wsync train --snapshot-root)"
+                )
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
         # The writer holds these views of ``buf`` until their shard is written (at the next bucket at
