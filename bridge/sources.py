@@ -128,6 +128,7 @@ def _row_sharded(p: torch.Tensor, world: int) -> bool:
     return mesh.ndim == 1 and mesh.size() == world and tuple(p.placements) == (Shard(0),)
 
 
+@torch.no_grad()  # no autograd bookkeeping: DTensor.to_local() costs ~2 us instead of ~19 us per parameter
 def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: Bucket, out: torch.Tensor | None,
                        piece_bytes: int | None = None, group: dist.ProcessGroup | None = None, dst: int = 0) -> None:
     """Collective: fill rank ``dst``'s ``out`` (the bucket's uint8 wire buffer) with the full parameters.
@@ -162,7 +163,7 @@ def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: 
             size += padded
             continue
         flush()
-        full = p.detach().to(spec.dtype)
+        full = p.to(spec.dtype)
         full = full.full_tensor() if isinstance(full, DTensor) else full
         if out is not None:
             out[offsets[spec.name] : offsets[spec.name] + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(full)
@@ -178,12 +179,12 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
         c = -(-spec.shape[0] // world)
         layout.append((spec, c, row, total))
         total += c * row
-    device = piece[0][1].to_local().device
+    device = piece[0][1].to_local().device  # (gather_bucket_into runs under no_grad)
     if dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # CPU-offloaded shards under NCCL
     send = torch.empty(total, dtype=torch.uint8, device=device)
     for (spec, p), (_, c, row, off) in zip(piece, layout):
-        local = p.detach().to_local()
+        local = p.to_local()
         expected = max(0, min(c, spec.shape[0] - rank * c))
         assert local.shape[0] == expected, f"{spec.name}: rank {rank} holds {local.shape[0]} rows, chunking says {expected}"
         if local.numel():  # cast, move and pack in one copy
@@ -216,6 +217,7 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
                 out[base + r * c * row : base + r * c * row + n].copy_(recv[r * total + off : r * total + off + n])
 
 
+@torch.no_grad()
 def local_digest(named: Iterable[tuple[str, torch.Tensor]]) -> int:
     """CRC32 of this rank's own bytes of every tensor (its FSDP2 shard, or the whole tensor), in order.
 
@@ -225,9 +227,8 @@ def local_digest(named: Iterable[tuple[str, torch.Tensor]]) -> int:
     """
     crc = 0
     for name, t in named:
-        local = t.detach()
-        local = local.to_local() if isinstance(local, DTensor) else local
-        local = local.contiguous()
+        local = t.to_local() if isinstance(t, DTensor) else t  # a DTensor's detach() costs ~19 us, a tensor's ~1
+        local = local.detach().contiguous()
         if local.device.type != "cpu":
             local = local.cpu()
         crc = zlib.crc32(name.encode(), crc)
