@@ -24,6 +24,9 @@ Routes beyond SGLang's (project extensions, safe to ignore):
     routes and ``/update_weight_version``: without a new run (a run id other than the served run's, or
     ``wsync_new_run=true``) a version older than the served one is refused; ``--allow-version-rollback``
     turns that off. Real SGLang ignores these fields.
+    ``/get_server_info`` (and ``/server_info``) add ``wsync_reference_server: true`` and
+    ``wsync_disk_roots`` (the resolved directories disk loads may come from), so that clients can tell
+    this server from SGLang and a disk publisher can refuse a snapshot root it would not load.
     Field ``wsync_manifest_sha256`` on ``/update_weights_from_disk``: the announced manifest digest; a
     snapshot is verified against it in the pass that reads it, and a failed check answers 400 with
     ``wsync_reason: snapshot_invalid`` (the disk watcher then falls back to an older announced version).
