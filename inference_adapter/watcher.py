@@ -273,7 +273,7 @@ class DiskWatcher:
             return False
         try:
             return all(getattr(c, "is_reference_server", False) for c in self._group.clients)
-        except Exception as e:  # a server that cannot say: verify here, and let its load request report it
+        except BridgeError as e:  # a server that cannot say: verify here, and let its load request report it
             log.debug("cannot tell whether every server verifies snapshots (%s); verifying here", e)
             return False
 
