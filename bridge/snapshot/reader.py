@@ -62,8 +62,7 @@ def verify_snapshot(path: str | os.PathLike, expected_manifest_sha256: str | Non
     t0 = time.perf_counter()
     path = os.fspath(path)
     manifest, digest, by_file = _checked_manifest(path, expected_manifest_sha256)
-    for fname, fentry in manifest["files"].items():
-        _verify_file(path, fname, fentry, by_file.get(fname, {}))
+    _each_file(manifest, lambda fname, fentry: _verify_file(path, fname, fentry, by_file.get(fname, {})))
     seconds = time.perf_counter() - t0
     total = manifest["total_bytes"]
     log.debug("snapshot %s verified: %s in %.2f s", path, fmt_bytes(total), seconds)
@@ -150,22 +149,25 @@ def _read_verified(path: str, expected_manifest_sha256: str | None) -> dict[str,
     t0 = time.perf_counter()
     manifest, _, by_file = _checked_manifest(path, expected_manifest_sha256)
 
-    def one(item: tuple[str, dict]) -> list[tuple[str, torch.Tensor]]:
-        fname, fentry = item
+    def one(fname: str, fentry: dict) -> list[tuple[str, torch.Tensor]]:
         keep = fname.endswith(".safetensors")
         ranges, data = _verify_file(path, fname, fentry, by_file.get(fname, {}), keep=keep)
         return [(tname, _tensor_at(data, begin, end, dtype, shape)) for tname, begin, end, dtype, shape in ranges] if keep else []
 
-    files = list(manifest["files"].items())
-    if len(files) > 1:
-        with ThreadPoolExecutor(min(_READ_THREADS, len(files)), thread_name_prefix="wsync-read") as pool:
-            parts = list(pool.map(one, files))
-    else:
-        parts = [one(f) for f in files]
-    out = {name: t for part in parts for name, t in part}
+    out = {name: t for part in _each_file(manifest, one) for name, t in part}
     log.debug("snapshot %s verified and read: %s in %.2f s", path, fmt_bytes(manifest["total_bytes"]),
               time.perf_counter() - t0)
     return out
+
+
+def _each_file(manifest: dict, fn) -> list:
+    """``fn(name, entry)`` for every file of the manifest, a few files at a time; results in manifest order.
+    The first error raised is raised here (the other files' checks still finish)."""
+    files = list(manifest["files"].items())
+    if len(files) <= 1:
+        return [fn(*f) for f in files]
+    with ThreadPoolExecutor(min(_READ_THREADS, len(files)), thread_name_prefix="wsync-read") as pool:
+        return list(pool.map(lambda f: fn(*f), files))
 
 
 def _tensor_at(data: torch.Tensor, begin: int, end: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
