@@ -43,7 +43,7 @@ from bridge.errors import (
 )
 from bridge.log import get_logger
 
-__all__ = ["Agreement", "StepFailed", "describe"]
+__all__ = ["Agreement", "StepFailed", "describe", "note_failure_time"]
 
 logger = get_logger(__name__)
 
@@ -59,7 +59,7 @@ class StepFailed:
     """One rank's failure in one step, as it travels to the other ranks."""
 
     def __init__(self, rank: int, step: str, error: BaseException):
-        self.rank, self.step, self.at = rank, step, time.time()
+        self.rank, self.step, self.at = rank, step, getattr(error, _FAILED_AT, None) or time.time()
         self.kind = type(error).__name__
         self.message = describe(error)
         self.traceback = "".join(traceback.format_exception(error))
@@ -70,6 +70,19 @@ class StepFailed:
         if cls is not None:
             return cls(f"{self.message} (rank {self.rank}, {self.step})")
         return SyncError(f"rank {self.rank} failed at {self.step}: {self.kind}: {self.message}")
+
+
+_FAILED_AT = "wsync_failed_at"
+
+
+def note_failure_time(error: BaseException) -> None:
+    """Record when ``error`` happened, for a rank that does clean-up before the step's exchange: the
+    errors that clean-up causes on other ranks must not look earlier than their cause."""
+    if getattr(error, _FAILED_AT, None) is None:
+        try:
+            setattr(error, _FAILED_AT, time.time())
+        except AttributeError:  # an exception type that takes no attributes: its creation time will do
+            pass
 
 
 def describe(error: BaseException) -> str:

@@ -4,9 +4,10 @@ The fault tests make a sync fail at a chosen step, on a chosen rank, with an exc
 type, in real processes: ``WSYNC_FAILPOINTS="commit@0=RuntimeError"`` makes rank 0 raise
 ``RuntimeError`` when it reaches the ``commit`` step; several entries are separated by commas, and
 ``bucket:2@1=OSError`` names the third bucket on rank 1. The points are the steps of the sync
-lifecycle (see :mod:`bridge.transports.base`): ``prepare``, ``begin``, ``bucket:<k>``, ``commit``, and
-``write:<k>``: inside the disk transport's write of shard ``k`` by the rank that owns it, after the
-file was created.
+lifecycle (see :mod:`bridge.transports.base`): ``prepare``, ``begin``, ``bucket:<k>``, ``commit``;
+``gather``: inside a bucket's flat gather, after this rank packed its shards and before it joins the
+collective the other ranks are already waiting in; and ``write:<k>``: inside the disk transport's
+write of shard ``k`` by the rank that owns it, after the file was created.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.agreement import Agreement
+from bridge.agreement import Agreement, note_failure_time
 from bridge.buckets import Bucket, pack_one, plan_buckets
 from bridge.errors import BridgeError, ConfigError, VersionError
 from bridge.failpoints import failpoint
@@ -411,6 +411,17 @@ class WeightPublisher:
 
         shards = self._shards
 
+        def gather(k: int, bucket: Bucket, buf: torch.Tensor | None, dst: int) -> None:
+            try:
+                _gather_into(plan.source, bucket, buf, self._gather_group, dst)
+            except Exception as e:
+                # Failed inside the collective: leave the group now. Under gloo the ranks waiting in this
+                # gather with us get "connection closed" at once instead of waiting group_timeout, and do
+                # the same in turn; the agreement then names this rank's error, which came first.
+                note_failure_time(e)
+                self._drop_gather_group()
+                raise
+
         def one(k: int, bucket: Bucket) -> None:
             # With per-rank disk writers the bucket goes to the rank that writes it, else to rank 0.
             dst = shards.owner(k) if shards is not None and self._targets else 0
@@ -422,9 +433,9 @@ class WeightPublisher:
             except Exception:
                 # Still take part in the bucket's gathers (receiving nothing), so the other ranks are
                 # not left waiting in them for group_timeout; the agreement then fails the step at once.
-                _gather_into(plan.source, bucket, None, self._gather_group, dst)
+                gather(k, bucket, None, dst)
                 raise
-            _gather_into(plan.source, bucket, buf, self._gather_group, dst)
+            gather(k, bucket, buf, dst)
             if shards is not None:
                 if self._rank == dst:
                     shards.send(k, bucket, buf)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from bridge.buckets import Bucket
+from bridge.failpoints import failpoint
 from bridge.tensors import ParamSpec
 
 __all__ = ["ModuleSource", "WeightSource", "as_source", "gather_bucket_into", "local_digest", "tied_embedding_names"]
@@ -189,6 +190,7 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
         assert local.shape[0] == expected, f"{spec.name}: rank {rank} holds {local.shape[0]} rows, chunking says {expected}"
         if local.numel():  # cast, move and pack in one copy
             send[off : off + local.numel() * spec.dtype.itemsize].view(spec.dtype).view(local.shape).copy_(local)
+    failpoint("gather", rank)  # (fault tests: the other ranks are already waiting in this gather)
     if rank != dst:
         dist.gather(send, None, dst=dst, group=group)
         return

@@ -7,7 +7,7 @@ with failpoints (``WSYNC_FAILPOINTS``, :mod:`bridge.failpoints`) at a chosen ste
 type, or made for real: a killed rank, a stopped server, a server that refuses, a full shared memory.
 
 Read top to bottom, this is the list:
-1. any exception, on rank 0 or rank 1, at prepare / begin / a bucket / commit, for broadcast,
+1. any exception, on rank 0 or rank 1, at prepare / begin / a bucket / inside a gather / commit, for broadcast,
    colocated and disk; and the same version with other weights (refused before any byte moves);
 2. a server that refuses to pause: the other servers are resumed;
 3. a non-zero rank killed mid-sync: rank 0 fails within the bound and the server is resumed;
@@ -43,6 +43,7 @@ FAULTS = [
     ("begin", 1, "RuntimeError"),
     ("bucket:1", 0, "MemoryError"),
     ("bucket:1", 1, "RuntimeError"),
+    ("gather", 1, "RuntimeError"),  # inside the collective: rank 0 already waits in it
     ("commit", 0, "ValueError"),
     ("commit", 1, "OSError"),
 ]
