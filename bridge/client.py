@@ -142,11 +142,11 @@ class ServerClient:
         except ValueError:
             data = None
         if not 200 <= r.status_code < 300:
-            if isinstance(data, dict) and data.get("wsync_reason") == VERSION_GOES_BACK:
+            reason = data.get("wsync_reason") if isinstance(data, dict) else None
+            if reason == VERSION_GOES_BACK:
                 raise VersionError(
                     f"{self.url}{route}: {_message(data, r)} (a trainer starts a new run with "
                     "PublisherConfig(new_run=True), `wsync train --new-run`, or another experiment/trial)")
-            reason = data.get("wsync_reason") if isinstance(data, dict) else None
             raise ServerError(self.url, _message(data, r), r.status_code, route, reason=reason if isinstance(reason, str) else None)
         if check_success and isinstance(data, dict) and data.get("success") is False:
             raise ServerError(self.url, _message(data, r), r.status_code, route)

@@ -411,7 +411,7 @@ class WeightPublisher:
 
         shards = self._shards
 
-        def gather(k: int, bucket: Bucket, buf: torch.Tensor | None, dst: int) -> None:
+        def gather(bucket: Bucket, buf: torch.Tensor | None, dst: int) -> None:
             try:
                 _gather_into(plan.source, bucket, buf, self._gather_group, dst)
             except Exception as e:
@@ -433,9 +433,9 @@ class WeightPublisher:
             except Exception:
                 # Still take part in the bucket's gathers (receiving nothing), so the other ranks are
                 # not left waiting in them for group_timeout; the agreement then fails the step at once.
-                gather(k, bucket, None, dst)
+                gather(bucket, None, dst)
                 raise
-            gather(k, bucket, buf, dst)
+            gather(bucket, buf, dst)
             if shards is not None:
                 if self._rank == dst:
                     shards.send(k, bucket, buf)

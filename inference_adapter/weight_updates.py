@@ -606,6 +606,7 @@ def _checked_checkpoint_dir(path: str, roots: list[str], keep: str) -> str:
     not a regular file (a FIFO would block the reader forever) or, for JSON, is implausibly large.
     """
     from bridge.snapshot import INDEX_NAME, MANIFEST_NAME
+    from bridge.snapshot.manifest import under_roots
 
     def refuse(why: str) -> RequestError:
         return RequestError(f"Failed to get weights iterator: {why}.{keep}")
@@ -617,7 +618,7 @@ def _checked_checkpoint_dir(path: str, roots: list[str], keep: str) -> str:
         raise refuse(f"model_path {path!r} is not a usable path ({e})") from None
     if not is_dir:
         raise refuse(f"{path} does not exist or is not a directory")
-    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+    if not under_roots(real, roots):
         raise refuse(f"{path} (resolved: {real}) is outside the directories this server loads from ({', '.join(roots)}); "
                      "start the server with --disk-root naming the snapshot root")
     names = set(os.listdir(real))

@@ -85,6 +85,13 @@ def snapshot_dir(root: str | os.PathLike, version: int) -> str:
     return os.path.join(os.fspath(root), f"v{_check_version(version)}")
 
 
+def under_roots(real: str, roots: list[str]) -> bool:
+    """True when the resolved path ``real`` is one of ``roots`` (resolved directories) or lies below one:
+    the rule for what a reference server loads (its ``--disk-root``), as the server and a publisher
+    apply it."""
+    return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
 def shard_name(i: int, n: int) -> str:
     """The HF file name of shard ``i`` (1-based) of ``n``: ``model.safetensors`` when ``n == 1``, else
     ``model-0000i-of-0000n.safetensors``."""

@@ -130,10 +130,12 @@ class DiskTransport(Transport):
     def _check_disk_roots(self) -> None:
         """A reference server loads only from its ``--disk-root`` directories: a snapshot root outside them
         fails here, before anything is written, instead of at the end of ``wait_loaded_timeout``."""
+        from bridge.snapshot.manifest import under_roots
+
         root = os.path.realpath(self.root)
         for c in self.servers.clients:
             roots = c.disk_roots  # None: real SGLang, which loads any directory it can read
-            if roots and not any(root == r or root.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+            if roots and not under_roots(root, roots):
                 raise ConfigError(
                     f"{c.url} loads snapshots only from {', '.join(roots)} (its --disk-root), and the snapshot root "
                     f"{self.root} is outside: start the server with --disk-root {self.root}, or publish under "
