@@ -99,8 +99,8 @@ def parse_version(version: str) -> tuple[int, int, int]:
 class ProtocolFeatures:
     """What a server speaking SGLang version ``version`` supports.
 
-    Every gate was read in SGLang's own source of the releases named and, where they import on CPU
-    (0.4.9, 0.5.6, 0.5.23), pinned by running that release's code (``tests/test_sglang_code.py``);
+    Every gate is pinned by running SGLang's own code of the release on either side of it
+    (``tests/test_sglang_versions.py``; ``scripts/install_sglang.sh`` lists the releases);
     ``shared/docs/sglang-protocol.md`` section 9 is older than these and wrong on several of them.
     """
 
@@ -122,20 +122,27 @@ class ProtocolFeatures:
     batched_distributed: bool
     """>= 0.4.9: ``/update_weights_from_distributed`` takes lists (names/dtypes/shapes), not one tensor."""
     get_weight_version_route: bool
-    """0.5.1 <= v < 0.5.9: ``/get_weight_version`` answers (an alias of ``/weight_version`` in 0.5.6; gone by 0.5.9)."""
+    """0.5.1 <= v < 0.5.8: ``/get_weight_version`` answers (an alias of ``/weight_version`` in 0.5.6-0.5.7; from 0.5.8
+    both answer 404, "deprecated")."""
     info_routes: bool
     """>= 0.5.6: ``/server_info`` and ``/model_info``; older servers have only ``/get_server_info`` and
     ``/get_model_info`` (which 0.5.6+ keep as aliases)."""
     flush_asserts: bool
-    """0.4.9 <= v < 0.5.22: a flush refused because requests are in flight (``pause_generation`` in place)
-    trips an assert in the scheduler and the server dies; 0.5.22+ fail the update instead. Either way an
-    update must not ask for a flush while generations are paused in place."""
+    """v < 0.5.22: the scheduler's update handlers ``assert flush_cache_success`` after an update with
+    ``flush_cache``, and the flush is refused while a request is running, so a refused flush kills the
+    server; 0.5.22+ fail the update instead ("the cache was not flushed"). Read in SGLang's source of
+    0.4.9, 0.4.10, 0.5.1-0.5.3, 0.5.5-0.5.10, 0.5.15, 0.5.19-0.5.21 (assert) and 0.5.22, 0.5.23 (fail).
+    Only 0.5.6+ can pause ``in_place`` (older pauses abort every request), which keeps requests running:
+    an update asking for a flush while paused in place kills 0.5.6-0.5.21 and fails on 0.5.22+. Either
+    way an update must not ask for a flush while generations are paused in place, and the client never
+    does (:meth:`bridge.client.ServerClient.pause_generation`)."""
 
     @property
     def version_lost_when_paused(self) -> bool:
-        """0.5.1 <= v < 0.5.9: an update sent while the server is paused returns before the tokenizer side
-        records its ``weight_version`` (seen running 0.5.6's code); the client then sets it explicitly."""
-        return self.weight_version and self.release < (0, 5, 9)
+        """0.5.6 only: an update sent while the server is paused returns before the tokenizer side records its
+        ``weight_version`` (0.5.1-0.5.5 record it in the HTTP route, 0.5.7 fixed the tokenizer side); the client
+        then sets it explicitly."""
+        return (0, 5, 6) <= self.release < (0, 5, 7)
 
     @classmethod
     def from_version(cls, version: str) -> ProtocolFeatures:
@@ -149,7 +156,7 @@ class ProtocolFeatures:
             pause_mode=r >= (0, 5, 6),
             weight_version=r >= (0, 5, 1),
             batched_distributed=r >= (0, 4, 9),
-            get_weight_version_route=(0, 5, 1) <= r < (0, 5, 9),
+            get_weight_version_route=(0, 5, 1) <= r < (0, 5, 8),
             info_routes=r >= (0, 5, 6),
             flush_asserts=r < (0, 5, 22),
         )

@@ -323,7 +323,7 @@ class WeightUpdateMixin:
                     raise _WireError(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
                 if flattened and not self.features.flattened_bucket:
                     raise _WireError(
-                        f"load_format 'flattened_bucket' needs SGLang >= 0.5.10; this server speaks {self.features.version}"
+                        f"load_format 'flattened_bucket' needs SGLang >= 0.5.6; this server speaks {self.features.version}"
                     )
                 specs = _wire_specs(names, dtypes, shapes)
             except _WireError as e:

@@ -81,7 +81,7 @@ def test_sync_into_two_servers_after_every_step(servers):
     _assert_all_synced(rank0, urls, 2)
 
 
-def test_per_tensor_mode_for_servers_older_than_0_5_10(servers):
+def test_per_tensor_mode_for_servers_older_than_0_5_6(servers):
     urls = [servers[2].url]
     rank0, _ = run_ranks(_train_and_publish, 2, args=(urls, 2, "auto"), timeout=240)
     _assert_all_synced(rank0, urls, 2)

@@ -34,8 +34,10 @@ PROMPT = [5, 72, 101, 108, 108, 111]
         ("0.5.20", (0, 5, 20), dict(needs_session=False, flattened_bucket=True)),
         ("0.5.10.post1", (0, 5, 10), dict(needs_session=False, flattened_bucket=True, pause_mode=True, get_weight_version_route=False)),
         ("0.5.9", (0, 5, 9), dict(flattened_bucket=True, pause_mode=True, destroy_group=True, get_weight_version_route=False)),
-        # 0.5.6: /server_info, /model_info, load_format and the pause mode all start here (SGLang's source).
-        ("0.5.6", (0, 5, 6), dict(info_routes=True, flattened_bucket=True, pause_mode=True, get_weight_version_route=True)),
+        # 0.5.6: /server_info, /model_info, load_format and the pause mode all start here (SGLang's source);
+        # its update handlers still assert the flush, so a flush while paused in place kills it.
+        ("0.5.6", (0, 5, 6), dict(info_routes=True, flattened_bucket=True, pause_mode=True, get_weight_version_route=True,
+                                  flush_asserts=True)),
         ("0.5.5", (0, 5, 5), dict(info_routes=False, flattened_bucket=False, pause_mode=False, weight_version=True)),
         ("0.5.2", (0, 5, 2), dict(destroy_group=False, weight_version=True, get_weight_version_route=True, batched_distributed=True)),
         ("0.5.1", (0, 5, 1), dict(weight_version=True, get_weight_version_route=True, info_routes=False)),
@@ -50,6 +52,21 @@ def test_protocol_features(version, release, flags):
     assert f.release == release and f.version == version
     for k, v in flags.items():
         assert getattr(f, k) is v, k
+
+
+def test_the_sglang_extra_asks_for_the_oldest_release_the_colocated_transport_takes():
+    """``pip install "wsync[sglang]"`` is for the trainer host's colocated transport (and for launching real
+    SGLang, which the client speaks from 0.4.9): its lower bound is the colocated transport's minimum."""
+    import pathlib
+    import re
+
+    from bridge.transports import cuda_ipc
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()  # no tomllib on 3.10
+    m = re.search(r'^sglang = \["sglang>=([0-9.]+)"\]$', text, re.M)
+    assert m, "pyproject.toml: the sglang extra is not one 'sglang>=X' requirement"
+    assert parse_version(m.group(1)) == cuda_ipc.MIN_RELEASE, (m.group(0), cuda_ipc.MIN_RELEASE)
+    assert ProtocolFeatures.from_version(m.group(1)).flattened_bucket
 
 
 def test_parse_version_refuses_garbage():

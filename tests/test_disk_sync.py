@@ -94,19 +94,41 @@ def test_disk_sync_on_directory_backend(server, tmp_path):
 
 
 def test_disk_sync_on_etcd_survives_an_etcd_restart(server, etcd_server, tmp_path):
+    """README: "an etcd restart between publishes loses nothing": the announcement of v10, made before the
+    restart, reads back the same after it (from a client that connects after the restart), and the
+    trainer and watcher go on with v11 and v12."""
+    from bridge.name_resolve import Announcement, make_name_resolve, names
+
     etcd = etcd_server
     handshake = str(tmp_path / "hs")
+    key10 = names.update_weights_from_disk("e2e", "t0", 10)
+    read: dict[str, str] = {}
+
+    def read_key(when: str) -> None:
+        with make_name_resolve(etcd.url) as nr:  # a new client each time: what etcd itself holds
+            read[when] = nr.get(key10)
 
     def restart_between_publishes():
         deadline = time.monotonic() + 200
         while not os.path.exists(handshake + ".ready"):
             assert time.monotonic() < deadline, "trainer never reached the restart point"
             time.sleep(0.05)
-        etcd.restart()
-        open(handshake + ".go", "w").close()
+        try:
+            read_key("before")
+            etcd.restart()
+            read_key("after")
+        finally:
+            open(handshake + ".go", "w").close()  # the trainer goes on (and the test fails) whatever was read
 
     rank0, watcher = _run(server.url, etcd.url, str(tmp_path / "snap"), [10, 11, 12], handshake, restart_between_publishes)
     _assert_loaded(rank0, server.url, [10, 11, 12], watcher)
+    assert read["after"] == read["before"], read
+    ann = Announcement.from_json(read["after"])
+    assert ann.version == 10 and ann.path == rank0[0][1], (ann, rank0[0][1])
+    with make_name_resolve(etcd.url) as nr:
+        assert nr.get(key10) == read["before"]  # still there after the later publishes
+        versions = sorted(names.version_of(k) for k in nr.find_subtree(names.update_weights_from_disk_root("e2e", "t0")))
+    assert versions == [10, 11, 12], versions
 
 
 def test_corrupt_snapshot_after_announcement_is_refused(server, tmp_path, caplog):
@@ -294,13 +316,26 @@ def test_every_rank_writes_its_share_of_the_snapshot(server, tmp_path):
 
 def _fail_while_rank1_writes(nr_url: str, root: str):
     """Every rank: publish v1; then v2 with rank 1 failing inside its write of bucket 1's shard (after the
-    file was created); then v2 again. What each rank raised, how long it took, and (rank 0) what was
+    file was created); then v2 again. What each rank raised, when it raised and (rank 1) when the fault
+    fired (``time.monotonic()``, one clock for every process of the host), and (rank 0) what was
     announced and left behind right after the failure."""
+    import bridge.transports.disk as disk_transport
     from bridge import PublisherConfig, WeightPublisher
     from bridge.failpoints import ENV
     from bridge.name_resolve import make_name_resolve, names
 
     engine = sb.engine()
+    fired: list[float] = []  # when the real failpoint raised, in the writer thread
+    real_failpoint = disk_transport.failpoint
+
+    def timed_failpoint(name: str, rank: int) -> None:
+        try:
+            real_failpoint(name, rank)
+        except BaseException:
+            fired.append(time.monotonic())
+            raise
+
+    disk_transport.failpoint = timed_failpoint
 
     def announced():
         keys = make_name_resolve(nr_url).find_subtree(names.update_weights_from_disk_root("e2e", "fault"))
@@ -315,19 +350,18 @@ def _fail_while_rank1_writes(nr_url: str, root: str):
 
         engine.train_batch(make_batch(engine.tokenizer, 8, seed=5 + engine.rank))
         os.environ[ENV] = "write:1@1=OSError"
-        t = time.monotonic()
         try:
             pub.publish(engine, version=2)
             got = ("no error", "")
         except Exception as e:  # the test records whatever comes
             got = (type(e).__name__, str(e))
         finally:
+            raised = time.monotonic()
             del os.environ[ENV]
-        seconds = time.monotonic() - t
         after = (announced(), sorted(os.listdir(root))) if engine.rank == 0 else None
         pub.publish(engine, version=2)  # the trainer goes on
         final = announced() if engine.rank == 0 else None
-        return got, seconds, after, final
+        return got, (raised, fired), after, final
     finally:
         pub.close()
         engine.destroy()
@@ -336,11 +370,16 @@ def _fail_while_rank1_writes(nr_url: str, root: str):
 def test_a_failed_write_on_rank_1_fails_every_rank_and_announces_nothing(tmp_path):
     root = str(tmp_path / "snap")
     r0, r1 = run_ranks(_fail_while_rank1_writes, 2, args=(f"file://{tmp_path / 'nr'}", root), timeout=300)
-    (got0, s0, after, final), (got1, s1, _, _) = r0, r1
-    print(f"every rank raised, after {s0:.2f} s / {s1:.2f} s: {got0[0]}: {got0[1]}")
+    (got0, (raised0, fired0), after, final), (got1, (raised1, fired1), _, _) = r0, r1
+    assert fired0 == [] and len(fired1) == 1, (fired0, fired1)
+    s0, s1 = raised0 - fired1[0], raised1 - fired1[0]  # from the fault to each rank's raise (one host clock)
+    print(f"every rank raised, {s0:.3f} s / {s1:.3f} s after the fault: {got0[0]}: {got0[1]}")
     assert got0 == got1, f"the ranks raised different errors: {got0} vs {got1}"
     assert got0[0] == "SnapshotError" and "rank 1" in got0[1] and "OSError" in got0[1] and "injected fault at write:1" in got0[1], got0
-    assert max(s0, s1) < 15, f"took {max(s0, s1):.1f} s"
+    # README: "within 1 s of the fault". Measured 0.02-0.07 s on a 2-core machine at load 4-5 and up to
+    # 0.14 s with two CPU hogs besides (load 8), where 0.1 s failed: 1 s is about 7x the worst seen. (Rank 1 notices the failed background
+    # write when it next waits for it, at bucket 3, its next bucket; then every rank aborts and raises.)
+    assert 0 <= max(s0, s1) < 1.0, f"rank 0 raised {s0:.3f} s and rank 1 {s1:.3f} s after the fault"
     versions, left = after
     assert versions == [1], f"announced {versions}"
     assert [d for d in left if d.startswith(".tmp")] == [] and "v2" not in left, left

@@ -274,6 +274,14 @@ def test_servers_that_refuse_stop_or_never_answer(server_factory, tiny_model_dir
     kind, message, seconds = r0["disk, dead server"]
     assert kind != "ok" and dead_url in message and seconds < 15, r0["disk, dead server"]
     assert _announced(f"file://{tmp_path / 'nr'}") == []
+    # ... nor written: the root the transport made holds nothing (no .tmp-* folder) and, where the filesystem
+    # keeps a birth time, was not changed after it was made (nothing was made there and removed again).
+    import subprocess
+
+    snap = tmp_path / "snap"
+    left = sorted(p.name for p in snap.iterdir()) if snap.exists() else []
+    born, _, changed = subprocess.run(["stat", "-c", "%w|%y", str(snap)], capture_output=True, text=True).stdout.strip().partition("|")
+    assert left == [] and born in ("", "-", changed), (left, born, changed)
     # 4. A group left on a server under the default name does not block a new publisher.
     assert r0["group name taken"][0] == "ok", r0["group name taken"]
 
