@@ -12,6 +12,12 @@ The exchange goes through the default group's key-value store (a TCP store that 
 died or hangs shows up as a :class:`SyncTimeout` naming the ranks that did not arrive, after at most the
 step's bound.
 
+Interrupts: a ``KeyboardInterrupt`` or ``SystemExit`` raised in a step is that rank's failure like any
+other (the error it raises carries it as ``.interrupt``, for the caller to re-raise after the clean-up);
+a SIGINT or SIGTERM held by :mod:`bridge.interrupts` fails the step it arrived in, once the step's own
+work is done. A rank that leaves in the middle of a sync (:meth:`Agreement.leave`) tells the others, so
+they fail at their next exchange instead of waiting for it until the step's bound.
+
 Which error is raised: the one that happened first (by wall clock, then by rank). A failure on one rank
 usually makes the others fail a little later in a collective (a gather that times out because the
 failed rank never joined); the first one is the cause, the later ones are its consequences.
@@ -41,6 +47,7 @@ from bridge.errors import (
     SyncTimeout,
     VersionError,
 )
+from bridge.interrupts import Interrupted, pending
 from bridge.log import get_logger
 
 __all__ = ["Agreement", "StepFailed", "describe", "note_failure_time"]
@@ -53,23 +60,34 @@ _instances = itertools.count()
 # VersionError means "publish a higher version", a ConfigError "fix the setting"). Anything else,
 # the project's ServerError included, arrives as a SyncError that names the rank, the step and the cause.
 _KEEP_CLASS = {c.__name__: c for c in (ConfigError, VersionError, SyncTimeout, SnapshotError, NameResolveError, SyncError)}
+# Not errors but interrupts: the message says the rank was interrupted, not that it failed.
+_INTERRUPTS = ("Interrupted", "KeyboardInterrupt", "SystemExit")
 
 
 class StepFailed:
     """One rank's failure in one step, as it travels to the other ranks."""
 
-    def __init__(self, rank: int, step: str, error: BaseException):
+    def __init__(self, rank: int, step: str, error: BaseException, gone: bool = False):
         self.rank, self.step, self.at = rank, step, getattr(error, _FAILED_AT, None) or time.time()
         self.kind = type(error).__name__
         self.message = describe(error)
         self.traceback = "".join(traceback.format_exception(error))
+        self.gone = gone
+        """The rank left the sync (:meth:`Agreement.leave`): it takes part in no further exchange."""
 
     def to_exception(self) -> BridgeError:
         """The error every rank raises: the same class (for the project's own kinds) and the same text."""
         cls = _KEEP_CLASS.get(self.kind)
         if cls is not None:
-            return cls(f"{self.message} (rank {self.rank}, {self.step})")
-        return SyncError(f"rank {self.rank} failed at {self.step}: {self.kind}: {self.message}")
+            error = cls(f"{self.message} (rank {self.rank}, {self.step})")
+        elif self.kind in _INTERRUPTS:
+            how = self.message if self.kind == "Interrupted" else f"{self.kind}: {self.message}"
+            error = SyncError(f"rank {self.rank} was interrupted at {self.step} ({how})")
+        else:
+            error = SyncError(f"rank {self.rank} failed at {self.step}: {self.kind}: {self.message}")
+        if self.gone:
+            error.agreement_broken = True  # the rank that left takes part in no further exchange
+        return error
 
 
 _FAILED_AT = "wsync_failed_at"
@@ -106,6 +124,7 @@ class Agreement:
             store = dist.distributed_c10d._get_default_store()
         self._store = store
         self._seq = 0
+        self._name = ""  # the last exchange this rank entered
         # Publishers are created in the same order on every rank, so the n-th of each rank meets the
         # n-th of the others under its own keys.
         self._ns = f"wsync/agree/{next(_instances)}"
@@ -124,30 +143,62 @@ class Agreement:
             the first failure of any rank, translated by :meth:`StepFailed.to_exception`;
             SyncTimeout: some rank did not finish ``name`` within ``timeout`` seconds (it died or hangs).
         """
+        interrupt = None  # a KeyboardInterrupt or SystemExit raised here, for the caller to re-raise
         try:
             outcome: Any = ("ok", fn())
-        except Exception as e:  # any type: a rank that raised must still tell the others
+        except BaseException as e:  # any type: a rank that raised must still tell the others
             logger.debug("rank %d failed at %s", self.rank, name, exc_info=True)
+            if not isinstance(e, Exception):
+                interrupt = e
             outcome = ("failed", StepFailed(self.rank, name, e))
-        outcomes = self.exchange(name, outcome, timeout=timeout)
+        else:
+            signal_name = pending()
+            if signal_name is not None:  # held since during this step: the step fails, now that it is done
+                outcome = ("failed", StepFailed(self.rank, name, Interrupted(signal_name)))
+        try:
+            outcomes = self.exchange(name, outcome, timeout=timeout)
+        except BridgeError as e:
+            e.interrupt = interrupt
+            raise
         failures = sorted((o[1] for o in outcomes if o[0] == "failed"), key=lambda f: (f.at, f.rank))
         if failures:
             first = failures[0]
             if first.rank == self.rank:
                 logger.debug("the cause, on this rank:\n%s", first.traceback)
-            raise first.to_exception()
+            error = first.to_exception()
+            error.interrupt = interrupt
+            if any(f.gone for f in failures):
+                error.agreement_broken = True
+            raise error
         return [o[1] for o in outcomes]
+
+    def leave(self, error: BaseException) -> None:
+        """This rank leaves the sync now, outside any step (``error`` escaped the publish): tell the other
+        ranks at the exchange they wait in, or at the next one, so that they fail at once; never raises."""
+        if self.world == 1:
+            return
+        try:
+            if self._seq == 0 or self._store.check([self._key(self._seq, self.rank)]):
+                self._seq += 1  # this rank's outcome of the current step is out: the others meet it at the next
+            failed = StepFailed(self.rank, f"after {self._name}" if self._name else "the start", error, gone=True)
+            self._store.set(self._key(self._seq, self.rank), pickle.dumps(("failed", failed)))
+        except Exception as e:  # the store is gone too: the others time out, as for a dead rank
+            logger.debug("could not tell the other ranks that rank %d left: %s", self.rank, e)
+
+    def _key(self, seq: int, rank: int) -> str:
+        return f"{self._ns}/{seq}/{rank}"
 
     def exchange(self, name: str, value: Any, *, timeout: float) -> list[Any]:
         """Every rank's ``value`` for this step, in rank order (a plain all-gather through the store)."""
         if self.world == 1:
             return [value]
         self._seq += 1
-        keys = [f"{self._ns}/{self._seq}/{r}" for r in range(self.world)]
+        self._name = name
+        keys = [self._key(self._seq, r) for r in range(self.world)]
         self._store.set(keys[self.rank], pickle.dumps(value))
         if self._seq > 2:
             # Every rank has read step seq-2 (they all wrote seq-1 after it): drop this rank's old key.
-            self._store.delete_key(f"{self._ns}/{self._seq - 2}/{self.rank}")
+            self._store.delete_key(self._key(self._seq - 2, self.rank))
         try:
             self._store.wait(keys, timedelta(seconds=timeout))
             return [pickle.loads(self._store.get(k)) for k in keys]

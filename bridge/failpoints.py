@@ -8,12 +8,18 @@ lifecycle (see :mod:`bridge.transports.base`): ``prepare``, ``begin``, ``bucket:
 ``gather``: inside a bucket's flat gather, after this rank packed its shards and before it joins the
 collective the other ranks are already waiting in; and ``write:<k>``: inside the disk transport's
 write of shard ``k`` by the rank that owns it, after the file was created.
+
+Besides an exception type, an entry may name a real signal, which this process then sends itself
+(``bucket:2@1=SIGINT``: rank 1 gets a real SIGINT there, as from Ctrl-C), or a pause
+(``bucket:1@0=sleep:3``: rank 0 sleeps 3 s there, so that a test can signal a sync it knows is running).
 """
 
 from __future__ import annotations
 
 import builtins
 import os
+import signal
+import time
 
 __all__ = ["failpoint"]
 
@@ -29,6 +35,12 @@ def failpoint(name: str, rank: int) -> None:
         where, _, kind = entry.strip().partition("=")
         point, _, on_rank = where.partition("@")
         if point == name and on_rank in ("", str(rank)):
+            if kind.startswith("SIG") and hasattr(signal, kind):
+                os.kill(os.getpid(), getattr(signal, kind))
+                continue
+            if kind.startswith("sleep:"):
+                time.sleep(float(kind[len("sleep:"):]))
+                continue
             cls = getattr(builtins, kind or "RuntimeError", None)
             if not (isinstance(cls, type) and issubclass(cls, BaseException)):
                 cls = RuntimeError

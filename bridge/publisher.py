@@ -55,10 +55,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bridge.agreement import Agreement, note_failure_time
+from bridge.agreement import Agreement, describe, note_failure_time
 from bridge.buckets import Bucket, pack_one, plan_buckets
 from bridge.errors import BridgeError, ConfigError, VersionError
 from bridge.failpoints import failpoint
+from bridge.interrupts import held
 from bridge.log import fmt_bytes, get_logger
 from bridge.memory import PeakMemory
 from bridge.process_group import default_backend
@@ -273,8 +274,11 @@ class WeightPublisher:
                 f"version {version} is older than the last published version {self.last_version}; "
                 "versions must strictly increase"
             )
+        with held(self._rank):  # Ctrl-C / SIGTERM: finish the step, clean up on every rank, then take effect
+            return self._publish(as_source(source), version)
+
+    def _publish(self, source: WeightSource, version: int) -> PublishResult:
         t0 = time.perf_counter()
-        source = as_source(source)
         plan, began = None, False
         try:
             plan = self._prepare(source, version)
@@ -303,7 +307,14 @@ class WeightPublisher:
 
             outcome = self._agree.step("commit", commit, timeout=self._commit_bound() + SLACK_S)[0]
         except BridgeError as e:
-            raise self._failed(version, e, began) from None
+            failed = self._failed(version, e, began)
+            interrupt = getattr(e, "interrupt", None)
+            if interrupt is not None:  # raised in a step on this rank: it ends the program, after the clean-up
+                raise interrupt from failed
+            raise failed from None
+        except BaseException as e:  # outside every step (a second Ctrl-C, a bug): leave, and clean up alone
+            self._leave(e, began)
+            raise
         self.last_version, self._last_digest = version, plan.digest
         if self.config.new_run and self._servers is not None:  # the run is started; later versions only go up
             self._servers.claim_run(self.run_id)
@@ -414,7 +425,7 @@ class WeightPublisher:
         def gather(bucket: Bucket, buf: torch.Tensor | None, dst: int) -> None:
             try:
                 _gather_into(plan.source, bucket, buf, self._gather_group, dst)
-            except Exception as e:
+            except BaseException as e:
                 # Failed inside the collective: leave the group now. Under gloo the ranks waiting in this
                 # gather with us get "connection closed" at once instead of waiting group_timeout, and do
                 # the same in turn; the agreement then names this rank's error, which came first.
@@ -430,7 +441,7 @@ class WeightPublisher:
                 buf = None
                 if self._rank == dst:
                     buf = shards.buffer(k, bucket) if shards is not None else self._transport.buffer(k, bucket)
-            except Exception:
+            except BaseException:
                 # Still take part in the bucket's gathers (receiving nothing), so the other ranks are
                 # not left waiting in them for group_timeout; the agreement then fails the step at once.
                 gather(bucket, None, dst)
@@ -478,6 +489,20 @@ class WeightPublisher:
                 pass
         text = f"{self.config.transport} sync of version {version} failed: {error}" + (f"; {status}" if status else "")
         return type(error)(text)
+
+    def _leave(self, error: BaseException, began: bool) -> None:
+        """``error`` escaped the steps on this rank: the other ranks are told (they fail at their next
+        exchange), a gather they wait in is left, and rank 0 aborts the sync, each within its bound."""
+        logger.warning("rank %d leaves the sync: %s: %s", self._rank, type(error).__name__, describe(error))
+        note_failure_time(error)
+        self._drop_gather_group()
+        self._agree.leave(error)
+        if began and self._shards is not None:
+            self._shards.abort(ABORT_WAIT_S)
+        if self._rank == 0 and began and self._transport is not None:
+            status = _abort_within(self._transport, f"{type(error).__name__} on rank 0", ABORT_WAIT_S)
+            if status:
+                logger.warning("%s", status)
 
     # ---------------------------------------------------------------- helpers
 

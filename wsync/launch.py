@@ -91,8 +91,8 @@ class RankJob:
             f"rerun with --debug for tracebacks")
 
     def terminate(self) -> None:
-        """Stop every rank (SIGTERM to the group, SIGKILL after 10 s)."""
-        self._signal(signal.SIGTERM)
+        """Stop every rank: one SIGTERM to the group (a rank in a sync finishes its step and leaves every
+        server on its previous version first; a second SIGTERM would stop it at once), SIGKILL after 10 s."""
         self._stop_others(10.0)
 
     def close(self) -> None:
