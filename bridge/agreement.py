@@ -136,8 +136,10 @@ class Agreement:
             return cls(dist.get_rank(), dist.get_world_size())
         return cls()
 
-    def step(self, name: str, fn: Callable[[], Any], *, timeout: float) -> list[Any]:
+    def step(self, name: str, fn: Callable[[], Any], *, timeout: float,
+             on_failure: Callable[[], None] | None = None) -> list[Any]:
         """Run ``fn`` here, then exchange outcomes; every rank's return value, in rank order.
+        ``on_failure()`` runs here, before the exchange, when this rank's own part failed (never raising).
 
         Raises (the same on every rank):
             the first failure of any rank, translated by :meth:`StepFailed.to_exception`;
@@ -155,6 +157,11 @@ class Agreement:
             signal_name = pending()
             if signal_name is not None:  # held since during this step: the step fails, now that it is done
                 outcome = ("failed", StepFailed(self.rank, name, Interrupted(signal_name)))
+        if outcome[0] == "failed" and on_failure is not None:
+            try:
+                on_failure()
+            except Exception as e:  # clean-up must not hide the step's own failure
+                logger.warning("clean-up after %s failed on rank %d: %s", name, self.rank, e)
         try:
             outcomes = self.exchange(name, outcome, timeout=timeout)
         except BridgeError as e:
@@ -195,19 +202,25 @@ class Agreement:
         self._seq += 1
         self._name = name
         keys = [self._key(self._seq, r) for r in range(self.world)]
-        self._store.set(keys[self.rank], pickle.dumps(value))
-        if self._seq > 2:
-            # Every rank has read step seq-2 (they all wrote seq-1 after it): drop this rank's old key.
-            self._store.delete_key(self._key(self._seq - 2, self.rank))
         try:
+            self._store.set(keys[self.rank], pickle.dumps(value))
+            if self._seq > 2:
+                # Every rank has read step seq-2 (they all wrote seq-1 after it): drop this rank's old key.
+                self._store.delete_key(self._key(self._seq - 2, self.rank))
             self._store.wait(keys, timedelta(seconds=timeout))
             return [pickle.loads(self._store.get(k)) for k in keys]
         except (RuntimeError, dist.DistError) as e:
-            missing = self._missing(keys)
-            error = SyncTimeout(
-                f"ranks {missing or '?'} did not finish {name} within {timeout:.0f} s (a trainer rank died or "
-                f"hangs; raise group_timeout / http_timeout if it is only slow): {describe(e)}"
-            )
+            if isinstance(e, dist.DistNetworkError):  # the store itself is gone, with the rank that hosts it
+                error = SyncTimeout(
+                    f"lost the trainer ranks' key-value store during {name} (the rank that hosts it, rank 0 under "
+                    f"torchrun, died): {describe(e)}"
+                )
+            else:
+                missing = self._missing(keys)
+                error = SyncTimeout(
+                    f"ranks {missing or '?'} did not finish {name} within {timeout:.0f} s (a trainer rank died or "
+                    f"hangs; raise group_timeout / http_timeout if it is only slow): {describe(e)}"
+                )
             error.agreement_broken = True  # the ranks no longer meet: no further exchange can succeed
             raise error from e
 

@@ -80,6 +80,9 @@ _ALIASES = {"nccl": "broadcast", "xccl": "broadcast", "distributed": "broadcast"
 ABORT_WAIT_S = 5.0
 """The most a failed sync waits for its clean-up (resume, discard sessions) before raising."""
 
+CLOSE_WAIT_S = 5.0
+"""The most ``close()`` takes."""
+
 SLACK_S = 10.0
 """Added to a step's own bound before the other ranks give up waiting for a rank (it died or hangs)."""
 
@@ -289,9 +292,8 @@ class WeightPublisher:
                 self._shards.begin(staging[0], plan.version, len(plan.buckets))
             with PeakMemory() as memory:
                 self._transfer(plan)
-            # Every rank votes on the commit here (failpoint "commit"): once rank 0 commits, it is live.
+            # Every rank votes on the commit here (failpoint "settle"): once rank 0 commits, it is live.
             settled = self._step("settle", lambda: self._transport.settle(), self._bucket_bound(),
-                                 on_every_rank=lambda: failpoint("commit", self._rank),
                                  collect=lambda: (plan.local_digest.result() if plan.local_digest else None,
                                                   self._shards.settle() if self._shards is not None else None))
             if not plan.retried:
@@ -301,11 +303,13 @@ class WeightPublisher:
             def commit() -> dict | None:
                 if self._rank != 0:
                     return None
+                failpoint("commit", 0)
                 if self._shards is not None:  # the shards every rank wrote into the snapshot
                     self._transport.add_shards({f: e for _, written in settled for f, e in written.items()})
                 return {**self._transport.commit(plan), "peak": peak}
 
-            outcome = self._agree.step("commit", commit, timeout=self._commit_bound() + SLACK_S)[0]
+            outcome = self._agree.step("commit", commit, timeout=self._commit_bound() + SLACK_S,
+                                       on_failure=self._give_back)[0]
         except BridgeError as e:
             failed = self._failed(version, e, began)
             interrupt = getattr(e, "interrupt", None)
@@ -333,20 +337,29 @@ class WeightPublisher:
         return result
 
     def close(self) -> None:
-        """Tear the weight-update group down on both sides and stop background work."""
-        deadline = time.monotonic() + self.config.http_timeout
+        """Tear the weight-update group down on both sides and stop background work, within
+        ``CLOSE_WAIT_S`` (a server that does not answer is left to a background thread)."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
         while _pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
             _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
-        if self._shards is not None:
-            self._shards.close()
-            self._shards = None
+        transport, shards, servers = self._transport, self._shards, self._servers
+        self._transport = self._shards = self._servers = None
+
+        def release() -> None:
+            for part in (transport, shards, servers):
+                if part is not None:
+                    try:
+                        part.close()
+                    except Exception as e:  # closing is best effort; the sync's outcome is already known
+                        logger.warning("closing the publisher: %s", e)
+
+        worker = threading.Thread(target=release, name="wsync-close", daemon=True)
+        worker.start()
         self._drop_gather_group()
-        if self._servers is not None:
-            self._servers.close()
-            self._servers = None
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            logger.warning("closing the publisher: a server did not answer within %g s; left to a background thread",
+                           CLOSE_WAIT_S)
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -368,7 +381,15 @@ class WeightPublisher:
                 on_rank0()
             return collect() if collect is not None else None
 
-        return self._agree.step(name, run, timeout=bound + SLACK_S)
+        return self._agree.step(name, run, timeout=bound + SLACK_S, on_failure=self._give_back)
+
+    def _give_back(self) -> None:
+        """This rank's own step failed, so the sync cannot complete: on rank 0, give the servers back now
+        (resumed, sessions discarded) instead of after the other ranks answered, which for a dead rank
+        is the step's whole bound. The abort after the agreement then finds nothing left to do."""
+        if self._rank == 0 and self._transport is not None and self._transport.gives_back_early:
+            status = _abort_within(self._transport, "rank 0's step failed", ABORT_WAIT_S)
+            logger.debug("servers given back before the agreement: %s", status)
 
     def _prepare(self, source: WeightSource, version: int) -> Plan:
         """Step "prepare" (every rank): plan, digests, the gather group; decide retry vs new weights."""
@@ -460,7 +481,8 @@ class WeightPublisher:
 
         try:
             for k, bucket in enumerate(plan.buckets):
-                self._agree.step(f"bucket {k}", lambda k=k, b=bucket: one(k, b), timeout=self._bucket_bound() + SLACK_S)
+                self._agree.step(f"bucket {k}", lambda k=k, b=bucket: one(k, b), timeout=self._bucket_bound() + SLACK_S,
+                                 on_failure=self._give_back)
         finally:
             bar.close()
 
@@ -533,13 +555,25 @@ class WeightPublisher:
         return cfg.group_timeout + 3 * cfg.http_timeout  # group (+ its HTTP answers), pause, session
 
     def _bucket_bound(self) -> float:
-        cfg = self.config
-        return 2 * cfg.group_timeout + cfg.http_timeout  # the gather, then the previous bucket's arrival
+        return bucket_bound(self.config)
 
     def _commit_bound(self) -> float:
         from bridge.transports import transport_class
 
         return transport_class(self.config.transport).commit_seconds(self.config)
+
+
+def bucket_bound(config: PublisherConfig) -> float:
+    """The most one bucket step takes: its gather, then the previous bucket's arrival."""
+    return 2 * config.group_timeout + config.http_timeout
+
+
+def dead_rank_bound(config: PublisherConfig) -> float:
+    """The most the other ranks take to raise when a trainer rank dies in the middle of a transfer: the
+    bucket step's bound, the agreement's slack and the clean-up's wait; 2 x group_timeout + http_timeout
+    + 15 s (README, "Bounded time"). The servers are given back at once when rank 0's own step fails
+    (a gather with the dead rank does), without waiting that long."""
+    return bucket_bound(config) + SLACK_S + ABORT_WAIT_S
 
 
 def _local_digest(source: WeightSource) -> int | None:

@@ -59,3 +59,45 @@ class Sabotage:
             if self.engine.rank == 0 and self.calls == self.after:
                 self.act()
             yield item
+
+
+def own_checksums(engine) -> dict | None:
+    """The trainer's own weights as the servers serve them, one checksum per tensor (collective; rank 0
+    gets them, the other ranks None): what a server must hold after a publish, or still hold after a
+    failed one."""
+    import torch
+
+    from bridge.protocol import tensor_checksum
+
+    full = {s.name: t for s, t in engine.iter_full_tensors()}
+    return {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in full.items()} if engine.rank == 0 else None
+
+
+def train_step(engine, seed: int) -> None:
+    """One training step, so that the next version's weights differ from the last one's."""
+    from wsync.tasks import make_batch
+
+    engine.train_batch(make_batch(engine.tokenizer, 8, seed=seed * 2 + engine.rank))
+
+
+def serving_now(url: str) -> dict:
+    """A reference server right now: how long a 1-token generation takes (a paused server holds it),
+    its version, pause and session state, and the checksum of every served tensor."""
+    import time
+
+    from bridge.client import ServerClient
+
+    c = ServerClient(url, timeout=10)
+    t = time.monotonic()
+    answer = c.generate(input_ids=[1, 4, 5], sampling_params={"temperature": 0, "max_new_tokens": 1})
+    generate_s = time.monotonic() - t
+    state = c.server_info()["internal_states"][0]
+    return dict(generate_s=generate_s, generate_version=answer["meta_info"]["weight_version"],
+                version=state["weight_version"], paused=state["paused"], session_open=state["update_session_open"],
+                checksums=c.weights_checksum()["checksums"])
+
+
+def holds(checksums: dict, want: dict | None) -> bool:
+    """True when every tensor the server serves under a name of ``want`` has ``want``'s checksum."""
+    shared = [n for n in want or {} if n in checksums]
+    return bool(shared) and all(checksums[n] == want[n] for n in shared)

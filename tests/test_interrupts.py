@@ -73,16 +73,6 @@ def _observe(urls: list[str], nr_url: str, root: str, disk: bool) -> dict:
     return out
 
 
-def _own_checksums(engine) -> dict | None:
-    """The trainer's own weights as the servers serve them (collective; rank 0 gets them)."""
-    import torch
-
-    from bridge.protocol import tensor_checksum
-
-    full = {s.name: t for s, t in engine.iter_full_tensors()}
-    return {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in full.items()} if engine.rank == 0 else None
-
-
 def _interrupt_matrix(urls: list[str], nr_url: str, root: str, transports: list[tuple[str, int]]):
     """Every rank: per transport, publish v0, train, publish v0+1 under each interrupt, then for real."""
     from bridge import PublisherConfig, WeightPublisher
@@ -102,9 +92,9 @@ def _interrupt_matrix(urls: list[str], nr_url: str, root: str, transports: list[
             ))
             try:
                 pub.publish(engine, version=v0)
-                run = dict(before=_observe(urls, nr_url, root, disk) if rank0 else None, own_before=_own_checksums(engine))
+                run = dict(before=_observe(urls, nr_url, root, disk) if rank0 else None, own_before=sb.own_checksums(engine))
                 engine.train_batch(make_batch(engine.tokenizer, 8, seed=v0 + engine.rank))
-                run["own_after"] = _own_checksums(engine)  # other weights than v0: the checks below can fail
+                run["own_after"] = sb.own_checksums(engine)  # other weights than v0: the checks below can fail
                 run["outcomes"] = []
                 for point, _, _ in INTERRUPTS:
                     os.environ[ENV] = point
@@ -140,7 +130,7 @@ def _final(engine, urls: list[str], nr_url: str, disk: bool, version: int):
         return _announced(nr_url)
     if ServerClient(urls[0]).is_reference_server:
         return sb.check_served(engine, urls, version)
-    own = _own_checksums(engine)  # SGLang's own code: compare through the harness's checksum route
+    own = sb.own_checksums(engine)  # SGLang's own code: compare through the harness's checksum route
     report = {}
     for url in urls if engine.rank == 0 else ():
         got = requests.get(url + "/wsync_harness/weights", timeout=30).json()["checksums"]

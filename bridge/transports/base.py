@@ -27,7 +27,10 @@ gathered to, and written as a shard by, the rank that owns it, through that rank
 transport still runs ``begin``, ``commit`` and ``abort``.
 
 Failure handling lives once, in the driver: a transport raises whatever it meets and the driver turns
-it into one agreed error, calls ``abort`` on rank 0 and re-raises on every rank. Adding a transport is
+it into one agreed error, calls ``abort`` on rank 0 and re-raises on every rank. When rank 0's own step
+failed, it calls ``abort`` at once, before the other ranks answer (unless ``gives_back_early`` is False),
+so that servers are not kept paused while it waits for a rank that died; ``abort`` must therefore be
+idempotent. Adding a transport is
 one new module with a subclass of :class:`Transport`.
 """
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +47,7 @@ import torch
 
 from bridge.buckets import Bucket
 from bridge.errors import BridgeError, ServerError, SyncError, VersionError
+from bridge.failpoints import armed, failpoint
 from bridge.log import get_logger
 
 __all__ = ["Plan", "ServerSessions", "Transport"]
@@ -75,6 +80,10 @@ class Transport:
     """One way of moving a sync's buckets to the servers; see the module docstring for the lifecycle."""
 
     name = "?"
+
+    gives_back_early = True
+    """``abort`` may run on rank 0 as soon as rank 0's own step failed, before the other ranks answered
+    (it only touches the servers). False when it must wait for the other ranks (disk: their writers)."""
 
     def __init__(self, config):
         self.config = config
@@ -149,11 +158,25 @@ class ServerSessions:
             c.begin_weight_update()
 
     def commit(self) -> dict[str, str]:
-        """End every session (the reference server swaps weights and version here), then resume."""
-        done, errors = self._each(lambda c: c.end_weight_update(), self.in_session)
-        self.in_session = [c for c in self.in_session if c not in done]
+        """End every session (the reference server swaps weights and version here), then resume.
+
+        Sessions end concurrently. Failpoint ``commit:<i>`` fires before server ``i`` ends its session,
+        once servers 0..i-1 have ended theirs (so a test can fail a commit half-way)."""
+        futures: list[cf.Future] = []
+        for i, c in enumerate(self.in_session):
+            futures.append(self._pool.submit(self._end, i, c, list(futures)))
+        errors = [(c, f.exception()) for c, f in zip(self.in_session, futures) if f.exception() is not None]
+        failed = {c for c, _ in errors}
+        self.in_session = [c for c in self.in_session if c in failed]
         _raise_first(errors, "end the update session")
         return self.resume()
+
+    @staticmethod
+    def _end(i: int, c, earlier: list[cf.Future]) -> None:
+        if armed(f"commit:{i}", 0):
+            cf.wait(earlier)
+            failpoint(f"commit:{i}", 0)
+        c.end_weight_update()
 
     def resume(self) -> dict[str, str]:
         """Resume every paused server; url -> "ok" or why it could not be resumed (logged, not raised)."""
@@ -165,13 +188,33 @@ class ServerSessions:
         self.paused = [c for c in self.paused if c not in done]
         return status
 
-    def abort(self) -> None:
-        """Discard every open session and resume every paused server; never raises."""
-        _, errors = self._each(discard_session, self.in_session)
-        for c, e in errors:
-            logger.warning("%s: could not discard the update session: %s", c.url, e)
-        self.in_session = []
-        self.resume()
+    def abort(self, first=None, seconds: float = 5.0) -> None:
+        """Discard every open session and resume every paused server; never raises.
+
+        Each server on its own thread (``first(client)``, then discard, then resume), so a server that
+        does not answer never delays the others: they are resumed within milliseconds. Returns after at
+        most ``seconds``; a server still not answered is left to its thread."""
+        in_session, paused = set(self.in_session), set(self.paused)
+        self.in_session, self.paused = [], []
+
+        def one(c) -> None:
+            for what, call, needed in (("clean up", first, first is not None), ("discard the update session",
+                                       discard_session, c in in_session), ("resume generation",
+                                       lambda c: c.continue_generation(), c in paused)):
+                if not needed:
+                    continue
+                try:
+                    call(c)
+                except Exception as e:  # best effort, per server and per call
+                    logger.warning("%s: could not %s: %s", c.url, what, e)
+
+        threads = [threading.Thread(target=one, args=(c,), name="wsync-abort-server", daemon=True)
+                   for c in self.servers.clients]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + seconds
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def serving(self) -> str:
         """What every server serves now, in one line (for error messages)."""

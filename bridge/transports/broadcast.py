@@ -112,10 +112,13 @@ class BroadcastTransport(Transport):
 
     def abort(self, reason: str) -> str:
         self._inflight = None
-        self._teardown_group()  # the reference server drops what it staged for this group
+        pg, name, self.pg, self.group_name = self.pg, self.group_name, None, None
+        if pg is not None:
+            destroy_custom_process_group(pg)
         if self.sessions is None:
             return ""
-        self.sessions.abort()
+        # Per server: drop its group (the reference server drops what it staged), discard, resume.
+        self.sessions.abort(first=(lambda c: self._destroy_on(c, name)) if pg is not None else None)
         return self.sessions.serving()
 
     def close(self) -> None:
@@ -179,10 +182,14 @@ class BroadcastTransport(Transport):
         destroy_custom_process_group(pg)
         for c in self.servers.clients:
             try:
-                if c.features.destroy_group:
-                    c.destroy_weights_update_group(group_name=name)
+                self._destroy_on(c, name)
             except BridgeError as e:
                 logger.debug("destroy_weights_update_group on %s: %s", c.url, e)
+
+    @staticmethod
+    def _destroy_on(c, name: str) -> None:
+        if c.features.destroy_group:
+            c.destroy_weights_update_group(group_name=name)
 
 
 def _join_unless_refused(futures, clients, join):

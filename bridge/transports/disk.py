@@ -77,6 +77,7 @@ def default_snapshot_root(experiment: str | None = None, trial: str | None = Non
 
 class DiskTransport(Transport):
     name = "disk"
+    gives_back_early = False  # the temporary snapshot goes only once every rank's writer has stopped
 
     def __init__(self, config, servers):
         from bridge.name_resolve import DEFAULT_URL, make_name_resolve, names
