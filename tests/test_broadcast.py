@@ -228,6 +228,7 @@ def _medium_sync(url: str, bucket_mb: float, root: str):
     """Every rank: two syncs of the medium preset per transport (the first warms up); rank 0's peaks."""
     from bridge import PublisherConfig, WeightPublisher
 
+    sb.fixed_mmap_threshold()
     engine = sb.engine("medium")
     peaks = {}
     try:

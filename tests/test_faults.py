@@ -51,6 +51,7 @@ FAULTS = [
     ("commit", 0, "ValueError"),  # rank 0, inside the commit, before any server made the version live
 ]
 BOUND_S = 15.0  # an injected fault is seen at once: far below every configured timeout
+GATHER_S = 2.0  # a failure inside a gather, the whole failed publish: measured 0.03-0.14 s; group_timeout is 20 s
 
 
 def _served(urls: list[str]) -> dict:
@@ -168,6 +169,9 @@ def test_any_exception_on_any_rank_at_any_step(server, tmp_path):
             assert got0[0] == "SyncError", f"{where}: {got0}"
             assert f"rank {rank}" in got0[1] and kind in got0[1] and "injected fault" in got0[1], f"{where}: {got0[1]}"
             assert max(s0, s1) < BOUND_S, f"{where}: took {max(s0, s1):.1f} s"
+            print(f"{where}: every rank raised within {max(s0, s1):.2f} s")
+            if point == "gather":  # README: the ranks waiting in the gather fail at once, not after group_timeout
+                assert max(s0, s1) < GATHER_S, f"{where}: took {max(s0, s1):.1f} s (group_timeout is 20 s)"
             if transport == "disk":
                 assert after == r0["before"] == [v0], f"{where}: announced {after}"
                 continue
