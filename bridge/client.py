@@ -307,7 +307,8 @@ class ServerClient:
         return out
 
     def _record_version(self, out: Any, body: dict) -> Any:
-        """SGLang 0.5.1-0.5.8 drop the version of an update made while paused: set it explicitly."""
+        """SGLang 0.5.6 drops the version of an update made while paused (its tokenizer side skips the
+        recording; 0.5.1-0.5.5 record it in the HTTP route, 0.5.7 fixed it): set it explicitly."""
         v = body.get("weight_version")
         if v is not None and self._paused_mode is not None and self.features.version_lost_when_paused:
             self.update_weight_version(v, abort_all_requests=False)
@@ -495,7 +496,8 @@ class ServerClient:
                 body["weight_version"] = str(weight_version)
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, self.version, weight_version)
-        return self._call("POST", "/update_weights_from_disk", self._with_run(body), timeout=timeout)
+        out = self._call("POST", "/update_weights_from_disk", self._with_run(body), timeout=timeout)
+        return self._record_version(out, body)
 
     def begin_weight_update(self) -> dict:
         """Open an update session (SGLang >= 0.5.21); elsewhere a no-op that reports success."""

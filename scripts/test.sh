@@ -22,10 +22,10 @@ fi
 python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev]"
 
 # ---- SGLang's own code for the `sglang_code` tier (tests/test_sglang_code.py); owner: the SGLang-tier work.
-# Several SGLang releases side by side under $WSYNC_SGLANG_CACHE; a no-op (~1 min of import checks) once done.
+# Several SGLang releases side by side under $WSYNC_SGLANG_CACHE; a no-op (~10 s) once done, 5-6 min on a fresh machine.
 bash scripts/install_sglang.sh
 # ---- end of the SGLang block
 
 echo "== running the tests (GPU tests deselected)"
 # 'not gpu': tests that need CUDA, NCCL or a real SGLang server run only on GPU hosts.
-python -m pytest -m "not gpu" -p no:cacheprovider "$@"
+python -m pytest -m "not gpu" -p no:cacheprovider --durations=25 "$@"
