@@ -45,39 +45,17 @@ def _exit_on_sigterm(signum, frame):
 
 def _observe(urls: list[str], nr_url: str, root: str, disk: bool) -> dict:
     """Rank 0, right after a publish: what each server serves and whether it is usable at once."""
-    from bridge.client import ServerClient
     from tests.test_faults import _announced
 
     if disk:
         return dict(announced=_announced(nr_url), temporary=[n for n in os.listdir(root) if n.startswith(".tmp")])
-    out = {}
-    for url in urls:
-        c = ServerClient(url, timeout=10)
-        t = time.monotonic()
-        answer = c.generate(input_ids=[1, 4, 5], sampling_params={"temperature": 0, "max_new_tokens": 1})
-        generate_s = time.monotonic() - t
-        state = {}
-        if c.is_reference_server:
-            state = c.server_info()["internal_states"][0]
-            c.begin_weight_update()  # refused if a session were still open
-            c.abort_weight_update()
-            checksums = c.weights_checksum()["checksums"]
-        else:  # SGLang's own code: a session left open refuses a new one; its weights are torn by design
-            if c.features.needs_session:
-                c.begin_weight_update()
-                c.end_weight_update()
-            checksums = None
-        out[url] = dict(version=c.model_info()["weight_version"], generate_s=generate_s, checksums=checksums,
-                        generate_version=answer["meta_info"]["weight_version"], paused=state.get("paused"),
-                        session_open=state.get("update_session_open"))
-    return out
+    return {url: sb.serving_now(url) for url in urls}
 
 
 def _interrupt_matrix(urls: list[str], nr_url: str, root: str, transports: list[tuple[str, int]]):
     """Every rank: per transport, publish v0, train, publish v0+1 under each interrupt, then for real."""
     from bridge import PublisherConfig, WeightPublisher
     from bridge.failpoints import ENV
-    from wsync.tasks import make_batch
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     engine = sb.engine()
@@ -91,11 +69,9 @@ def _interrupt_matrix(urls: list[str], nr_url: str, root: str, transports: list[
                 bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False,
             ))
             try:
-                pub.publish(engine, version=v0)
-                run = dict(before=_observe(urls, nr_url, root, disk) if rank0 else None, own_before=sb.own_checksums(engine))
-                engine.train_batch(make_batch(engine.tokenizer, 8, seed=v0 + engine.rank))
-                run["own_after"] = sb.own_checksums(engine)  # other weights than v0: the checks below can fail
-                run["outcomes"] = []
+                own_before, own_after = sb.publish_then_train(pub, engine, v0)  # the checks below can fail
+                run = dict(before=_observe(urls, nr_url, root, disk) if rank0 else None, own_before=own_before,
+                           own_after=own_after, outcomes=[])
                 for point, _, _ in INTERRUPTS:
                     os.environ[ENV] = point
                     t = time.monotonic()
@@ -271,3 +247,59 @@ def test_wsync_train_ctrl_c_mid_disk_announces_nothing_and_leaves_no_temporary(t
 
     assert proc.returncode == 130, (proc.returncode, err[-2000:])
     assert _announced(nr) == [] and os.listdir(root) == [], (os.listdir(root), err[-3000:])
+
+
+# ------------------------------------------------------------------ the hold itself, in this process
+
+
+def test_a_held_signal_takes_effect_when_the_sync_ends_and_twice_at_once():
+    from bridge.interrupts import held, pending
+
+    with pytest.raises(KeyboardInterrupt):
+        with held(rank=0):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler has run: the interrupt is held, not raised
+            assert pending() == "SIGINT"
+            os.kill(os.getpid(), signal.SIGTERM)  # another kind is held too (torchrun's answer to Ctrl-C)
+            time.sleep(0.05)
+            assert pending() == "SIGINT"
+    assert pending() is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):  # the same signal twice: at once, inside the block
+        with held(rank=0):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            raise AssertionError("the second SIGINT did not act at once")
+
+
+def test_the_trainers_own_sigterm_handler_runs_after_the_sync():
+    from bridge.interrupts import held
+
+    seen = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with held(rank=0):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert seen == []
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_outside_the_main_thread_nothing_is_installed():
+    import threading
+
+    from bridge.interrupts import held
+
+    box = []
+
+    def run():
+        with held(rank=0):
+            box.append(signal.getsignal(signal.SIGINT))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert box == [signal.default_int_handler]
