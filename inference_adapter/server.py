@@ -225,7 +225,7 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     async def get_weight_version():
         if f.get_weight_version_route:
             return {"weight_version": state.version}
-        return not_found()  # before 0.5.1 and from 0.5.9
+        return not_found()  # before 0.5.1, and from 0.5.8 (SGLang answers 404 "deprecated")
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -280,7 +280,9 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     async def pause_generation(request: Request):
         if f.release < (0, 4, 9):
             return not_found()
-        req = await body(request, PauseGenerationReq, "/pause_generation")
+        # Before 0.5.6 SGLang's route reads no body: a mode (even a bad one) is ignored and it pauses (aborting).
+        req = await body(request, PauseGenerationReq, "/pause_generation",
+                         None if f.pause_mode else lambda d: {k: v for k, v in d.items() if k != "mode"})
         await run_in_threadpool(state.pause, req.mode if f.pause_mode else "abort")
         return {"message": "Generation paused successfully.", "status": "ok"}
 

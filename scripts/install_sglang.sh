@@ -8,7 +8,24 @@
 #   2. unpacks each SGLang version with `pip install --no-deps --target $CACHE/sglang-<ver>`, side by side;
 #      the harness runs each version in its own subprocess with that folder on PYTHONPATH;
 #   3. checks that each version's weight-update modules import (with the stand-ins in tests/sglang_harness).
-# Idempotent: a version folder is complete once its `.complete` stamp exists; a second run only re-checks.
+# Idempotent: a version folder is complete once its `.complete` stamp exists; its import check is recorded in
+# `.imports-ok` (a fingerprint of the harness's bootstrap/stand-ins and of torch, triton, transformers, fastapi and
+# pydantic), so a second run re-checks only what changed.
+#
+# Releases (tests/sglang_harness/__init__.py, ALL_VERSIONS, is the list): 0.5.23, 0.5.6 and 0.4.9 carry the
+# publishing tests (tests/test_sglang_code.py); the others pin each version gate of bridge/protocol.py from both
+# sides, the release just before it and the first one at it (tests/test_sglang_versions.py):
+#   weight_version      0.5.1   0.4.10.post2 | 0.5.1      (there is no 0.5.0 on PyPI)
+#   destroy route       0.5.3   0.5.2        | 0.5.3
+#   /server_info, load_format, pause mode    0.5.6: 0.5.5 | 0.5.6
+#   paused update loses its version          0.5.6 only: 0.5.5 | 0.5.6 | 0.5.7
+#   /get_weight_version 0.5.1-0.5.7: 0.5.7 | 0.5.8
+#   sessions            0.5.21  0.5.20       | 0.5.21
+#   flush fails the update instead of killing the scheduler  0.5.22: 0.5.21 | 0.5.22
+# Every release tried imports on CPU with the stand-ins (0.4.x-0.5.1 need bootstrap.py's AMX-probe shim, 0.4.x its
+# triton one too) and composes into the harness (0.4.10 and 0.5.20-0.5.22 through small version branches in
+# tests/sglang_harness/serve.py); none was left out. 0.5.9, where the /get_weight_version and paused-version gates
+# used to sit, pins nothing: running 0.5.7 and 0.5.8 put them at 0.5.8 and at 0.5.6 only.
 #
 # Usage: bash scripts/install_sglang.sh [VERSION ...]        (default: the versions the tier tests)
 # Env:   WSYNC_SGLANG_CACHE (default ~/.cache/wsync/sglang)  -- the tests read the same variable.
@@ -18,8 +35,7 @@ cd "$(dirname "$0")/.."
 CACHE="${WSYNC_SGLANG_CACHE:-$HOME/.cache/wsync/sglang}"
 VERSIONS=("$@")
 if [ ${#VERSIONS[@]} -eq 0 ]; then
-    # One per dialect the client claims: newest; 0.5.6 (/server_info, load_format, pause mode); 0.4.9 (oldest).
-    VERSIONS=(0.5.23 0.5.6 0.4.9)
+    read -r -a VERSIONS <<< "$(python -c 'from tests.sglang_harness import ALL_VERSIONS; print(*ALL_VERSIONS)')"
 fi
 PIP=(python -m pip install -q --disable-pip-version-check --no-deps)
 t0=$(date +%s)
@@ -60,12 +76,20 @@ for v in "${VERSIONS[@]}"; do
 done
 
 echo "== checking that SGLang's weight-update code imports"
+fp=$(python -m tests.sglang_harness.check_import --fingerprint)
 for v in "${VERSIONS[@]}"; do
-    if ! out=$(python -m tests.sglang_harness.check_import "$CACHE/sglang-$v" 2>&1); then
+    dir="$CACHE/sglang-$v"
+    if [ "$(cat "$dir/.imports-ok" 2>/dev/null)" = "$fp" ]; then
+        echo "   sglang $v: imports ok (checked before, nothing changed since)"
+        continue
+    fi
+    if ! out=$(python -m tests.sglang_harness.check_import "$dir" 2>&1); then
+        rm -f "$dir/.imports-ok"
         echo "$out" | tail -20 >&2
         echo "install_sglang.sh: sglang==$v does not import; see above" >&2
         exit 1
     fi
+    echo "$fp" > "$dir/.imports-ok"
     echo "   sglang $v: $(echo "$out" | tail -1)"
 done
 echo "== SGLang code ready in $CACHE ($(( $(date +%s) - t0 )) s)"

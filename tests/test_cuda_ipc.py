@@ -1,9 +1,10 @@
 """The colocated transport's GPU half: SGLang's flattened-bucket payload, checked by SGLang's own code.
 
 CPU tier (``sglang_code``): the payload the project builds (:mod:`bridge.transports.cuda_ipc`, with SGLang's
-own ``FlattenedTensorBucket`` and ``MultiprocessingSerializer``) for buckets of CPU tensors is decoded by
-SGLang's own deserializer in one process (0.5.23 and 0.5.6), and is loaded by SGLang 0.5.23's and 0.5.6's own
-receive code over HTTP (the harness server), whose served weights must be bit-equal. Both run in processes of
+own ``FlattenedTensorBucket`` and ``MultiprocessingSerializer``) for buckets of CPU tensors is received, rank
+by rank, by SGLang's own receive code in one process (its TP worker's deserializer and its runner's
+``update_weights_from_tensor``, 0.5.23 and 0.5.6), and is loaded by SGLang 0.5.23's and 0.5.6's own receive code
+and Qwen2 loader over HTTP (the harness server), whose served (stacked) weights must be bit-equal. Both run in processes of
 their own where SGLang imports (:mod:`tests.sglang_harness.ipc_payload`). On CPU the tensors cross processes
 as shared-memory files; the CUDA IPC handles themselves need a GPU.
 
@@ -52,12 +53,13 @@ def _run(version: str, *args: str, timeout: float = 240) -> dict:
 
 @pytest.mark.sglang_code
 @pytest.mark.parametrize("version", IPC_VERSIONS)
-def test_payload_decodes_with_sglang_own_deserializer(version):
-    """Every TP rank's entry decodes, with SGLang's SafeUnpickler and FlattenedTensorBucket, to the bucket's
-    tensors: same names in order, dtypes, shapes and bytes (bf16, fp16, fp32, int64, int32, bool, a scalar,
-    an empty tensor, a tied pair), flattened and per tensor."""
+def test_payload_decodes_with_sglang_own_deserializer(version, tiny_model_dir):
+    """Every TP rank's entry, handed to SGLang's own receive code (its TP worker's deserializer, SafeUnpickler,
+    and its runner's ``update_weights_from_tensor`` with the flattened-bucket unflattening), reaches the model's
+    ``load_weights`` as the bucket's tensors: same names in order, dtypes, shapes and bytes (bf16, fp16, fp32,
+    int64, int32, bool, a scalar, an empty tensor, a tied pair), flattened and per tensor."""
     _need(version)
-    out = _run(version, "decode", "--tp-size", "3")
+    out = _run(version, "decode", "--tp-size", "3", "--model", tiny_model_dir)
     buckets = out["buckets"]
     assert len(buckets) >= 4 and {b["flattened"] for b in buckets} == {True, False}
     seen = set()
@@ -105,6 +107,7 @@ def test_sglang_receive_code_serves_payload_bit_equal(version, load_format, tiny
     got, want = served["checksums"], sent["checksums"]
     assert set(got) <= set(want)
     assert [n for n in got if got[n] != want[n]] == []
+    assert any(".qkv_proj." in n for n in got) and any(".gate_up_proj." in n for n in got)  # SGLang's Qwen2 stacking
     assert "lm_head.weight" not in got or got["lm_head.weight"] == want["model.embed_tokens.weight"]
 
 

@@ -1,8 +1,10 @@
 """The client against SGLang's own code (the ``sglang_code`` tier): 0.5.23, 0.5.6 and 0.4.9 on CPU.
 
 Each receiving server is :mod:`tests.sglang_harness.serve`: SGLang's HTTP app, tokenizer-side and
-scheduler-side weight-update code and model-runner receive/load code of that release, around a transformers
-model (see that module for exactly what is stubbed). ``scripts/install_sglang.sh`` installs the releases.
+scheduler-side weight-update, pause/continue, abort and flush code, model-runner receive/load code and Qwen2
+``load_weights`` (q/k/v and gate/up stacked) of that release, around a transformers forward pass (see that
+module for exactly what is stubbed). Served tensors carry SGLang's names and are compared with the trainer's
+through :func:`tests.sglang_harness.serve.sglang_layout`. ``scripts/install_sglang.sh`` installs the releases.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from bridge.protocol import parse_version, tensor_checksum
 from tests import sync_bodies as sb
 from tests.dist_utils import run_ranks
 from tests.sglang_harness import VERSIONS, installed, launch
+from tests.sglang_harness.serve import sglang_layout
 
 pytestmark = pytest.mark.sglang_code
 
@@ -39,6 +42,9 @@ def server(request, tiny_model_dir):
 
 
 def _served_equal(srv, want: dict[str, torch.Tensor]) -> None:
+    """Every tensor SGLang serves for ``want`` (HF names) is bit-equal: stacked ones (``qkv_proj``,
+    ``gate_up_proj``, loaded by SGLang's Qwen2 ``load_weights``) to the trainer's q/k/v and gate/up slices."""
+    want = sglang_layout(want)
     got = srv.checksums()["checksums"]
     bad = [n for n, t in want.items() if n in got and got[n] != tensor_checksum(t)]
     assert not bad, f"SGLang {srv.version}: served tensors differ from the trainer's: {bad[:5]}"
@@ -86,12 +92,14 @@ def _train_and_publish(url: str, load_format: str, steps: int):
             res = pub.publish(engine, version=step)
             full = {s.name: t for s, t in engine.iter_full_tensors()}  # collective (None off rank 0)
             if engine.rank == 0:
+                full = sglang_layout(full)  # SGLang's Qwen2 stacks q/k/v and gate/up on load
                 c = ServerClient(url)
                 got = requests.get(url + "/wsync_harness/weights", timeout=30).json()["checksums"]
                 out.append(dict(
                     version=res.version, buckets=res.buckets, servers=res.servers,
                     bad=[n for n, t in full.items() if n in got and got[n] != tensor_checksum(t.to(torch.bfloat16))],
                     compared=len([n for n in full if n in got]), total=len(full),
+                    stacked=len([n for n in full if n in got and (".qkv_proj." in n or ".gate_up_proj." in n)]),
                     reported=c.model_info().get("weight_version"),
                 ))
         return out
@@ -110,6 +118,7 @@ def test_publish_broadcast_bit_equal(server, load_format):
         assert r["servers"] == {server.url: "ok"} and r["buckets"] > 1
         assert not r["bad"], f"SGLang {server.version}: {r['bad'][:5]} differ"
         assert r["compared"] >= r["total"] - 1
+        assert r["stacked"] >= 3 * 2  # per layer: qkv weight and bias, gate_up (SGLang's stacking ran)
         if f.weight_version:
             assert r["reported"] == str(r["version"])
     assert server.alive()
@@ -206,6 +215,60 @@ def test_pause_sessions_destroy_retry(server):
         assert requests.post(server.url + "/begin_weight_update", json={}).status_code == 404
     if not c.features.destroy_group:
         assert requests.post(server.url + "/destroy_weights_update_group", json={}).status_code == 404
+    assert server.alive()
+
+
+def _scheduler(srv) -> dict:
+    """The harness's view of SGLang's own scheduler state: running / waiting request counts, paused flag."""
+    return requests.get(srv.url + "/wsync_harness/scheduler", timeout=10).json()
+
+
+def test_pause_modes_with_a_request_in_flight(server):
+    """SGLang's own scheduler handlers decide what a pause does to a running request: ``abort`` ends it
+    (SGLang's ``abort_request`` marks it, the pause returns once it left), ``retract`` moves it back to the
+    waiting queue (SGLang's ``pause_generation``), where SGLang's ``flush_cache`` ignores it, so an update
+    asking for a flush succeeds; after ``continue`` the request finishes normally."""
+    c = ServerClient(server.url)
+    held: dict = {}
+
+    def generate(key, hold):
+        held[key] = c.generate(input_ids=[1, 2, 3], timeout=120,
+                               sampling_params={"max_new_tokens": 2, "custom_params": {"harness_hold_s": hold}})
+
+    def in_flight(key, hold):
+        th = threading.Thread(target=generate, args=(key, hold))
+        th.start()
+        deadline = time.monotonic() + 20
+        while _scheduler(server)["running"] + _scheduler(server)["waiting"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _scheduler(server)["running"] == 1
+        return th
+
+    th = in_flight("abort", 60)
+    t0 = time.monotonic()
+    c.pause_generation("abort")
+    th.join(30)
+    assert not th.is_alive() and time.monotonic() - t0 < 10  # not the 60 s hold: SGLang aborted it
+    assert held["abort"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert _scheduler(server)["running"] == 0
+    c.continue_generation()
+    if c.features.pause_mode:
+        th = in_flight("retract", 2)
+        c.pause_generation("retract")
+        st = _scheduler(server)
+        assert (st["running"], st["waiting"], st["paused"]) == (0, 1, True)
+        w = {"model.norm.weight": torch.full((128,), 0.625, dtype=torch.bfloat16)}
+        c.begin_weight_update()
+        r = _one_bucket(c, w, flattened=c.features.flattened_bucket, version=None, group="g-rt", flush_cache=True)
+        c.end_weight_update()
+        assert r["update"]["success"] and server.alive()
+        time.sleep(3)
+        assert th.is_alive()  # paused: the retracted request waits
+        c.continue_generation()
+        th.join(30)
+        assert held["retract"]["meta_info"]["finish_reason"]["type"] == "length"
+        _served_equal(server, w)
+    assert _scheduler(server) == {"running": 0, "waiting": 0, "paused": False}
     assert server.alive()
 
 

@@ -20,9 +20,16 @@ from collections.abc import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = os.environ.get("WSYNC_SGLANG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "wsync", "sglang")
-# One release per dialect the client claims: the newest, the first with /server_info, load_format and pause
-# modes (0.5.6), and the oldest claimed (0.4.9). scripts/install_sglang.sh installs the same list.
+# One release per dialect the client claims, for the publishing tests (tests/test_sglang_code.py): the newest,
+# the first with /server_info, load_format and pause modes (0.5.6), and the oldest claimed (0.4.9).
 VERSIONS = ("0.5.23", "0.5.6", "0.4.9")
+# The releases on either side of each version gate of bridge/protocol.py that VERSIONS does not already pin
+# (tests/test_sglang_versions.py; scripts/install_sglang.sh says which gate each pins).
+GATE_VERSIONS = ("0.4.10.post2", "0.5.1", "0.5.2", "0.5.3", "0.5.5", "0.5.7", "0.5.8", "0.5.20", "0.5.21", "0.5.22")
+# Everything scripts/install_sglang.sh installs, oldest first.
+ALL_VERSIONS = ("0.4.9", "0.4.10.post2", "0.5.1", "0.5.2", "0.5.3", "0.5.5", "0.5.6", "0.5.7", "0.5.8", "0.5.20",
+                "0.5.21", "0.5.22", "0.5.23")
+assert set(ALL_VERSIONS) == set(VERSIONS) | set(GATE_VERSIONS)
 
 
 def sglang_dir(version: str) -> str:

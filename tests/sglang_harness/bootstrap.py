@@ -34,18 +34,25 @@ def setup(sglang_dir: str) -> tuple[int, int, int]:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     if rel < (0, 5, 0):
         _shim_old_sglang()
+    if rel < (0, 5, 2):
+        _shim_amx_probe()
     return rel
 
 
 def _shim_old_sglang() -> None:
-    """SGLang 0.4.x imports names that today's triton and torch no longer have."""
-    import torch
+    """SGLang 0.4.x imports names that today's triton no longer has."""
     import triton.runtime.cache as cache
 
     # triton >= 3.4 dropped these helpers; 0.4.x imports them (only used for triton's cache paths).
     for name, sub in (("default_cache_dir", "cache"), ("default_dump_dir", "dump"), ("default_override_dir", "override")):
         if not hasattr(cache, name):
             setattr(cache, name, lambda s=sub: os.path.join(os.path.expanduser("~"), ".triton", s))
-    # torch 2.13 renamed its AMX probe; 0.4.x calls it at import. No AMX: SGLang takes its plain CPU path.
+
+
+def _shim_amx_probe() -> None:
+    """torch 2.13 renamed its AMX probe; SGLang 0.4.x-0.5.1 call it at import unguarded (0.5.2 wraps it in a
+    try). No AMX: SGLang takes its plain CPU path."""
+    import torch
+
     if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
         torch._C._cpu._is_amx_tile_supported = lambda: False

@@ -1,11 +1,13 @@
 """The colocated transport's SGLang payload checked by SGLang's own code, in a process where SGLang imports.
 
-``python -m tests.sglang_harness.ipc_payload decode --sglang-dir DIR``: builds flattened and per-tensor
-payloads for buckets of several dtypes with the project's :mod:`bridge.transports.cuda_ipc` (CPU tensors:
-this machine has no GPU), decodes every TP rank's entry as SGLang's receiving side does
-(``MultiprocessingSerializer.deserialize``, then for flattened buckets ``FlattenedTensorMetadata`` and
-``FlattenedTensorBucket(...).reconstruct_tensors()`` as ``_update_weights_from_flattened_bucket`` does), and
-prints one JSON line: what was sent and what SGLang decoded, per bucket and rank, for the test to compare.
+``python -m tests.sglang_harness.ipc_payload decode --sglang-dir DIR --model MODEL_DIR``: builds flattened and
+per-tensor payloads for buckets of several dtypes with the project's :mod:`bridge.transports.cuda_ipc` (CPU
+tensors: this machine has no GPU), hands every TP rank's entry to SGLang's own receive code (the harness's
+receive side, :meth:`tests.sglang_harness.serve.Harness.receiver`: SGLang's ``TpModelWorker`` deserializes its
+rank's entry, SGLang's model runner -- ``WeightUpdater`` from 0.5.2x -- runs ``update_weights_from_tensor``,
+unflattening a flattened bucket with ``_update_weights_from_flattened_bucket``) around a model that records
+what ``load_weights`` gets, and prints one JSON line: what was sent and what SGLang loaded, per bucket and rank,
+for the test to compare.
 
 ``python -m tests.sglang_harness.ipc_payload send --sglang-dir DIR --url URL --model MODEL_DIR --load-format F``:
 posts the model's weights, each tensor changed, in several buckets of the same payloads to a harness
@@ -23,11 +25,15 @@ import os
 import sys
 
 
+_release = None
+
+
 def _setup(sglang_dir: str) -> None:
+    global _release
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from tests.sglang_harness.bootstrap import setup
 
-    setup(sglang_dir)
+    _release = setup(sglang_dir)
 
 
 def _specs():
@@ -57,36 +63,50 @@ def _describe(named) -> list:
     return [[n, str(t.dtype).removeprefix("torch."), list(t.shape), tensor_checksum(t)] for n, t in named]
 
 
-def decode(args) -> dict:
+def _recorder():
+    """The model SGLang's receive code loads into here: ``load_weights`` keeps what it is given, in order."""
     import torch
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.loaded = []
+
+        def load_weights(self, weights):
+            self.loaded.extend((name, t.detach().clone()) for name, t in weights)
+            return {n for n, _ in self.loaded}
+
+    return Recorder()
+
+
+def decode(args) -> dict:
     from bridge.buckets import flatten_tensors, plan_buckets
     from bridge.tensors import ParamSpec
     from bridge.transports.cuda_ipc import serialize_bucket
+    from tests.sglang_harness import serve
 
+    # SGLang's own receive side (its TP worker deserializes its rank's entry with SGLang's SafeUnpickler; its
+    # model runner, or 0.5.2x's WeightUpdater, unflattens a flattened bucket) around a recording model.
+    recv = serve.Harness.receiver(serve._parse(["--sglang-dir", args.sglang_dir, "--model", args.model, "--port", "0"]),
+                                  _release, _recorder())
     tensors = _specs()
     specs = [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
-    out = {"buckets": []}
+    payloads = []  # all built first: SGLang's receive patches torch's reductions in this process, for good
     for bucket in plan_buckets(specs, bucket_bytes=96):
         buf = flatten_tensors(bucket, tensors)
         sent = _describe((n, tensors[n]) for n in bucket.names)
         for flattened in (True, False):
-            entries = serialize_bucket(bucket, buf, tp_size=args.tp_size, flattened=flattened)
-            ranks = []
-            for entry in entries:
-                data = MultiprocessingSerializer.deserialize(entry)  # SGLang's SafeUnpickler
-                if flattened:  # as SGLang's _update_weights_from_flattened_bucket
-                    meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
-                                                    end_idx=m.end_idx, numel=m.numel) for m in data["metadata"]]
-                    named = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=meta).reconstruct_tensors()
-                else:
-                    named = data
-                ranks.append(_describe(named))
-            out["buckets"].append({"flattened": flattened, "sent": sent, "ranks": ranks,
-                                   "entry_types": sorted({type(e).__name__ for e in entries})})
-    out["uuid_patch"] = _uuid_patch_scope()
+            payloads.append((flattened, sent, serialize_bucket(bucket, buf, tp_size=args.tp_size, flattened=flattened)))
+    out = {"buckets": [], "uuid_patch": _uuid_patch_scope()}
+    for flattened, sent, entries in payloads:
+        ranks = []
+        for rank in range(len(entries)):
+            recv.model.loaded.clear()
+            ok, message = recv.load_tensor_entries(entries, "flattened_bucket" if flattened else None, rank)
+            assert ok, message
+            ranks.append(_describe(recv.model.loaded))
+        out["buckets"].append({"flattened": flattened, "sent": sent, "ranks": ranks,
+                               "entry_types": sorted({type(e).__name__ for e in entries})})
     return out
 
 
@@ -154,7 +174,10 @@ def send(args) -> dict:
                                      weight_version="ipc1" if last else None, timeout=60)
         del buf  # the server answered: it copied the bytes out
     c.end_weight_update()
-    return {"buckets": len(buckets), "checksums": {n: tensor_checksum(t) for n, t in weights.items()}}
+    from tests.sglang_harness.serve import sglang_layout
+
+    # as SGLang's Qwen2 serves them: q/k/v and gate/up stacked
+    return {"buckets": len(buckets), "checksums": {n: tensor_checksum(t) for n, t in sglang_layout(weights).items()}}
 
 
 def main(argv=None) -> int:

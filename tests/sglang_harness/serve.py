@@ -2,33 +2,66 @@
 
 ``python -m tests.sglang_harness.serve --sglang-dir DIR --model MODEL_DIR --port N`` (see ``__init__``).
 
-Composition, top to bottom (SGLang's code unless marked STUB):
+Composition, top to bottom. Everything is SGLang's own code except what is marked STUB, and this list of
+STUBs is complete:
 
+* Imports (:mod:`tests.sglang_harness.bootstrap`): STUB -- inert stand-ins for ``torchvision``, ``sgl_kernel`` and
+  ``vllm`` (importable; any use raises, so a kernel call fails loudly), shims for names today's torch and triton
+  dropped, and, before 0.5.10, torch's renamed ``pg_options`` keyword mapped for ``init_custom_process_group``.
 * HTTP: ``sglang.srt.entrypoints.http_server.app`` itself -- its routes, request parsing and validation,
   status codes and response bodies -- with SGLang's own API-key middleware (``add_api_key_middleware``),
-  served by uvicorn (SGLang's lifespan hook is skipped: it starts OpenAI-compatible serving classes).
-* Tokenizer side: an instance of SGLang's ``TokenizerManager`` class whose ``__init__`` is skipped; its
-  weight-update methods (``init_weights_update_group``, ``update_weights_from_distributed``,
-  ``update_weights_from_disk``, ``begin/end_weight_update``, ``pause_generation``, ``update_weight_version``,
-  ...), its reader/writer ``model_update_lock`` and pause condition, and SGLang's communicator classes run
-  as they are. STUB: the ZMQ sockets -- a request object goes to a one-thread executor that plays the
-  scheduler process, and its reply object is handed back on the event loop, as SGLang's handle loop would;
-  config look-ups (``config_value``/``record_config_updates``) read and write a dict; ``abort_request``.
-* Scheduler side: SGLang's ``Scheduler`` handlers (0.4.x-0.5.x mixins) or, from 0.5.16-ish,
-  ``SchedulerWeightUpdaterManager`` (session gate, flush after update, version recording), with
-  ``TpModelWorker``'s forwarding methods. A handler that raises (SGLang's ``assert flush_cache_success``)
-  kills this process, as it kills a real server. STUB: ``flush_cache`` answers False while generations
-  are in flight (SGLang's radix-cache check), True otherwise; internal state; version bookkeeping that
-  0.5.23 keeps in its runtime context.
+  served by uvicorn. STUB: SGLang's lifespan hook is skipped (it starts OpenAI-compatible serving classes);
+  the app's global state holds a fixed ``scheduler_info`` and no template manager.
+* Configuration: SGLang's ``ServerArgs`` with its defaults (STUB: on the dataclass releases ``__post_init__`` is
+  skipped and the two normalizations it makes that the code here reads -- ``page_size``, ``custom_weight_loader``
+  -- are made by hand), published as SGLang does (runtime context on 0.5.2x, global server args before);
+  SGLang's ``ModelConfig`` (STUB: a bare record where it cannot be built, then disk loads fail).
+* Tokenizer side: an instance of SGLang's ``TokenizerManager`` class (STUB: ``__init__`` skipped, the attributes
+  it would set assigned directly); its weight-update methods (``init_weights_update_group``,
+  ``update_weights_from_distributed``/``_tensor``/``_disk``, ``begin/end_weight_update``,
+  ``pause_generation``/``continue_generation``, ``abort_request``, ``update_weight_version``, ...), its
+  reader/writer ``model_update_lock`` and pause condition, and SGLang's communicator classes run as they are.
+  STUB: the ZMQ sockets -- a request object goes to a one-thread executor that plays the scheduler process,
+  and its reply object is handed back on the event loop, as SGLang's handle loop would (so
+  ``auto_create_handle_loop`` does nothing); ``get_internal_state`` and ``is_ready``.
+* Scheduler side: an instance of SGLang's ``Scheduler`` (STUB: ``__init__`` skipped) whose own handlers run:
+  the weight-update handlers (0.4.x-0.5.x mixins) or ``SchedulerWeightUpdaterManager`` (session gate, flush
+  after update, version recording), ``pause_generation`` (``in_place``/``retract``, 0.5.x),
+  ``continue_generation``, ``abort_request``, ``flush_cache`` (with its ``is_fully_idle`` / ``_is_no_request``
+  check; 0.5.2x through its ``SchedulerFlushWrapper``), and ``TpModelWorker``'s forwarding methods. They read
+  SGLang's own state objects: a ``ScheduleBatch`` running batch, the waiting queue, a ``ReqToTokenPool``, a
+  ``TokenToKVPoolAllocator`` and a ``RadixCache``. A handler that raises (SGLang's ``assert
+  flush_cache_success``) kills this process, as it kills a real server. STUB: the scheduler's event loop
+  (requests are handled one at a time in the executor; a deferred flush is re-checked after each); request
+  intake, prefill and decode: a ``/generate`` request is an SGLang ``Req`` in the running batch holding a
+  request slot and KV slots from SGLang's pools but no KV data, and leaves whichever queue holds it when its
+  generation ends; the managers that hold no request here (grammar, dLLM, beam search, multimodal receiver)
+  are empty, the metrics and KV-event reporters and the socket to the tokenizer do nothing (an abort of a
+  queued request is seen by the generation from the queues); ``get_internal_state``; for releases whose
+  scheduler has no ``UpdateWeightVersionReqInput`` handler, a bare answer (their version lives in the
+  tokenizer's server args, set by SGLang's own route).
+* Parallel topology: SGLang's own ``parallel_state`` holds one TP rank on a gloo world of one (the TP group
+  the stacked linear layers are built for). STUB: the ``get_parallel()`` accessor that 0.5.2x's tokenizer,
+  worker, runner and scheduler read, and 0.5.20-0.5.21's scheduler-held copy (one TP rank, one PP rank; SGLang's
+  barriers on a group of one are no-ops).
 * Model runner: SGLang's weight-receiving code -- ``ModelRunner.init_weights_update_group`` /
-  ``update_weights_from_distributed`` / ``update_weights_from_disk`` (older releases) or the
-  ``WeightUpdater`` component (newer), so ``init_custom_process_group``, the per-tensor and
-  ``FlattenedTensorBucket`` receives and the disk loader are SGLang's. STUB: the model is a transformers
-  causal LM (no CUDA kernels here) given a ``load_weights`` that assigns each named tensor with SGLang's
-  ``default_weight_loader`` (Qwen2's own loader additionally stacks q/k/v; the HF layout has no stacking).
-* Generation (``/generate``): STUB -- greedy decoding with the transformers model inside SGLang's
-  reader lock and pause condition, so that in-flight requests, pausing and locking behave as in SGLang.
-* ``/wsync_harness/weights`` (GET, harness only): sha256 of every served tensor, to check bit-equality.
+  ``update_weights_from_distributed`` / ``_tensor`` / ``_disk`` (older releases; STUB: ``__init__`` skipped) or
+  the ``WeightUpdater`` component (newer; STUB: its CUDA-graph and model-field callbacks do nothing), so
+  ``init_custom_process_group``, the per-tensor and ``FlattenedTensorBucket`` receives and the disk loader are
+  SGLang's.
+* Model: SGLang's ``Qwen2ForCausalLM`` (STUB: ``__init__`` skipped) whose own ``load_weights`` loads every
+  tensor (also the checkpoint at start), through its ``stacked_params_mapping``: q/k/v into SGLang's
+  ``QKVParallelLinear`` (``qkv_proj``) and gate/up into SGLang's ``MergedColumnParallelLinear``
+  (``gate_up_proj``), the rest with ``default_weight_loader``. STUB: its other modules (embedding, norms,
+  ``o_proj``, ``down_proj``) are a transformers Qwen2 model's, and so is the forward pass.
+* Generation (``/generate``): STUB -- greedy decoding with that transformers model (whose q/k/v/gate/up
+  weights are views into SGLang's stacked tensors, so it computes with what SGLang loaded), inside SGLang's
+  reader lock and pause condition; the request stays in SGLang's running batch while its
+  ``custom_params.harness_hold_s`` lasts and while the scheduler is paused, and ends early, with SGLang's
+  abort finish reason, once SGLang's ``abort_request`` marked it.
+* ``/wsync_harness/weights`` and ``/wsync_harness/scheduler`` (GET, harness only): sha256 of every served
+  tensor under SGLang's names (see :func:`sglang_layout`), and the running/waiting counts and paused flag
+  of SGLang's scheduler state.
 
 Prints ``HARNESS READY <url>`` on stdout once it listens.
 """
@@ -43,7 +76,6 @@ import hashlib
 import logging
 import os
 import sys
-import threading
 import traceback
 import types
 
@@ -99,6 +131,27 @@ def _accept_pg_options() -> None:
     c10d._new_process_group_helper = helper
 
 
+_STACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def sglang_layout(named: dict) -> dict:
+    """``{HF name: tensor}`` as SGLang's Qwen2 serves it: each layer's q/k/v concatenated (rows, in that order)
+    as ``qkv_proj`` and gate/up as ``gate_up_proj``, weight and bias; a group with a part missing is left out.
+    What the harness serves is compared with this, so a stacked tensor equals the trainer's slices."""
+    import torch
+
+    out, used = {}, set()
+    for name, t in named.items():
+        for stacked, parts in _STACKED:
+            if f".{parts[0]}." in name:
+                names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+                if all(n in named for n in names):
+                    out[name.replace(f".{parts[0]}.", f".{stacked}.")] = torch.cat([named[n] for n in names])
+                used.update(names)
+    out.update({n: t for n, t in named.items() if n not in used})
+    return out
+
+
 class _Done:
     """What a stubbed ``socket.send`` returns: awaitable (async callers) and ignorable (sync callers)."""
 
@@ -113,37 +166,96 @@ class Harness:
 
         self.args, self.rel = args, rel
         self.dtype = getattr(torch, args.dtype)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=self.dtype).eval()
-        self.model.load_weights = self._load_weights  # what SGLang's model classes provide
-        self.inflight = 0
-        self.inflight_lock = threading.Lock()
+        self.hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=self.dtype).eval()
         self.executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-scheduler")
         self.loop: asyncio.AbstractEventLoop | None = None
         self._build()
 
     # ------------------------------------------------------------------ model glue (STUB)
 
-    def _load_weights(self, weights):
-        import torch
-        from sglang.srt.model_loader.weight_utils import default_weight_loader
+    def _served_model(self, hf):
+        """SGLang's own ``Qwen2ForCausalLM`` (``__init__`` skipped) as the served model: its ``load_weights``
+        (the ``stacked_params_mapping`` loop) loads every tensor, into SGLang's own ``QKVParallelLinear`` (q/k/v
+        stacked as ``qkv_proj``) and ``MergedColumnParallelLinear`` (gate/up stacked as ``gate_up_proj``) on one TP
+        rank; the other modules are the transformers model's. STUB: generation runs the transformers model, whose
+        q/k/v/gate/up projections are views into SGLang's stacked tensors, so it uses what SGLang loaded."""
+        import inspect
 
-        params = dict(self.model.named_parameters())
-        names = []
-        for name, w in weights:
-            p = params.get(name)
-            if p is None:
-                if name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False):
-                    continue  # SGLang's Qwen2 loader skips the tied head too
-                logging.getLogger("harness").warning("skipping unknown parameter %s", name)  # as Qwen2's loader
-                continue
-            with torch.no_grad():
-                default_weight_loader(p, w)
-            names.append(name)
-        return set(names)
+        import torch
+        from torch import nn
+
+        self._sglang_tp_group()
+        import sglang.srt.models.qwen2 as qwen2  # before the layers: the import order SGLang's loader has
+        from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+        cfg = hf.config
+        if cfg.model_type != "qwen2":
+            raise ValueError(f"the harness serves Qwen2 models (SGLang's Qwen2 loader), not {cfg.model_type}")
+        served = object.__new__(qwen2.Qwen2ForCausalLM)
+        nn.Module.__init__(served)
+        served.config, served.quant_config = cfg, None
+        served.pp_group = types.SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
+        inner = nn.Module()
+        inner.embed_tokens, inner.norm, inner.layers = hf.model.embed_tokens, hf.model.norm, nn.ModuleList()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # one TP rank, stated where the layer takes it (0.5.21 would read it from an unset runtime context)
+        rank = {"tp_rank": 0, "tp_size": 1} if "tp_rank" in inspect.signature(QKVParallelLinear).parameters else {}
+        for hl in hf.model.layers:
+            layer, attn, mlp = nn.Module(), nn.Module(), nn.Module()
+            attn.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads,
+                                              cfg.num_key_value_heads, bias=hl.self_attn.q_proj.bias is not None,
+                                              params_dtype=self.dtype, **rank)
+            attn.o_proj = hl.self_attn.o_proj
+            mlp.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False,
+                                                          params_dtype=self.dtype, **rank)
+            mlp.down_proj = hl.mlp.down_proj
+            layer.self_attn, layer.mlp = attn, mlp
+            layer.input_layernorm, layer.post_attention_layernorm = hl.input_layernorm, hl.post_attention_layernorm
+            inner.layers.append(layer)
+        served.model = inner
+        if not getattr(cfg, "tie_word_embeddings", False):
+            served.lm_head = hf.lm_head
+        else:
+            served.lm_head = inner.embed_tokens  # as SGLang's Qwen2 ties them
+        with torch.no_grad():
+            served.load_weights(list(hf.state_dict().items()))  # the checkpoint, through SGLang's loader
+        for hl, layer in zip(hf.model.layers, inner.layers):
+            qkv = [hl.self_attn.q_proj, hl.self_attn.k_proj, hl.self_attn.v_proj]
+            self._view(layer.self_attn.qkv_proj, "weight", qkv)
+            if hl.self_attn.q_proj.bias is not None:
+                self._view(layer.self_attn.qkv_proj, "bias", qkv)
+            self._view(layer.mlp.gate_up_proj, "weight", [hl.mlp.gate_proj, hl.mlp.up_proj])
+        return served
+
+    @staticmethod
+    def _view(stacked, attr, parts) -> None:
+        """Make each transformers projection's ``attr`` a view of its rows in SGLang's stacked tensor."""
+        from torch import nn
+
+        data, at = getattr(stacked, attr).data, 0
+        for part in parts:
+            n = getattr(part, attr).shape[0]
+            setattr(part, attr, nn.Parameter(data[at:at + n], requires_grad=False))
+            at += n
+        assert at == data.shape[0]
+
+    def _sglang_tp_group(self) -> None:
+        """SGLang's own parallel state, one TP rank on the gloo world this process already has."""
+        import inspect
+
+        from sglang.srt.distributed import parallel_state as ps
+
+        if getattr(ps, "_TP", None) is None:
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                            distributed_init_method="env://")
+            if "tensor_model_parallel_size" in inspect.signature(ps.initialize_model_parallel).parameters:
+                ps.initialize_model_parallel(1)
+            else:  # 0.5.2x reads the widths from its runtime context (published from the server args)
+                ps.initialize_model_parallel()
 
     def checksums(self) -> dict:
         out = {}
-        for name, p in self.model.state_dict().items():
+        for name, p in self.model.named_parameters():  # SGLang's names: stacked, the tied head once
             t = p.detach().contiguous().cpu()
             out[name] = hashlib.sha256(t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes()).hexdigest()
         return out
@@ -151,6 +263,14 @@ class Harness:
     # ------------------------------------------------------------------ composition
 
     def _build(self):
+        self._build_runtime()
+        self.model = self._served_model(self.hf_model)
+        self._build_model_runner()
+        self._build_tp_worker()
+        self._build_scheduler()
+        self._build_tokenizer_manager()
+
+    def _build_runtime(self):
         from sglang.srt.managers import io_struct
 
         self.io = io_struct
@@ -163,15 +283,14 @@ class Harness:
         if self.runtime_context is not None:
             # 0.5.2x keeps its config (weight version included) in a process-wide runtime context: SGLang's own.
             self.runtime_context.publish(self.server_args, role="scheduler")
+            if self.rel < (0, 5, 22):  # 0.5.21's layers read this rank before any group is built: one rank here
+                self.runtime_context.get_parallel().override_permanently(tp_rank=0)
             if self.args.weight_version != "default":
                 self.runtime_context.get_context().override("scheduler.weight_version", weight_version=self.args.weight_version)
         import sglang.srt.server_args as sa_mod
 
         if hasattr(sa_mod, "set_global_server_args_for_scheduler"):  # 0.5.x before the runtime context
             sa_mod.set_global_server_args_for_scheduler(self.server_args)
-        self._build_model_runner()
-        self._build_scheduler()
-        self._build_tokenizer_manager()
 
     def _model_config(self):
         from sglang.srt.configs.model_config import ModelConfig
@@ -237,18 +356,91 @@ class Harness:
         if hasattr(sa, "weight_version"):
             sa.weight_version = self.args.weight_version
         sa.load_format = "auto"
+        if getattr(sa, "page_size", 1) is None:
+            sa.page_size = 1  # as ServerArgs.__post_init__ normalizes it
         if hasattr(sa, "custom_weight_loader") and sa.custom_weight_loader is None:
             sa.custom_weight_loader = []  # as ServerArgs.__post_init__ (skipped here) normalizes it
         return sa
 
-    def _flush_cache(self, *a, **k) -> bool:
-        # STUB of Scheduler.flush_cache: SGLang refuses to flush while requests run or wait.
-        with self.inflight_lock:
-            return self.inflight == 0
+    def _scheduler_state(self, sched) -> None:
+        """The state SGLang's scheduler handlers (pause, continue, flush, abort, idle checks) read: SGLang's own
+        running batch, waiting queue, request-to-token pool, KV-slot allocator and radix cache, and the flags of
+        a scheduler started with default arguments on one TP rank (no overlap, speculation, disaggregation,
+        grammar, hierarchical cache). STUB: the managers that hold no request here (grammar, dLLM, beam search,
+        multimodal receiver) are empty, and the metrics and KV-event reporters do nothing."""
+        import inspect
 
-    def _build_scheduler(self):
-        io = self.io
-        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        try:
+            from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        except ImportError:
+            from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        pool = ReqToTokenPool(size=64, max_context_len=2048, device="cpu", enable_memory_saver=False)
+        kw = dict(size=4096, dtype=self.dtype, device="cpu", kvcache=None)
+        if "need_sort" in inspect.signature(TokenToKVPoolAllocator.__init__).parameters:
+            kw["need_sort"] = False
+        alloc = TokenToKVPoolAllocator(**kw)
+        if "params" in inspect.signature(RadixCache.__init__).parameters:
+            from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+            tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=pool, token_to_kv_pool_allocator=alloc,
+                                              page_size=1))
+        else:
+            tree = RadixCache(req_to_token_pool=pool, token_to_kv_pool_allocator=alloc, page_size=1)
+        sched.req_to_token_pool, sched.token_to_kv_pool_allocator, sched.tree_cache = pool, alloc, tree
+        sched.running_batch = ScheduleBatch(reqs=[])
+        for name in ("tree_cache", "req_to_token_pool", "token_to_kv_pool_allocator"):  # as ScheduleBatch.init_new
+            setattr(sched.running_batch, name, getattr(sched, name))
+        sched.running_batch.device = "cpu"
+        sched.waiting_queue, sched.grammar_queue, sched.result_queue = [], [], []
+        sched.cur_batch = sched.last_batch = sched.chunked_req = None
+        sched.enable_overlap = sched.enable_overlap_mlx = False
+        sched.enable_hicache_storage = sched.enable_hierarchical_cache = sched.enable_hisparse = False
+        sched.enable_lmcache = sched.enable_priority_scheduling = sched.abort_on_priority_when_disabled = False
+        sched.max_queued_requests = None
+        sched.processed_tokens_counter = 0
+        sched.enable_continuous_input_polling = False
+        sched.pp_size = 1
+        sched.grammar_backend = sched.decode_offload_manager = sched.hisparse_coordinator = None
+        sched.mm_receiver = sched.rust_server = sched.dllm_config = None
+        sched._engine_paused = False
+        sched._pause_started_at = None
+        sched._pause_intervals = []
+        try:
+            from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+            sched.spec_algorithm = SpeculativeAlgorithm.NONE
+        except ImportError:
+            sched.spec_algorithm = None
+        try:
+            from sglang.srt.disaggregation.utils import DisaggregationMode
+
+            sched.disaggregation_mode = DisaggregationMode.NULL
+        except ImportError:
+            pass
+        empty = types.SimpleNamespace
+        sched.dllm_manager = empty(any_staging_reqs=lambda: False, staging_queue=[])
+        sched.grammar_manager = empty(grammar_queue=[], clear=lambda: None, abort_requests=lambda recv: None)
+        sched.beam_coordinator = empty(retire_group=lambda req: None)
+        sched.metrics_reporter = empty(reset_metrics=lambda: None, is_stats_logging_rank=True, last_gen_throughput=0.0,
+                                       current_scheduler_metrics_enabled=False)
+        sched.kv_events_publisher = empty(publish_kv_events=lambda: None)
+        # STUB: the scheduler's socket to the tokenizer. What it would carry here (an abort of a queued request)
+        # the harness's generation sees from the queues themselves.
+        to_tokenizer = empty(send_output=lambda *a, **k: None, send_pyobj=lambda *a, **k: None)
+        sched.send_to_tokenizer = to_tokenizer
+        sched.ipc_channels = empty(send_to_tokenizer=to_tokenizer)
+
+    def scheduler_view(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running_batch.reqs), "waiting": len(s.waiting_queue),
+                "paused": bool(getattr(s, "_engine_paused", False))}
+
+    def _build_tp_worker(self):
+        import sglang.srt.managers.tp_worker as tw_mod
         from sglang.srt.managers.tp_worker import TpModelWorker
 
         tw = object.__new__(TpModelWorker)
@@ -259,18 +451,60 @@ class Harness:
                 pass
         tw.tp_rank = 0  # before 0.5.23 the worker picks its own tensor entry by this
         self.tp_worker = tw
+        # STUB: the parallel topology (one TP rank; SGLang's barriers on a group of one are no-ops), where 0.5.2x's
+        # scheduler-side updater, the worker (each rank deserializes its own tensor entry) and the runner read it.
+        self.parallel = types.SimpleNamespace(tp_group=types.SimpleNamespace(cpu_group=None), tp_rank=0, pp_size=1,
+                                              tp_size=1)
+        mods = [tw_mod]
+        for name in ("sglang.srt.managers.scheduler_components.weight_updater",
+                     "sglang.srt.model_executor.model_runner_components.weight_updater",
+                     "sglang.srt.managers.scheduler"):
+            try:
+                __import__(name)
+                mods.append(sys.modules[name])
+            except ImportError:
+                pass
+        for mod in mods:
+            if hasattr(mod, "get_parallel"):
+                mod.get_parallel = lambda: self.parallel
 
+    def load_tensor_entries(self, entries, load_format, tp_rank: int):
+        """SGLang's receive of one ``/update_weights_from_tensor`` payload as TP rank ``tp_rank``: the worker
+        deserializes its own entry, the runner (or 0.5.2x's ``WeightUpdater``) unflattens a flattened bucket and
+        calls the model's ``load_weights``."""
+        self.tp_worker.tp_rank = self.model_runner.tp_rank = self.parallel.tp_rank = tp_rank
+        if hasattr(self.tp_worker, "deserialize_own_rank"):
+            named = self.tp_worker.deserialize_own_rank(entries)
+            return self.weight_updater.update_weights_from_tensor(named_tensors=named, load_format=load_format)
+        req = self.io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=entries, load_format=load_format)
+        return self.tp_worker.update_weights_from_tensor(req)
+
+    @classmethod
+    def receiver(cls, args, rel, model) -> "Harness":
+        """Only the receive side (runtime config, model runner, TP worker) of SGLang ``rel`` around ``model``."""
+        import torch
+
+        self = object.__new__(cls)
+        self.args, self.rel, self.dtype, self.model = args, rel, getattr(torch, args.dtype), model
+        self._build_runtime()
+        self._build_model_runner()
+        self._build_tp_worker()
+        return self
+
+    def _build_scheduler(self):
+        io = self.io
+        from sglang.srt.managers.scheduler import Scheduler
+
+        tw = self.tp_worker
         sched = object.__new__(Scheduler)
         sched.tp_worker = tw
         sched.draft_worker = None
-        sched.flush_cache = self._flush_cache
         sched.tp_cpu_group = None
-        sched._engine_paused = False
-        sched._pause_started_at = None
-        sched._pause_intervals = []
-        sched.enable_overlap = False
-        sched.last_batch = None
         sched.server_args = self.server_args
+        self._scheduler_state(sched)
+        if (0, 5, 20) <= self.rel < (0, 5, 22):  # 0.5.20-0.5.21 keep the parallel state on the scheduler (one rank)
+            sched.ps = types.SimpleNamespace(pp_size=1, tp_size=1, tp_rank=0, pp_rank=0, dp_rank=None, attn_tp_rank=0,
+                                             attn_cp_rank=0, gpu_id=0)
         self.scheduler = sched
         handlers = {}
         try:
@@ -278,27 +512,17 @@ class Harness:
         except ImportError:
             SchedulerWeightUpdaterManager = None
         if SchedulerWeightUpdaterManager is not None:
-            import sglang.srt.managers.scheduler_components.weight_updater as wu_mod
-
-            import sglang.srt.managers.tp_worker as tw_mod
-            import sglang.srt.model_executor.model_runner_components.weight_updater as mr_wu_mod
-
-            # STUB: the parallel topology (one TP rank; SGLang's barriers on a group of one are no-ops), where the
-            # scheduler's updater, the worker (each rank deserializes its own tensor entry) and the runner read it.
-            parallel = types.SimpleNamespace(tp_group=types.SimpleNamespace(cpu_group=None), tp_rank=0)
-            for mod in (wu_mod, tw_mod, mr_wu_mod):
-                mod.get_parallel = lambda: parallel
-            sched.waiting_queue, sched.chunked_req, sched.hisparse_coordinator = [], None, None
-            sched.collect_inflight_reqs = lambda: set()
             wu = SchedulerWeightUpdaterManager(
-                tp_worker=tw, draft_worker=None, memory_saver_adapter=None, flush_cache=self._flush_cache,
-                is_fully_idle=lambda **k: self.inflight == 0, scheduler=sched,
+                tp_worker=tw, draft_worker=None, memory_saver_adapter=None, flush_cache=sched.flush_cache,
+                is_fully_idle=sched.is_fully_idle, scheduler=sched,
+                **({"tp_cpu_group": None} if self.rel < (0, 5, 22) else {}),  # 0.5.20-0.5.21 take the TP group
             )
             sched.weight_updater = wu
             for name in ("init_weights_update_group", "destroy_weights_update_group", "update_weights_from_distributed",
                          "update_weights_from_tensor", "update_weights_from_disk", "begin_weight_update",
                          "end_weight_update", "get_weights_by_name"):
-                handlers[name] = getattr(wu, name)
+                if hasattr(wu, name):  # sessions from 0.5.21
+                    handlers[name] = getattr(wu, name)
             handlers["update_weight_version"] = sched.handle_update_weight_version
         else:
             for name in ("init_weights_update_group", "destroy_weights_update_group", "update_weights_from_distributed",
@@ -307,10 +531,24 @@ class Harness:
                     handlers[name] = getattr(sched, name)
             if hasattr(io, "UpdateWeightVersionReqInput"):
                 handlers["update_weight_version"] = lambda req: self._record_version(req.new_version)
-        handlers["pause_generation"] = self._sched_pause
-        handlers["continue_generation"] = self._sched_continue
+        # SGLang's own scheduler handlers (0.4.x has no scheduler-side pause: its tokenizer aborts instead).
+        for name in ("pause_generation", "continue_generation", "abort_request"):
+            if hasattr(sched, name):
+                handlers[name] = getattr(sched, name)
+        try:  # 0.5.2x: a flush may wait (timeout_s) for the scheduler to go idle
+            from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
+        except ImportError:
+            SchedulerFlushWrapper = None
+        if SchedulerFlushWrapper is not None:
+            send = lambda out, req: self.loop.call_soon_threadsafe(self.tm.flush_cache_communicator.handle_recv, out)  # noqa: E731
+            sched.flush_wrapper = SchedulerFlushWrapper(
+                flush_cache=sched.flush_cache, is_fully_idle=sched.is_fully_idle,
+                **({"send_output": send} if self.rel >= (0, 5, 23) else  # 0.5.20-0.5.22: through the IPC channels
+                   {"ipc_channels": types.SimpleNamespace(send_to_tokenizer=types.SimpleNamespace(send_output=send))}))
+            handlers["flush_cache"] = sched.flush_wrapper.handle
+        else:
+            handlers["flush_cache"] = sched.flush_cache_wrapped
         handlers["get_internal_state"] = self._internal_state
-        handlers["flush_cache"] = lambda req: io.FlushCacheReqOutput(success=self._flush_cache())
         table = {}
         names = {
             "init_weights_update_group": "InitWeightsUpdateGroupReqInput",
@@ -326,6 +564,7 @@ class Harness:
             "continue_generation": "ContinueGenerationReqInput",
             "get_internal_state": "GetInternalStateReq",
             "flush_cache": "FlushCacheReqInput",
+            "abort_request": "AbortReq",
         }
         for key, cls_name in names.items():
             cls = getattr(io, cls_name, None)
@@ -350,14 +589,6 @@ class Harness:
             return cls(**kw)
         except TypeError:
             return cls()
-
-    def _sched_pause(self, req):
-        self.scheduler._engine_paused = True
-        return None
-
-    def _sched_continue(self, req):
-        self.scheduler._engine_paused = False
-        return None
 
     def _internal_state(self, req):
         return self.io.GetInternalStateReqOutput(internal_state={"harness": True})
@@ -385,6 +616,7 @@ class Harness:
                 os._exit(70)
             if out is not None and reply is not None:
                 self.loop.call_soon_threadsafe(reply, out)
+            self._scheduler_tick()
 
         self.executor.submit(run)
 
@@ -402,7 +634,7 @@ class Harness:
         tm.elastic_worker_count = 1
         tm.enable_metrics = False
         tm.model_config = types.SimpleNamespace(is_image_understandable_model=False, is_audio_understandable_model=False,
-                                                is_multimodal=False, context_len=2048, hf_config=self.model.config)
+                                                is_multimodal=False, context_len=2048, hf_config=self.hf_model.config)
         tm.rid_to_state = {}
         tm.gracefully_exit = False
         tm.startup_time = 0.0
@@ -413,6 +645,8 @@ class Harness:
         tm.is_pause_cond = asyncio.Condition()
         tm._cond = asyncio.Condition()  # 0.4.x pause condition
         tm._updating = False
+        tm._is_updating_cond = asyncio.Condition()  # 0.4.10's names for the same
+        tm._is_updating = False
 
         class FakeSocket:
             def __init__(self, reply):
@@ -442,7 +676,6 @@ class Harness:
 
         tm._async_dispatch_to_scheduler = _async_dispatch
         tm.auto_create_handle_loop = lambda: None
-        tm.abort_request = lambda *a, **k: None
         tm.get_internal_state = self._tm_internal_state
         tm.is_ready = lambda: True
         tm.generate_request = self._generate
@@ -489,38 +722,110 @@ class Harness:
         import torch
 
         tm = self.tm
-        cond = tm.is_pause_cond if self.rel >= (0, 5, 0) else tm._cond
-        paused = (lambda: tm.is_pause) if self.rel >= (0, 5, 0) else (lambda: tm._updating)
+        if self.rel >= (0, 5, 0):
+            cond, paused = tm.is_pause_cond, (lambda: tm.is_pause)
+        elif self.rel >= (0, 4, 10):  # 0.4.10 renamed 0.4.9's pause condition
+            cond, paused = tm._is_updating_cond, (lambda: tm._is_updating)
+        else:
+            cond, paused = tm._cond, (lambda: tm._updating)
         async with cond:
             await cond.wait_for(lambda: not paused())
         async with tm.model_update_lock.reader_lock:
-            with self.inflight_lock:
-                self.inflight += 1
+            ids = obj.input_ids if obj.input_ids is not None else None
+            if ids is None:
+                raise ValueError("the harness generates from input_ids only")
+            sp = obj.sampling_params or {}
+            n = int(sp.get("max_new_tokens", 8))
+            # keep the request in flight (tests of pausing); custom_params passes SGLang's validation
+            hold = float((sp.get("custom_params") or {}).get("harness_hold_s", 0.0))
+            req = await self._in_scheduler(self._admit, list(ids), n)
             try:
-                ids = obj.input_ids if obj.input_ids is not None else None
-                if ids is None:
-                    raise ValueError("the harness generates from input_ids only")
-                sp = obj.sampling_params or {}
-                n = int(sp.get("max_new_tokens", 8))
-                # keep the request in flight (tests of pausing); custom_params passes SGLang's validation
-                hold = float((sp.get("custom_params") or {}).get("harness_hold_s", 0.0))
                 version = self.current_version()
 
                 def run():
                     with torch.no_grad():
-                        out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                        out = self.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                                                   min_new_tokens=n, pad_token_id=0)
                     return out[0, len(ids):].tolist()
 
                 out_ids = await asyncio.get_running_loop().run_in_executor(None, run)
-                if hold:
-                    await asyncio.sleep(hold)
+                deadline = asyncio.get_running_loop().time() + hold
+                # The request stays in SGLang's batch until its hold is over and the scheduler is not paused
+                # (a paused SGLang scheduler runs no batch), or until SGLang's own abort handler ended it.
+                while not self._aborted(req) and (asyncio.get_running_loop().time() < deadline
+                                                  or getattr(self.scheduler, "_engine_paused", False)):
+                    await asyncio.sleep(0.05)
+                finish = {"type": "length", "length": n}
+                if self._aborted(req):
+                    to_finish = getattr(req, "to_finish", None)
+                    finish = to_finish.to_json() if to_finish is not None else {"type": "abort", "message": "Aborted"}
                 yield {"text": "", "output_ids": out_ids,
-                       "meta_info": {"id": "harness", "finish_reason": {"type": "length", "length": n},
+                       "meta_info": {"id": req.rid, "finish_reason": finish,
                                      "prompt_tokens": len(ids), "completion_tokens": n, "weight_version": version}}
             finally:
-                with self.inflight_lock:
-                    self.inflight -= 1
+                await self._in_scheduler(self._leave, req)
+
+    async def _in_scheduler(self, fn, *args):
+        """Run ``fn`` in the scheduler thread, between its handlers, as SGLang's event loop would."""
+        return await asyncio.wrap_future(self.executor.submit(fn, *args))
+
+    def _admit(self, ids, n):
+        """STUB of SGLang's request intake and prefill: an SGLang ``Req`` joins the running batch with a
+        request slot from SGLang's pool and no KV tokens (the transformers model keeps its own cache)."""
+        import array
+        import inspect
+        import uuid
+
+        import torch
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        s = self.scheduler
+        req = Req(uuid.uuid4().hex, "", ids, SamplingParams(max_new_tokens=n))
+        if isinstance(req.output_ids, array.array):  # 0.5.2x keeps token ids in arrays, as its tokenizer sends them
+            ids = array.array("q", ids)
+            req = Req(req.rid, "", ids, req.sampling_params)
+        kv = getattr(req, "kv", req)  # 0.5.2x: the request's KV state lives in an object of its own
+        if "reqs" in inspect.signature(s.req_to_token_pool.alloc).parameters:  # 0.5.9+: the pool binds the slot
+            s.req_to_token_pool.alloc([req])
+        else:
+            req.req_pool_idx = s.req_to_token_pool.alloc(1)[0]
+        locs = s.token_to_kv_pool_allocator.alloc(len(ids))
+        s.req_to_token_pool.write((kv.req_pool_idx, slice(0, len(ids))), locs.to(torch.int32))
+        kv.kv_committed_len = kv.kv_allocated_len = len(ids)
+        req.fill_ids = ids[:]
+        req.last_node = s.tree_cache.root_node
+        s.running_batch.reqs.append(req)
+        return req
+
+    def _leave(self, req):
+        """STUB of SGLang's finishing a request: it leaves whichever queue holds it; its slot is freed unless
+        SGLang's retract already released it."""
+        import inspect
+
+        s = self.scheduler
+        if req in s.running_batch.reqs:
+            s.running_batch.reqs.remove(req)
+            kv = getattr(req, "kv", req)
+            if "req" in inspect.signature(s.req_to_token_pool.free).parameters:  # 0.5.9+: frees the request's slot
+                if kv.req_pool_idx is not None:
+                    s.req_to_token_pool.free(req)
+            elif not getattr(req, "is_retracted", False):
+                s.req_to_token_pool.free(req.req_pool_idx)
+        if req in s.waiting_queue:
+            s.waiting_queue.remove(req)
+        self._scheduler_tick()
+
+    def _scheduler_tick(self) -> None:
+        """What SGLang's event loop does between requests that the harness needs: answer a deferred flush."""
+        fw = getattr(self.scheduler, "flush_wrapper", None)
+        if fw is not None:
+            fw.check_pending()
+
+    def _aborted(self, req) -> bool:
+        s = self.scheduler
+        return (getattr(req, "to_finish", None) is not None or bool(getattr(req, "to_abort", False))
+                or (req not in s.running_batch.reqs and req not in s.waiting_queue))
 
     # ------------------------------------------------------------------ HTTP
 
@@ -535,6 +840,10 @@ class Harness:
         if "template_manager" in getattr(gs_cls, "__dataclass_fields__", {}) or "template_manager" in gs_cls.__init__.__code__.co_varnames:
             kwargs["template_manager"] = None
         http_server.set_global_state(gs_cls(**kwargs))
+
+        @app.get("/wsync_harness/scheduler")
+        async def harness_scheduler():
+            return JSONResponse(await self._in_scheduler(self.scheduler_view))
 
         @app.get("/wsync_harness/weights")
         async def harness_weights():
