@@ -186,6 +186,13 @@ class ServerClient:
         return bool((self._info or {}).get("wsync_reference_server"))
 
     @property
+    def stages_updates(self) -> bool:
+        """True when the server stages a session's buckets and applies them, with their version, only at
+        ``/end_weight_update`` (the reference server from 0.5.21's dialect on). Real SGLang, and older
+        dialects, load each bucket as it arrives."""
+        return self.is_reference_server and self.features.needs_session
+
+    @property
     def disk_roots(self) -> list[str] | None:
         """The directories a reference server loads snapshots from (``wsync_disk_roots`` in its server
         info, resolved); None for real SGLang, which loads any directory it can read."""

@@ -81,8 +81,10 @@ def train_step(engine, seed: int) -> None:
 
 
 def serving_now(url: str) -> dict:
-    """A reference server right now: how long a 1-token generation takes (a paused server holds it),
-    its version, pause and session state, and the checksum of every served tensor."""
+    """A server right now: how long a 1-token generation takes (a paused server holds it), its version,
+    that a new update session can be opened (refused while one is left open), and for the reference
+    server its pause and session state and the checksum of every served tensor (SGLang's own code has
+    no such route; its weights are torn by a failed sync by design)."""
     import time
 
     from bridge.client import ServerClient
@@ -91,10 +93,51 @@ def serving_now(url: str) -> dict:
     t = time.monotonic()
     answer = c.generate(input_ids=[1, 4, 5], sampling_params={"temperature": 0, "max_new_tokens": 1})
     generate_s = time.monotonic() - t
-    state = c.server_info()["internal_states"][0]
-    return dict(generate_s=generate_s, generate_version=answer["meta_info"]["weight_version"],
-                version=state["weight_version"], paused=state["paused"], session_open=state["update_session_open"],
-                checksums=c.weights_checksum()["checksums"])
+    out = dict(generate_s=generate_s, generate_version=answer["meta_info"]["weight_version"],
+               version=c.model_info()["weight_version"], paused=None, session_open=None, checksums=None)
+    if c.is_reference_server:
+        state = c.server_info()["internal_states"][0]
+        out.update(paused=state["paused"], session_open=state["update_session_open"],
+                   checksums=c.weights_checksum()["checksums"])
+        c.begin_weight_update()
+        c.abort_weight_update()
+    elif c.features.needs_session:
+        c.begin_weight_update()
+        c.end_weight_update()
+    return out
+
+
+def publish_then_train(pub, engine, version: int) -> tuple[dict | None, dict | None]:
+    """Publish ``version``, then train one step: the trainer's own weights of ``version`` and the new ones
+    (rank 0; None elsewhere), so a fault test can tell "still the old weights" from "the new ones"."""
+    pub.publish(engine, version=version)
+    before = own_checksums(engine)
+    train_step(engine, version)
+    return before, own_checksums(engine)
+
+
+def rank0_dies_mid_sync(urls: list[str], out: str, version: int, **config):
+    """Every rank: publish ``version``, train, then rank 0 dies in the middle of publishing ``version + 1``
+    (it leaves its old and new weights in the file ``out`` first); the other ranks return what they
+    raised and how long it took."""
+    import json
+    import os
+    import time
+
+    from bridge import PublisherConfig, WeightPublisher
+
+    e = engine()
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, progress=False, **config))
+    before, after = publish_then_train(pub, e, version)
+    if e.rank == 0:
+        with open(out, "w") as f:
+            json.dump(dict(before=before, after=after), f)
+    t = time.monotonic()
+    try:
+        pub.publish(Sabotage(e, after=len(e.param_specs()) // 2, act=lambda: os._exit(3)), version=version + 1)
+        return ("ok", "", 0.0)
+    except Exception as exc:  # the test records whatever comes
+        return (type(exc).__name__, str(exc), time.monotonic() - t)
 
 
 def holds(checksums: dict, want: dict | None) -> bool:
@@ -117,3 +160,30 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
     M_MMAP_THRESHOLD = -3
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.mallopt(M_MMAP_THRESHOLD, nbytes)
+
+
+def check_served_any(engine, urls: list[str], version: int) -> dict:
+    """:func:`check_served` for the reference server; for SGLang's own code (the ``sglang_code`` tier),
+    every served tensor through the harness's checksum route, in SGLang's stacked layout, and the version
+    (collective; rank 0 gets the report)."""
+    import requests
+    import torch
+
+    from bridge.client import ServerClient
+    from bridge.protocol import tensor_checksum
+
+    if ServerClient(urls[0]).is_reference_server:
+        return check_served(engine, urls, version)
+    from tests.sglang_harness.serve import sglang_layout
+
+    full = {s.name: t for s, t in engine.iter_full_tensors()}  # collective
+    if engine.rank != 0:
+        return {}
+    want = {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in sglang_layout(full).items()}
+    report = {}
+    for url in urls:
+        got = requests.get(url + "/wsync_harness/weights", timeout=30).json()["checksums"]
+        compared = [n for n in want if n in got]
+        report[url] = dict(tensors_equal=len(compared) >= len(want) // 2 and all(got[n] == want[n] for n in compared),
+                           version=ServerClient(url).model_info()["weight_version"])
+    return report

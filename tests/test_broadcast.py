@@ -102,10 +102,7 @@ def _kill_server_mid_sync(urls: list[str], victim_pid: int):
     engine = sb.engine()
     pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=10, http_timeout=10, progress=False))
     try:
-        pub.publish(engine, version=100)
-        own100 = sb.own_checksums(engine)
-        sb.train_step(engine, 100)
-        own101 = sb.own_checksums(engine)
+        own100, own101 = sb.publish_then_train(pub, engine, 100)
         n = len(engine.param_specs())
         source = sb.Sabotage(engine, after=n // 2, act=lambda: os.kill(victim_pid, signal.SIGKILL))
         t0 = time.monotonic()
@@ -139,29 +136,6 @@ def test_server_killed_mid_sync(server_factory, tiny_model_dir):
     assert close_s < 5, close_s
 
 
-def _die_mid_sync(urls: list[str], out: str):
-    """Rank 0 dies in the middle of a broadcast; rank 1 reports what it raised, and how soon."""
-    import json
-
-    from bridge import PublisherConfig, WeightPublisher
-
-    engine = sb.engine()
-    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=10, http_timeout=10, progress=False))
-    pub.publish(engine, version=7)
-    own7 = sb.own_checksums(engine)
-    sb.train_step(engine, 7)
-    own8 = sb.own_checksums(engine)
-    if engine.rank == 0:  # rank 0 does not come back: it leaves the trainer's weights in a file
-        with open(out, "w") as f:
-            json.dump(dict(own7=own7, own8=own8), f)
-    t = time.monotonic()
-    try:
-        pub.publish(sb.Sabotage(engine, after=len(engine.param_specs()) // 2, act=lambda: os._exit(3)), version=8)
-        return ("ok", "", 0.0)
-    except Exception as e:
-        return (type(e).__name__, str(e), time.monotonic() - t)
-
-
 def test_trainer_killed_mid_sync_leaves_previous_version(server_factory, tiny_model_dir, tmp_path):
     import json
 
@@ -169,7 +143,8 @@ def test_trainer_killed_mid_sync_leaves_previous_version(server_factory, tiny_mo
     from bridge.publisher import PublisherConfig, dead_rank_bound
 
     (server,) = server_factory.many([dict(model=tiny_model_dir)])
-    r0, r1 = run_ranks(_die_mid_sync, 2, args=([server.url], str(tmp_path / "own.json")), timeout=120, may_die=(0,))
+    args, kwargs = ([server.url], str(tmp_path / "own.json"), 7), dict(group_timeout=10, http_timeout=10)
+    r0, r1 = run_ranks(sb.rank0_dies_mid_sync, 2, args=args, kwargs=kwargs, timeout=120, may_die=(0,))
     assert r0 is None
     kind, message, seconds = r1  # rank 1 outlives rank 0 and raises within its bound
     bound = dead_rank_bound(PublisherConfig(servers=[server.url], group_timeout=10, http_timeout=10))
@@ -184,7 +159,7 @@ def test_trainer_killed_mid_sync_leaves_previous_version(server_factory, tiny_mo
         time.sleep(0.5)
     now = sb.serving_now(server.url)
     assert now["version"] == now["generate_version"] == "7", now
-    assert sb.holds(now["checksums"], own["own7"]) and not sb.holds(now["checksums"], own["own8"])
+    assert sb.holds(now["checksums"], own["before"]) and not sb.holds(now["checksums"], own["after"])
     # A new trainer can sync again (the stale session and group are cleaned up).
     rank0, _ = run_ranks(_train_and_publish, 2, args=([server.url], 1, "auto"), timeout=240)
     assert rank0[0][2] == {server.url: "ok"}

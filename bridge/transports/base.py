@@ -157,26 +157,33 @@ class ServerSessions:
             discard_session(c)
             c.begin_weight_update()
 
-    def commit(self) -> dict[str, str]:
-        """End every session (the reference server swaps weights and version here), then resume.
+    def commit(self, version: int | None = None) -> dict[str, str]:
+        """Make ``version`` live on every server, then resume: end every session (the reference server
+        swaps weights and version there). Real SGLang loaded every bucket as it arrived, so its label is
+        set here, only now that every bucket arrived everywhere (``/update_weight_version``, inside the
+        session): a sync that failed earlier never labels what it loaded.
 
-        Sessions end concurrently. Failpoint ``commit:<i>`` fires before server ``i`` ends its session,
-        once servers 0..i-1 have ended theirs (so a test can fail a commit half-way)."""
+        Servers commit concurrently. Failpoint ``commit:<i>`` fires before server ``i`` commits, once
+        servers 0..i-1 have (so a test can fail a commit half-way)."""
+        clients, in_session = self.servers.clients, set(self.in_session)
         futures: list[cf.Future] = []
-        for i, c in enumerate(self.in_session):
-            futures.append(self._pool.submit(self._end, i, c, list(futures)))
-        errors = [(c, f.exception()) for c, f in zip(self.in_session, futures) if f.exception() is not None]
+        for i, c in enumerate(clients):
+            futures.append(self._pool.submit(self._end, i, c, c in in_session, version, list(futures)))
+        errors = [(c, f.exception()) for c, f in zip(clients, futures) if f.exception() is not None]
         failed = {c for c, _ in errors}
         self.in_session = [c for c in self.in_session if c in failed]
-        _raise_first(errors, "end the update session")
+        _raise_first(errors, "commit the update")
         return self.resume()
 
     @staticmethod
-    def _end(i: int, c, earlier: list[cf.Future]) -> None:
+    def _end(i: int, c, in_session: bool, version: int | None, earlier: list[cf.Future]) -> None:
         if armed(f"commit:{i}", 0):
             cf.wait(earlier)
             failpoint(f"commit:{i}", 0)
-        c.end_weight_update()
+        if version is not None and not c.stages_updates and c.features.weight_version:
+            c.update_weight_version(str(version))
+        if in_session:
+            c.end_weight_update()
 
     def resume(self) -> dict[str, str]:
         """Resume every paused server; url -> "ok" or why it could not be resumed (logged, not raised)."""

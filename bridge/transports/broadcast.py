@@ -77,7 +77,7 @@ class BroadcastTransport(Transport):
             lambda c: c.update_weights_from_distributed(
                 **fields, group_name=self.group_name,
                 load_format="flattened_bucket" if self.load_format == "flattened_bucket" else None,
-                flush_cache=last, weight_version=str(version) if last else None,
+                flush_cache=last, weight_version=str(version) if last and c.stages_updates else None,
                 timeout=cfg.group_timeout + cfg.http_timeout,
             )
         )
@@ -108,7 +108,7 @@ class BroadcastTransport(Transport):
                 raise SyncError(f"broadcast of bucket {k} failed: {e}") from e
 
     def commit(self, plan: Plan) -> dict:
-        return {"servers": self.sessions.commit()}
+        return {"servers": self.sessions.commit(plan.version)}
 
     def abort(self, reason: str) -> str:
         self._inflight = None

@@ -120,7 +120,7 @@ class ColocatedTransport(Transport):
         futures = self.servers.submit(
             lambda c: c.update_weights_from_tensor(
                 entries[c.url], load_format=load_format, flush_cache=last,
-                weight_version=str(version) if last else None, timeout=cfg.http_timeout,
+                weight_version=str(version) if last and c.stages_updates else None, timeout=cfg.http_timeout,
             )
         )
         # The file (or the CUDA buffer the IPC handles point at) lives until every server answered.
@@ -138,7 +138,7 @@ class ColocatedTransport(Transport):
                 self._unlink(held)
 
     def commit(self, plan: Plan) -> dict:
-        return {"servers": self.sessions.commit()}
+        return {"servers": self.sessions.commit(plan.version)}
 
     def abort(self, reason: str) -> str:
         inflight, self._inflight = self._inflight, None
