@@ -20,7 +20,9 @@ disk); after each step every rank learns every rank's outcome (:mod:`bridge.agre
 4. **settle** (every rank): rank 0 waits for the last bucket; every rank says whether it may commit.
 5. **commit** (rank 0): the version goes live (sessions end, or the snapshot is announced).
 
-Any exception on any rank, of any type, in any step, makes every rank raise the same error (the first
+Ctrl-C and SIGTERM are held until the step in progress ends, then fail the sync the same way before
+they take effect (:mod:`bridge.interrupts`). Any exception on any rank, of any type, in any step, makes
+every rank raise the same error (the first
 failure's class when it is one of the project's, else :class:`SyncError` naming the rank, the step and
 the cause) within the step's bound, and rank 0 first calls the transport's ``abort``: every server keeps
 serving its previous version, unpaused, with no open session; a snapshot that was not complete is
@@ -269,6 +271,8 @@ class WeightPublisher:
         Raises (the same error on every rank):
             VersionError: ``version`` is older than the last published one, or equal with other weights.
             SyncError / SyncTimeout / ConfigError: the sync failed; servers keep their previous version.
+            KeyboardInterrupt / SystemExit (only on the rank it came to, the others raise SyncError): Ctrl-C,
+                SIGTERM or an interrupt raised in a step, after the same clean-up (:mod:`bridge.interrupts`).
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise VersionError(f"version must be a non-negative integer, got {version!r}")

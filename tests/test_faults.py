@@ -467,6 +467,14 @@ def test_colocated_trainer_killed_then_a_new_trainer_fails(server, tmp_path):
     kind, message, seconds = r1
     bound = dead_rank_bound(PublisherConfig(servers=[server.url], group_timeout=4, http_timeout=4))
     assert kind in ("SyncError", "SyncTimeout") and seconds < bound, r1
+    # The server discards the session of a colocated trainer whose process died (README: within 5 s;
+    # measured from here, after rank 1 raised, which it does as soon as rank 0's store is gone).
+    from bridge.client import ServerClient
+
+    c, t = ServerClient(server.url), time.monotonic()
+    while c.server_info()["internal_states"][0]["update_session_open"] and time.monotonic() - t < 10:
+        time.sleep(0.1)
+    assert time.monotonic() - t < 5, "the dead trainer's session was not discarded within 5 s"
     own = json.loads((tmp_path / "own.json").read_text())
     r0, r1 = run_ranks(_colocated_fails, 2, args=([server.url],), timeout=200)
     assert r0[0] == r1[0] == "SyncError", r0
