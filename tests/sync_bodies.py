@@ -187,3 +187,47 @@ def check_served_any(engine, urls: list[str], version: int) -> dict:
         report[url] = dict(tensors_equal=len(compared) >= len(want) // 2 and all(got[n] == want[n] for n in compared),
                            version=ServerClient(url).model_info()["weight_version"])
     return report
+
+
+def matrix_publisher(transport: str, urls: list[str], nr_url: str, root: str):
+    """The publisher the fault and interrupt matrices use: small buckets (many steps to fail in), 20 s
+    bounds; disk publishes wait for no server."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    disk = transport == "disk"
+    return WeightPublisher(PublisherConfig(
+        transport=transport, servers=[] if disk else urls, name_resolve=nr_url, snapshot_root=root,
+        bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False,
+    ))
+
+
+def run_into_sglang(body, model_dir: str, tmp_path, transports: list[tuple[str, int]]):
+    """Run a matrix body (``body(urls, nr_url, root, transports)``) on 2 ranks against SGLang 0.5.23's
+    own code; returns (rank 0's runs, rank 1's runs, the server's URL). Skips where it is not installed."""
+    import pytest
+
+    from tests.dist_utils import run_ranks
+    from tests.sglang_harness import installed, launch
+
+    if not installed("0.5.23"):
+        pytest.skip("SGLang 0.5.23 is not installed (bash scripts/install_sglang.sh)")
+    with launch("0.5.23", model_dir) as srv:
+        args = ([srv.url], f"file://{tmp_path / 'nr'}", str(tmp_path / "snap"), transports)
+        runs0, runs1 = run_ranks(body, 2, args=args, timeout=300)
+        assert srv.alive()
+    return runs0, runs1, srv.url
+
+
+def assert_left_on(now: dict, version: int, was: dict, own_before: dict, own_after: dict, where: str) -> None:
+    """A server after a failed sync (``now``, from :func:`serving_now`): still labelled ``version``,
+    answering at once; a reference server also unpaused, with no session, serving exactly what it served
+    before (``was``), which is the trainer's ``own_before`` and not its ``own_after``. SGLang's own code
+    stages nothing, so its weights carry no such promise (``checksums`` is None there)."""
+    assert (now["version"], now["generate_version"]) == (str(version), str(version)), f"{where}: {now['version']}"
+    assert now["generate_s"] < 1, f"{where}: generation still paused: {now['generate_s']:.2f} s"
+    if now["checksums"] is None:
+        return
+    assert now["paused"] is False and now["session_open"] is False, f"{where}: {now}"
+    assert now["checksums"] == was["checksums"], f"{where}: the served weights changed"
+    assert holds(now["checksums"], own_before), f"{where}: not the trainer's v{version}"
+    assert not holds(now["checksums"], own_after), f"{where}: the new weights are served"

@@ -87,7 +87,6 @@ def _announced(nr_url: str) -> list[int]:
 def _fault_matrix(urls: list[str], nr_url: str, root: str, transports: list[tuple[str, int]]):
     """Every rank, for each transport: publish v0, train, inject each fault publishing v0+1, retry v0
     with other weights, then publish v0+1 for real. Records what every rank raised and what was served."""
-    from bridge import PublisherConfig, WeightPublisher
     from bridge.failpoints import ENV
     from wsync.tasks import make_batch
 
@@ -108,10 +107,7 @@ def _fault_matrix(urls: list[str], nr_url: str, root: str, transports: list[tupl
                 except Exception as e:  # the test records whatever comes
                     return (type(e).__name__, str(e))
 
-            pub = WeightPublisher(PublisherConfig(
-                transport=transport, servers=[] if disk else urls, name_resolve=nr_url, snapshot_root=root,
-                bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False,
-            ))
+            pub = sb.matrix_publisher(transport, urls, nr_url, root)
             try:
                 pub.publish(engine, version=v0)
                 run = dict(before=observe(), outcomes=[], own_before=sb.own_checksums(engine))
@@ -159,15 +155,8 @@ def test_the_fault_matrix_against_sglangs_own_code(tiny_model_dir, tmp_path):
     resumes only when told to: every rank raises the same error, the server keeps its version label,
     answers at once and has no open session; its weights may be torn (it has no staging), which is why
     the client resends every tensor next time, as the final publish checks bit-equal."""
-    from tests.sglang_harness import installed, launch
-
-    if not installed("0.5.23"):
-        pytest.skip("SGLang 0.5.23 is not installed (bash scripts/install_sglang.sh)")
-    with launch("0.5.23", tiny_model_dir) as srv:
-        args = ([srv.url], f"file://{tmp_path / 'nr'}", str(tmp_path / "snap"), [("broadcast", 10)])
-        runs0, runs1 = run_ranks(_fault_matrix, 2, args=args, timeout=300)
-        assert srv.alive()
-    _check_fault_matrix(runs0, runs1, [("broadcast", 10)], [srv.url])
+    runs0, runs1, url = sb.run_into_sglang(_fault_matrix, tiny_model_dir, tmp_path, [("broadcast", 10)])
+    _check_fault_matrix(runs0, runs1, [("broadcast", 10)], [url])
 
 
 def _check_fault_matrix(runs0: dict, runs1: dict, transports: list[tuple[str, int]], urls: list[str]) -> None:
@@ -186,14 +175,7 @@ def _check_fault_matrix(runs0: dict, runs1: dict, transports: list[tuple[str, in
                 assert after == r0["before"] == [v0], f"{where}: announced {after}"
                 continue
             for url in urls:
-                was, now = r0["before"][url], after[url]
-                assert (now["version"], now["generate_version"]) == (str(v0), str(v0)), f"{where}: {now['version']}"
-                assert now["generate_s"] < 1, f"{where}: generation is still paused"
-                if now["checksums"] is None:  # SGLang's own code: no staging, so no checksum promise
-                    continue
-                assert now["checksums"] == was["checksums"], f"{where}: the served weights changed"
-                assert sb.holds(now["checksums"], r0["own_before"]), f"{where}: not the trainer's v{v0}"
-                assert not sb.holds(now["checksums"], r0["own_after"]), f"{where}: the new weights are served"
+                sb.assert_left_on(after[url], v0, r0["before"][url], r0["own_before"], r0["own_after"], where)
         kind, message = r0["same_version"]
         assert r1["same_version"] == r0["same_version"] and kind == "VersionError" and "different weights" in message
         if transport == "disk":

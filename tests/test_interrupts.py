@@ -35,7 +35,6 @@ INTERRUPTS = [
     ("bucket:1@0=SIGINT", 0, "KeyboardInterrupt"),  # ... and to rank 0 only
     ("bucket:2@0=SIGTERM", 0, "SystemExit"),  # a real SIGTERM; this trainer's handler turns it into SystemExit
 ]
-GENERATE_S = 1.0  # when publish() raises, every server answers a generation within this (issue 21)
 BOUND_S = 5.0  # from the interrupt to every rank's raise; the interrupts come early in a sub-second sync
 
 
@@ -54,7 +53,6 @@ def _observe(urls: list[str], nr_url: str, root: str, disk: bool) -> dict:
 
 def _interrupt_matrix(urls: list[str], nr_url: str, root: str, transports: list[tuple[str, int]]):
     """Every rank: per transport, publish v0, train, publish v0+1 under each interrupt, then for real."""
-    from bridge import PublisherConfig, WeightPublisher
     from bridge.failpoints import ENV
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -64,10 +62,7 @@ def _interrupt_matrix(urls: list[str], nr_url: str, root: str, transports: list[
     try:
         for transport, v0 in transports:
             disk = transport == "disk"
-            pub = WeightPublisher(PublisherConfig(
-                transport=transport, servers=[] if disk else urls, name_resolve=nr_url, snapshot_root=root,
-                bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False,
-            ))
+            pub = sb.matrix_publisher(transport, urls, nr_url, root)
             try:
                 own_before, own_after = sb.publish_then_train(pub, engine, v0)  # the checks below can fail
                 run = dict(before=_observe(urls, nr_url, root, disk) if rank0 else None, own_before=own_before,
@@ -102,7 +97,7 @@ def _final(engine, urls: list[str], nr_url: str, disk: bool, version: int):
     return _announced(nr_url) if disk else sb.check_served_any(engine, urls, version)
 
 
-def _check_matrix(runs0: dict, runs1: dict, transports: list[tuple[str, int]], urls: list[str], real_sglang: bool):
+def _check_matrix(runs0: dict, runs1: dict, transports: list[tuple[str, int]], urls: list[str]):
     for transport, v0 in transports:
         r0, r1 = runs0[transport], runs1[transport]
         for (point, rank, raised), (got0, s0, after), (got1, s1, _) in zip(INTERRUPTS, r0["outcomes"], r1["outcomes"]):
@@ -115,17 +110,8 @@ def _check_matrix(runs0: dict, runs1: dict, transports: list[tuple[str, int]], u
             if transport == "disk":
                 assert after == dict(announced=[v0], temporary=[]), f"{where}: {after}"
                 continue
-            for url in urls:
-                now = after[url]
-                assert (now["version"], now["generate_version"]) == (str(v0), str(v0)), f"{where}: {now}"
-                assert now["generate_s"] < GENERATE_S, f"{where}: generation still paused: {now['generate_s']:.2f} s"
-                if not real_sglang:
-                    assert now["paused"] is False and now["session_open"] is False, f"{where}: {now}"
-                    want = {n: c for n, c in r0["own_before"].items() if n in now["checksums"]}
-                    assert now["checksums"] == r0["before"][url]["checksums"], f"{where}: the served weights changed"
-                    assert want and all(now["checksums"][n] == c for n, c in want.items()), f"{where}: not v{v0}'s weights"
-                    assert any(now["checksums"][n] != c for n, c in r0["own_after"].items() if n in now["checksums"]), (
-                        f"{where}: the trainer's new weights equal the old ones; the check could not fail")
+            for url in urls:  # generation within 1 s when publish() raised, as the issue asks
+                sb.assert_left_on(after[url], v0, r0["before"][url], r0["own_before"], r0["own_after"], where)
         if transport == "disk":
             assert r0["final"] == [v0, v0 + 1]
         else:
@@ -143,21 +129,14 @@ def test_interrupts_mid_sync_leave_every_server_clean(server_factory, tiny_model
     urls = [s.url for s in servers]
     args = (urls, f"file://{tmp_path / 'nr'}", str(tmp_path / "snap"), TRANSPORTS)
     runs0, runs1 = run_ranks(_interrupt_matrix, 2, args=args, timeout=400)
-    _check_matrix(runs0, runs1, TRANSPORTS, urls, real_sglang=False)
+    _check_matrix(runs0, runs1, TRANSPORTS, urls)
 
 
 @pytest.mark.sglang_code
 def test_interrupts_mid_broadcast_into_sglangs_own_code(tiny_model_dir, tmp_path):
     """SGLang's own code resumes generation only when told to: the interrupted sync must tell it."""
-    from tests.sglang_harness import installed, launch
-
-    if not installed("0.5.23"):
-        pytest.skip("SGLang 0.5.23 is not installed (bash scripts/install_sglang.sh)")
-    with launch("0.5.23", tiny_model_dir) as srv:
-        args = ([srv.url], f"file://{tmp_path / 'nr'}", str(tmp_path / "snap"), [("broadcast", 10)])
-        runs0, runs1 = run_ranks(_interrupt_matrix, 2, args=args, timeout=300)
-        assert srv.alive()
-    _check_matrix(runs0, runs1, [("broadcast", 10)], [srv.url], real_sglang=True)
+    runs0, runs1, url = sb.run_into_sglang(_interrupt_matrix, tiny_model_dir, tmp_path, [("broadcast", 10)])
+    _check_matrix(runs0, runs1, [("broadcast", 10)], [url])
 
 
 # ------------------------------------------------------------------ the command line, signalled from outside
