@@ -312,8 +312,7 @@ class WeightPublisher:
                     self._transport.add_shards({f: e for _, written in settled for f, e in written.items()})
                 return {**self._transport.commit(plan), "peak": peak}
 
-            outcome = self._agree.step("commit", commit, timeout=self._commit_bound() + SLACK_S,
-                                       on_failure=self._give_back)[0]
+            outcome = self._agreed("commit", commit, self._commit_bound() + SLACK_S)[0]
         except BridgeError as e:
             failed = self._failed(version, e, began)
             interrupt = getattr(e, "interrupt", None)
@@ -385,7 +384,12 @@ class WeightPublisher:
                 on_rank0()
             return collect() if collect is not None else None
 
-        return self._agree.step(name, run, timeout=bound + SLACK_S, on_failure=self._give_back)
+        return self._agreed(name, run, bound + SLACK_S)
+
+    def _agreed(self, name: str, fn, timeout: float) -> list:
+        """One step of the sync through the agreement; rank 0 gives the servers back as soon as its own
+        part fails (:meth:`_give_back`)."""
+        return self._agree.step(name, fn, timeout=timeout, on_failure=self._give_back)
 
     def _give_back(self) -> None:
         """This rank's own step failed, so the sync cannot complete: on rank 0, give the servers back now
@@ -485,8 +489,7 @@ class WeightPublisher:
 
         try:
             for k, bucket in enumerate(plan.buckets):
-                self._agree.step(f"bucket {k}", lambda k=k, b=bucket: one(k, b), timeout=self._bucket_bound() + SLACK_S,
-                                 on_failure=self._give_back)
+                self._agreed(f"bucket {k}", lambda k=k, b=bucket: one(k, b), self._bucket_bound() + SLACK_S)
         finally:
             bar.close()
 
