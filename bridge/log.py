@@ -1,7 +1,9 @@
-"""Logging that says which rank and which version a line is about.
+"""Logging that says which rank a line comes from.
 
-``get_logger(__name__)`` returns a logger whose lines start with ``[wsync rank R]`` (R from ``RANK`` or
-the default process group). ``setup_logging()`` is called once by the command-line entry points.
+``setup_logging()``, called once by each command-line entry point, installs one stderr handler whose
+lines read ``12:00:01 I [bridge.publisher rank 0] message``: the logger's name and the rank (of the
+default process group once there is one, else ``RANK``, else ``-``). ``get_logger(__name__)`` is a plain
+``logging.getLogger``, so a program that configures logging its own way keeps its own format.
 """
 
 from __future__ import annotations

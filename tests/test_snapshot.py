@@ -350,12 +350,12 @@ def test_crc_combination_matches_zlib(tmp_path):
     # The writer folds tensor CRCs into file CRCs arithmetically; zlib over the concatenation is the oracle.
     import random
 
-    from bridge.snapshot.manifest import _crc32_combine
+    from bridge.snapshot.checksums import crc32_combine
 
     rng = random.Random(0)
     for _ in range(50):
         a, b = rng.randbytes(rng.randint(0, 5000)), rng.randbytes(rng.randint(0, 5000))
-        assert _crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
     big = torch.randn(300_000)  # above the size where the writer combines instead of re-reading
     info = write_snapshot(tmp_path, 0, [("big", big), ("small", torch.ones(3))])
     with open(os.path.join(info.path, "model.safetensors"), "rb") as f:

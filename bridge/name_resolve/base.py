@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from bridge.errors import ConfigError, NameEntryExists, NameEntryNotFound
 from bridge.log import get_logger
 
-__all__ = ["Announcement", "NameResolve", "Watch", "WatchEvent", "names"]
+__all__ = ["Announcement", "NameResolve", "Watch", "WatchEvent", "check_key", "check_prefix", "is_under", "names"]
 
 # The package's name, not this file's: log lines keep the logger name they had before the split.
 log = get_logger(__package__)
@@ -40,7 +40,7 @@ class _Names:
                 raise ConfigError(f"{what} must be a non-empty name without '/', got {v!r}")
         if not isinstance(root, str) or not root.strip("/"):
             raise ConfigError(f"the key root must be a non-empty path, got {root!r}")
-        return _check_key(f"{root.strip('/')}/{experiment}/{trial}")
+        return check_key(f"{root.strip('/')}/{experiment}/{trial}")
 
     def trial_root(self, experiment: str, trial: str, root: str = "wsync") -> str:
         """``<root>/<experiment>/<trial>``: every key of one trial lives under it."""
@@ -216,10 +216,15 @@ class Watch:
     def __exit__(self, *exc) -> None:
         self.cancel()
 
-    # backend side
-    def _emit(self, event: WatchEvent) -> None:
+    # backend side: a backend feeds the watch its events and says how to stop its source
+    def emit(self, event: WatchEvent) -> None:
+        """Deliver ``event`` (dropped once the watch is cancelled)."""
         if not self._cancelled.is_set():
             self._queue.put(event)
+
+    def on_cancel(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` when the watch is cancelled (a failure there is logged, not raised)."""
+        self._cleanups.append(fn)
 
     def _dispatch(self) -> None:
         while (ev := self._queue.get()) is not _STOP:
@@ -247,7 +252,7 @@ class NameResolve:
             keepalive: refresh the TTL from a background thread while this process lives (needs ``ttl``).
             replace: overwrite an existing key; otherwise an existing key raises ``NameEntryExists``.
         """
-        _check_key(name)
+        check_key(name)
         if not isinstance(value, str):
             raise ConfigError(f"name_resolve values are strings; got {type(value).__name__} for {name!r}")
         if ttl is not None and not ttl > 0:
@@ -272,11 +277,11 @@ class NameResolve:
 
     def find_subtree(self, prefix: str) -> list[str]:
         """The keys at or under ``prefix``, sorted."""
-        return [k for k, _ in self._list(_check_prefix(prefix))]
+        return [k for k, _ in self._list(check_prefix(prefix))]
 
     def get_subtree(self, prefix: str) -> list[str]:
         """The values of the keys at or under ``prefix``, in key order."""
-        return [v for _, v in self._list(_check_prefix(prefix))]
+        return [v for _, v in self._list(check_prefix(prefix))]
 
     def wait(self, name: str, timeout: float | None = None, poll: float | None = None) -> str:
         """Block until ``name`` exists and return its value (event-driven; no polling on etcd or memory).
@@ -289,7 +294,7 @@ class NameResolve:
         Raises:
             NameEntryNotFound: the key did not appear within ``timeout``.
         """
-        _check_key(name)
+        check_key(name)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.watch(name, include_existing=True) as w:
             while True:
@@ -343,10 +348,12 @@ class NameResolve:
         return NameEntryExists(f"{name!r} already exists in {self.url}; pass replace=True to overwrite")
 
 
-# -- key checks -----------------------------------------------------------------------------------
+# -- key checks, for the interface and every backend ----------------------------------------------
 
 
-def _check_key(key: str) -> str:
+def check_key(key: str) -> str:
+    """``key`` itself when it is a valid key: ``/``-separated, no empty, dot-leading or ``..`` component
+    (the directory backend turns keys into file names); else ConfigError naming the bad part."""
     if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
         raise ConfigError(f"name_resolve key must be a non-empty path without leading/trailing '/', got {key!r}")
     for part in key.split("/"):
@@ -355,9 +362,11 @@ def _check_key(key: str) -> str:
     return key
 
 
-def _check_prefix(prefix: str) -> str:
-    return _check_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
+def check_prefix(prefix: str) -> str:
+    """A prefix as a key: a trailing ``/`` (AReaL's idiom) is dropped, the rest checked as a key."""
+    return check_key(prefix.rstrip("/") if isinstance(prefix, str) else prefix)
 
 
-def _under(prefix: str, key: str) -> bool:
+def is_under(prefix: str, key: str) -> bool:
+    """True when ``key`` is ``prefix`` or below it, as a path: ``a/b`` holds ``a/b/c``, not ``a/bc``."""
     return key == prefix or key.startswith(prefix + "/")

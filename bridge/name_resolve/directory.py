@@ -13,7 +13,7 @@ from urllib.parse import quote, unquote
 
 from bridge.errors import ConfigError, NameResolveError
 from bridge.log import get_logger
-from bridge.name_resolve.base import NameResolve, Watch, WatchEvent, _check_key, _check_prefix, _under
+from bridge.name_resolve.base import NameResolve, Watch, WatchEvent, check_key, check_prefix, is_under
 
 __all__ = ["DirectoryNameResolve"]
 
@@ -141,13 +141,13 @@ class DirectoryNameResolve(NameResolve):
                         log.warning("keep-alive of %s failed: %s", key, e)
 
     def get(self, name):
-        rec = self._read(self._file(_check_key(name)))
+        rec = self._read(self._file(check_key(name)))
         if not self._live(rec):
             raise self._not_found(name)
         return rec["value"]
 
     def delete(self, name):
-        path = self._file(_check_key(name))
+        path = self._file(check_key(name))
         with self._lock:
             self._kept.pop(name, None)
             live = self._live(self._read(path))
@@ -169,7 +169,7 @@ class DirectoryNameResolve(NameResolve):
             if not entry.name.endswith(".entry"):
                 continue
             key = unquote(entry.name[: -len(".entry")])
-            if not _under(prefix, key):
+            if not is_under(prefix, key):
                 continue
             try:
                 st = entry.stat()
@@ -194,16 +194,16 @@ class DirectoryNameResolve(NameResolve):
         return sorted((k, r["value"]) for k, r in self._scan(prefix, {}).items())
 
     def watch(self, prefix, callback=None, *, include_existing=False):
-        prefix = _check_prefix(prefix)
+        prefix = check_prefix(prefix)
         w = Watch(prefix, callback)
         cache: dict = {}
         mtime = _mtime_ns(self.path)
         known = {k: (r["value"], r["written_at"]) for k, r in self._scan(prefix, cache).items()}
         if include_existing:
             for k in sorted(known):
-                w._emit(WatchEvent("put", k, known[k][0]))
+                w.emit(WatchEvent("put", k, known[k][0]))
         stop = threading.Event()
-        w._cleanups.append(stop.set)
+        w.on_cancel(stop.set)
         t = threading.Thread(target=self._watch_loop, args=(w, prefix, cache, known, mtime, stop),
                              name=f"wsync-file-watch:{prefix}", daemon=True)
         t.start()
@@ -224,10 +224,10 @@ class DirectoryNameResolve(NameResolve):
             for key in sorted(set(live) | set(known), key=lambda k: (live[k]["written_at"] if k in live else now, k)):
                 if key not in live:
                     del known[key]
-                    w._emit(WatchEvent("delete", key, None))
+                    w.emit(WatchEvent("delete", key, None))
                 elif known.get(key) != (live[key]["value"], live[key]["written_at"]):
                     known[key] = (live[key]["value"], live[key]["written_at"])
-                    w._emit(WatchEvent("put", key, known[key][0]))
+                    w.emit(WatchEvent("put", key, known[key][0]))
             expiries = [r["expires_at"] for r in live.values() if r.get("expires_at") is not None]
             next_expiry = min(expiries, default=math.inf)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from bridge.errors import BridgeError, NameResolveError
 from bridge.log import get_logger
-from bridge.name_resolve.base import NameResolve, Watch, WatchEvent, _check_key, _check_prefix, _under
+from bridge.name_resolve.base import NameResolve, Watch, WatchEvent, check_key, check_prefix, is_under
 
 __all__ = ["EtcdNameResolve"]
 
@@ -108,7 +108,6 @@ class EtcdNameResolve(NameResolve):
         self.timeout, self.retry_deadline = timeout, retry_deadline
         self._etcd3 = _import_etcd3()
         import grpc
-
         from etcd3.etcdrpc import kv_pb2
 
         self._grpc, self._kv_pb2 = grpc, kv_pb2
@@ -174,14 +173,14 @@ class EtcdNameResolve(NameResolve):
 
     @_etcd_errors
     def get(self, name):
-        value, _ = self._client.get(_check_key(name))
+        value, _ = self._client.get(check_key(name))
         if value is None:
             raise self._not_found(name)
         return value.decode()
 
     @_etcd_errors
     def delete(self, name):
-        _check_key(name)
+        check_key(name)
         with self._lock:
             kept = self._kept.pop(name, None)
         deleted = self._client.delete(name)
@@ -196,19 +195,19 @@ class EtcdNameResolve(NameResolve):
 
     def _list(self, prefix):
         resp = self._range(prefix)
-        return sorted((kv.key.decode(), kv.value.decode()) for kv in resp.kvs if _under(prefix, kv.key.decode()))
+        return sorted((kv.key.decode(), kv.value.decode()) for kv in resp.kvs if is_under(prefix, kv.key.decode()))
 
     def watch(self, prefix, callback=None, *, include_existing=False):
-        prefix = _check_prefix(prefix)
+        prefix = check_prefix(prefix)
         resp = self._range(prefix)  # fixes the revision the stream starts after
         w = Watch(prefix, callback)
         if include_existing:
             for kv in sorted(resp.kvs, key=lambda kv: kv.key):
                 key = kv.key.decode()
-                if _under(prefix, key):
-                    w._emit(WatchEvent("put", key, kv.value.decode(), kv.mod_revision))
+                if is_under(prefix, key):
+                    w.emit(WatchEvent("put", key, kv.value.decode(), kv.mod_revision))
         stream = _EtcdWatchStream(self, w, prefix, resp.header.revision + 1)
-        w._cleanups.append(stream.stop)
+        w.on_cancel(stream.stop)
         stream.thread.start()
         with self._lock:
             self._watches.append(w)
@@ -332,11 +331,11 @@ class _EtcdWatchStream:
                     for ev in rs.events:
                         k = ev.kv.key.decode()
                         self.next_revision = max(self.next_revision, ev.kv.mod_revision + 1)
-                        if _under(self.prefix, k):
+                        if is_under(self.prefix, k):
                             if ev.type == delete:
-                                self.w._emit(WatchEvent("delete", k, None, ev.kv.mod_revision))
+                                self.w.emit(WatchEvent("delete", k, None, ev.kv.mod_revision))
                             else:
-                                self.w._emit(WatchEvent("put", k, ev.kv.value.decode(), ev.kv.mod_revision))
+                                self.w.emit(WatchEvent("put", k, ev.kv.value.decode(), ev.kv.mod_revision))
                     if rs.canceled:
                         break
             except Exception as e:  # grpc.RpcError mostly; anything else must not end the watch silently

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from bridge.name_resolve.base import NameResolve, Watch, WatchEvent, _check_prefix, _under
+from bridge.name_resolve.base import NameResolve, Watch, WatchEvent, check_prefix, is_under
 
 __all__ = ["MemoryNameResolve"]
 
@@ -20,8 +20,8 @@ class _MemoryStore:
 
     def emit(self, ev: WatchEvent) -> None:  # holds the lock, so events keep the order of changes
         for prefix, w in self.watches:
-            if _under(prefix, ev.key):
-                w._emit(ev)
+            if is_under(prefix, ev.key):
+                w.emit(ev)
 
     def expire(self) -> float | None:  # holds the lock; returns the next expiry time
         now = time.time()
@@ -92,25 +92,25 @@ class MemoryNameResolve(NameResolve):
     def _list(self, prefix):
         with self._store.lock:
             self._store.expire()
-            return sorted((k, v) for k, (v, _) in self._store.data.items() if _under(prefix, k))
+            return sorted((k, v) for k, (v, _) in self._store.data.items() if is_under(prefix, k))
 
     def watch(self, prefix, callback=None, *, include_existing=False):
-        prefix = _check_prefix(prefix)
+        prefix = check_prefix(prefix)
         w = Watch(prefix, callback)
         s = self._store
         with s.lock:
             s.expire()
             if include_existing:
                 for k, (v, _) in sorted(s.data.items()):
-                    if _under(prefix, k):
-                        w._emit(WatchEvent("put", k, v))
+                    if is_under(prefix, k):
+                        w.emit(WatchEvent("put", k, v))
             s.watches.append((prefix, w))
 
         def unregister():
             with s.lock:
                 s.watches = [(p, x) for p, x in s.watches if x is not w]
 
-        w._cleanups.append(unregister)
+        w.on_cancel(unregister)
         self._watches.append(w)
         return w
 

@@ -29,8 +29,8 @@ Checksums are CRC-32 (``zlib.crc32``): measured at ~3.8 GiB/s on the 2-core CPU 
 detects truncation and corruption, not tampering; the manifest itself is pinned by the sha256 that
 travels in the announcement.
 
-Modules: ``manifest`` (layout, manifest, checksums), ``writer`` (steps 1 and 2), ``reader`` (step 3, and loading)
-and ``gc`` (removing old versions).
+Modules: ``manifest`` (layout, manifest), ``checksums`` (the CRC-32s), ``writer`` (steps 1 and 2), ``reader``
+(step 3, and loading) and ``gc`` (removing old versions).
 
 Example:
     >>> import tempfile, torch
@@ -47,25 +47,28 @@ from __future__ import annotations
 from bridge.snapshot.gc import gc_snapshots
 from bridge.snapshot.manifest import (
     CHECKSUM_ALGORITHM,
+    FORMAT,
     FORMAT_VERSION,
+    INDEX_NAME,
     MANIFEST_NAME,
+    SINGLE_NAME,
     SnapshotInfo,
     list_snapshots,
     read_manifest,
     shard_name,
     snapshot_dir,
 )
-
-# Importable from ``bridge.snapshot`` before it became a package, though never in ``__all__``.
-from bridge.snapshot.manifest import FORMAT, INDEX_NAME, SINGLE_NAME  # noqa: F401
 from bridge.snapshot.reader import read_snapshot, verify_snapshot
 from bridge.snapshot.writer import DEFAULT_MAX_SHARD_BYTES, SnapshotWriter, write_shard, write_snapshot
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "DEFAULT_MAX_SHARD_BYTES",
+    "FORMAT",
     "FORMAT_VERSION",
+    "INDEX_NAME",
     "MANIFEST_NAME",
+    "SINGLE_NAME",
     "SnapshotInfo",
     "SnapshotWriter",
     "gc_snapshots",

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from bridge.errors import ConfigError
 from bridge.log import get_logger
-from bridge.snapshot.manifest import _DEL_PREFIX, _TMP_PREFIX, list_snapshots, snapshot_dir
+from bridge.snapshot.manifest import DEL_PREFIX, TMP_PREFIX, list_snapshots, snapshot_dir
 
 __all__ = ["gc_snapshots"]
 
@@ -55,7 +55,7 @@ def gc_snapshots(
     for v in versions:
         if v in kept:
             continue
-        doomed = os.path.join(root, f"{_DEL_PREFIX}{v}-{uuid.uuid4().hex[:12]}")
+        doomed = os.path.join(root, f"{DEL_PREFIX}{v}-{uuid.uuid4().hex[:12]}")
         try:
             os.rename(snapshot_dir(root, v), doomed)
         except FileNotFoundError:
@@ -64,7 +64,7 @@ def gc_snapshots(
         removed.append(v)
     now = time.time()
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        if name.startswith((_TMP_PREFIX, _DEL_PREFIX)):
+        if name.startswith((TMP_PREFIX, DEL_PREFIX)):
             full = os.path.join(root, name)
             try:
                 age = now - os.stat(full).st_mtime

@@ -1,7 +1,7 @@
-"""The snapshot format: directory layout, manifest, safetensors dtype codes and CRC-32 checksums.
+"""The snapshot format: directory layout, manifest and safetensors dtype codes.
 
-Writer, reader and collector agree on the format through this module only; the manifest's fields and
-the file names are pinned by ``tests/test_snapshot.py``.
+Writer, reader and collector agree on the format through this module (and ``checksums``, the CRC-32
+the manifest records); the manifest's fields and the file names are pinned by ``tests/test_snapshot.py``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -18,16 +17,27 @@ from bridge.errors import ConfigError, SnapshotError
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "CONTENT_KEYS",
+    "DEL_PREFIX",
     "FORMAT",
     "FORMAT_VERSION",
     "INDEX_NAME",
     "MANIFEST_NAME",
+    "SAFETENSORS_CODE",
+    "SAFETENSORS_DTYPE",
+    "SAFETENSORS_ORDER",
     "SINGLE_NAME",
+    "TMP_PREFIX",
     "SnapshotInfo",
+    "check_dir",
+    "check_version",
     "list_snapshots",
+    "parse_manifest",
     "read_manifest",
+    "read_manifest_bytes",
     "shard_name",
     "snapshot_dir",
+    "under_roots",
 ]
 
 MANIFEST_NAME = "wsync-manifest.json"
@@ -37,27 +47,27 @@ CHECKSUM_ALGORITHM = "crc32"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Temporary directories of writes in progress, and of deletions in progress (see gc_snapshots).
-_TMP_PREFIX = ".tmp-v"
-_DEL_PREFIX = ".del-v"
+TMP_PREFIX = ".tmp-v"
+DEL_PREFIX = ".del-v"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 # The keys of the manifest that describe content (everything but the write time); two writes of the
 # same version are the same snapshot when these agree.
-_CONTENT_KEYS = ("format", "format_version", "version", "checksum_algorithm", "total_bytes", "tensor_bytes",
-                 "files", "tensors")
+CONTENT_KEYS = ("format", "format_version", "version", "checksum_algorithm", "total_bytes", "tensor_bytes",
+                "files", "tensors")
 
 # safetensors' dtype codes for the dtypes a snapshot may hold.
-_ST_DTYPES: dict[torch.dtype, str] = {
+SAFETENSORS_CODE: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
-_ST_FROM_CODE = {code: dt for dt, code in _ST_DTYPES.items()}
+SAFETENSORS_DTYPE = {code: dt for dt, code in SAFETENSORS_CODE.items()}
 # The order in which safetensors' serializer lays tensors out (its Dtype enum, descending).
-_ST_ORDER = ["I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"]
+SAFETENSORS_ORDER = ["I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL"]
 for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
     if hasattr(torch, _name):
-        _ST_DTYPES[getattr(torch, _name)] = _code
-        _ST_FROM_CODE[_code] = getattr(torch, _name)
+        SAFETENSORS_CODE[getattr(torch, _name)] = _code
+        SAFETENSORS_DTYPE[_code] = getattr(torch, _name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +92,7 @@ class SnapshotInfo:
 
 def snapshot_dir(root: str | os.PathLike, version: int) -> str:
     """The final directory of ``version`` under ``root``: ``<root>/v<version>``."""
-    return os.path.join(os.fspath(root), f"v{_check_version(version)}")
+    return os.path.join(os.fspath(root), f"v{check_version(version)}")
 
 
 def under_roots(real: str, roots: list[str]) -> bool:
@@ -118,71 +128,29 @@ def read_manifest(path: str | os.PathLike) -> dict:
     Raises:
         SnapshotError: the directory or its manifest is missing or unreadable.
     """
-    data = _read_manifest_bytes(os.fspath(path))
-    return _parse_manifest(os.fspath(path), data)
+    data = read_manifest_bytes(os.fspath(path))
+    return parse_manifest(os.fspath(path), data)
 
 
-# -- helpers --------------------------------------------------------------------------------------
+# -- checks shared by writer and reader ----------------------------------------------------------
 
 
-def _check_version(version) -> int:
+def check_version(version) -> int:
+    """``version`` itself when it can name a snapshot (an int >= 0, not a bool); else ConfigError."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ConfigError(f"snapshot version must be an int >= 0, got {version!r}")
     return version
 
 
-def _hex(crc: int) -> str:
-    return f"{crc & 0xFFFFFFFF:08x}"
-
-
-# CRC-32 combination (zlib's crc32_combine, which Python's zlib does not expose): the CRC of A+B from
-# crc(A), crc(B) and len(B), in ~150 us. It saves a second pass over every large tensor: each tensor's
-# CRC is computed once and folded into its file's CRC. Below this size a second pass is cheaper.
-_COMBINE_MIN_BYTES = 512 << 10
-_CRC_POLY = 0xEDB88320  # reflected CRC-32 polynomial
-
-
-def _gf2_multmodp(a: int, b: int) -> int:
-    # a(x) * b(x) modulo the CRC polynomial, in the reflected bit order zlib uses.
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-
-
-_X2N = [1 << 30]  # x^(2^k) mod p for k = 0..31
-for _ in range(31):
-    _X2N.append(_gf2_multmodp(_X2N[-1], _X2N[-1]))
-
-
-def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    p, n, k = 1 << 31, len2, 3  # x^(8 * len2) mod p
-    while n:
-        if n & 1:
-            p = _gf2_multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _gf2_multmodp(p, crc1) ^ crc2
-
-
-def _crc_extend(crc: int, data_crc: int, data: memoryview) -> int:
-    """The CRC of (bytes with CRC ``crc``) + ``data``, given ``data_crc = crc32(data)``."""
-    if data.nbytes < _COMBINE_MIN_BYTES:
-        return zlib.crc32(data, crc)
-    return _crc32_combine(crc, data_crc, data.nbytes)
-
-
-def _check_dir(path: str) -> None:
+def check_dir(path: str) -> None:
+    """SnapshotError unless ``path`` is an existing directory."""
     if not os.path.isdir(path):
         raise SnapshotError(f"snapshot directory {path} does not exist")
 
 
-def _read_manifest_bytes(path: str) -> bytes:
-    _check_dir(path)
+def read_manifest_bytes(path: str) -> bytes:
+    """The manifest file's raw bytes (what its announced sha256 is taken of); SnapshotError when missing."""
+    check_dir(path)
     try:
         with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
             return f.read()
@@ -192,7 +160,9 @@ def _read_manifest_bytes(path: str) -> bytes:
         ) from None
 
 
-def _parse_manifest(path: str, data: bytes) -> dict:
+def parse_manifest(path: str, data: bytes) -> dict:
+    """The manifest in ``data``, checked for the format version, the checksum algorithm and the fields
+    every reader relies on; SnapshotError naming what is wrong."""
     try:
         manifest = json.loads(data)
     except ValueError as e:

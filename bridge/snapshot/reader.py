@@ -16,18 +16,16 @@ import torch
 
 from bridge.errors import SnapshotError
 from bridge.log import fmt_bytes, get_logger
+from bridge.snapshot.checksums import COMBINE_MIN_BYTES, crc32_combine, crc_hex
 from bridge.snapshot.manifest import (
-    _COMBINE_MIN_BYTES,
-    _ST_FROM_CODE,
     INDEX_NAME,
     MANIFEST_NAME,
+    SAFETENSORS_DTYPE,
     SINGLE_NAME,
     SnapshotInfo,
-    _check_dir,
-    _crc32_combine,
-    _hex,
-    _parse_manifest,
-    _read_manifest_bytes,
+    check_dir,
+    parse_manifest,
+    read_manifest_bytes,
 )
 from bridge.tensors import dtype_to_str
 
@@ -102,7 +100,7 @@ def read_snapshot(path: str | os.PathLike, *, verify: bool = True,
     from safetensors.torch import load_file
 
     path = os.fspath(path)
-    _check_dir(path)
+    check_dir(path)
     if expected_manifest_sha256 is not None or (verify and os.path.exists(os.path.join(path, MANIFEST_NAME))):
         return _read_verified(path, expected_manifest_sha256)
     out: dict[str, torch.Tensor] = {}
@@ -123,14 +121,14 @@ def read_snapshot(path: str | os.PathLike, *, verify: bool = True,
 
 def _checked_manifest(path: str, expected_manifest_sha256: str | None) -> tuple[dict, str, dict[str, dict[str, dict]]]:
     """The manifest, its sha256, and file -> {tensor -> entry}; checks what needs no file contents."""
-    data = _read_manifest_bytes(path)
+    data = read_manifest_bytes(path)
     digest = hashlib.sha256(data).hexdigest()
     if expected_manifest_sha256 is not None and digest != expected_manifest_sha256:
         raise SnapshotError(
             f"snapshot {path}: {MANIFEST_NAME} has sha256 {digest}, the announcement says "
             f"{expected_manifest_sha256}; the directory was rewritten or the announcement is stale"
         )
-    manifest = _parse_manifest(path, data)
+    manifest = parse_manifest(path, data)
     by_file: dict[str, dict[str, dict]] = {}
     for tname, entry in manifest["tensors"].items():
         if entry["file"] not in manifest["files"]:
@@ -242,14 +240,14 @@ def _verify_file(path: str, fname: str, fentry: dict, tensors: dict[str, dict], 
             for tname, begin, end, _, _ in ranges:
                 if begin > pos:
                     file_crc = src.crc(pos, begin, [file_crc])[0]
-                if end - begin < _COMBINE_MIN_BYTES:
+                if end - begin < COMBINE_MIN_BYTES:
                     file_crc, tcrc = src.crc(begin, end, [file_crc, 0])
                 else:  # one pass over the bytes; the file's CRC is combined arithmetically
                     (tcrc,) = src.crc(begin, end, [0])
-                    file_crc = _crc32_combine(file_crc, tcrc, end - begin)
-                if _hex(tcrc) != tensors[tname]["checksum"]:
+                    file_crc = crc32_combine(file_crc, tcrc, end - begin)
+                if crc_hex(tcrc) != tensors[tname]["checksum"]:
                     raise SnapshotError(
-                        f"snapshot {path}: tensor {tname!r} in {fname} has checksum {_hex(tcrc)}, "
+                        f"snapshot {path}: tensor {tname!r} in {fname} has checksum {crc_hex(tcrc)}, "
                         f"the manifest says {tensors[tname]['checksum']} (corrupt data)"
                     )
                 pos = end
@@ -257,9 +255,9 @@ def _verify_file(path: str, fname: str, fentry: dict, tensors: dict[str, dict], 
                 file_crc = src.crc(pos, size, [file_crc])[0]
         else:
             file_crc = src.crc(0, size, [0])[0]
-    if _hex(file_crc) != fentry["checksum"]:
+    if crc_hex(file_crc) != fentry["checksum"]:
         raise SnapshotError(
-            f"snapshot {path}: file {fname} has checksum {_hex(file_crc)}, the manifest says "
+            f"snapshot {path}: file {fname} has checksum {crc_hex(file_crc)}, the manifest says "
             f"{fentry['checksum']} (corrupt data)"
         )
     return ranges, (src.data if keep else None)
@@ -285,7 +283,7 @@ def _check_header(path: str, fname: str, src, size: int, tensors: dict[str, dict
     ranges = []
     for tname, h in header.items():
         want = tensors[tname]
-        dtype = _ST_FROM_CODE.get(h.get("dtype"))
+        dtype = SAFETENSORS_DTYPE.get(h.get("dtype"))
         if dtype is None or dtype_to_str(dtype) != want["dtype"]:
             raise SnapshotError(
                 f"snapshot {path}: tensor {tname!r} in {fname} has dtype {h.get('dtype')}, the manifest says {want['dtype']}"

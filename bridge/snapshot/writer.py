@@ -17,28 +17,26 @@ import torch
 
 from bridge.errors import BridgeError, ConfigError, SnapshotError
 from bridge.log import fmt_bytes, get_logger
+from bridge.snapshot.checksums import crc_extend, crc_hex
 from bridge.snapshot.manifest import (
-    _CONTENT_KEYS,
-    _ST_DTYPES,
-    _ST_ORDER,
-    _TMP_PREFIX,
     CHECKSUM_ALGORITHM,
+    CONTENT_KEYS,
     FORMAT,
     FORMAT_VERSION,
     INDEX_NAME,
     MANIFEST_NAME,
-    SINGLE_NAME,
+    SAFETENSORS_CODE,
+    SAFETENSORS_ORDER,
+    TMP_PREFIX,
     SnapshotInfo,
-    _check_version,
-    _crc_extend,
-    _hex,
-    _read_manifest_bytes,
+    check_version,
+    read_manifest_bytes,
     shard_name,
     snapshot_dir,
 )
 from bridge.tensors import dtype_from_str, dtype_to_str
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "SnapshotWriter", "write_shard", "write_snapshot"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "SnapshotWriter", "write_error", "write_shard", "write_snapshot"]
 
 # The package's name, not this file's: log lines keep the logger name they had before the split.
 log = get_logger(__package__)
@@ -84,9 +82,9 @@ class SnapshotWriter:
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> None:
         self.root = os.fspath(root)
-        self.version = _check_version(version)
+        self.version = check_version(version)
         self.dtype = None if dtype is None else dtype_from_str(dtype)
-        if self.dtype is not None and self.dtype not in _ST_DTYPES:
+        if self.dtype is not None and self.dtype not in SAFETENSORS_CODE:
             raise ConfigError(f"snapshot dtype {dtype!r} cannot be stored in safetensors; use bf16, fp16 or fp32")
         if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
             raise ConfigError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
@@ -108,10 +106,10 @@ class SnapshotWriter:
         self._done = False
         try:
             os.makedirs(self.root, exist_ok=True)
-            self.tmp_dir = os.path.join(self.root, f"{_TMP_PREFIX}{self.version}-{uuid.uuid4().hex[:12]}")
+            self.tmp_dir = os.path.join(self.root, f"{TMP_PREFIX}{self.version}-{uuid.uuid4().hex[:12]}")
             os.mkdir(self.tmp_dir)
         except OSError as e:
-            raise _write_error(self.root, self.version, e, 0) from e
+            raise write_error(self.root, self.version, e, 0) from e
 
     def __enter__(self) -> SnapshotWriter:
         return self
@@ -135,7 +133,7 @@ class SnapshotWriter:
             if name in self._tensors or any(n == name for n, _ in self._pending):
                 raise ConfigError(f"tensor {name!r} appears twice in snapshot v{self.version}")
             dtype = self.dtype or tensor.dtype
-            if dtype not in _ST_DTYPES:
+            if dtype not in SAFETENSORS_CODE:
                 raise ConfigError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store here")
             nbytes = tensor.numel() * dtype.itemsize
             if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
@@ -230,7 +228,7 @@ class SnapshotWriter:
         self.abort()
         if isinstance(e, BridgeError) or not isinstance(e, Exception):
             raise e
-        raise _write_error(self.root, self.version, e, self._tensor_bytes) from e
+        raise write_error(self.root, self.version, e, self._tensor_bytes) from e
 
     def _flush_shard(self) -> None:
         tmp_name = f"shard-{len(self._shards) + 1:05d}.safetensors.part"
@@ -295,7 +293,7 @@ class SnapshotWriter:
         self._record_small(fname, data)
 
     def _record_small(self, fname: str, data: bytes) -> None:
-        self._files[fname] = {"bytes": len(data), "checksum": _hex(zlib.crc32(data))}
+        self._files[fname] = {"bytes": len(data), "checksum": crc_hex(zlib.crc32(data))}
 
     def _write_manifest(self) -> tuple[bytes, float]:
         created_at = time.time()
@@ -338,14 +336,14 @@ class SnapshotWriter:
     def _same_as_existing(self, manifest_bytes: bytes) -> SnapshotInfo:
         new = json.loads(manifest_bytes)
         try:
-            old_bytes = _read_manifest_bytes(self.final_dir)
+            old_bytes = read_manifest_bytes(self.final_dir)
             old = json.loads(old_bytes)
         except (SnapshotError, ValueError) as e:
             raise SnapshotError(
                 f"{self.final_dir} already exists and is not a readable wsync snapshot ({e}); "
                 f"remove it or write a new version"
             ) from None
-        if {k: old.get(k) for k in _CONTENT_KEYS} != {k: new[k] for k in _CONTENT_KEYS}:
+        if {k: old.get(k) for k in CONTENT_KEYS} != {k: new[k] for k in CONTENT_KEYS}:
             raise SnapshotError(
                 f"{self.final_dir} already exists with different content; versions are immutable: "
                 f"write version {self.version} only once, or use a new version number"
@@ -366,12 +364,12 @@ def write_shard(path: str, tensors: list[tuple[str, torch.Tensor]], between: Cal
     tensor starts aligned to its itemsize, and the shard is byte-identical to what
     ``safetensors.torch.save`` writes.
     """
-    tensors = sorted(tensors, key=lambda nt: (_ST_ORDER.index(_ST_DTYPES[nt[1].dtype]), nt[0]))
+    tensors = sorted(tensors, key=lambda nt: (SAFETENSORS_ORDER.index(SAFETENSORS_CODE[nt[1].dtype]), nt[0]))
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in tensors:
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": SAFETENSORS_CODE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors pads the header to 8 bytes
@@ -386,13 +384,13 @@ def write_shard(path: str, tensors: list[tuple[str, torch.Tensor]], between: Cal
             data = _raw_bytes(t)
             f.write(data)
             tensor_crc = zlib.crc32(data)
-            file_crc = _crc_extend(file_crc, tensor_crc, data)
-            entries[name] = {"dtype": dtype_to_str(t.dtype), "shape": list(t.shape), "checksum": _hex(tensor_crc)}
+            file_crc = crc_extend(file_crc, tensor_crc, data)
+            entries[name] = {"dtype": dtype_to_str(t.dtype), "shape": list(t.shape), "checksum": crc_hex(tensor_crc)}
         if between is not None:
             between()
         f.flush()
         os.fsync(f.fileno())
-    return {"bytes": len(prefix) + offset, "checksum": _hex(file_crc), "tensor_bytes": offset, "tensors": entries}
+    return {"bytes": len(prefix) + offset, "checksum": crc_hex(file_crc), "tensor_bytes": offset, "tensors": entries}
 
 
 def write_snapshot(
@@ -472,7 +470,10 @@ def _fsync(path: str, *, directory: bool = False) -> None:
         os.close(fd)
 
 
-def _write_error(root: str, version: int, e: BaseException, nbytes: int) -> SnapshotError:
+def write_error(root: str, version: int, e: BaseException, nbytes: int) -> SnapshotError:
+    """The SnapshotError for a write of snapshot ``version`` under ``root`` that failed with ``e`` after
+    ``nbytes`` of tensors: a full disk says how much is free and how to make room. For every writer of a
+    snapshot's files (this module's, and the disk transport's per-rank shard writers)."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
             free = fmt_bytes(shutil.disk_usage(root).free)
