@@ -19,7 +19,7 @@ within the receive bound leaves the group unusable: it is destroyed, as a failed
 ``/update_weights_from_distributed`` destroys it. A request the server refuses (unknown group, bad
 size) is answered before anything is received; the trainer must then not broadcast.
 
-Example (the lead's ``create_app`` calls it; a test can call it on an app of its own):
+Example (:func:`~inference_adapter.server.create_app` calls it; a test can call it on an app of its own):
     >>> from inference_adapter.server import create_app          # doctest: +SKIP
     >>> app = create_app(state)                                   # doctest: +SKIP
     >>> register_bench_routes(app, state)                         # doctest: +SKIP
@@ -61,7 +61,7 @@ def register_bench_routes(app, state) -> None:
 
 def _cap(state) -> int:
     # Twice the served weights: room for any raw floor of this model, far from exhausting the host.
-    return max(2 * int(getattr(state, "_param_bytes", 0)), _MIN_CAP)
+    return max(2 * state.weights.nbytes, _MIN_CAP)
 
 
 def _parse(raw: bytes, cap: int) -> tuple[str, int]:
@@ -83,33 +83,32 @@ def _parse(raw: bytes, cap: int) -> tuple[str, int]:
 
 def _receive(state, group_name: str, nbytes: int) -> float:
     """Receive and drop one broadcast of ``nbytes`` bytes on ``group_name``; the seconds it took."""
-    from inference_adapter.model_state import RequestError
-    from inference_adapter.wire import _recv_bytes, _SizeMismatch, receive_bound
+    from inference_adapter.errors import RequestError
+    from inference_adapter.wire import SizeMismatch, receive_bound, recv_bytes
 
-    with state._update_lock:
-        pg = state._groups.get(group_name)
+    updates = state.updates
+    groups = updates.groups
+    with updates.lock:
+        pg = groups.pgs.get(group_name)
         if pg is None:
-            raise RequestError(f"{RECV_RAW_ROUTE}: group {group_name} not in {sorted(state._groups)}; call "
+            raise RequestError(f"{RECV_RAW_ROUTE}: group {group_name} not in {groups.names()}; call "
                                "init_weights_update_group first (nothing was received, so do not broadcast)")
-        nccl = group_name in state._nccl_groups
-        state._receiving = group_name
         t0 = time.perf_counter()
         try:
-            if nccl:  # NCCL needs equal counts on every rank: no slack, as SGLang receives
-                device = torch.device("cuda", torch.cuda.current_device())
-                dist.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=device), src=0, group=pg)
-                torch.cuda.synchronize(device)
-            else:
-                bound = receive_bound(nbytes, state.receive_timeout, state.group_timeout)
-                _recv_bytes(pg, nbytes, nbytes, "the raw broadcast", bound, keep=False)
-        except _SizeMismatch as e:
+            with groups.receiving_on(group_name):
+                if group_name in groups.nccl:  # NCCL needs equal counts on every rank: no slack, as SGLang receives
+                    device = torch.device("cuda", torch.cuda.current_device())
+                    dist.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=device), src=0, group=pg)
+                    torch.cuda.synchronize(device)
+                else:
+                    bound = receive_bound(nbytes, updates.receive_timeout, updates.group_timeout)
+                    recv_bytes(pg, nbytes, nbytes, "the raw broadcast", bound, keep=False)
+        except SizeMismatch as e:
             raise RequestError(f"{RECV_RAW_ROUTE}: {e}; nothing was kept and group {group_name} is still usable") from None
-        except Exception as e:  # noqa: BLE001 - any receive failure leaves the group unusable
-            state._drop_group(group_name, f"a raw bench broadcast on it failed ({e})")
+        except Exception as e:  # any receive failure leaves the group unusable
+            groups.drop(group_name, f"a raw bench broadcast on it failed ({e})")
             raise RequestError(f"{RECV_RAW_ROUTE}: the broadcast on group {group_name} failed ({e}); the group was "
                                "destroyed; call init_weights_update_group again") from e
-        finally:
-            state._receiving = None
         seconds = time.perf_counter() - t0
     state.log.info("bench: received and dropped a raw broadcast of %d bytes on %s in %.3f s (%.2f GB/s)",
                    nbytes, group_name, seconds, nbytes / max(seconds, 1e-9) / 1e9)

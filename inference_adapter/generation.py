@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+
 import torch
 
 from bridge.protocol import SamplingParams
@@ -37,8 +38,9 @@ class _Gen:
 class GenerationMixin:
     """:class:`~inference_adapter.model_state.ModelState`'s generation and pause/abort methods.
 
-    Uses the host's model, tokenizer, ``context_length``, ``_rw``, ``_epoch`` and ``log``; owns the
-    pause state (``_cv``, ``_paused``, ``_pause_mode``, ``_gens``), set up by :meth:`_init_generation`.
+    Uses the host's ``model``, ``tokenizer``, ``context_length``, ``eos_token_ids``, ``cache_kw``, ``log`` and
+    ``weights`` (:class:`~inference_adapter.weights.ServedWeights`: its reader lock, epoch and version); owns
+    the pause state (``_cv``, ``_paused``, ``_pause_mode``, ``_gens``), set up by :meth:`_init_generation`.
     """
 
     def _init_generation(self) -> None:
@@ -65,11 +67,11 @@ class GenerationMixin:
                         self._cv.wait()
                 if gen.abort is not None:
                     break
-                self._rw.acquire_read()
+                self.weights.rw.acquire_read()
                 try:
                     with self._cv:
                         gen.state = "running"
-                    if st is None or st.epoch != self._epoch:
+                    if st is None or st.epoch != self.weights.epoch:
                         restarts += st is not None
                         st = _Decode(self, prompt, sp, max_new, return_logprob)
                     st.run(gen, lambda: self._paused)
@@ -77,7 +79,7 @@ class GenerationMixin:
                     with self._cv:
                         gen.state = "parked"
                         self._cv.notify_all()
-                    self._rw.release_read()
+                    self.weights.rw.release_read()
                 if st.finish is not None or gen.abort is not None:
                     break
         finally:
@@ -152,7 +154,7 @@ class _Decode:
         from transformers import DynamicCache
 
         self.s, self.prompt, self.sp, self.max_new, self.want_logprob = state, prompt, sp, max_new, logprob
-        self.epoch, self.version = state._epoch, state._version
+        self.epoch, self.version = state.weights.epoch, state.weights.version
         self.greedy = sp.temperature < 1e-6 or sp.top_k == 1
         seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
         self.gen = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(7), "little"))
@@ -167,7 +169,7 @@ class _Decode:
     @classmethod
     def empty(cls, state: GenerationMixin, prompt: list[int], max_new: int) -> _Decode:
         d = cls.__new__(cls)
-        d.s, d.prompt, d.out, d.logprobs, d.finish, d.version = state, prompt, [], [], None, state._version
+        d.s, d.prompt, d.out, d.logprobs, d.finish, d.version = state, prompt, [], [], None, state.weights.version
         d.want_logprob, d.text_cut, d.sp = False, None, SamplingParams()
         return d
 
@@ -185,7 +187,7 @@ class _Decode:
             start = pos - len(ids) if self.out else 0
             # Same calls as transformers' greedy generate (prefill, then one token with the cache),
             # so greedy outputs are identical to model.generate(do_sample=False).
-            o = model(input_ids=torch.tensor([ids]), use_cache=True, **{self.s._cache_kw: self.cache},
+            o = model(input_ids=torch.tensor([ids]), use_cache=True, **{self.s.cache_kw: self.cache},
                       cache_position=torch.arange(start, start + len(ids)), logits_to_keep=1)
             logits = o.logits[0, -1].float()
             if len(self.out) < self.sp.min_new_tokens and self.stop_ids:

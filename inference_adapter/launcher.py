@@ -126,19 +126,7 @@ def launch_server(
         preset = "tiny"
     sglang = sglang_available() if use_sglang is None else use_sglang
     port = port or find_free_port(host)
-    if sglang:
-        if model is None:
-            from bridge.presets import make_model_dir
-
-            model = make_model_dir(tempfile.mkdtemp(prefix=f"wsync-{preset}-"), preset)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port),
-               "--dtype", dtype]
-    else:
-        cmd = [sys.executable, "-m", "inference_adapter.server", "--host", host, "--port", str(port), "--dtype", dtype]
-        cmd += ["--model", model] if model is not None else ["--preset", preset]
-        for root in disk_roots:
-            cmd += ["--disk-root", str(root)]
-    cmd += [str(a) for a in extra_args]
+    cmd = _command(sglang, model, preset, host, port, dtype, disk_roots) + [str(a) for a in extra_args]
     kind = "sglang" if sglang else "reference"
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"wsync-{kind}-{port}-", suffix=".log")
@@ -152,16 +140,43 @@ def launch_server(
                             cwd=_ROOT if not sglang else None)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     server = LaunchedServer(proc, url, ServerClient(url, api_key=api_key, timeout=60.0), log_path, kind, log_file)
+    _wait_ready(server, ready_timeout)
+    logger.info("%s server ready at %s", kind, url)
+    return server
+
+
+def _command(sglang: bool, model: str | None, preset: str | None, host: str, port: int, dtype: str,
+             disk_roots: Sequence[str]) -> list[str]:
+    """The command line that starts real SGLang (a preset is first written to a temporary directory) or
+    the reference server."""
+    if sglang:
+        if model is None:
+            from bridge.presets import make_model_dir
+
+            model = make_model_dir(tempfile.mkdtemp(prefix=f"wsync-{preset}-"), preset)
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port),
+                "--dtype", dtype]
+    cmd = [sys.executable, "-m", "inference_adapter.server", "--host", host, "--port", str(port), "--dtype", dtype]
+    cmd += ["--model", model] if model is not None else ["--preset", preset]
+    for root in disk_roots:
+        cmd += ["--disk-root", str(root)]
+    return cmd
+
+
+def _wait_ready(server: LaunchedServer, ready_timeout: float) -> None:
+    """Wait until the server's ``/model_info`` answers; stop it and raise ServerError (with its log tail)
+    if it exits, wants an API key, or is not ready within ``ready_timeout`` seconds."""
+    url, kind, proc = server.url, server.kind, server.process
     deadline = time.monotonic() + ready_timeout
     while True:
         if proc.poll() is not None:
             tail = server.log_tail()
             server.stop()
             raise ServerError(url, f"{kind} server exited with code {proc.returncode} before it was ready; "
-                                   f"log {log_path}:\n{tail}")
+                                   f"log {server.log_path}:\n{tail}")
         try:
             server.client.model_info()
-            break
+            return
         except (SyncTimeout, ServerError) as e:
             if isinstance(e, ServerError) and e.status == 401:
                 server.stop()
@@ -169,7 +184,6 @@ def launch_server(
             if time.monotonic() > deadline:
                 tail = server.log_tail()
                 server.stop()
-                raise ServerError(url, f"{kind} server not ready within {ready_timeout:g} s; log {log_path}:\n{tail}") from e
+                raise ServerError(url, f"{kind} server not ready within {ready_timeout:g} s; log {server.log_path}:\n"
+                                       f"{tail}") from e
         time.sleep(0.2)
-    logger.info("%s server ready at %s", kind, url)
-    return server

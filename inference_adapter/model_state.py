@@ -1,20 +1,21 @@
-"""The reference server's model: the served weights, their version, and the atomic swap.
+"""The reference server's model: the facade the HTTP layer talks to.
 
-Weights change only inside :meth:`ModelState._swap`, under the writer side of a reader/writer lock;
-every generation holds the reader side while it computes, and records ``(weights epoch, version)``
-when it starts. So a generation sees the old weights or the new ones, never a mix, and reports the
-version it ran on. An update first *stages* (receive or read, then validate), and only a complete,
-valid update is swapped in; anything that fails leaves the previous weights and version serving.
+:class:`ModelState` holds the served model and its parts, each in its own module:
 
-:class:`ModelState` is the facade the HTTP layer talks to; each concern lives in its own module and is
-mixed in here:
-
-* :mod:`inference_adapter.generation` -- decoding, stop handling, pause/abort/retract.
-* :mod:`inference_adapter.weight_updates` -- the update session, staging, validation, and the
-  distributed, shared-memory (``wsync_shm``) and disk update paths.
+* :mod:`inference_adapter.weights` -- the served tensors, their version, and the atomic swap: weights
+  change only inside :meth:`ServedWeights.swap <inference_adapter.weights.ServedWeights.swap>`, under
+  the writer side of a reader/writer lock every generation holds the reader side of.
+* :mod:`inference_adapter.generation` -- decoding, stop handling, pause/abort/retract (mixed in here).
+* :mod:`inference_adapter.weight_updates` -- :class:`WeightUpdates`, the component that owns the update
+  session, staging, validation, and the distributed, shared-memory (``wsync_shm``) and disk update
+  paths; with :mod:`inference_adapter.checks` and :mod:`inference_adapter.checkpoint` beside it.
+* :mod:`inference_adapter.groups` -- the trainers' process groups (owned by the weight updates).
 * :mod:`inference_adapter.wire` -- reading announced bytes off a group or /dev/shm, with the gloo
   byte-size check.
-* :mod:`inference_adapter.groups` -- the trainers' process groups and the watchdog that notices a dead one.
+
+An update first *stages* (receive or read, then validate), and only a complete, valid update is
+swapped in; anything that fails leaves the previous weights and version serving. A watchdog thread
+(:meth:`ModelState._watch_trainers`) notices a trainer that died between requests.
 """
 
 from __future__ import annotations
@@ -23,18 +24,17 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
 from bridge.errors import ConfigError
-from bridge.protocol import VERSION_GOES_BACK, ProtocolFeatures, tensor_checksum
+from bridge.protocol import ProtocolFeatures, tensor_checksum
 from bridge.tensors import dtype_to_str
+from inference_adapter.checks import version_problem
 from inference_adapter.errors import RequestError
 from inference_adapter.generation import GenerationMixin
-from inference_adapter.groups import GroupsMixin
-from inference_adapter.weight_updates import RunClaim, WeightUpdateMixin, version_problem
+from inference_adapter.weight_updates import WeightUpdates
+from inference_adapter.weights import ServedWeights
 
 __all__ = ["ModelState", "RequestError", "load_model"]
 
@@ -80,53 +80,13 @@ def _disk_roots(roots: list[str] | None, model_path: str) -> list[str]:
     return out
 
 
-class _RWLock:
-    """Reader/writer lock that prefers writers, so a stream of generations cannot starve an update."""
+class ModelState(GenerationMixin):
+    """The served model and everything that reads or changes it. Methods block; call them from threads.
 
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    def acquire_read(self) -> None:
-        with self._cv:
-            while self._writer or self._writers_waiting:
-                self._cv.wait()
-            self._readers += 1
-
-    def release_read(self) -> None:
-        with self._cv:
-            self._readers -= 1
-            if not self._readers:
-                self._cv.notify_all()
-
-    @contextmanager
-    def read(self) -> Iterator[None]:
-        self.acquire_read()
-        try:
-            yield
-        finally:
-            self.release_read()
-
-    @contextmanager
-    def write(self) -> Iterator[None]:
-        with self._cv:
-            self._writers_waiting += 1
-            while self._writer or self._readers:
-                self._cv.wait()
-            self._writers_waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._writer = False
-                self._cv.notify_all()
-
-
-class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
-    """The served model and everything that reads or changes it. Methods block; call them from threads."""
+    ``weights`` (:class:`~inference_adapter.weights.ServedWeights`) are what is served; ``updates``
+    (:class:`~inference_adapter.weight_updates.WeightUpdates`) is every operation that changes them, with
+    its session and ``updates.groups``; generation and pause are mixed in (:class:`GenerationMixin`).
+    """
 
     def __init__(
         self,
@@ -148,53 +108,40 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
             p.requires_grad_(False)
         self.tokenizer = tokenizer
         self.features = ProtocolFeatures.from_version(protocol_version)
-        self.group_timeout = float(group_timeout)
-        self.receive_timeout = float(receive_timeout)
         self.disk_roots = _disk_roots(disk_roots, model_path)
-        self.allow_version_rollback = bool(allow_version_rollback)
-        self.model_path = model_path
         self.tokenizer_path = tokenizer_path
         self._served_model_name = served_model_name
         self.dtype = next(self.model.parameters()).dtype
         self.log = _VersionLog(logging.getLogger("inference_adapter.server"), self)
-
-        # Served tensors by HF checkpoint name; aliases are state_dict names of the same storage (the
-        # tied lm_head.weight): accepted in updates and skipped, as SGLang does.
-        self._params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
-        sd = self.model.state_dict()
-        for n, b in self.model.named_buffers():
-            if n in sd:
-                self._params[n] = b
-        by_ptr = {t.data_ptr(): n for n, t in self._params.items()}
-        self._aliases = {n: by_ptr[t.data_ptr()] for n, t in sd.items() if n not in self._params and t.data_ptr() in by_ptr}
-        self._param_bytes = sum(t.numel() * t.element_size() for t in self._params.values())
-
-        cfg = self.model.config
-        self.context_length = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
-        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-            eos.append(tokenizer.eos_token_id)
-        self.eos_token_ids = eos
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_token_ids = _eos_token_ids(self.model, tokenizer)
         # transformers 5.x renames forward's past_key_values to cache (the old name warns).
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
         problem = version_problem(str(weight_version), "--weight-version")
         if problem:
             raise ConfigError(problem)
-        self._version = str(weight_version)
-        self._epoch = 0
-        self._rw = _RWLock()
+        self.weights = ServedWeights(self.model, str(weight_version), model_path)
         self._init_generation()
-        self._update_lock = threading.Lock()  # one weight operation at a time
-        self._init_groups()  # starts the trainer watchdog
-        self._init_sessions()
+        self.updates = WeightUpdates(
+            weights=self.weights, generation=self, features=self.features, log=self.log,
+            group_timeout=float(group_timeout), receive_timeout=float(receive_timeout), disk_roots=self.disk_roots,
+            allow_version_rollback=bool(allow_version_rollback),
+        )
+        self._closing = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch_trainers, name="wsync-trainer-watchdog", daemon=True)
+        self._watchdog.start()
 
     # ------------------------------------------------------------------ reads
 
     @property
     def version(self) -> str:
-        return self._version
+        return self.weights.version
+
+    @property
+    def model_path(self) -> str:
+        """Where the served weights came from: the model directory or preset, then the last disk update's path."""
+        return self.weights.model_path
 
     @property
     def served_model_name(self) -> str:
@@ -207,9 +154,10 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
     def internal_state(self) -> dict:
         with self._cv:
             running = len(self._gens)
-        return {"weight_version": self._version, "paused": self._paused, "running_requests": running,
-                "update_session_open": self._session is not None, "weight_update_groups": sorted(self._groups),
-                "receiving_on_group": self._receiving}
+        groups = self.updates.groups
+        return {"weight_version": self.version, "paused": self._paused, "running_requests": running,
+                "update_session_open": self.updates.session is not None, "weight_update_groups": groups.names(),
+                "receiving_on_group": groups.receiving}
 
     def model_info(self) -> dict:
         cfg = self.model.config
@@ -218,7 +166,7 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
             "tokenizer_path": self.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": self._version,
+            "weight_version": self.version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": getattr(cfg, "model_type", None),
@@ -233,50 +181,54 @@ class ModelState(GenerationMixin, GroupsMixin, WeightUpdateMixin):
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list | None:
         """SGLang's debug view: the first ``truncate_size`` rows as float32 lists; None if unknown."""
-        name = self._aliases.get(name, name)
-        t = self._params.get(name)
+        t = self.weights.target(name)
         if t is None:
             return None
-        with self._rw.read():
+        with self.weights.rw.read():
             return t[: max(0, truncate_size)].detach().to(torch.float32).tolist()
 
     def checksums(self, names: list[str] | None) -> dict:
         """Project extension: sha256 of every (or the named) served tensor's bytes, with the version."""
-        wanted = names if names is not None else [*self._params, *self._aliases]
-        unknown = [n for n in wanted if self._aliases.get(n, n) not in self._params]
+        w = self.weights
+        wanted = names if names is not None else [*w.params, *w.aliases]
+        unknown = [n for n in wanted if w.target(n) is None]
         if unknown:
-            raise RequestError(f"unknown tensor names {unknown[:5]}; the served model has {len(self._params)} parameters")
-        with self._rw.read():
-            sums = {n: tensor_checksum(self._params[self._aliases.get(n, n)]) for n in wanted}
-            dtypes = {n: dtype_to_str(self._params[self._aliases.get(n, n)].dtype) for n in wanted}
-            return {"weight_version": self._version, "checksums": sums, "dtypes": dtypes}
+            raise RequestError(f"unknown tensor names {unknown[:5]}; the served model has {len(w.params)} parameters")
+        with w.rw.read():
+            sums = {n: tensor_checksum(w.target(n)) for n in wanted}
+            dtypes = {n: dtype_to_str(w.target(n).dtype) for n in wanted}
+            return {"weight_version": w.version, "checksums": sums, "dtypes": dtypes}
 
-    def set_version(self, new_version: str, abort_all_requests: bool, run: RunClaim = RunClaim()) -> None:
-        problem = version_problem(new_version, "new_version")
-        if problem:
-            raise RequestError(f"Failed to update weight version: {problem}.")
-        with self._update_lock:
-            problem = self._rollback_problem(new_version, run)
-            if problem:
-                raise RequestError(f"Failed to update weight version: {problem}.", reason=VERSION_GOES_BACK)
-            if abort_all_requests:
-                self.abort_all("Abort by update_weight_version(abort_all_requests=True).")
-            self._claim(new_version, run)
-            with self._rw.write():
-                self._version = str(new_version)
-        self.log.info("weight version set")
+    # ------------------------------------------------------------------ the trainer watchdog
 
-    def _swap(self, staged: dict[str, torch.Tensor], version: str | None, model_path: str | None = None) -> None:
-        """The only place weights change: all tensors and the version, under the writer lock."""
-        with self._rw.write(), torch.no_grad():
-            for n, t in staged.items():
-                self._params[n].copy_(t)
-            if version is not None:
-                self._version = str(version)
-            if model_path is not None:
-                self.model_path = model_path
-            self._epoch += 1
-        self.log.info("swapped in %d tensors", len(staged))
+    def _watch_trainers(self, interval: float = 1.0) -> None:
+        """Notice a trainer that died between requests, and continue generation on the previous weights.
+
+        Without this, a trainer killed between two buckets would leave its session open and generation
+        paused forever. A colocated trainer's pid is watched (:meth:`WeightUpdates.check_session_owner`);
+        a broadcasting trainer's group is dropped once its TCP store (hosted by group rank 0) is gone.
+        """
+        groups = self.updates.groups
+        while not self._closing.wait(interval):
+            self.updates.check_session_owner()
+            for name, pg, e in groups.unreachable():
+                if groups.drop_unreachable(name, pg, e) and self._paused:
+                    self.log.warning("continuing generation on the previous weights: the trainer that paused it is gone")
+                    self.resume()
+
+    def close(self) -> None:
+        """Stop the watchdog and destroy every group (gloo aborts the process at exit otherwise)."""
+        self._closing.set()
+        self.updates.groups.close()
+
+
+def _eos_token_ids(model, tokenizer) -> list[int]:
+    """The token ids that end a generation: the model's generation config's, and the tokenizer's."""
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos
 
 
 class _VersionLog(logging.LoggerAdapter):
@@ -287,4 +239,4 @@ class _VersionLog(logging.LoggerAdapter):
         self.state = state
 
     def process(self, msg, kwargs):
-        return f"[sglang {self.state.features.version} | weights {self.state._version}] {msg}", kwargs
+        return f"[sglang {self.state.features.version} | weights {self.state.weights.version}] {msg}", kwargs

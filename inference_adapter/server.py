@@ -7,7 +7,7 @@ default; ``0.5.2`` behaves like an old server: no sessions, no flattened buckets
 ``/server_info``/``/model_info`` (only the ``/get_*`` names), and request fields that version's structs lack
 are dropped as SGLang's parsing drops them).
 Unlike SGLang, every weight update is atomic: staged, validated, then swapped, and a failed update
-leaves the previous weights and version serving (see :mod:`inference_adapter.model_state`).
+leaves the previous weights and version serving (see :mod:`inference_adapter.weight_updates`).
 
 Routes beyond SGLang's (project extensions, safe to ignore):
     ``/wsync/weights_checksum`` (GET or POST ``{"names": [...] | null}``): sha256 of every served
@@ -47,25 +47,20 @@ any number of them waiting out a pause never delays a control route.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import re
 import secrets
 import sys
 import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import Request
 
 from bridge.presets import PRESETS
 
-__all__ = ["ADMIN_ROUTES", "add_server_arguments", "build_parser", "create_app", "main", "run"]
-
 # SGLang marks its control routes ADMIN_OPTIONAL (srt/utils/auth.py); the client sends the admin key on the same set.
-from bridge.protocol import ADMIN_ROUTES  # noqa: E402
+from bridge.protocol import ADMIN_ROUTES
 
+__all__ = ["ADMIN_ROUTES", "add_server_arguments", "build_parser", "create_app", "main", "run"]
 
 GENERATION_THREADS = 256
 """Generations computing or waiting at once; more queue (without a thread) until one ends."""
@@ -114,28 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def create_app(state, *, api_key: str | None = None, admin_api_key: str | None = None, server_args: dict | None = None):
-    """The FastAPI app around a :class:`~inference_adapter.model_state.ModelState`."""
+    """The FastAPI app around a :class:`~inference_adapter.model_state.ModelState`: its routes, by concern
+    (:mod:`inference_adapter.routes`), the bench's route, SGLang's auth, and refusals as SGLang answers them."""
     import anyio
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-    from pydantic import BaseModel, ValidationError
-    from starlette.concurrency import run_in_threadpool
 
-    from bridge.protocol import (
-        BeginWeightUpdateReq, ContinueGenerationReq, DestroyWeightsUpdateGroupReq, GenerateReq, GetWeightsByNameReq,
-        InitWeightsUpdateGroupReq, PauseGenerationReq, SamplingParams, UpdateWeightFromDiskReq, UpdateWeightsFromDistributedReq,
-        UpdateWeightsFromTensorReq, UpdateWeightVersionReq, WeightsChecksumReq, describe_validation_error,
-    )
-    from inference_adapter.errors import RequestError, json_object
-    from inference_adapter.weight_updates import RunClaim
-
-    f = state.features
-    args = dict(server_args or {})
-    started = time.time()
-    # Generations (which wait out a pause in their thread) get threads of their own, so however many are
-    # waiting, the control routes' threads (anyio's default pool) stay free: a paused server must still
-    # answer /begin_weight_update and /continue_generation at once.
-    generation_threads = anyio.CapacityLimiter(GENERATION_THREADS)
+    from inference_adapter.bench_routes import register_bench_routes
+    from inference_adapter.errors import RequestError
+    from inference_adapter.routes import ROUTERS
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -143,9 +124,26 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
         state.close()
 
     app = FastAPI(title="wsync reference server", lifespan=lifespan)
-    not_found = lambda: JSONResponse({"detail": "Not Found"}, status_code=404)  # noqa: E731 - a route this version lacks
+    app.state.served = state
+    app.state.server_args = dict(server_args or {})
+    app.state.started = time.time()
+    # Generations (which wait out a pause in their thread) get threads of their own, so however many are
+    # waiting, the control routes' threads (anyio's default pool) stay free: a paused server must still
+    # answer /begin_weight_update and /continue_generation at once.
+    app.state.generation_threads = anyio.CapacityLimiter(GENERATION_THREADS)
+    app.middleware("http")(_auth(api_key, admin_api_key))
+    app.add_exception_handler(RequestError, _refused)
+    for router in ROUTERS:
+        app.include_router(router)
+    register_bench_routes(app, state)
+    return app
 
-    @app.middleware("http")
+
+def _auth(api_key: str | None, admin_api_key: str | None):
+    """SGLang's auth middleware: every route but the health probes needs ``api_key``; with
+    ``admin_api_key``, the control routes (:data:`ADMIN_ROUTES`) need that one instead."""
+    from fastapi.responses import JSONResponse
+
     async def auth(request: Request, call_next):
         path = request.url.path
         if path.startswith(("/health", "/ready", "/metrics")) or request.method == "OPTIONS":
@@ -158,255 +156,19 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return await call_next(request)
 
-    @app.exception_handler(RequestError)
-    async def request_error(request: Request, e: RequestError):
-        state.log.warning("%s -> %d: %s", request.url.path, e.status, e.message)
-        if request.url.path == "/generate":
-            return JSONResponse({"error": {"message": e.message, "type": "BadRequest", "code": e.status}}, status_code=e.status)
-        extra = {"wsync_reason": e.reason} if e.reason else {}
-        return JSONResponse({"success": False, "message": e.message, **extra}, status_code=e.status)
-
-    async def body(request: Request, model: type[BaseModel], route: str, convert=None) -> Any:
-        data = json_object(await request.body(), route)
-        if convert is not None:
-            data = convert(data)
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            raise RequestError(describe_validation_error(route, e)) from None
-
-    async def run_claim(request: Request) -> RunClaim:
-        # The project's wsync_run_id / wsync_new_run fields; the request models ignore unknown keys.
-        return RunClaim.from_body(json_object(await request.body(), request.url.path))
-
-    def ok(message: str, **extra) -> JSONResponse:
-        return JSONResponse({"success": True, "message": message, **extra})
-
-    # ------------------------------------------------------------------ info
-
-    @app.get("/health")
-    @app.get("/health_generate")
-    async def health():
-        return Response(status_code=200)
-
-    @app.get("/ready")
-    async def ready():
-        return Response(status_code=200) if f.release >= (0, 5, 20) else not_found()
-
-    # /model_info and /server_info exist from 0.5.6; the /get_* names exist in every emulated version.
-    @app.get("/get_model_info")
-    async def get_model_info():
-        return state.model_info()
-
-    @app.get("/model_info")
-    async def model_info():
-        return state.model_info() if f.info_routes else not_found()
-
-    @app.get("/server_info")
-    async def server_info():
-        return await get_server_info() if f.info_routes else not_found()
-
-    @app.get("/get_server_info")
-    async def get_server_info():
-        return {
-            **args, "version": f.version, "tp_size": 1, "dp_size": 1, "pp_size": 1, "model_path": state.model_path,
-            "tokenizer_path": state.tokenizer_path, "served_model_name": state.served_model_name,
-            "weight_version": state.version, "dtype": str(state.dtype).removeprefix("torch."),
-            "context_length": state.context_length, "startup_time": started, "wsync_reference_server": True,
-            "wsync_disk_roots": state.disk_roots, "internal_states": [state.internal_state()],
-        }
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": state.served_model_name, "object": "model", "owned_by": "sglang",
-                                            "root": state.model_path}]}
-
-    @app.get("/get_weight_version")
-    async def get_weight_version():
-        if f.get_weight_version_route:
-            return {"weight_version": state.version}
-        return not_found()  # before 0.5.1, and from 0.5.8 (SGLang answers 404 "deprecated")
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        # No KV cache is kept between requests, so there is never anything to flush.
-        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
-                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
-
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-    async def get_weights_by_name(request: Request):
-        req = await body(request, GetWeightsByNameReq, "/get_weights_by_name")
-        out = await run_in_threadpool(state.get_weights_by_name, req.name, req.truncate_size)
-        if out is None:
-            raise RequestError(f"Get parameter by name failed: {req.name!r} is not a parameter of the served model")
-        return JSONResponse(out)
-
-    @app.api_route("/wsync/weights_checksum", methods=["GET", "POST"])
-    async def weights_checksum(request: Request):
-        req = await body(request, WeightsChecksumReq, "/wsync/weights_checksum")
-        return await run_in_threadpool(state.checksums, req.names)
-
-    # ------------------------------------------------------------------ generation
-
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request):
-        req = await body(request, GenerateReq, "/generate")
-        prompts, batched = _prompts(state, req)
-        n = len(prompts)
-        sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}] * n
-        lps = req.return_logprob if isinstance(req.return_logprob, list) else [bool(req.return_logprob)] * n
-        rids = req.rid if isinstance(req.rid, list) else [req.rid if not batched else None] * n
-        if not len(sps) == len(lps) == len(rids) == n:
-            raise RequestError(f"batched /generate: {n} prompts but {len(sps)} sampling_params, {len(lps)} "
-                               f"return_logprob and {len(rids)} rid entries")
-        try:
-            params = [SamplingParams.model_validate(sp) for sp in sps]
-        except ValidationError as e:
-            raise RequestError(describe_validation_error("/generate sampling_params", e)) from None
-        outs = await asyncio.gather(*[
-            anyio.to_thread.run_sync(state.generate, p, sp, bool(lp), rid, limiter=generation_threads)
-            for p, sp, lp, rid in zip(prompts, params, lps, rids)
-        ])
-        result = list(outs) if batched else outs[0]
-        if req.stream:
-            async def events():
-                for o in (result if batched else [result]):
-                    yield f"data: {json.dumps(o)}\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
-        return JSONResponse(result)
-
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request):
-        if f.release < (0, 4, 9):
-            return not_found()
-        # Before 0.5.6 SGLang's route reads no body: a mode (even a bad one) is ignored and it pauses (aborting).
-        req = await body(request, PauseGenerationReq, "/pause_generation",
-                         None if f.pause_mode else lambda d: {k: v for k, v in d.items() if k != "mode"})
-        await run_in_threadpool(state.pause, req.mode if f.pause_mode else "abort")
-        return {"message": "Generation paused successfully.", "status": "ok"}
-
-    @app.post("/continue_generation")
-    async def continue_generation(request: Request):
-        if f.release < (0, 4, 9):
-            return not_found()
-        await body(request, ContinueGenerationReq, "/continue_generation")
-        state.resume()
-        return {"message": "Generation continued successfully.", "status": "ok"}
-
-    # ------------------------------------------------------------------ weight updates
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        req = await body(request, InitWeightsUpdateGroupReq, "/init_weights_update_group")
-        msg = await run_in_threadpool(
-            lambda: state.init_group(master_address=req.master_address, master_port=req.master_port,
-                                     rank_offset=req.rank_offset, world_size=req.world_size,
-                                     group_name=req.group_name, backend=req.backend)
-        )
-        return ok(msg)
-
-    def single_to_batched(data: dict) -> dict:
-        # SGLang <= 0.4.8 took one tensor per request.
-        if not f.batched_distributed and "name" in data:
-            data = {**data, "names": [data.get("name")], "dtypes": [data.get("dtype")], "shapes": [data.get("shape")]}
-        return drop_unknown_fields(data)
-
-    def drop_unknown_fields(data: dict) -> dict:
-        # A field the emulated version's request struct lacks is dropped, as SGLang's parsing drops it:
-        # load_format (flattened buckets) from 0.5.6, weight_version from 0.5.1.
-        gone = ([] if f.flattened_bucket else ["load_format"]) + ([] if f.weight_version else ["weight_version"])
-        return {k: v for k, v in data.items() if k not in gone} if any(k in data for k in gone) else data
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        req = await body(request, UpdateWeightsFromDistributedReq, "/update_weights_from_distributed", single_to_batched)
-        run = await run_claim(request)
-        msg = await run_in_threadpool(
-            lambda: state.update_distributed(
-                names=req.names, dtypes=req.dtypes, shapes=req.shapes, group_name=req.group_name,
-                load_format=req.load_format, weight_version=req.weight_version,
-                abort_all_requests=req.abort_all_requests, run=run,
-            )
-        )
-        return ok(msg)
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request):
-        req = await body(request, UpdateWeightsFromTensorReq, "/update_weights_from_tensor", drop_unknown_fields)
-        run = await run_claim(request)
-        msg = await run_in_threadpool(
-            lambda: state.update_tensor(
-                serialized_named_tensors=req.serialized_named_tensors, load_format=req.load_format,
-                weight_version=req.weight_version, abort_all_requests=req.abort_all_requests, run=run,
-            )
-        )
-        return ok(msg)
-
-    @app.post("/wsync/abort_weight_update")
-    async def abort_weight_update(request: Request):
-        return ok(await run_in_threadpool(state.abort_session))
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request):
-        if not f.destroy_group:
-            return not_found()
-        req = await body(request, DestroyWeightsUpdateGroupReq, "/destroy_weights_update_group")
-        return ok(await run_in_threadpool(state.destroy_group, req.group_name))
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        req = await body(request, UpdateWeightFromDiskReq, "/update_weights_from_disk", drop_unknown_fields)
-        run = await run_claim(request)
-        sha = json_object(await request.body(), request.url.path).get("wsync_manifest_sha256")
-        if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
-            raise RequestError(f"wsync_manifest_sha256 must be the announced manifest's sha256 (64 lowercase hex "
-                               f"digits), got {sha!r}")
-        msg = await run_in_threadpool(
-            lambda: state.update_disk(model_path=req.model_path, weight_version=req.weight_version,
-                                      abort_all_requests=req.abort_all_requests, run=run, manifest_sha256=sha)
-        )
-        return ok(msg, num_paused_requests=0)
-
-    @app.post("/begin_weight_update")
-    async def begin_weight_update(request: Request):
-        if not f.needs_session:
-            return not_found()
-        await body(request, BeginWeightUpdateReq, "/begin_weight_update")
-        return ok(await run_in_threadpool(state.begin_session, await run_claim(request)))
-
-    @app.post("/end_weight_update")
-    async def end_weight_update(request: Request):
-        if not f.needs_session:
-            return not_found()
-        return ok(await run_in_threadpool(state.end_session))
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request):
-        if not f.weight_version:
-            return not_found()
-        req = await body(request, UpdateWeightVersionReq, "/update_weight_version")
-        await run_in_threadpool(state.set_version, req.new_version, req.abort_all_requests, await run_claim(request))
-        return ok(f"Weight version updated to {req.new_version}", new_version=req.new_version)
-
-    from inference_adapter.bench_routes import register_bench_routes
-
-    register_bench_routes(app, state)
-    return app
+    return auth
 
 
-def _prompts(state, req) -> tuple[list[list[int]], bool]:
-    from inference_adapter.model_state import RequestError
+async def _refused(request: Request, e):
+    """A :class:`~inference_adapter.errors.RequestError` as SGLang answers a refusal: OpenAI's error shape on
+    ``/generate``, ``{"success": false, "message"}`` (with the project's ``wsync_reason``) elsewhere."""
+    from fastapi.responses import JSONResponse
 
-    if (req.text is None) == (req.input_ids is None):
-        raise RequestError("/generate needs exactly one of 'text' or 'input_ids'")
-    if req.text is not None:
-        texts = req.text if isinstance(req.text, list) else [req.text]
-        ids = [state.tokenizer(t)["input_ids"] for t in texts]
-        return ids, isinstance(req.text, list)
-    if req.input_ids and isinstance(req.input_ids[0], list):
-        return [list(x) for x in req.input_ids], True
-    return [list(req.input_ids)], False
+    request.app.state.served.log.warning("%s -> %d: %s", request.url.path, e.status, e.message)
+    if request.url.path == "/generate":
+        return JSONResponse({"error": {"message": e.message, "type": "BadRequest", "code": e.status}}, status_code=e.status)
+    extra = {"wsync_reason": e.reason} if e.reason else {}
+    return JSONResponse({"success": False, "message": e.message, **extra}, status_code=e.status)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,21 +17,28 @@ a wrong trainer gets a 400 instead of aborting the server. Each receive is bound
 Shared memory (``load_format="wsync_shm"``): each entry is base64 of a JSON object (never a pickle)
 naming a regular file under /dev/shm (or the temp dir) that holds one flattened bucket.
 
-Everything here is private to the package: only :mod:`inference_adapter.weight_updates` uses it.
+Used by :mod:`inference_adapter.weight_updates` (every update) and :mod:`inference_adapter.bench_routes`
+(the raw floor); the slack buffer and the shm roots stay private.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import mmap
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from bridge.buckets import unflatten_bucket
+from bridge.errors import ConfigError
 from bridge.tensors import ParamSpec
+
+__all__ = ["ReceiveTimeout", "SizeMismatch", "WireError", "read_shm", "receive_bound", "receive_tensors", "recv_bytes",
+           "shm_descriptor", "wire_specs"]
 
 _PROBE = 16  # bytes of pattern on each side of a receive's announced end
 _MIN_UNDER_CHECK = 8  # below this many bytes the "fewer bytes arrived" check is skipped (false alarms)
@@ -40,15 +47,15 @@ _MIN_RATE = 50e6  # bytes/s: the slowest transfer the receive bound allows for, 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
-class _WireError(Exception):
+class WireError(Exception):
     """The request cannot describe what is on the wire, so its bytes cannot be received."""
 
 
-class _SizeMismatch(Exception):
+class SizeMismatch(Exception):
     """A gloo receive got more or fewer bytes than announced; the group itself is still usable."""
 
 
-class _ReceiveTimeout(Exception):
+class ReceiveTimeout(Exception):
     """The announced bytes did not all arrive within the receive bound; the group is unusable."""
 
 
@@ -58,34 +65,34 @@ def receive_bound(nbytes: int, receive_timeout: float, group_timeout: float) -> 
     return min(group_timeout, receive_timeout + nbytes / _MIN_RATE)
 
 
-def _shm_descriptor(entry) -> dict:
-    """Decode one ``wsync_shm`` entry: base64 of a JSON object (never a pickle); _WireError if malformed."""
+def shm_descriptor(entry) -> dict:
+    """Decode one ``wsync_shm`` entry: base64 of a JSON object (never a pickle); WireError if malformed."""
     import base64
     import binascii
     import json
 
     if not isinstance(entry, str):
-        raise _WireError("the serialized entry must be a base64 string")
+        raise WireError("the serialized entry must be a base64 string")
     try:
         desc = json.loads(base64.b64decode(entry, validate=True))
     except (binascii.Error, ValueError) as e:
-        raise _WireError(f"the serialized entry is not base64 of a JSON object ({e})") from None
+        raise WireError(f"the serialized entry is not base64 of a JSON object ({e})") from None
     if not isinstance(desc, dict):
-        raise _WireError(f"the serialized entry must decode to a JSON object, got {type(desc).__name__}")
+        raise WireError(f"the serialized entry must decode to a JSON object, got {type(desc).__name__}")
     missing = [k for k in ("path", "nbytes", "names", "dtypes", "shapes") if k not in desc]
     if missing:
-        raise _WireError(f"the serialized entry lacks {missing}; it needs path, nbytes, names, dtypes, shapes")
+        raise WireError(f"the serialized entry lacks {missing}; it needs path, nbytes, names, dtypes, shapes")
     if not isinstance(desc["path"], str) or not desc["path"]:
-        raise _WireError(f"'path' must be a non-empty string, got {desc['path']!r}")
+        raise WireError(f"'path' must be a non-empty string, got {desc['path']!r}")
     if isinstance(desc["nbytes"], bool) or not isinstance(desc["nbytes"], int) or desc["nbytes"] < 0:
-        raise _WireError(f"'nbytes' must be a non-negative integer, got {desc['nbytes']!r}")
+        raise WireError(f"'nbytes' must be a non-negative integer, got {desc['nbytes']!r}")
     for key in ("names", "dtypes"):
         if not isinstance(desc[key], list) or not all(isinstance(x, str) for x in desc[key]):
-            raise _WireError(f"{key!r} must be a list of strings")
+            raise WireError(f"{key!r} must be a list of strings")
     if not isinstance(desc["shapes"], list) or not all(
         isinstance(s, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in s) for s in desc["shapes"]
     ):
-        raise _WireError("'shapes' must be a list of lists of integers")
+        raise WireError("'shapes' must be a list of lists of integers")
     return desc
 
 
@@ -95,9 +102,8 @@ def _shm_roots() -> list[str]:
     return [os.path.realpath(d) for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d)]
 
 
-def _read_shm(path: str, nbytes: int) -> torch.Tensor:
-    """Copy a shared-memory bucket file into a new tensor; _WireError if the file is not acceptable."""
-    import mmap
+def read_shm(path: str, nbytes: int) -> torch.Tensor:
+    """Copy a shared-memory bucket file into a new tensor; WireError if the file is not acceptable."""
     import stat
 
     import numpy as np
@@ -105,18 +111,18 @@ def _read_shm(path: str, nbytes: int) -> torch.Tensor:
     real = os.path.realpath(path)
     roots = _shm_roots()
     if not any(real.startswith(r.rstrip("/") + "/") for r in roots):
-        raise _WireError(f"path {path!r} is not under {' or '.join(roots)}; shared-memory buckets must live there")
+        raise WireError(f"path {path!r} is not under {' or '.join(roots)}; shared-memory buckets must live there")
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below as not a regular file).
         fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as e:
-        raise _WireError(f"cannot open {path!r}: {e.strerror or e}") from None
+        raise WireError(f"cannot open {path!r}: {e.strerror or e}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _WireError(f"{path!r} is not a regular file")
+            raise WireError(f"{path!r} is not a regular file")
         if st.st_size != nbytes:
-            raise _WireError(f"{path!r} holds {st.st_size} bytes, but nbytes and names/dtypes/shapes say {nbytes}")
+            raise WireError(f"{path!r} holds {st.st_size} bytes, but nbytes and names/dtypes/shapes say {nbytes}")
         out = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
             with mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ) as mm:
@@ -128,20 +134,20 @@ def _read_shm(path: str, nbytes: int) -> torch.Tensor:
         os.close(fd)
 
 
-def _wire_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[ParamSpec]:
-    """What the trainer says it broadcasts; _WireError when that cannot be known."""
+def wire_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[ParamSpec]:
+    """What the trainer says it broadcasts; WireError when that cannot be known."""
     if not len(names) == len(dtypes) == len(shapes):
-        raise _WireError(f"names, dtypes and shapes have different lengths ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        raise WireError(f"names, dtypes and shapes have different lengths ({len(names)}, {len(dtypes)}, {len(shapes)})")
     specs = []
     for n, d, s in zip(names, dtypes, shapes):
         dt = getattr(torch, d, None) if isinstance(d, str) and not d.startswith("_") else None
         if not isinstance(dt, torch.dtype):
-            raise _WireError(
+            raise WireError(
                 f"tensor {n!r} has dtype {d!r}, which is not a torch dtype name; send the bare name such as "
                 "'bfloat16' (SGLang resolves dtypes with getattr(torch, name))"
             )
         if any(x < 0 for x in s):
-            raise _WireError(f"tensor {n!r} has a negative dimension in shape {s}")
+            raise WireError(f"tensor {n!r} has a negative dimension in shape {s}")
         specs.append(ParamSpec(n, tuple(s), dt))
     return specs
 
@@ -162,9 +168,31 @@ def _receive_nccl(pg, specs: list[ParamSpec], flattened: bool) -> list[tuple[str
     return out
 
 
-def _recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float, keep: bool = True) -> torch.Tensor | None:
-    """Receive one broadcast of ``nbytes`` bytes into a slack buffer; _SizeMismatch if the size differs,
-    _ReceiveTimeout if it has not all arrived after ``timeout`` seconds. ``keep=False`` drops the bytes
+def receive_tensors(pg, specs: list[ParamSpec], flattened: bool, *, tag: str, nccl: bool,
+                    bound: Callable[[int], float]) -> list[tuple[str, torch.Tensor]]:
+    """The announced tensors off group ``pg``: on NCCL as SGLang receives, on gloo with the byte-size check
+    (:func:`recv_bytes`, each receive bounded by ``bound(nbytes)`` seconds). An unaligned bucket, which the
+    caller has already reported, yields nothing. ``tag`` (the same on every server of the group) seeds
+    the pattern: gloo relays a receiver's whole buffer, slack included, to the next receiver of a tree."""
+    try:
+        if nccl:
+            return _receive_nccl(pg, specs, flattened)
+        seed = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little")
+        if flattened:
+            nbytes = sum(s.nbytes for s in specs)
+            return unflatten_bucket(recv_bytes(pg, nbytes, seed, "the flattened bucket", bound(nbytes)), specs)
+        out = []
+        for i, s in enumerate(specs):
+            buf = recv_bytes(pg, s.nbytes, seed + i, f"tensor {s.name!r}", bound(s.nbytes))
+            out.append((s.name, buf.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)))
+        return out
+    except ConfigError:  # unaligned bucket
+        return []
+
+
+def recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float, keep: bool = True) -> torch.Tensor | None:
+    """Receive one broadcast of ``nbytes`` bytes into a slack buffer; SizeMismatch if the size differs,
+    ReceiveTimeout if it has not all arrived after ``timeout`` seconds. ``keep=False`` drops the bytes
     (the bench's raw floor). Callers hold the server's update lock.
 
     A kept receive of at least :data:`_OWN_MAPPING_BYTES` lands in a slack mapping of its own, and the
@@ -186,13 +214,13 @@ def _recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float, keep: boo
         _drop_reserve()  # gloo may still write into it
         if "timed out" not in str(e).lower():
             raise
-        raise _ReceiveTimeout(f"{what}: the {nbytes} announced bytes did not arrive within {timeout:g} s (the receive "
+        raise ReceiveTimeout(f"{what}: the {nbytes} announced bytes did not arrive within {timeout:g} s (the receive "
                               "bound: --receive-timeout plus the size at 50 MB/s)") from None
     if not torch.equal(buf[nbytes : nbytes + _PROBE], pattern[nbytes - lo :]):
         _drop_reserve()  # give back the memory the extra bytes took
-        raise _SizeMismatch(f"{what}: the trainer broadcast more than the {nbytes} bytes its names/dtypes/shapes announce")
+        raise SizeMismatch(f"{what}: the trainer broadcast more than the {nbytes} bytes its names/dtypes/shapes announce")
     if nbytes >= _MIN_UNDER_CHECK and torch.equal(buf[lo:nbytes], pattern[: nbytes - lo]):
-        raise _SizeMismatch(f"{what}: the trainer broadcast fewer than the {nbytes} bytes its names/dtypes/shapes announce")
+        raise SizeMismatch(f"{what}: the trainer broadcast fewer than the {nbytes} bytes its names/dtypes/shapes announce")
     if not keep:
         return None
     return buf[:nbytes] if own else buf[:nbytes].clone()  # a shared buffer is reused by the next receive

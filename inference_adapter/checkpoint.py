@@ -1,0 +1,140 @@
+"""Reading a checkpoint directory for ``/update_weights_from_disk``, refusing what must not be loaded.
+
+SGLang loads any readable directory; this server loads only directories under ``--disk-root`` (symlinks
+resolved), whose manifest and index name plain files inside them, and only regular files
+(:func:`read_checkpoint`); what it reads is then checked against every served parameter
+(:func:`checkpoint_to_stage`) before :class:`~inference_adapter.weight_updates.WeightUpdates` swaps it in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import torch
+
+from bridge.errors import SnapshotError
+from bridge.protocol import SNAPSHOT_INVALID
+from bridge.tensors import dtype_to_str
+from inference_adapter.weights import ServedWeights
+
+__all__ = ["CheckpointRefused", "checkpoint_to_stage", "missing_problem", "read_checkpoint"]
+
+_MAX_JSON_BYTES = 64 << 20  # a manifest or index larger than this is not a checkpoint's
+
+
+class CheckpointRefused(Exception):
+    """A checkpoint the server will not (or cannot) read: ``why``, and a ``reason`` for ``wsync_reason``."""
+
+    def __init__(self, why: str, reason: str | None = None):
+        super().__init__(why)
+        self.why = why
+        self.reason = reason
+
+
+def read_checkpoint(path: str, roots: list[str], manifest_sha256: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path``; CheckpointRefused for what :func:`_checked_dir` refuses,
+    and for a snapshot that fails its manifest (reason :data:`~bridge.protocol.SNAPSHOT_INVALID`)."""
+    from bridge.snapshot import read_snapshot
+
+    real = _checked_dir(path, roots)
+    try:
+        return read_snapshot(real, verify=True, expected_manifest_sha256=manifest_sha256)
+    except SnapshotError as e:
+        raise CheckpointRefused(str(e), reason=SNAPSHOT_INVALID) from e
+    except Exception as e:  # safetensors/JSON/OS errors of a corrupt directory
+        raise CheckpointRefused(f"cannot read {path}: {type(e).__name__}: {e}") from e
+
+
+def checkpoint_to_stage(tensors: dict[str, torch.Tensor],
+                        weights: ServedWeights) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``(staged, problems)``: the checkpoint's tensors cast to the served dtypes, and why they must not be
+    served (a name the model lacks, another shape, a served parameter missing). Aliases are skipped."""
+    problems, staged = [], {}
+    for n, t in tensors.items():
+        target = weights.target(n)
+        if target is None:
+            problems.append(f"checkpoint tensor {n!r} is not a parameter of the served model")
+        elif tuple(t.shape) != tuple(target.shape):
+            problems.append(f"checkpoint tensor {n!r} has shape {list(t.shape)}, the served one {list(target.shape)}")
+        elif t.is_floating_point() != target.is_floating_point():
+            problems.append(f"checkpoint tensor {n!r} is {dtype_to_str(t.dtype)}, the served one "
+                            f"{dtype_to_str(target.dtype)}")
+        elif n not in weights.aliases:
+            staged[n] = t.to(target.dtype)  # SGLang's loader casts into the parameter's dtype, so do we
+    return staged, problems
+
+
+def missing_problem(tensors: dict[str, torch.Tensor], staged: dict[str, torch.Tensor],
+                    weights: ServedWeights) -> str | None:
+    """Why a checkpoint is incomplete (it lacks served parameters), or None."""
+    missing = [n for n in weights.params if n not in staged and n not in tensors]
+    if not missing:
+        return None
+    return f"the checkpoint lacks {len(missing)} of the {len(weights.params)} served parameters, e.g. {missing[:3]}"
+
+
+def _checked_dir(path: str, roots: list[str]) -> str:
+    """``path`` resolved, or CheckpointRefused for what must not be loaded.
+
+    Refused: a directory outside ``roots`` once symlinks are resolved; a manifest or index entry that
+    names a file outside the directory (``../``, a symlink out); and any file the loader would open that is
+    not a regular file (a FIFO would block the reader forever) or, for JSON, is implausibly large.
+    """
+    from bridge.snapshot import INDEX_NAME, MANIFEST_NAME
+    from bridge.snapshot.manifest import under_roots
+
+    try:
+        real = os.path.realpath(path)
+        is_dir = os.path.isdir(real)
+    except (ValueError, OSError) as e:  # an embedded NUL byte, a name too long
+        raise CheckpointRefused(f"model_path {path!r} is not a usable path ({e})") from None
+    if not is_dir:
+        raise CheckpointRefused(f"{path} does not exist or is not a directory")
+    if not under_roots(real, roots):
+        raise CheckpointRefused(f"{path} (resolved: {real}) is outside the directories this server loads from "
+                                f"({', '.join(roots)}); start the server with --disk-root naming the snapshot root")
+    names = set(os.listdir(real))
+    for meta_name, key in ((MANIFEST_NAME, "files"), (INDEX_NAME, "weight_map")):
+        if meta_name in names:
+            entries = _json_entries(real, meta_name, key)
+            names |= {e for e in entries if isinstance(e, str)}
+            bad = [e for e in entries if not isinstance(e, str) or os.path.basename(e) != e or e in ("", ".", "..")]
+            if bad:
+                raise CheckpointRefused(f"{meta_name} names {bad[0]!r}, which leaves the snapshot directory; entries "
+                                        "must be plain file names inside it")
+    for name in sorted(names):
+        if name.endswith((".safetensors", ".json")):
+            _check_regular_file(real, name)
+    return real
+
+
+def _json_entries(directory: str, name: str, key: str) -> list:
+    """The keys (``files``) or values (``weight_map``) of a small JSON file of the checkpoint."""
+    full = _check_regular_file(directory, name)
+    if os.path.getsize(full) > _MAX_JSON_BYTES:
+        raise CheckpointRefused(f"{name} has {os.path.getsize(full)} bytes, more than a checkpoint's {name} can need")
+    try:
+        with open(full, "rb") as f:
+            data = json.loads(f.read(_MAX_JSON_BYTES))
+        table = data[key]
+        return list(table) if key == "files" else list(table.values())
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CheckpointRefused(f"{name} is not a valid {name} ({type(e).__name__}: {e})") from None
+
+
+def _check_regular_file(directory: str, name: str) -> str:
+    """The path of ``name`` in ``directory``; refused unless it resolves to a regular file inside it."""
+    full = os.path.join(directory, name)
+    real = os.path.realpath(full)
+    if os.path.dirname(real) != directory:
+        raise CheckpointRefused(f"{name} resolves to {real}, outside the snapshot directory")
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return full  # a missing file is the reader's to report, with the manifest's view of it
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointRefused(f"{name} is not a regular file (a FIFO, device or directory would block or mislead "
+                                "the reader)")
+    return full

@@ -1,0 +1,126 @@
+"""The request bodies the reference server parses: SGLang's request models, plus the project's own fields.
+
+Each route parses its body once, into one of these models (:func:`inference_adapter.routes.common.parse`).
+They extend :mod:`bridge.protocol`'s mirrors of SGLang's structs in two ways:
+
+* the emulated SGLang version's dialect, applied before validation (the parse's context carries the
+  server's :class:`~bridge.protocol.ProtocolFeatures`): a field that version's struct lacks is dropped, as
+  SGLang's parsing drops it, and SGLang <= 0.4.8's one-tensor form of a broadcast becomes the lists;
+* the project's fields, declared here and checked, with their own wording, once SGLang's fields are valid:
+  ``wsync_run_id``/``wsync_new_run`` (:class:`~inference_adapter.checks.RunClaim`) on every
+  weight-changing request, ``wsync_manifest_sha256`` on disk updates. Real SGLang ignores them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, PrivateAttr, ValidationInfo, model_validator
+
+from bridge.protocol import (
+    BeginWeightUpdateReq,
+    PauseGenerationReq,
+    ProtocolFeatures,
+    UpdateWeightFromDiskReq,
+    UpdateWeightsFromDistributedReq,
+    UpdateWeightsFromTensorReq,
+    UpdateWeightVersionReq,
+)
+from inference_adapter.checks import RunClaim
+from inference_adapter.errors import RequestError
+
+__all__ = ["BeginBody", "DiskBody", "DistributedBody", "PauseBody", "TensorBody", "VersionBody"]
+
+
+def _features(info: ValidationInfo) -> ProtocolFeatures | None:
+    return (info.context or {}).get("features")
+
+
+def _without(data: dict, fields: list[str]) -> dict:
+    return {k: v for k, v in data.items() if k not in fields} if any(k in data for k in fields) else data
+
+
+class _VersionedFields(BaseModel):
+    """Drops what the emulated version's struct lacks: ``load_format`` (flattened buckets) before 0.5.6,
+    ``weight_version`` before 0.5.1."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_fields_the_version_lacks(cls, data: Any, info: ValidationInfo) -> Any:
+        f = _features(info)
+        if f is None or not isinstance(data, dict):
+            return data
+        lacks = ([] if f.flattened_bucket else ["load_format"]) + ([] if f.weight_version else ["weight_version"])
+        return _without(data, lacks)
+
+
+class _RunFields(BaseModel):
+    """The project's ``wsync_run_id`` (str) and ``wsync_new_run`` (bool), as :attr:`run`.
+
+    Declared loosely and checked after SGLang's fields, so that a bad SGLang field is reported first and a
+    bad run field in the words of :meth:`RunClaim.from_fields <inference_adapter.checks.RunClaim.from_fields>`.
+    """
+
+    wsync_run_id: Any = None
+    wsync_new_run: Any = False
+    _run: RunClaim = PrivateAttr(default_factory=RunClaim)
+
+    @model_validator(mode="after")
+    def _check_run(self) -> _RunFields:
+        self._run = RunClaim.from_fields(self.wsync_run_id, self.wsync_new_run)
+        return self
+
+    @property
+    def run(self) -> RunClaim:
+        return self._run
+
+
+class DistributedBody(UpdateWeightsFromDistributedReq, _RunFields, _VersionedFields):
+    """``/update_weights_from_distributed``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _single_to_batched(cls, data: Any, info: ValidationInfo) -> Any:
+        # SGLang <= 0.4.8 took one tensor per request.
+        f = _features(info)
+        if f is not None and not f.batched_distributed and isinstance(data, dict) and "name" in data:
+            return {**data, "names": [data.get("name")], "dtypes": [data.get("dtype")], "shapes": [data.get("shape")]}
+        return data
+
+
+class TensorBody(UpdateWeightsFromTensorReq, _RunFields, _VersionedFields):
+    """``/update_weights_from_tensor``."""
+
+
+class DiskBody(UpdateWeightFromDiskReq, _RunFields, _VersionedFields):
+    """``/update_weights_from_disk``, with the announced manifest digest (checked after the run fields)."""
+
+    wsync_manifest_sha256: Any = None
+
+    @model_validator(mode="after")
+    def _check_manifest_sha256(self) -> DiskBody:
+        sha = self.wsync_manifest_sha256
+        if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+            raise RequestError(f"wsync_manifest_sha256 must be the announced manifest's sha256 (64 lowercase hex "
+                               f"digits), got {sha!r}")
+        return self
+
+
+class BeginBody(BeginWeightUpdateReq, _RunFields):
+    """``/begin_weight_update``: the session claims its run here, for every bucket it stages."""
+
+
+class VersionBody(UpdateWeightVersionReq, _RunFields):
+    """``/update_weight_version``."""
+
+
+class PauseBody(PauseGenerationReq):
+    """``/pause_generation``: before 0.5.6 SGLang's route reads no mode; a mode (even a bad one) is ignored
+    and it pauses, aborting."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_mode_before_0_5_6(cls, data: Any, info: ValidationInfo) -> Any:
+        f = _features(info)
+        return _without(data, ["mode"]) if f is not None and not f.pause_mode and isinstance(data, dict) else data

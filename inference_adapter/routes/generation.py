@@ -1,0 +1,91 @@
+"""Generation routes: ``/generate`` (single or batched, optionally streamed) and pause/continue.
+
+Generations run on the app's own thread limiter (``app.state.generation_threads``), not on the
+threads of the control routes, so any number of them waiting out a pause never delays a control route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from bridge.protocol import ContinueGenerationReq, GenerateReq, SamplingParams, describe_validation_error
+from inference_adapter.errors import RequestError
+from inference_adapter.model_state import ModelState
+from inference_adapter.routes.bodies import PauseBody
+from inference_adapter.routes.common import Served, absent, parse
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request, state: Served):
+    req = await parse(request, GenerateReq)
+    prompts, batched = _prompts(state, req)
+    params, logprobs, rids = _per_prompt(req, len(prompts), batched)
+    limiter = request.app.state.generation_threads
+    outs = await asyncio.gather(*[
+        anyio.to_thread.run_sync(state.generate, p, sp, bool(lp), rid, limiter=limiter)
+        for p, sp, lp, rid in zip(prompts, params, logprobs, rids)
+    ])
+    result = list(outs) if batched else outs[0]
+    if req.stream:
+        async def events():
+            for o in (result if batched else [result]):
+                yield f"data: {json.dumps(o)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+    return JSONResponse(result)
+
+
+def _prompts(state: ModelState, req: GenerateReq) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids, and whether the request was batched."""
+    if (req.text is None) == (req.input_ids is None):
+        raise RequestError("/generate needs exactly one of 'text' or 'input_ids'")
+    if req.text is not None:
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        ids = [state.tokenizer(t)["input_ids"] for t in texts]
+        return ids, isinstance(req.text, list)
+    if req.input_ids and isinstance(req.input_ids[0], list):
+        return [list(x) for x in req.input_ids], True
+    return [list(req.input_ids)], False
+
+
+def _per_prompt(req: GenerateReq, n: int, batched: bool) -> tuple[list[SamplingParams], list, list]:
+    """Sampling parameters, ``return_logprob`` and ``rid`` for each of ``n`` prompts (a single value applies to all)."""
+    sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}] * n
+    lps = req.return_logprob if isinstance(req.return_logprob, list) else [bool(req.return_logprob)] * n
+    rids = req.rid if isinstance(req.rid, list) else [req.rid if not batched else None] * n
+    if not len(sps) == len(lps) == len(rids) == n:
+        raise RequestError(f"batched /generate: {n} prompts but {len(sps)} sampling_params, {len(lps)} "
+                           f"return_logprob and {len(rids)} rid entries")
+    try:
+        return [SamplingParams.model_validate(sp) for sp in sps], lps, rids
+    except ValidationError as e:
+        raise RequestError(describe_validation_error("/generate sampling_params", e)) from None
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request, state: Served):
+    if state.features.release < (0, 4, 9):
+        return absent()
+    req = await parse(request, PauseBody)
+    await run_in_threadpool(state.pause, req.mode)
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request, state: Served):
+    if state.features.release < (0, 4, 9):
+        return absent()
+    await parse(request, ContinueGenerationReq)
+    state.resume()
+    return {"message": "Generation continued successfully.", "status": "ok"}

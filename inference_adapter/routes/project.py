@@ -1,0 +1,30 @@
+"""The project's own routes (not SGLang's; a client that does not know them can ignore them).
+
+``/wsync/weights_checksum`` (GET or POST ``{"names": [...] | null}``): the sha256 of every (or each
+named) served tensor and the weight version, read under one lock. ``/wsync/abort_weight_update``
+(POST): discard the open update session without applying anything. The bench's raw-transport route
+lives in :mod:`inference_adapter.bench_routes`.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from bridge.protocol import WeightsChecksumReq
+from inference_adapter.routes.common import Served, ok, parse
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.api_route("/wsync/weights_checksum", methods=["GET", "POST"])
+async def weights_checksum(request: Request, state: Served):
+    req = await parse(request, WeightsChecksumReq)
+    return await run_in_threadpool(state.checksums, req.names)
+
+
+@router.post("/wsync/abort_weight_update")
+async def abort_weight_update(state: Served):
+    return ok(await run_in_threadpool(state.updates.abort_session))
