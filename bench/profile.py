@@ -1,7 +1,7 @@
 """Where one method's sync time goes: ``python -m bench.profile --size many --method flat-32MiB``.
 
 The bench says how far a method is from its floor; this says why, measured. It runs the same trainer job
-as ``wsync bench`` (same server, watchers, FSDP ranks, publishers: :func:`bench.run._measure_size`), but
+as ``wsync bench`` (same server, watchers, FSDP ranks, publishers: :func:`bench.run.measure_size`), but
 rank 0 times the pieces of each sync instead of the sync alone:
 
 - ``gather``: ``bridge.publisher._gather_into`` (every bucket's gather to rank 0);
@@ -27,7 +27,7 @@ import contextlib
 import json
 import os
 import sys
-
+import tempfile
 
 __all__ = ["format_breakdown", "main"]
 
@@ -35,7 +35,7 @@ __all__ = ["format_breakdown", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.run import BenchConfig, _clean_run, _mkdir, _model_dir, placement
+    from bench.run import BenchConfig, clean_run, ensure_dir, measure_size, placement, preset_model_dir
 
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="many", help="preset (default many)")
@@ -51,16 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(sizes=[args.size], bucket_mb=[args.bucket_mb], repeats=args.repeats, nproc=args.nproc, etcd=False,
                       **kw)
     place = placement(cfg.device, cfg.nproc)
-    import tempfile
-
-    from bench.run import _measure_size
-
-    run_dir = tempfile.mkdtemp(prefix="profile-", dir=_mkdir(cfg.workdir, "runs"))
+    run_dir = tempfile.mkdtemp(prefix="profile-", dir=ensure_dir(cfg.workdir, "runs"))
     try:
-        out = _measure_size(cfg, args.size, _model_dir(cfg.workdir, args.size), run_dir, None, place,
-                            extra={"profile": {"method": args.method, "repeats": args.repeats, "top": args.top}})
+        out = measure_size(cfg, args.size, preset_model_dir(cfg.workdir, args.size), run_dir, None, place,
+                           extra={"profile": {"method": args.method, "repeats": args.repeats, "top": args.top}})
     finally:
-        _clean_run(run_dir, keep=False)
+        clean_run(run_dir, keep=False)
     print(format_breakdown(out))
     if args.json:
         with open(args.json, "w") as f:

@@ -8,9 +8,9 @@ Step by step, and which process runs each step:
    starts etcd on free loopback ports when an ``etcd`` binary is on PATH (temp data dir, stopped at
    the end).
 2. driver, per model size: starts the reference server on that directory, serving the serving dtype,
-   (whose ``/wsync/bench/recv_raw`` route times the raw broadcast); starts one :class:`~inference_adapter.watcher.DiskWatcher`
-   thread per name-resolution backend (directory, and etcd when present) that loads each announced
-   snapshot into the server.
+   (whose ``/wsync/bench/recv_raw`` route times the raw broadcast); starts one
+   :class:`~inference_adapter.watcher.DiskWatcher` thread per name-resolution backend (directory, and etcd
+   when present) that loads each announced snapshot into the server.
 3. torchrun job of ``nproc`` ranks (``wsync bench --_worker-spec JSON``): FSDP2 trainer; rank 0 measures
    every method and floor (:mod:`bench.worker`) and writes the size's results JSON.
 4. driver: stops the watchers and the server; after the last size, builds the rows, the table, the
@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from bridge.errors import BridgeError, ConfigError
 from bridge.log import get_logger
 
-__all__ = ["BenchConfig", "run_bench"]
+# run_bench is the entry point; the rest is shared with bench.profile, which runs one size its own way.
+__all__ = ["BenchConfig", "clean_run", "ensure_dir", "measure_size", "placement", "preset_model_dir", "run_bench"]
 
 logger = get_logger(__name__)
 
@@ -154,20 +155,20 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
     ``failed`` and the others are still reported.
     """
     from bench import report as rep
-    from wsync.local_etcd import LocalEtcd
+    from bridge.name_resolve.local_etcd import LocalEtcd
 
     place = placement(cfg.device, cfg.nproc)  # a layout the GPUs cannot hold fails before anything starts
     if place["note"]:
         print(f"wsync bench: {place['note']}", file=sys.stderr, flush=True)
     os.makedirs(cfg.workdir, exist_ok=True)
-    run_dir = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=_mkdir(cfg.workdir, "runs"))
+    run_dir = tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=ensure_dir(cfg.workdir, "runs"))
     print(f"wsync bench: run folder {run_dir}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     sizes, failed = [], {}
     etcd = None
     old = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        models = [(p, _model_dir(cfg.workdir, p)) for p in cfg.sizes]
+        models = [(p, preset_model_dir(cfg.workdir, p)) for p in cfg.sizes]
         models += [(os.path.basename(os.path.normpath(m)), os.path.abspath(m)) for m in cfg.models]
         if cfg.etcd:
             etcd = LocalEtcd.start_if_available(run_dir)
@@ -177,7 +178,7 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
         for label, model_dir in models:
             print(f"wsync bench: {label} ({model_dir})", file=sys.stderr, flush=True)
             try:
-                sizes.append(_measure_size(cfg, label, model_dir, run_dir, etcd, place))
+                sizes.append(measure_size(cfg, label, model_dir, run_dir, etcd, place))
             except BridgeError as e:
                 failed[label] = str(e)
                 print(f"wsync bench: {label} FAILED: {e}", file=sys.stderr, flush=True)
@@ -185,7 +186,7 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
         signal.signal(signal.SIGTERM, old)
         if etcd is not None:
             etcd.close()
-        _clean_run(run_dir, keep=cfg.keep_run or bool(failed))
+        clean_run(run_dir, keep=cfg.keep_run or bool(failed))
     rows = rep.build_rows(sizes)
     targets = rep.check_targets(rows)
     warmups = rep.build_warmups(sizes)
@@ -204,21 +205,21 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
 # ------------------------------------------------------------------------------------------ one size
 
 
-def _measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etcd, place: dict,
-                  extra: dict | None = None) -> dict:
+def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etcd, place: dict,
+                 extra: dict | None = None) -> dict:
     """One size's trainer job against its own server and watchers; the worker's result. ``extra`` goes into
     the worker spec (``{"profile": ...}``: :mod:`bench.profile`)."""
+    from bridge.launch import start_ranks
     from inference_adapter.launcher import launch_server
-    from wsync.launch import start_ranks
 
-    size_dir = _mkdir(run_dir, label)
+    size_dir = ensure_dir(run_dir, label)
     quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "WSYNC_LOG_LEVEL": cfg.log_level}
     # Trainer ranks: glibc maps every allocation of 1 MiB or more afresh and unmaps it when freed. Its default
     # (a threshold that rises to 32 MiB after the first free) serves later bucket buffers from heap that is
     # already resident, which rank 0's RSS high-water growth (the peak memory figure) cannot see.
     trainer_env = {**quiet, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), **place["trainer_env"]}
-    backends = {"dir": f"file://{_mkdir(run_dir, 'name_resolve')}"}
+    backends = {"dir": f"file://{ensure_dir(run_dir, 'name_resolve')}"}
     if etcd is not None:
         backends["etcd"] = etcd.url
     server = watchers = trainer = None
@@ -283,11 +284,11 @@ def _start_watcher(disk: dict, url: str, timeout: float):
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def _model_dir(workdir: str, preset: str) -> str:
+def preset_model_dir(workdir: str, preset: str) -> str:
     """The preset's HF directory under ``<workdir>/models``, built once (atomically) and reused."""
     from bridge.presets import make_model_dir
 
-    final = os.path.join(_mkdir(workdir, "models"), preset)
+    final = os.path.join(ensure_dir(workdir, "models"), preset)
     if os.path.isfile(os.path.join(final, "config.json")):
         return final
     print(f"wsync bench: building the {preset} model in {final}", file=sys.stderr, flush=True)
@@ -301,13 +302,15 @@ def _model_dir(workdir: str, preset: str) -> str:
     return final
 
 
-def _mkdir(*parts: str) -> str:
+def ensure_dir(*parts: str) -> str:
+    """The folder ``os.path.join(*parts)``, created if missing."""
     path = os.path.join(*parts)
     os.makedirs(path, exist_ok=True)
     return path
 
 
-def _clean_run(run_dir: str, keep: bool) -> None:
+def clean_run(run_dir: str, keep: bool) -> None:
+    """Delete a run's folder at its end, or say where it was kept (``keep``: asked for, or a size failed)."""
     if keep:
         print(f"wsync bench: kept {run_dir} (logs, snapshots)", file=sys.stderr, flush=True)
         return
@@ -328,7 +331,8 @@ def _meta(cfg: BenchConfig, sizes: list[dict], seconds: float, etcd: bool, place
         "cuda": torch.cuda.is_available(), "device": place["device"], "placement_note": place["note"],
         "backend": sizes[0]["backend"] if sizes else None,
         "server_backend": sizes[0].get("server_backend") if sizes else None,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [],
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                if torch.cuda.is_available() else [],
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 

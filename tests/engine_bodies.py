@@ -178,7 +178,8 @@ def checkpoint_body(tmp: str) -> dict:
     no_ids = TensorDict(attention_mask=good["attention_mask"], batch_size=good.batch_size)
     out["batch_errors"] = [
         _expect_config_error(lambda: a.train_batch(empty if rank == 1 else good), ("rank(s) [1]", "empty batch")[rank]),
-        _expect_config_error(lambda: a.train_batch(no_mask if rank == 0 else good), ("attention_mask", "rank(s) [0]")[rank]),
+        _expect_config_error(lambda: a.train_batch(no_mask if rank == 0 else good),
+                             ("attention_mask", "rank(s) [0]")[rank]),
         _expect_config_error(lambda: a.eval_batch(no_ids), "input_ids"),
     ]
     resumed = a.train_batch(good)

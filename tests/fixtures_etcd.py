@@ -1,7 +1,7 @@
 """A real etcd server for the tests (Debian package ``etcd-server``; ``scripts/test.sh`` installs it).
 
 ``etcd_server`` (session scope) starts ``etcd`` on free loopback ports with a temporary data directory
-and yields a :class:`wsync.local_etcd.LocalEtcd` with ``.url`` (``etcd://127.0.0.1:P``), ``.stop()``,
+and yields a :class:`bridge.name_resolve.local_etcd.LocalEtcd` with ``.url`` (``etcd://127.0.0.1:P``), ``.stop()``,
 ``.start()`` and ``.restart()`` (same ports, same data: a real etcd restart). Skipped, with the install
 hint, where no etcd binary exists.
 """
@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from wsync.local_etcd import INSTALL_HINT, LocalEtcd
+from bridge.name_resolve.local_etcd import INSTALL_HINT, LocalEtcd
 
 
 @pytest.fixture(scope="session")

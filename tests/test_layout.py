@@ -1,8 +1,13 @@
-"""The package layout holds: no import cycle anywhere, and the layers import only downwards.
+"""The package layout holds: no import cycle anywhere, the layers import only downwards, and every piece
+stays small enough to read.
 
 ``bridge`` is the ground floor and imports neither wing; ``trainer`` and ``inference_adapter`` do not
-import each other; ``wsync`` and ``bench`` sit on top. Every import counts, also the ones inside
-functions (a lazy import still ties two modules together).
+import each other; ``bench`` sits above them and ``wsync`` (the command line) on top of everything.
+Every import counts, also the ones inside functions (a lazy import still ties two modules together).
+
+Size: no module over 500 lines anywhere; no function over 80 lines in ``bridge`` and
+``inference_adapter``. An underscore name is its module's own: no module imports one from another.
+Each failure lists every offender, so the message is the to-do list.
 """
 
 from __future__ import annotations
@@ -16,7 +21,11 @@ MAY_NOT_IMPORT = {
     "bridge": {"trainer", "inference_adapter", "wsync", "bench"},
     "trainer": {"inference_adapter", "wsync", "bench"},
     "inference_adapter": {"trainer", "wsync", "bench"},
+    "bench": {"wsync"},
 }
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+FUNCTION_LIMITED = ("bridge", "inference_adapter")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -30,20 +39,25 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
+def _resolve(name: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
+    """The absolute module ``from ... import`` names in module ``name`` (relative imports resolved)."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    anchor = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    anchor = anchor[: len(anchor) - (node.level - 1)]
+    return ".".join(anchor + ([base] if base else []))
+
+
 def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     """The project modules ``name`` imports (resolved to the longest known module name)."""
     found = set()
-    is_pkg = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text())):
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
+            base = _resolve(name, path, node)
             targets = [f"{base}.{a.name}" for a in node.names] + [base]
         for t in targets:
             while t and t not in known:
@@ -86,3 +100,44 @@ def test_layers_import_only_downwards():
         if dep.split(".")[0] in MAY_NOT_IMPORT.get(mod.split(".")[0], set())
     ]
     assert not wrong, "; ".join(sorted(wrong))
+
+
+def _where(path: pathlib.Path, line: int) -> str:
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
+def _long_functions(path: pathlib.Path) -> list[str]:
+    """``path:line name N lines`` for each function over the limit; a nested one counts on its own and
+    inside its enclosing one (a closure is part of its enclosing function's body)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_FUNCTION_LINES:
+                out.append(f"{_where(path, node.lineno)} {node.name} {n} lines")
+    return out
+
+
+def test_no_module_over_500_lines():
+    sizes = {path: len(path.read_text().splitlines()) for path in _modules().values()}
+    long = [f"{path.relative_to(ROOT)} {n} lines" for path, n in sorted(sizes.items()) if n > MAX_MODULE_LINES]
+    assert not long, f"{len(long)} module(s) over {MAX_MODULE_LINES} lines (split by concern):\n" + "\n".join(long)
+
+
+def test_no_function_over_80_lines_in_bridge_and_inference_adapter():
+    long = [line for name, path in sorted(_modules().items()) if name.split(".")[0] in FUNCTION_LIMITED
+            for line in _long_functions(path)]
+    assert not long, f"{len(long)} function(s) over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_underscore_name_imported_from_another_module():
+    """``from x import _y`` reaches into ``x``'s private part: make ``_y`` public there, or move it."""
+    private = [
+        f"{_where(path, node.lineno)} {_resolve(name, path, node)}.{alias.name}"
+        for name, path in sorted(_modules().items())
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and _resolve(name, path, node).split(".")[0] in PACKAGES
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert not private, f"{len(private)} underscore name(s) imported from another module:\n" + "\n".join(private)

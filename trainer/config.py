@@ -89,7 +89,8 @@ class EngineConfig:
     model_path: str | None = None
     """A local Hugging Face model directory (config.json + weights + tokenizer). Exclusive with preset."""
     preset: str | None = None
-    """A model built in memory by bridge.presets (``bridge.presets.PRESETS``: tiny, small, medium, many). Exclusive with model_path."""
+    """A model built in memory by bridge.presets (``bridge.presets.PRESETS``: tiny, small, medium, many).
+    Exclusive with model_path."""
     param_dtype: str = "float32"
     """Dtype of the parameters during forward/backward (MixedPrecisionPolicy.param_dtype). The sharded
     master weights, the gradient reduction and the optimizer stay in float32."""

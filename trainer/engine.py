@@ -7,10 +7,10 @@ default process group):
 
 1. ``FSDPEngine(config).initialize()``: checks the model directory, joins (or creates) the default
    process group, builds the model on every rank, shards each decoder layer and then the root with
-   ``fully_shard``, and creates AdamW with its schedule.
+   ``fully_shard`` (those steps are :mod:`trainer.build`'s), and creates AdamW with its schedule.
 2. ``train_batch(batch)`` per step with this rank's part of the global batch. Every rank runs the same
    number of forward/backward passes (the FSDP collectives need it), so a rank with fewer micro-batches
-   runs zero-weight dummies.
+   runs zero-weight dummies (the ranks agree on the work first: :mod:`trainer.batch_plan`).
 3. ``param_specs()`` / ``iter_full_tensors()`` feed a weight sync: the specs come from DTensor metadata
    without any communication; the iterator gathers one tensor at a time (a collective per tensor) and
    hands the full tensor to rank 0 only.
@@ -32,29 +32,19 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from bridge.errors import ConfigError
 from bridge.log import get_logger
-from bridge.process_group import find_free_port
-from bridge.tensors import ParamSpec, dtype_from_str
+from bridge.tensors import ParamSpec
+from trainer.batch_plan import BatchPlan, plan_batch
+from trainer.build import check_model_dir, join_process_group, load_model, shard_model
 from trainer.config import EngineConfig
-from trainer.data import (
-    MicroBatch,
-    dummy_micro_batch,
-    loss_token_count,
-    next_token_loss,
-    pack_micro_batches,
-    validate_batch,
-)
+from trainer.data import loss_token_count, next_token_loss
 from trainer.optim import build_optimizer, build_scheduler
 
 __all__ = ["FSDPEngine", "LossFn", "LossWeightFn"]
@@ -65,7 +55,6 @@ LossFn = Callable[[torch.Tensor, TensorDictBase], torch.Tensor]
 """``loss_fn(logits [b, l, V], micro_batch) -> scalar``: the mean loss over the micro-batch's tokens."""
 LossWeightFn = Callable[[TensorDictBase], float]
 """``loss_weight_fn(micro_batch) -> float``: how much the micro-batch's mean loss weighs (e.g. its token count)."""
-
 
 
 class FSDPEngine:
@@ -97,21 +86,13 @@ class FSDPEngine:
         """
         cfg = self.config
         start = time.perf_counter()
-        hf_config = _check_model_dir(cfg.model_path) if cfg.model_path is not None else None
-        self._init_distributed()
+        hf_config = check_model_dir(cfg.model_path) if cfg.model_path is not None else None
+        placement = join_process_group(cfg.init_timeout)
+        self._device, self._mesh = placement.device, placement.mesh
+        self._owns_process_group = placement.owns_process_group
         torch.manual_seed(cfg.seed)
 
-        if cfg.model_path is not None:
-            from transformers import AutoModelForCausalLM
-
-            # Master weights are float32 whatever the checkpoint holds; MixedPrecisionPolicy casts for compute.
-            model = AutoModelForCausalLM.from_pretrained(cfg.model_path, config=hf_config, dtype=torch.float32)
-            self._tokenizer = _load_tokenizer(cfg.model_path)
-        else:
-            from bridge.presets import build_model, build_tokenizer
-
-            model = build_model(cfg.preset, cfg.seed)
-            self._tokenizer = build_tokenizer()
+        model, self._tokenizer = load_model(cfg, hf_config)
         self._model_config = model.config
         # Recorded before fully_shard, which renames the class to FSDP<name>.
         self._model_config.architectures = [type(model).__name__]
@@ -122,7 +103,7 @@ class FSDPEngine:
             pad = getattr(self._model_config, "pad_token_id", None)
         self._pad_token_id = int(pad) if pad is not None else 0
 
-        self._shard(model)
+        shard_model(model, cfg, placement)
         self._model = model
         self._param_index: dict[str, torch.Tensor] | None = None
         self._optimizer = build_optimizer(model.parameters(), cfg.optimizer)
@@ -136,50 +117,10 @@ class FSDPEngine:
             )
         return self
 
-    def _init_distributed(self) -> None:
-        cuda = torch.cuda.is_available()
-        if cuda:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            self._device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(self._device)
-        else:
-            self._device = torch.device("cpu")
-        if not dist.is_initialized():
-            backend = "nccl" if cuda else "gloo"
-            kwargs = dict(backend=backend, timeout=timedelta(seconds=self.config.init_timeout))
-            if cuda:
-                kwargs["device_id"] = self._device
-            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-                dist.init_process_group(**kwargs)  # torchrun's env:// rendezvous
-            else:
-                # A plain `python script.py`: a world of one, so the same code runs without torchrun.
-                port = find_free_port()
-                dist.init_process_group(**kwargs, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-            self._owns_process_group = True
-        self._mesh = init_device_mesh(self._device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-
     def _find_tied_names(self, model: torch.nn.Module) -> None:
         from bridge.sources import tied_embedding_names
 
         self._tied_input_name, self._tied_output_name = tied_embedding_names(model) or (None, None)
-
-    def _shard(self, model: torch.nn.Module) -> None:
-        cfg = self.config
-        mp = MixedPrecisionPolicy(param_dtype=dtype_from_str(cfg.param_dtype), reduce_dtype=torch.float32)
-        # Pinned memory needs an accelerator; on CPU the offload policy only keeps what is already there.
-        offload = CPUOffloadPolicy(pin_memory=self._device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
-        # The decoder layers are what transformers refuses to split across devices: each becomes one
-        # FSDP unit, so only one layer is unsharded at a time. What is left (embeddings, norm, head)
-        # belongs to the root unit, which keeps tied embeddings in one place.
-        block_names = set(getattr(model, "_no_split_modules", None) or ())
-        blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-        if not blocks:
-            logger.warning(
-                "%s names no decoder layers (_no_split_modules); sharding it as one unit", type(model).__name__
-            )
-        for block in blocks:
-            fully_shard(block, mesh=self._mesh, mp_policy=mp, offload_policy=offload)
-        fully_shard(model, mesh=self._mesh, mp_policy=mp, offload_policy=offload)
 
     def upload_weights(self, meta):
         """Publish the current weights as ``meta.version`` (collective: every rank calls it).
@@ -300,18 +241,18 @@ class FSDPEngine:
         """
         self._check_initialized()
         loss_fn = loss_fn or next_token_loss
-        mbs, weights, total_weight, n_tokens, _ = self._plan(input, loss_weight_fn or loss_token_count)
+        plan = self._plan(input, loss_weight_fn or loss_token_count)
         model, optimizer = self._model, self._optimizer
         model.train()
         optimizer.zero_grad(set_to_none=True)
         lr = self._scheduler.get_last_lr()[0]
-        scale = self.world_size / total_weight
+        scale = self.world_size / plan.total_weight
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
-        for mb, weight in zip(mbs, weights):
+        for mb, weight in zip(plan.micro_batches, plan.weights):
             logits = self._logits(mb)
             if weight > 0:
                 loss = loss_fn(logits, mb)
-                loss_sum += loss.detach().double() * (weight / total_weight)
+                loss_sum += loss.detach().double() * (weight / plan.total_weight)
                 loss = loss * (weight * scale)
             else:
                 # Padding micro-batch: it must still run backward so that the reduce-scatters match the
@@ -335,8 +276,8 @@ class FSDPEngine:
             grad_norm=grad_norm,
             lr=lr,
             update_successful=update_successful,
-            n_tokens=n_tokens,
-            n_microbatches=len(mbs),
+            n_tokens=plan.n_tokens,
+            n_microbatches=len(plan.micro_batches),
         )
 
     @torch.no_grad()
@@ -346,13 +287,13 @@ class FSDPEngine:
         """The loss on ``input``, weighted over all ranks exactly as ``train_batch`` would (collective)."""
         self._check_initialized()
         loss_fn = loss_fn or next_token_loss
-        mbs, weights, total_weight, _, _ = self._plan(input, loss_weight_fn or loss_token_count)
+        plan = self._plan(input, loss_weight_fn or loss_token_count)
         self._model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
-        for mb, weight in zip(mbs, weights):
+        for mb, weight in zip(plan.micro_batches, plan.weights):
             logits = self._logits(mb)
             if weight > 0:
-                loss_sum += loss_fn(logits, mb).double() * (weight / total_weight)
+                loss_sum += loss_fn(logits, mb).double() * (weight / plan.total_weight)
         self._reshard()
         dist.all_reduce(loss_sum)
         return float(loss_sum)
@@ -361,73 +302,28 @@ class FSDPEngine:
     def forward(self, input: TensorDictBase) -> torch.Tensor:
         """Logits ``[B, L, V]`` laid out like ``input`` (zeros at padding); a collective."""
         self._check_initialized()
-        mbs, _, _, _, packed = self._plan(input, lambda mb: 1.0)
+        plan = self._plan(input, lambda mb: 1.0)
         self._model.eval()
         out = None
         n_rows, n_cols = input["input_ids"].shape
-        for i, mb in enumerate(mbs):
+        for i, mb in enumerate(plan.micro_batches):
             logits = self._logits(mb)
-            if i >= len(packed):
+            if i >= len(plan.packed):
                 continue  # a padding micro-batch
             if out is None:
                 out = logits.new_zeros((n_rows, n_cols, logits.shape[-1]))
             real = mb["attention_mask"].bool()
-            src = packed[i]
+            src = plan.packed[i]
             rows = src.rows.to(logits.device).unsqueeze(1).expand_as(real)[real]
             cols = src.cols.to(logits.device)[real]
             out[rows, cols] = logits[real]
         self._reshard()
         return out
 
-    def _plan(
-        self, input: TensorDictBase, loss_weight_fn: LossWeightFn
-    ) -> tuple[list[TensorDictBase], list[float], float, int, list[MicroBatch]]:
-        """Validate and pack this rank's batch and agree with the other ranks on the work (collective).
-
-        Returns the micro-batches to run (on this rank's device, padded with dummies up to the largest
-        count of any rank), their weights (0 for dummies), the total weight and the token count over
-        all ranks, and the packed real micro-batches (which rows and columns each came from).
-        Any rank's error is raised on every rank, so no rank is left waiting in a collective.
-        """
-        error: Exception | None = None
-        packed: list[MicroBatch] = []
-        weights: list[float] = []
-        try:
-            validate_batch(input)
-            packed = pack_micro_batches(input, self.config.mb_max_tokens)
-            for mb in packed:
-                w = float(loss_weight_fn(mb.data))
-                if not (w >= 0 and math.isfinite(w)):
-                    raise ConfigError(f"loss_weight_fn returned {w}; a micro-batch weight must be finite and >= 0")
-                weights.append(w)
-        except Exception as e:  # any type (a user's loss_weight_fn may raise anything): the others must hear of it
-            error = e
-        n_tokens = sum(mb.n_tokens for mb in packed)
-        local = torch.tensor(
-            [float(error is not None), len(packed), sum(weights), n_tokens],
-            dtype=torch.float64,
-            device=self._device,
-        )
-        everyone = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(everyone, local)  # one collective answers all four questions
-        stats = torch.stack(everyone).cpu()
-        bad = [r for r in range(self.world_size) if stats[r, 0] > 0]
-        if error is not None:
-            raise error
-        if bad:
-            raise ConfigError(f"rank(s) {bad} failed to prepare their batch (see their error); no step was taken")
-        total_weight = float(stats[:, 2].sum())
-        if total_weight <= 0:
-            raise ConfigError(
-                "the loss weights sum to 0 over all ranks (no target token anywhere: check loss_mask and "
-                "attention_mask); no step was taken"
-            )
-        n_mbs = int(stats[:, 1].max())
-        mbs = [mb.data.to(self._device) for mb in packed]
-        dummy = dummy_micro_batch(self._pad_token_id, self._device)
-        mbs += [dummy] * (n_mbs - len(mbs))
-        weights += [0.0] * (n_mbs - len(weights))
-        return mbs, weights, total_weight, int(stats[:, 3].sum()), packed
+    def _plan(self, input: TensorDictBase, loss_weight_fn: LossWeightFn) -> BatchPlan:
+        """This rank's share of the step, agreed with the other ranks (collective; see :mod:`trainer.batch_plan`)."""
+        return plan_batch(input, loss_weight_fn, mb_max_tokens=self.config.mb_max_tokens,
+                          pad_token_id=self._pad_token_id, device=self._device)
 
     def _logits(self, mb: TensorDictBase) -> torch.Tensor:
         return self._model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
@@ -540,7 +436,8 @@ class FSDPEngine:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, path: str | os.PathLike, weight_format: str = "hf", with_optim: bool = False) -> None:
-        """Write the weights (and optionally optimizer + schedule state); a collective. See :func:`trainer.checkpoint.save`."""
+        """Write the weights (and optionally optimizer + schedule state); a collective.
+        See :func:`trainer.checkpoint.save`."""
         from trainer import checkpoint
 
         self._check_initialized()
@@ -552,45 +449,3 @@ class FSDPEngine:
 
         self._check_initialized()
         checkpoint.load(self, path, weight_format, with_optim)
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def _check_model_dir(path: str):
-    """The transformers config of a local causal-LM directory, or a ConfigError saying what is wrong."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    p = Path(path)
-    fix = "give a local Hugging Face causal-LM directory (as written by save_pretrained) or use preset="
-    if not p.exists():
-        raise ConfigError(f"model_path {path!r} does not exist; {fix}")
-    if not p.is_dir():
-        raise ConfigError(f"model_path {path!r} is a file, not a model directory; {fix}")
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"model_path {path!r} has no config.json, so it is not a Hugging Face model directory; {fix}")
-    try:
-        config = AutoConfig.from_pretrained(p)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"model_path {path!r}: config.json is not a transformers config ({e}); {fix}") from None
-    archs = list(getattr(config, "architectures", None) or [])
-    causal_arch = not archs or any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs)
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or not causal_arch:
-        raise ConfigError(
-            f"model_path {path!r} holds a {config.model_type!r} model ({', '.join(archs) or 'no architectures'}), "
-            f"which is not a causal language model; {fix}"
-        )
-    if not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
-        raise ConfigError(f"model_path {path!r} has a config but no weights (*.safetensors); {fix}")
-    return config
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        logger.warning("no tokenizer in %s (%s); saved checkpoints will not include one", path, e)
-        return None

@@ -18,7 +18,8 @@ COMMANDS = {
     "serve": ("wsync.serve", "run the reference server, which speaks SGLang's HTTP protocol on CPU"),
     "watch": ("wsync.watch", "follow disk announcements in name resolution and load each version into servers"),
     "bench": ("wsync.bench", "measure broadcast vs disk vs per-tensor sync against the raw transport"),
-    "make-model": ("wsync.make_model", "write a complete HF model directory (config, weights, tokenizer) from a preset"),
+    "make-model": ("wsync.make_model",
+                   "write a complete HF model directory (config, weights, tokenizer) from a preset"),
 }
 
 DESCRIPTION = """\
@@ -88,10 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from wsync.launch import ARGV_ENV, DEBUG_ENV
+    from bridge.launch import ARGV_ENV, DEBUG_ENV
 
     if argv is None:
-        # A rank started by wsync.launch.start_ranks gets its arguments from the environment.
+        # A rank started by bridge.launch.start_ranks gets its arguments from the environment.
         rank_process = ARGV_ENV in os.environ
         argv = json.loads(os.environ.pop(ARGV_ENV)) if rank_process else sys.argv[1:]
         if rank_process:
@@ -144,7 +145,7 @@ def _report(command: str, e: Exception) -> None:
     import traceback
 
     from bridge.errors import BridgeError
-    from wsync.launch import debug_enabled, report_rank_error
+    from bridge.launch import debug_enabled, report_rank_error
 
     if isinstance(e, BridgeError):
         message = str(e)

@@ -6,6 +6,10 @@ started directly rather than through the torchrun command so that a failure read
 error, once: a rank that fails writes its one-line error into the job's error folder instead of
 printing it, and the command that started the job raises the ranks' distinct errors, while torchrun
 would print the error once per rank and then ~35 lines of its own ``ChildFailedError`` report.
+
+Each rank runs ``python -m wsync`` with its arguments in ``WSYNC_RANK_ARGV`` (:data:`ARGV_ENV`), which
+``wsync.cli.main`` reads. The launcher lives here, below the command line, because the commands, the
+bench and the tests all start ranks with it; only the module name it runs refers to the top.
 """
 
 from __future__ import annotations
