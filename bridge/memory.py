@@ -8,7 +8,6 @@ the block held at any moment, whatever allocated it (torch, gloo, Python). On CU
 
 from __future__ import annotations
 
-
 import torch
 
 __all__ = ["PeakMemory"]

@@ -88,7 +88,7 @@ def _rank(rank: int, world: int, port: int, args: dict, q) -> None:
             pub.close()
         engine.destroy()
         q.put((rank, rows, None))
-    except BaseException as e:  # report, do not hang the parent
+    except BaseException:  # report, do not hang the parent
         import traceback
 
         q.put((rank, None, traceback.format_exc()))
@@ -127,7 +127,7 @@ def summarize(world: int, ranks: list[list[dict]]) -> dict:
     summary = {}
     for mode in MODES:
         idx = [i for i, row in enumerate(ranks[0]) if row["mode"] == mode and not row["warmup"]]
-        med = lambda key, r=0: statistics.median(ranks[r][i][key] for i in idx)  # noqa: E731
+        med = lambda key, r=0, idx=idx: statistics.median(ranks[r][i][key] for i in idx)  # noqa: E731
         summary[mode] = dict(
             seconds=med("seconds"), seconds_all=[round(ranks[0][i]["seconds"], 3) for i in idx],
             bytes=ranks[0][idx[0]]["bytes"], buckets=ranks[0][idx[0]]["buckets"],

@@ -21,6 +21,10 @@ if python -m pip show -q etcd3 >/dev/null 2>&1; then
 fi
 python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev]"
 
+# Before the SGLang install below (minutes on a fresh machine), so a lint finding fails at once.
+echo "== lint (ruff; the rules and why each is chosen: pyproject.toml [tool.ruff])"
+python -m ruff check .
+
 # ---- SGLang's own code for the `sglang_code` tier (tests/test_sglang_code.py); owner: the SGLang-tier work.
 # Several SGLang releases side by side under $WSYNC_SGLANG_CACHE; a no-op (~10 s) once done, 5-6 min on a fresh machine.
 bash scripts/install_sglang.sh

@@ -15,7 +15,8 @@ import pickle
 import queue
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bridge.process_group import find_free_port
 
@@ -80,9 +81,9 @@ def run_ranks(
                     results[r] = None
                 dead = [r for r in dead if r not in may_die]
                 if dead:
-                    raise AssertionError(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result")
+                    raise AssertionError(f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout} s")
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish within {timeout} s") from None
                 continue
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{out}")

@@ -70,7 +70,7 @@ class _Factory:
         for f in futures:
             try:
                 servers.append(f.result())
-            except Exception as e:  # noqa: BLE001 - stop the others, then report
+            except Exception as e:  # stop the others, then report
                 errors.append(e)
         self.started.extend(servers)
         if errors:
@@ -209,7 +209,7 @@ class Trainer:
         for f in futures:
             try:
                 out.append(f.result(timeout=self.timeout + 20))
-            except Exception as e:  # noqa: BLE001 - the caller asserts on it
+            except Exception as e:  # the caller asserts on it
                 out.append(e)
         return out
 
@@ -217,7 +217,7 @@ class Trainer:
         for c in self.clients:
             try:
                 c.destroy_weights_update_group(self.group_name)
-            except Exception:  # noqa: BLE001 - the server may have dropped it already
+            except Exception:  # the server may have dropped it already
                 pass
         destroy_custom_process_group(self.pg)
         self.pg = None

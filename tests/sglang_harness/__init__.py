@@ -42,7 +42,7 @@ def installed(version: str) -> bool:
 
 @contextlib.contextmanager
 def launch(version: str, model_dir: str, *, api_key: str | None = None, admin_api_key: str | None = None,
-           weight_version: str = "default", timeout: float = 240.0) -> Iterator["Launched"]:
+           weight_version: str = "default", timeout: float = 240.0) -> Iterator[Launched]:
     """Start a harness server of SGLang ``version`` serving ``model_dir``; stop it on exit."""
     from bridge.process_group import find_free_port
 

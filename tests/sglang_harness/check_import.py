@@ -41,11 +41,11 @@ def main(argv: list[str]) -> int:
 
     rel = setup(argv[0])
     import sglang
-    import sglang.srt.entrypoints.http_server  # noqa: F401
-    import sglang.srt.managers.tokenizer_manager  # noqa: F401
-    import sglang.srt.managers.scheduler  # noqa: F401
-    import sglang.srt.model_executor.model_runner  # noqa: F401
-    import sglang.srt.model_loader.weight_utils  # noqa: F401
+    import sglang.srt.entrypoints.http_server
+    import sglang.srt.managers.scheduler
+    import sglang.srt.managers.tokenizer_manager
+    import sglang.srt.model_executor.model_runner
+    import sglang.srt.model_loader.weight_utils
 
     print(f"imports ok ({sglang.__version__}, {'.'.join(map(str, rel))})")
     return 0

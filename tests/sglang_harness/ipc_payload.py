@@ -24,7 +24,6 @@ import json
 import os
 import sys
 
-
 _release = None
 
 
@@ -114,10 +113,11 @@ def _uuid_patch_scope() -> dict:
     """What a CUDA payload does around serializing (on CPU: the scope itself, not the CUDA pickles): SGLang's
     device-UUID patch of torch's reductions is active inside and gone afterwards, so CPU tensors pickle again
     (the patched reduction fails on them); a patch the process applied itself is left in place."""
-    import torch
     from multiprocessing.reduction import ForkingPickler
-    from torch.multiprocessing import reductions
+
+    import torch
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from torch.multiprocessing import reductions
 
     from bridge.transports.cuda_ipc import _device_uuids
 

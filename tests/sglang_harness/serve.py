@@ -141,7 +141,7 @@ def sglang_layout(named: dict) -> dict:
     import torch
 
     out, used = {}, set()
-    for name, t in named.items():
+    for name in named:
         for stacked, parts in _STACKED:
             if f".{parts[0]}." in name:
                 names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
@@ -297,7 +297,7 @@ class Harness:
 
         try:
             return ModelConfig(self.args.model, dtype=self.args.dtype)
-        except Exception as e:  # noqa: BLE001 - the disk route reports it
+        except Exception as e:  # the disk route reports it
             logging.getLogger("harness").warning("ModelConfig unavailable (%s); disk loads will fail", e)
             return types.SimpleNamespace(model_path=self.args.model, dtype=self.dtype, revision=None)
 
@@ -480,7 +480,7 @@ class Harness:
         return self.tp_worker.update_weights_from_tensor(req)
 
     @classmethod
-    def receiver(cls, args, rel, model) -> "Harness":
+    def receiver(cls, args, rel, model) -> Harness:
         """Only the receive side (runtime config, model runner, TP worker) of SGLang ``rel`` around ``model``."""
         import torch
 
@@ -609,7 +609,7 @@ class Harness:
                 return
             try:
                 out = handler(obj)
-            except BaseException:  # noqa: BLE001 - an uncaught scheduler exception ends SGLang's server
+            except BaseException:  # an uncaught scheduler exception ends SGLang's server
                 traceback.print_exc()
                 sys.stderr.write("HARNESS SCHEDULER DIED\n")
                 sys.stderr.flush()
@@ -683,7 +683,7 @@ class Harness:
         comm_cls = getattr(tm_mod, "_Communicator", None)
         fan_out_cls = None
         try:
-            from sglang.srt.managers.tokenizer_communicator_mixin import _Communicator as comm_cls  # noqa: F811
+            from sglang.srt.managers.tokenizer_communicator_mixin import _Communicator as comm_cls
         except ImportError:
             pass
         try:
