@@ -21,14 +21,23 @@ each pins), the harness (SGLang's HTTP app, tokenizer-side and scheduler-side co
   server (SGLang's ``assert flush_cache_success``) rather than failing.
 
 The same probes (but the last two, which the reference server does not emulate: its updates are atomic and it
-keeps no cache to flush) then run against the reference server started with ``--protocol-version`` of that
-release, which must answer as SGLang's code did. Launches run two at a time in the background, in the order
-the tests need them, so the module costs about one harness start per release.
+keeps no cache to flush) then run against the reference server started with ``--protocol-version`` of the
+release's dialect (:func:`dialect`: releases whose emulated gates are all equal get one reference server, started
+at the oldest of them), which must answer as SGLang's code of every release of that dialect did.
+
+Where a release's own code loses the version of a disk load made while paused (0.5.6), the same load made
+through :class:`bridge.client.ServerClient` must leave its version reported (issue 21: the client sets it
+again), on SGLang's code and on the reference server of its dialect. Elsewhere the server keeps the version itself
+(``version_lost_when_paused`` is False there, read off its code) and the client adds nothing.
+
+Launches run two at a time in the background, in the order the tests need them, so the module costs about one
+harness start per release and one reference-server start per dialect.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import re
 import threading
 import time
@@ -36,6 +45,7 @@ import time
 import pytest
 import requests
 
+from bridge.client import ServerClient
 from bridge.protocol import ProtocolFeatures
 from tests.sglang_harness import ALL_VERSIONS, installed, launch
 
@@ -47,10 +57,33 @@ EMULATED = ("info_routes", "get_weight_version_route", "weight_version", "batche
 BEHAVIOUR = ("version_lost_when_paused", "flush_asserts")
 # flush_asserts is probed at the releases on either side of its gate (the probe kills the server there).
 FLUSH_PROBED = ("0.5.21", "0.5.22")
+# The releases whose own code loses the version of an update made while paused, which the client sets again.
+LOSES_PAUSED_VERSION = tuple(v for v in ALL_VERSIONS if ProtocolFeatures.from_version(v).version_lost_when_paused)
 PROBE_VERSION = "wsync-probe-v"
+CLIENT_VERSION = "wsync-client-paused"
+
+
+def _emulated_gates(version: str) -> tuple[bool, ...]:
+    f = ProtocolFeatures.from_version(version)
+    return tuple(getattr(f, k) for k in EMULATED)
+
+
+def dialect(version: str) -> str:
+    """The oldest installed release whose emulated gates all equal ``version``'s.
+
+    The probes see a reference server's release only through those gates (its one other gate by release,
+    ``/ready`` from 0.5.20, is not probed), so one reference server, started with ``--protocol-version`` of the
+    oldest release of a dialect, answers for every release of it.
+    """
+    gates = _emulated_gates(version)
+    return next(v for v in ALL_VERSIONS if _emulated_gates(v) == gates)
 
 
 # ---------------------------------------------------------------------------------------------- probes
+
+
+def _call(url: str, method: str, path: str, body=None, timeout: float = 30) -> requests.Response:
+    return requests.request(method, url + path, json=body, timeout=timeout)
 
 
 def _refused_fields(resp: requests.Response) -> set[str]:
@@ -60,11 +93,9 @@ def _refused_fields(resp: requests.Response) -> set[str]:
     return set(re.findall(r"'loc': \([^\n]*?'(\w+)'\), 'msg'", text)) | set(re.findall(r"field '(\w+)'", text))
 
 
-def probe(url: str, model_dir: str, *, behaviour: bool, flush: bool = False) -> dict:
-    """Read the gated facts off a server's answers (see the module docstring)."""
-    def call(method, path, body=None, timeout=30):
-        return requests.request(method, url + path, json=body, timeout=timeout)
-
+def probe(url: str) -> dict:
+    """Read the emulated gates' facts off a server's answers (see the module docstring)."""
+    call = functools.partial(_call, url)
     facts: dict = {}
     server_info, model_info = call("GET", "/server_info").status_code, call("GET", "/model_info").status_code
     assert (server_info == 404) == (model_info == 404), f"/server_info {server_info} but /model_info {model_info}"
@@ -109,33 +140,43 @@ def probe(url: str, model_dir: str, *, behaviour: bool, flush: bool = False) -> 
         # server reads only its own load format on this route, so that one is named (SGLang checks the session first).
         r = call("POST", "/update_weights_from_tensor", {"serialized_named_tensors": [], "load_format": "wsync_shm"})
         facts["needs_session"] = r.status_code == 400 and "begin_weight_update" in r.text
-
-    if not behaviour:
-        return facts
-
-    # An update made while paused: is its version reported afterwards?
-    if facts["weight_version"]:
-        assert call("POST", "/pause_generation", {}).status_code == 200
-        r = call("POST", "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "wsync-paused"},
-                 timeout=120)
-        assert r.status_code == 200 and r.json()["success"], f"disk update while paused: {r.text[:300]}"
-        assert call("POST", "/continue_generation", {}).status_code == 200
-        facts["version_lost_when_paused"] = call("GET", "/get_model_info").json().get("weight_version") != "wsync-paused"
-    else:
-        facts["version_lost_when_paused"] = False
-
-    if flush:
-        facts["flush_asserts"] = _flush_kills(call, model_dir)
     return facts
 
 
-def _flush_kills(call, model_dir: str) -> bool:
+def _version_lost_when_paused(url: str, model_dir: str) -> bool:
+    """An update from disk with a ``weight_version``, sent while paused: is the old version reported afterwards?"""
+    call = functools.partial(_call, url)
+    assert call("POST", "/pause_generation", {}).status_code == 200
+    r = call("POST", "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "wsync-paused"},
+             timeout=120)
+    assert r.status_code == 200 and r.json()["success"], f"disk update while paused: {r.text[:300]}"
+    assert call("POST", "/continue_generation", {}).status_code == 200
+    return call("GET", "/get_model_info").json().get("weight_version") != "wsync-paused"
+
+
+def _client_keeps_paused_version(url: str, model_dir: str) -> bool:
+    """The same through :class:`ServerClient`: paused, a disk load with a version, resumed; is it reported?"""
+    c = ServerClient(url, timeout=120)
+    assert c.model_info()["weight_version"] != CLIENT_VERSION  # else a lost version would read as kept
+    c.pause_generation()
+    try:
+        c.update_weights_from_disk(model_dir, weight_version=CLIENT_VERSION)
+    finally:
+        c.continue_generation()
+    return c.model_info()["weight_version"] == CLIENT_VERSION
+
+
+def _flush_kills(url: str, model_dir: str) -> bool:
     """Paused in place with a generation in flight, an update asks for a flush: does the server die?"""
+    call = functools.partial(_call, url)
     gen = threading.Thread(target=lambda: _quiet(lambda: call("POST", "/generate", {
         "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "custom_params": {"harness_hold_s": 6}}},
         timeout=60)), daemon=True)
     gen.start()
-    time.sleep(1.5)  # the request is in flight
+    deadline = time.monotonic() + 30
+    while call("GET", "/wsync_harness/scheduler").json()["running"] == 0:  # until SGLang's scheduler holds it
+        assert time.monotonic() < deadline, "the held generation never reached SGLang's running batch"
+        time.sleep(0.1)
     assert call("POST", "/pause_generation", {"mode": "in_place"}).status_code == 200
     try:
         r = call("POST", "/update_weights_from_disk", {"model_path": model_dir, "flush_cache": True}, timeout=60)
@@ -150,7 +191,7 @@ def _flush_kills(call, model_dir: str) -> bool:
 def _quiet(fn):
     try:
         fn()
-    except Exception:  # noqa: BLE001 - the server may die under this request, as it should
+    except Exception:  # the server may die under this request, as it should
         pass
 
 
@@ -158,7 +199,12 @@ def _quiet(fn):
 
 
 class _Probes:
-    """Launch-and-probe jobs, two at a time, in the order the module's selected tests need them."""
+    """Launch-and-probe jobs, two at a time, in the order the module's selected tests need them.
+
+    A job's result: ``facts`` (the gates' facts), ``client_kept_version`` (probed only at the releases in
+    ``LOSES_PAUSED_VERSION``, else None), ``alive`` (after the probes), and for the reference server the
+    ``version`` it reports.
+    """
 
     def __init__(self, order: list[tuple[str, str]], model_dir: str, server_factory) -> None:
         self.order, self.model_dir, self.factory = order, model_dir, server_factory
@@ -169,19 +215,26 @@ class _Probes:
     def _sglang(self, version: str) -> dict:
         with launch(version, self.model_dir) as srv:
             try:
-                facts = probe(srv.url, self.model_dir, behaviour=True, flush=version in FLUSH_PROBED)
+                facts = probe(srv.url)
+                facts["version_lost_when_paused"] = (facts["weight_version"]
+                                                     and _version_lost_when_paused(srv.url, self.model_dir))
+                # Before the flush probe, which kills the server at the releases whose scheduler asserts the flush.
+                kept = _client_keeps_paused_version(srv.url, self.model_dir) if version in LOSES_PAUSED_VERSION else None
+                if version in FLUSH_PROBED:
+                    facts["flush_asserts"] = _flush_kills(srv.url, self.model_dir)
                 deadline = time.monotonic() + (10 if facts.get("flush_asserts") else 0)
                 while srv.alive() and time.monotonic() < deadline:  # the dying server's exit
                     time.sleep(0.1)
-                return {"facts": facts, "alive": srv.alive()}
+                return {"facts": facts, "client_kept_version": kept, "alive": srv.alive()}
             except Exception as e:
                 raise AssertionError(f"probing SGLang {version}'s code failed: {e}\n{srv.log_tail(30)}") from e
 
     def _reference(self, version: str) -> dict:
         srv = self.factory(extra_args=["--protocol-version", version], ready_timeout=240.0)
         try:
-            return {"facts": probe(srv.url, self.model_dir, behaviour=False), "alive": srv.alive(),
-                    "version": srv.client.version}
+            facts = probe(srv.url)
+            kept = _client_keeps_paused_version(srv.url, self.model_dir) if version in LOSES_PAUSED_VERSION else None
+            return {"facts": facts, "client_kept_version": kept, "alive": srv.alive(), "version": srv.client.version}
         finally:
             srv.stop()
 
@@ -201,16 +254,24 @@ class _Probes:
         self.pool.shutdown(wait=True)
 
 
+def _on_reference(test):
+    """Marks a test that also reads the reference server of its release's dialect (for the launch order)."""
+    test.on_reference = True
+    return test
+
+
 @pytest.fixture(scope="module")
 def probes(request, tiny_model_dir, server_factory):
-    order = []
+    order: list[tuple[str, str]] = []
     for item in request.session.items:
         cs = getattr(item, "callspec", None)
-        if item.module is request.module and cs is not None and installed(cs.params.get("version", "")):
-            kind = "reference" if "reference" in item.name else "sglang"
-            for k in ([("sglang", cs.params["version"])] if kind == "reference" else []) + [(kind, cs.params["version"])]:
-                if k not in order:
-                    order.append(k)
+        if item.module is not request.module or cs is None or not installed(cs.params.get("version", "")):
+            continue
+        version = cs.params["version"]
+        needs = [("sglang", version)]
+        if getattr(item.function, "on_reference", False):
+            needs.append(("reference", dialect(version)))
+        order += [k for k in needs if k not in order]
     p = _Probes(order, tiny_model_dir, server_factory)
     try:
         yield p
@@ -247,13 +308,30 @@ def test_gates_match_sglang_code(probes, version):
         assert seen["alive"]
 
 
+@_on_reference
 @pytest.mark.parametrize("version", ALL_VERSIONS)
 def test_reference_server_emulates_sglang_code(probes, version):
-    """``wsync serve --protocol-version V`` answers the same probes as SGLang V's own code."""
+    """``wsync serve --protocol-version D`` (D: ``version``'s dialect) answers the same probes as SGLang
+    ``version``'s own code."""
     _need(version)
     code = probes.get("sglang", version)["facts"]
-    ref = probes.get("reference", version)
-    assert ref["version"] == version and ref["alive"]
+    ref = probes.get("reference", dialect(version))
+    assert ref["version"] == dialect(version) and ref["alive"]
     bad = _differences(code, ref["facts"], EMULATED)
-    assert not bad, (f"the reference server at --protocol-version {version} differs from SGLang {version}'s "
+    assert not bad, (f"the reference server at --protocol-version {dialect(version)} differs from SGLang {version}'s "
                      f"own code (code but reference): {bad}")
+
+
+@_on_reference
+@pytest.mark.parametrize("version", LOSES_PAUSED_VERSION)
+def test_client_keeps_the_version_of_a_paused_disk_load(probes, version):
+    """Issue 21: SGLang ``version``'s own code loses the version of a disk load made while paused; made through
+    the client, the load leaves its version reported, there and on the reference server of its dialect (which
+    keeps the version anyway: it does not emulate the loss)."""
+    _need(version)
+    code = probes.get("sglang", version)
+    assert code["facts"]["version_lost_when_paused"], f"SGLang {version}'s code kept the version itself"
+    assert code["client_kept_version"] is True, f"SGLang {version}: the client's paused disk load lost its version"
+    ref = probes.get("reference", dialect(version))
+    assert ref["client_kept_version"] is True, (
+        f"the reference server at --protocol-version {dialect(version)}: the client's paused disk load lost its version")
