@@ -97,9 +97,9 @@ def _snapshot_costs(path: str) -> dict:
 
 def _instrument(bench, totals, counts) -> list:
     """Clock wrappers around the real calls on rank 0; returns the undo functions."""
-    import bridge.publisher as publisher
     from bridge.agreement import Agreement
     from bridge.client import ServerClient
+    from bridge.sources import CheckedSource
 
     undo = []
 
@@ -118,7 +118,7 @@ def _instrument(bench, totals, counts) -> list:
         setattr(owner, attr, wrapper)
         undo.append(lambda: setattr(owner, attr, real))
 
-    timed(publisher, "_gather_into", "gather")
+    timed(CheckedSource, "gather", "gather")
     timed(Agreement, "exchange", "agreement")
     timed(ServerClient, "_call", lambda args: f"http {args[2]}")
     for pub in [bench.broadcast, bench.colocated, *bench.disks.values()]:

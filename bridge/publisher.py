@@ -2,23 +2,23 @@
 
 A :class:`WeightPublisher` is created once by the training script (on every rank) and
 ``publish(source, version)`` is called collectively by every trainer rank after each step. It drives
-one sync through the same steps whatever the transport (``bridge.transports``: broadcast, colocated,
-disk); after each step every rank learns every rank's outcome (:mod:`bridge.agreement`):
+one sync through the same steps whatever the transport (:mod:`bridge.transports`, registered by name);
+after each step every rank learns every rank's outcome (:mod:`bridge.agreement`):
 
 1. **prepare** (every rank): the wire specs and bucket plan, and a digest of this rank's own shards.
    With the digests of all ranks, every rank decides the same thing: an older version, or the last
    version with other weights, is a :class:`VersionError` before any byte moves; the last version with
    the same weights is a safe retry.
 2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot).
-3. **bucket k** (every rank): gather the bucket's shards into rank 0's buffer, in a few flat gathers on a
-   group whose timeout is ``group_timeout``; rank 0 waits for bucket k-1 to arrive, then sends bucket k
-   (so the gather of k overlaps the transfer of k-1, and rank 0 holds about two buckets at most). The
-   last bucket carries the version. Disk with ``disk_writers="all"`` (the default) gathers bucket k to
-   rank ``k % world`` instead, which writes it as one shard of the snapshot in the background; every
-   rank then waits for its own previous shard before gathering the next bucket it writes, so it too
-   holds about two buckets at most (:mod:`bridge.transports.disk`).
-4. **settle** (every rank): rank 0 waits for the last bucket; every rank says whether it may commit.
-5. **commit** (rank 0): the version goes live (sessions end, or the snapshot is announced).
+3. **bucket k** (every rank): gather the bucket's shards into one rank's buffer, in a few flat gathers on
+   a group whose timeout is ``group_timeout``. Which rank, and what it does with the bucket, is that
+   rank's part of the sync (``Transport.rank_part``, :class:`bridge.transports.RankPart`). By default it
+   is rank 0, which waits for bucket k-1 to arrive, then sends bucket k (so the gather of k overlaps the
+   transfer of k-1, and rank 0 holds about two buckets at most); the last bucket carries the version. A
+   transport may give every rank work of its own instead (a writer of its own shards, say).
+4. **settle** (every rank): rank 0 waits for the last bucket; every rank's part reports, and every rank
+   says whether it may commit.
+5. **commit** (rank 0): the version goes live, given every rank's report.
 
 Ctrl-C and SIGTERM are held until the step in progress ends, then fail the sync the same way before
 they take effect (:mod:`bridge.interrupts`). Any exception on any rank, of any type, in any step, makes
@@ -28,9 +28,9 @@ the cause) within the step's bound, and rank 0 first calls the transport's ``abo
 serving its previous version, unpaused, with no open session; a snapshot that was not complete is
 removed, never announced. A trainer that catches the error can publish again.
 
-Version semantics: versions are integers, strictly increasing per publisher (and, for disk, per
-(experiment, trial) in name resolution). A version whose publish failed was never completed, so
-retrying it is allowed.
+Version semantics: versions are integers, strictly increasing per publisher (and, for a transport that
+announces them, per (experiment, trial) in name resolution). A version whose publish failed was never
+completed, so retrying it is allowed.
 
 Example (one process, a reference server started with ``wsync serve --preset tiny``):
 
@@ -43,13 +43,10 @@ Example (one process, a reference server started with ``wsync serve --preset tin
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
 import zlib
-from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -58,26 +55,21 @@ import torch
 import torch.distributed as dist
 
 from bridge.agreement import Agreement, describe, note_failure_time
-from bridge.buckets import Bucket, pack_one, plan_buckets
+from bridge.buckets import Bucket, plan_buckets
+from bridge.config import PublisherConfig
 from bridge.errors import BridgeError, ConfigError, VersionError
 from bridge.failpoints import failpoint
 from bridge.interrupts import held
 from bridge.log import fmt_bytes, get_logger
 from bridge.memory import PeakMemory
 from bridge.process_group import default_backend
-from bridge.sources import WeightSource, as_source
+from bridge.sources import CheckedSource, WeightSource, check_source
 from bridge.tensors import ParamSpec, dtype_from_str
-from bridge.transports.base import Plan, Transport
-from bridge.transports.broadcast import is_local
-from bridge.transports.disk import default_snapshot_root
+from bridge.transports import Plan, RankPart, Transport, transport_class
 
-__all__ = ["PublishResult", "PublisherConfig", "WeightPublisher", "default_snapshot_root"]
+__all__ = ["PublishResult", "PublisherConfig", "WeightPublisher", "bucket_bound", "dead_rank_bound"]
 
 logger = get_logger(__name__)
-
-TRANSPORTS = ("broadcast", "colocated", "disk")
-
-_ALIASES = {"nccl": "broadcast", "xccl": "broadcast", "distributed": "broadcast"}
 
 ABORT_WAIT_S = 5.0
 """The most a failed sync waits for its clean-up (resume, discard sessions) before raising."""
@@ -87,114 +79,6 @@ CLOSE_WAIT_S = 5.0
 
 SLACK_S = 10.0
 """Added to a step's own bound before the other ranks give up waiting for a rank (it died or hangs)."""
-
-
-def _default_bucket_mb() -> float:
-    # Enough bytes per HTTP round trip, and several buckets per model so the gather of one overlaps the
-    # broadcast of the previous one. On 2 CPU cores 32 MiB measured fastest on both bench presets
-    # (wsync bench); NCCL links want larger buckets.
-    return 512.0 if torch.cuda.is_available() else 32.0
-
-
-@dataclass(kw_only=True)
-class PublisherConfig:
-    """How and where to publish. Checked in ``__post_init__``."""
-
-    transport: str = "broadcast"
-    """``broadcast`` (alias ``nccl``): a custom process group, one broadcast per bucket; ``colocated``:
-    servers on this host, buckets handed over by reference via ``/update_weights_from_tensor``: shared-memory
-    files for the reference server (``load_format="wsync_shm"``), SGLang's CUDA IPC flattened buckets for
-    real SGLang >= 0.5.6 on a CUDA trainer (:mod:`bridge.transports.cuda_ipc`); ``disk``: HF snapshots
-    announced in name resolution."""
-    servers: Sequence[str] = ()
-    """Base URLs of the servers (required for broadcast and colocated, loopback only for colocated; for
-    disk, servers to wait for)."""
-    experiment: str = "default"
-    """Experiment name: part of the announcement keys."""
-    trial: str = "trial0"
-    """Trial name: part of the announcement keys."""
-    name_resolve: str | None = None
-    """Name-resolution URL for disk: ``etcd://host:port``, ``file:///path`` or ``memory://``.
-    Default: a directory under the system temp folder, the same one ``wsync watch`` follows."""
-    snapshot_root: str | None = None
-    """Directory that receives one ``v<version>`` snapshot per version (disk); one per trial, since old
-    versions in it are garbage-collected. Default: ``<temp>/wsync-snapshots/<experiment>/<trial>``, under
-    the reference server's default ``--disk-root``."""
-    keep_snapshots: int = 3
-    """Snapshots kept on disk (the newest ones); older ones are garbage-collected."""
-    bucket_mb: float = field(default_factory=_default_bucket_mb)
-    """Byte budget of one broadcast bucket, in MiB. Rank 0 holds at most about two buckets."""
-    serving_dtype: str = "bfloat16"
-    """dtype the servers serve; weights are cast to it on the way (fp32 master -> bf16)."""
-    load_format: str = "auto"
-    """``auto`` (flattened buckets when every server supports them), ``flattened_bucket`` or ``per_tensor``."""
-    pause_mode: str = "abort"
-    """``/pause_generation`` mode during a broadcast sync: abort, retract, in_place, or ``none`` to not pause."""
-    group_name: str = "wsync_weight_update"
-    """Name of the custom process group (the store prefix both sides use)."""
-    master_address: str | None = None
-    """Address of trainer rank 0 as the servers reach it. Default: 127.0.0.1 if every server is local."""
-    master_port: int | None = None
-    """Port for the group's rendezvous. Default: a free port."""
-    backend: str | None = None
-    """``nccl`` or ``gloo``; default: nccl with CUDA, gloo without."""
-    http_timeout: float = 60.0
-    """Seconds for each HTTP call to a server."""
-    group_timeout: float = 60.0
-    """Seconds for the group rendezvous and for each broadcast to complete."""
-    wait_loaded: bool = True
-    """Disk: wait until every server in ``servers`` reports the new version."""
-    wait_loaded_timeout: float = 120.0
-    """Disk: seconds to wait for the servers to load an announced version."""
-    announce_ttl: float | None = None
-    """Disk: TTL of announcements (seconds, kept alive while the publisher lives); None = permanent."""
-    disk_writers: str = "all"
-    """Disk: ``all`` (every trainer rank gathers and writes a share of the snapshot's shards, so the write
-    bandwidth grows with the ranks; the ranks must share ``snapshot_root``: one host or a shared
-    filesystem) or ``rank0`` (rank 0 gathers and writes every shard)."""
-    api_key: str | None = None
-    """Bearer key for the servers' ``--api-key`` (every route; the control routes too unless ``admin_api_key``)."""
-    admin_api_key: str | None = None
-    """Bearer key for the servers' ``--admin-api-key``: SGLang's control routes then accept only this key."""
-    progress: bool = True
-    """Show a progress bar for syncs that take longer than a second."""
-    new_run: bool = False
-    """This publisher starts a new run: its first publish may go below the version the servers serve (a
-    restarted trainer counting from 1 again). Without it the reference server refuses a version older
-    than the served one unless ``experiment``/``trial`` (the run id it is sent) changed."""
-
-    def __post_init__(self) -> None:
-        self.transport = _ALIASES.get(self.transport, self.transport)
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"transport must be one of {TRANSPORTS} (or 'nccl'), got {self.transport!r}")
-        self.servers = [s.rstrip("/") for s in self.servers]
-        if self.transport in ("broadcast", "colocated") and not self.servers:
-            raise ConfigError(f"the {self.transport} transport needs at least one server URL (servers=[...])")
-        if self.transport == "colocated":
-            remote = [s for s in self.servers if not is_local(s)]
-            if remote:
-                raise ConfigError(
-                    f"the colocated transport hands weights over in this host's shared memory, so every server must "
-                    f"be local (a loopback URL such as http://127.0.0.1:30000); not local: {remote}"
-                )
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
-        dtype_from_str(self.serving_dtype)
-        if self.load_format not in ("auto", "flattened_bucket", "per_tensor"):
-            raise ConfigError(f"load_format must be auto, flattened_bucket or per_tensor, got {self.load_format!r}")
-        if self.pause_mode not in ("abort", "retract", "in_place", "none"):
-            raise ConfigError(f"pause_mode must be abort, retract, in_place or none, got {self.pause_mode!r}")
-        for name in ("http_timeout", "group_timeout", "wait_loaded_timeout"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
-        if self.disk_writers not in ("all", "rank0"):
-            raise ConfigError(f"disk_writers must be all or rank0, got {self.disk_writers!r}")
-        if self.keep_snapshots < 1:
-            raise ConfigError(f"keep_snapshots must be >= 1, got {self.keep_snapshots}")
-
-    @property
-    def bucket_bytes(self) -> int:
-        return int(self.bucket_mb * 1024 * 1024)
 
 
 @dataclass
@@ -210,7 +94,7 @@ class PublishResult:
     path: str | None = None
     retried: bool = False
     peak_extra_bytes: int = 0
-    """Broadcast: rank 0's peak extra host (or device) memory during the transfer, measured."""
+    """Rank 0's peak extra host (or device) memory during the transfer, measured."""
     phases: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -238,9 +122,9 @@ class WeightPublisher:
         self._agree = Agreement.of_default_group()
         self._rank = self._agree.rank
         self._servers = None
+        self._kind = transport_class(config.transport)
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
-        self._shards = None  # disk with disk_writers="all": this rank's ShardWriter (every rank)
-        self._targets = False  # True when buckets may be gathered to other ranks than 0 (the source can)
+        self._part: RankPart | None = None  # this rank's part of every sync (every rank), built with it
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
 
     # ---------------------------------------------------------------- public API
@@ -282,24 +166,27 @@ class WeightPublisher:
                 "versions must strictly increase"
             )
         with held(self._rank):  # Ctrl-C / SIGTERM: finish the step, clean up on every rank, then take effect
-            return self._publish(as_source(source), version)
+            return self._publish(check_source(source), version)
 
-    def _publish(self, source: WeightSource, version: int) -> PublishResult:
+    def _publish(self, source: CheckedSource, version: int) -> PublishResult:
         t0 = time.perf_counter()
         plan, began = None, False
         try:
             plan = self._prepare(source, version)
             began = True
-            staging = self._step("begin", lambda: self._transport.begin(plan), self._begin_bound(),
-                                 collect=lambda: self._transport.staging_dir if self._shards is not None and self._rank == 0 else None)
-            if self._shards is not None:
-                self._shards.begin(staging[0], plan.version, len(plan.buckets))
+            box: list = [None]  # what rank 0's transport opened, for every rank's part
+
+            def begin() -> None:
+                box[0] = self._transport.begin(plan)
+
+            opened = self._step("begin", begin, self._begin_bound(), collect=lambda: box[0])[0]
+            self._part.begin(opened, plan)
             with PeakMemory() as memory:
                 self._transfer(plan)
             # Every rank votes on the commit here (failpoint "settle"): once rank 0 commits, it is live.
             settled = self._step("settle", lambda: self._transport.settle(), self._bucket_bound(),
                                  collect=lambda: (plan.local_digest.result() if plan.local_digest else None,
-                                                  self._shards.settle() if self._shards is not None else None))
+                                                  self._part.settle()))
             if not plan.retried:
                 plan.digest = _combine([d for d, _ in settled])
             peak = max(memory.extra_bytes, memory.device_extra_bytes)
@@ -308,9 +195,7 @@ class WeightPublisher:
                 if self._rank != 0:
                     return None
                 failpoint("commit", 0)
-                if self._shards is not None:  # the shards every rank wrote into the snapshot
-                    self._transport.add_shards({f: e for _, written in settled for f, e in written.items()})
-                return {**self._transport.commit(plan), "peak": peak}
+                return {**self._transport.commit(plan, [report for _, report in settled]), "peak": peak}
 
             outcome = self._agreed("commit", commit, self._commit_bound() + SLACK_S)[0]
         except BridgeError as e:
@@ -345,14 +230,14 @@ class WeightPublisher:
         deadline = time.monotonic() + CLOSE_WAIT_S
         while _pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
             _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
-        transport, shards, servers = self._transport, self._shards, self._servers
-        self._transport = self._shards = self._servers = None
+        transport, part, servers = self._transport, self._part, self._servers
+        self._transport = self._part = self._servers = None
 
         def release() -> None:
-            for part in (transport, shards, servers):
-                if part is not None:
+            for piece in (transport, part, servers):
+                if piece is not None:
                     try:
-                        part.close()
+                        piece.close()
                     except Exception as e:  # closing is best effort; the sync's outcome is already known
                         logger.warning("closing the publisher: %s", e)
 
@@ -399,7 +284,7 @@ class WeightPublisher:
             status = _abort_within(self._transport, "rank 0's step failed", ABORT_WAIT_S)
             logger.debug("servers given back before the agreement: %s", status)
 
-    def _prepare(self, source: WeightSource, version: int) -> Plan:
+    def _prepare(self, source: CheckedSource, version: int) -> Plan:
         """Step "prepare" (every rank): plan, digests, the gather group; decide retry vs new weights."""
         cfg = self.config
 
@@ -408,19 +293,17 @@ class WeightPublisher:
 
         def prepare():
             failpoint("prepare", self._rank)
+            source.require(self._kind.source_needs, f"the {cfg.transport} transport")
             specs = self._wire_specs(source)
             if self._rank == 0 and self._transport is None:
-                self._transport = self._make_transport()
-            if cfg.transport == "disk" and cfg.disk_writers == "all" and self._shards is None:
-                from bridge.transports.disk import ShardWriter
-
-                self._shards = ShardWriter(cfg, self._rank, self._agree.world)
-            self._targets = _can_gather_to_any_rank(source)
+                self._transport = self._kind(cfg, self.servers)
+            if self._part is None:
+                self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
             if retry:  # only a retry needs the digests before anything moves
-                return specs, _local_digest(source)
-            # Otherwise the digest is taken while the buckets travel (crc32 releases the GIL) and
-            # collected at settle, for the next retry.
-            background.append(_digest_in_background(source))
+                return specs, source.digest()
+            # Otherwise the digest is taken while the buckets travel and collected at settle, for the
+            # next retry.
+            background.append(source.digest_in_background())
             return specs, None
 
         results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
@@ -449,11 +332,11 @@ class WeightPublisher:
         last = len(plan.buckets) - 1
         bar = _progress(self.config.progress and self._rank == 0, plan.nbytes, f"sync v{plan.version}")
 
-        shards = self._shards
+        part, source = self._part, plan.source
 
         def gather(bucket: Bucket, buf: torch.Tensor | None, dst: int) -> None:
             try:
-                _gather_into(plan.source, bucket, buf, self._gather_group, dst)
+                source.gather(bucket, buf, self._gather_group, dst)
             except BaseException as e:
                 # Failed inside the collective: leave the group now. Under gloo the ranks waiting in this
                 # gather with us get "connection closed" at once instead of waiting group_timeout, and do
@@ -463,29 +346,20 @@ class WeightPublisher:
                 raise
 
         def one(k: int, bucket: Bucket) -> None:
-            # With per-rank disk writers the bucket goes to the rank that writes it, else to rank 0.
-            dst = shards.owner(k) if shards is not None and self._targets else 0
+            dst = part.owner(k) if source.gathers_to_any_rank else 0
             try:
                 failpoint(f"bucket:{k}", self._rank)
-                buf = None
-                if self._rank == dst:
-                    buf = shards.buffer(k, bucket) if shards is not None else self._transport.buffer(k, bucket)
+                buf = part.buffer(k, bucket) if self._rank == dst else None
             except BaseException:
                 # Still take part in the bucket's gathers (receiving nothing), so the other ranks are
                 # not left waiting in them for group_timeout; the agreement then fails the step at once.
                 gather(bucket, None, dst)
                 raise
             gather(bucket, buf, dst)
-            if shards is not None:
-                if self._rank == dst:
-                    shards.send(k, bucket, buf)
-                if self._rank == 0 and k:
-                    bar.update(plan.buckets[k - 1].nbytes)
-            elif self._rank == 0:
-                self._transport.settle()
-                if k:
-                    bar.update(plan.buckets[k - 1].nbytes)
-                self._transport.send(k, bucket, buf, plan.version if k == last else None)
+            if self._rank == dst:
+                part.send(k, bucket, buf, plan.version if k == last else None)
+            if self._rank == 0 and k:
+                bar.update(plan.buckets[k - 1].nbytes)
 
         try:
             for k, bucket in enumerate(plan.buckets):
@@ -497,13 +371,13 @@ class WeightPublisher:
         """After an agreed failure: rank 0 aborts the transport; the error every rank raises."""
         status = ""
         broken = getattr(error, "agreement_broken", False)
-        if began and self._shards is not None:
-            # Every rank stops writing and removes its files; only once all have does rank 0 remove the
-            # temporary directory (a late file would otherwise be left behind in it).
-            self._shards.abort(ABORT_WAIT_S)
-            if not broken:
+        if began and self._part is not None:
+            self._part.abort(ABORT_WAIT_S)
+            if self._part.stops_before_abort and not broken:
+                # Every rank's part stopped and removed its files; only then does rank 0 remove what
+                # they were in (a late file would otherwise be left behind there).
                 try:
-                    self._agree.exchange("writers stopped", None, timeout=ABORT_WAIT_S + SLACK_S)
+                    self._agree.exchange("parts stopped", None, timeout=ABORT_WAIT_S + SLACK_S)
                 except BridgeError:
                     pass
         if self._rank == 0 and began and self._transport is not None:
@@ -526,19 +400,14 @@ class WeightPublisher:
         note_failure_time(error)
         self._drop_gather_group()
         self._agree.leave(error)
-        if began and self._shards is not None:
-            self._shards.abort(ABORT_WAIT_S)
+        if began and self._part is not None:
+            self._part.abort(ABORT_WAIT_S)
         if self._rank == 0 and began and self._transport is not None:
             status = _abort_within(self._transport, f"{type(error).__name__} on rank 0", ABORT_WAIT_S)
             if status:
                 logger.warning("%s", status)
 
     # ---------------------------------------------------------------- helpers
-
-    def _make_transport(self) -> Transport:
-        from bridge.transports import make_transport
-
-        return make_transport(self.config, self.servers)
 
     def _make_gather_group(self) -> None:
         self._gather_group = dist.new_group(backend=self.config.backend or default_backend(),
@@ -552,7 +421,7 @@ class WeightPublisher:
             except Exception as e:  # a group broken by a failed gather may not destroy cleanly
                 logger.debug("destroying the gather group failed: %s", e)
 
-    def _wire_specs(self, source: WeightSource) -> list[ParamSpec]:
+    def _wire_specs(self, source: CheckedSource) -> list[ParamSpec]:
         dtype = dtype_from_str(self.config.serving_dtype)
         # Only floating tensors are cast: integer buffers keep their dtype.
         return [s.with_dtype(dtype) if s.dtype.is_floating_point else s for s in source.param_specs()]
@@ -565,9 +434,7 @@ class WeightPublisher:
         return bucket_bound(self.config)
 
     def _commit_bound(self) -> float:
-        from bridge.transports import transport_class
-
-        return transport_class(self.config.transport).commit_seconds(self.config)
+        return self._kind.commit_seconds(self.config)
 
 
 def bucket_bound(config: PublisherConfig) -> float:
@@ -581,26 +448,6 @@ def dead_rank_bound(config: PublisherConfig) -> float:
     + 15 s (README, "Bounded time"). The servers are given back at once when rank 0's own step fails
     (a gather with the dead rank does), without waiting that long."""
     return bucket_bound(config) + SLACK_S + ABORT_WAIT_S
-
-
-def _local_digest(source: WeightSource) -> int | None:
-    digest = getattr(source, "local_digest", None)
-    return digest() if digest is not None else None
-
-
-def _digest_in_background(source: WeightSource) -> Future | None:
-    if getattr(source, "local_digest", None) is None:
-        return None
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(source.local_digest())
-        except Exception as e:  # surfaces at settle, through the agreement
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="wsync-digest", daemon=True).start()
-    return future
 
 
 def _combine(digests: list[int | None]) -> int | None:
@@ -631,35 +478,6 @@ def _abort_within(transport: Transport, reason: str, seconds: float) -> str:
 
 _pending_aborts: list[threading.Thread] = []
 """Clean-ups still running after their failed sync raised; ``close()`` gives them time to finish."""
-
-
-def _can_gather_to_any_rank(source: WeightSource) -> bool:
-    """True when the source's fast path takes ``dst`` (else every bucket is gathered to rank 0)."""
-    gather = getattr(source, "gather_bucket", None)
-    if gather is None:
-        return False
-    try:
-        return "dst" in inspect.signature(gather).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _gather_into(source: WeightSource, bucket: Bucket, buf: torch.Tensor | None, group, dst: int = 0) -> None:
-    """Collective: fill rank ``dst``'s wire buffer with the bucket, by the source's fast path when it has
-    one (``dst`` other than 0 only when :func:`_can_gather_to_any_rank`)."""
-    gather = getattr(source, "gather_bucket", None)
-    if gather is not None:
-        if dst:
-            gather(bucket, buf, group=group, dst=dst)
-        else:
-            gather(bucket, buf, group=group)
-        return
-    index = bucket.index() if buf is not None else None
-    for spec, full in source.iter_full_tensors(bucket.specs):
-        if buf is not None:
-            offset, wire = index[spec.name]
-            pack_one(buf, offset, wire, full)
-        del full
 
 
 class _NoBar:

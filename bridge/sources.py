@@ -7,30 +7,44 @@ The publisher never imports the trainer. It takes a :class:`WeightSource`: an ob
 ``iter_full_tensors`` is collective when parameters are DTensors: every rank calls it with the same
 specs and consumes it to the end; rank 0 receives full tensors, the other ranks ``None``.
 
-A source may also offer ``gather_bucket(bucket, out, group=None, dst=0)``, the fast path:
-:func:`gather_bucket_into` moves a whole bucket of FSDP2 shards to rank ``dst`` (rank 0, or for disk
-the rank that writes the bucket's shard) in a few flat ``gather`` calls (one per 1-16 MiB piece) and
-writes each parameter's rows straight into the bucket's wire buffer. One collective per piece instead
-of one all-gather per parameter, and only ``dst`` receives: every other rank sends its shards and
-allocates nothing but its send buffer. A source whose ``gather_bucket`` takes no ``dst`` gathers to
-rank 0 only (the publisher then has rank 0 write every shard).
+A source may offer more; each optional capability is named in :data:`CAPABILITIES` and found once, when
+:func:`check_source` wraps the source in a :class:`CheckedSource` (the publisher asks that object, never
+the source):
+
+- ``gather_bucket(bucket, out, group=None, dst=0)`` (:class:`GathersBuckets`), the fast path:
+  :func:`gather_bucket_into` moves a whole bucket of FSDP2 shards to rank ``dst`` (rank 0, or the rank
+  whose part of the sync handles the bucket, such as disk's per-rank writers) in a few flat ``gather``
+  calls (one per 1-16 MiB piece) and writes each parameter's rows straight into the bucket's wire
+  buffer. One collective per piece instead of one all-gather per parameter, and only ``dst`` receives.
+  A ``gather_bucket`` that takes no ``dst`` gathers to rank 0 only.
+- ``local_digest()`` (:class:`Digests`): a checksum of this rank's own shards, which tells a retry of a
+  version (same weights) from new weights under the same version.
+- ``model_config`` / ``tokenizer`` attributes (the module's ``config`` also counts): written into disk
+  snapshots, so that a snapshot is a loadable HF model folder.
 """
 
 from __future__ import annotations
 
+import inspect
+import threading
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from bridge.buckets import Bucket
+from bridge.buckets import Bucket, pack_one
+from bridge.errors import ConfigError
 from bridge.failpoints import failpoint
 from bridge.tensors import ParamSpec
 
-__all__ = ["ModuleSource", "WeightSource", "as_source", "gather_bucket_into", "local_digest", "tied_embedding_names"]
+__all__ = [
+    "CAPABILITIES", "CheckedSource", "Digests", "GathersBuckets", "ModuleSource", "WeightSource", "as_source",
+    "check_source", "gather_bucket_into", "local_digest", "tied_embedding_names",
+]
 
 
 @runtime_checkable
@@ -40,6 +54,26 @@ class WeightSource(Protocol):
 
     def iter_full_tensors(self, specs: Sequence[ParamSpec] | None = None) -> Iterator[tuple[ParamSpec, torch.Tensor | None]]:
         """Collective: yields each spec with its full tensor on rank 0 and None elsewhere."""
+
+
+@runtime_checkable
+class GathersBuckets(Protocol):
+    """Optional capability ``gather_bucket``: a whole bucket to one rank in a few flat gathers."""
+
+    def gather_bucket(self, bucket: Bucket, out: torch.Tensor | None, group=None, dst: int = 0) -> None:
+        """Collective: fill rank ``dst``'s ``out`` (uint8, ``bucket.nbytes``) with the bucket's full tensors."""
+
+
+@runtime_checkable
+class Digests(Protocol):
+    """Optional capability ``local_digest``: a checksum of this rank's own shards, no communication."""
+
+    def local_digest(self) -> int:
+        """The same number on a rank exactly when its shards hold the same bytes."""
+
+
+CAPABILITIES = ("gather_bucket", "gather_to_any_rank", "local_digest", "model_config", "tokenizer")
+"""The optional capabilities a weight source may have, as a transport names them in ``source_needs``."""
 
 
 def _rank() -> int:
@@ -184,7 +218,7 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
     if dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # CPU-offloaded shards under NCCL
     send = torch.empty(total, dtype=torch.uint8, device=device)
-    for (spec, p), (_, c, row, off) in zip(piece, layout):
+    for (spec, p), (_, c, _row, off) in zip(piece, layout):
         local = p.to_local()
         expected = max(0, min(c, spec.shape[0] - rank * c))
         assert local.shape[0] == expected, f"{spec.name}: rank {rank} holds {local.shape[0]} rows, chunking says {expected}"
@@ -246,3 +280,87 @@ def as_source(obj) -> WeightSource:
     if isinstance(obj, torch.nn.Module):
         return ModuleSource(obj)
     raise TypeError(f"cannot publish a {type(obj).__name__}: pass an nn.Module or an object with param_specs() and iter_full_tensors()")
+
+
+def check_source(obj) -> CheckedSource:
+    """Wrap ``obj`` (a WeightSource or an ``nn.Module``) once per publish: its capabilities, found now."""
+    return obj if isinstance(obj, CheckedSource) else CheckedSource(as_source(obj))
+
+
+class CheckedSource:
+    """A weight source as the publisher uses it: what it can do is found once, here, and asked by name."""
+
+    def __init__(self, source: WeightSource):
+        self.source = source
+        self._gather = source.gather_bucket if isinstance(source, GathersBuckets) else None
+        self._digest = source.local_digest if isinstance(source, Digests) else None
+        self.gathers_to_any_rank = self._gather is not None and _takes_dst(self._gather)
+        """Buckets can be gathered to any rank (else to rank 0 only)."""
+        self.model_config = _model_config(source)
+        self.tokenizer = getattr(source, "tokenizer", None)
+        self.capabilities = frozenset(name for name, present in (
+            ("gather_bucket", self._gather is not None), ("gather_to_any_rank", self.gathers_to_any_rank),
+            ("local_digest", self._digest is not None), ("model_config", self.model_config is not None),
+            ("tokenizer", self.tokenizer is not None),
+        ) if present)
+
+    def require(self, needs: Sequence[str], who: str) -> None:
+        """A ConfigError naming what ``who`` (a transport) needs and this source lacks."""
+        missing = [n for n in needs if n not in self.capabilities]
+        if missing:
+            raise ConfigError(f"{who} needs a weight source with {', '.join(missing)}; "
+                              f"{type(self.source).__name__} has {sorted(self.capabilities) or 'none of them'}")
+
+    def param_specs(self) -> list[ParamSpec]:
+        return self.source.param_specs()
+
+    def gather(self, bucket: Bucket, buf: torch.Tensor | None, group, dst: int = 0) -> None:
+        """Collective: fill rank ``dst``'s wire buffer with the bucket, by the fast path when the source has
+        one (``dst`` other than 0 only when :attr:`gathers_to_any_rank`), else tensor by tensor."""
+        if self._gather is not None:
+            if dst:
+                self._gather(bucket, buf, group=group, dst=dst)
+            else:
+                self._gather(bucket, buf, group=group)
+            return
+        index = bucket.index() if buf is not None else None
+        for spec, full in self.source.iter_full_tensors(bucket.specs):
+            if buf is not None:
+                offset, wire = index[spec.name]
+                pack_one(buf, offset, wire, full)
+            del full
+
+    def digest(self) -> int | None:
+        """This rank's digest, or None when the source cannot tell."""
+        return self._digest() if self._digest is not None else None
+
+    def digest_in_background(self) -> Future | None:
+        """The digest, computed on a thread while the buckets travel (crc32 releases the GIL)."""
+        if self._digest is None:
+            return None
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self._digest())
+            except Exception as e:  # surfaces at settle, through the agreement
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="wsync-digest", daemon=True).start()
+        return future
+
+
+def _takes_dst(gather) -> bool:
+    try:
+        return "dst" in inspect.signature(gather).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume the documented one
+        return False
+
+
+def _model_config(source) -> Any:
+    """The HF config a snapshot of ``source`` carries: its ``model_config``, or its module's ``config``."""
+    for obj in (source, getattr(source, "module", None), getattr(source, "model", None)):
+        cfg = getattr(obj, "model_config", None) or getattr(obj, "config", None)
+        if cfg is not None and hasattr(cfg, "to_dict"):
+            return cfg
+    return None

@@ -9,6 +9,14 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The transports of tests/plugins are registered from outside the project, as a user's own would be
+# (bridge.transports.registry): named in WSYNC_PLUGINS, importable by every process a test starts.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["WSYNC_PLUGINS"] = ",".join(sorted(
+    f"tests.plugins.{name[:-3]}" for name in os.listdir(os.path.join(_REPO, "tests", "plugins"))
+    if name.endswith(".py") and name != "__init__.py"))
+os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
+
 pytest_plugins = [p for p in ("tests.fixtures_server", "tests.fixtures_etcd") if os.path.exists(
     os.path.join(os.path.dirname(__file__), p.split(".")[1] + ".py"))]
 

@@ -54,7 +54,7 @@ class Sabotage:
         return self.engine.param_specs()
 
     def iter_full_tensors(self, specs=None):
-        for i, item in enumerate(self.engine.iter_full_tensors(specs)):
+        for item in self.engine.iter_full_tensors(specs):
             self.calls += 1
             if self.engine.rank == 0 and self.calls == self.after:
                 self.act()
@@ -189,14 +189,28 @@ def check_served_any(engine, urls: list[str], version: int) -> dict:
     return report
 
 
+def matrix_transports() -> list[tuple[str, int]]:
+    """Every registered transport (the project's and the test plugins', ``tests/plugins``), each with the
+    first version it publishes in a matrix: 10, 20, ... so that versions only go up on a shared server."""
+    from bridge.transports import transport_names
+
+    return [(name, 10 * (i + 1)) for i, name in enumerate(transport_names())]
+
+
+def announces(transport: str) -> bool:
+    """True for a transport that needs no server (disk): the matrices check what it announced instead."""
+    from bridge.transports import transport_class
+
+    return not transport_class(transport).needs_servers
+
+
 def matrix_publisher(transport: str, urls: list[str], nr_url: str, root: str):
     """The publisher the fault and interrupt matrices use: small buckets (many steps to fail in), 20 s
-    bounds; disk publishes wait for no server."""
+    bounds; a transport that announces waits for no server."""
     from bridge import PublisherConfig, WeightPublisher
 
-    disk = transport == "disk"
     return WeightPublisher(PublisherConfig(
-        transport=transport, servers=[] if disk else urls, name_resolve=nr_url, snapshot_root=root,
+        transport=transport, servers=[] if announces(transport) else urls, name_resolve=nr_url, snapshot_root=root,
         bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False,
     ))
 

@@ -138,8 +138,8 @@ def test_two_trials_on_the_default_snapshot_root_do_not_collide(model, tmp_path)
     import shutil
     import uuid
 
-    from bridge.publisher import default_snapshot_root
     from bridge.snapshot import verify_snapshot
+    from bridge.transports.disk import default_snapshot_root
 
     experiment = f"api-{uuid.uuid4().hex[:8]}"
     paths = {}

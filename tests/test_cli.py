@@ -20,7 +20,7 @@ def test_help_explains_every_command():
     from concurrent.futures import ThreadPoolExecutor
 
     from bridge.name_resolve import DEFAULT_URL
-    from bridge.publisher import default_snapshot_root
+    from bridge.transports.disk import default_snapshot_root
 
     with ThreadPoolExecutor(4) as pool:  # one interpreter start each, mostly imports: overlapped, not queued
         out, *subs = pool.map(lambda args: wsync(*args), [("--help",)] + [(name, "--help") for name in COMMANDS])
@@ -63,7 +63,7 @@ def test_demo_main_job_end_to_end(tmp_path):
     assert [(s["step"], s["transport"]) for s in data["syncs"]] == [
         (1, "broadcast"), (1, "disk"), (2, "broadcast"), (2, "disk")]
     for s in data["syncs"]:
-        for url, served in s["servers"].items():
+        for served in s["servers"].values():
             assert served["version"] == str(s["step"])
             assert served["answer"] == s["trainer_answer"]
 
@@ -124,8 +124,8 @@ def test_rerunning_disk_training_continues_the_version_numbers(tmp_path):
             "--snapshot-root", str(tmp_path / "snap")]
     first = wsync("train", "--steps", "2", *disk)
     assert first.returncode == 0, first.stderr[-2000:]
-    steps = [l for l in first.stdout.splitlines() if l.startswith("step ")]
-    assert len(steps) == 2 and all("loss" in l and "lr" in l and "published v" in l for l in steps)
+    steps = [line for line in first.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all("loss" in s and "lr" in s and "published v" in s for s in steps)
     again = wsync("train", "--steps", "1", *disk)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "publishing versions 3..3" in again.stdout
@@ -150,7 +150,7 @@ def test_a_trainer_rank_error_is_one_line_not_a_torchrun_report(tmp_path):
     assert out.returncode == 1
     text = out.stdout + out.stderr
     assert "Traceback" not in text and "ChildFailedError" not in text
-    assert [l for l in text.splitlines() if "error:" in l] == [last_line(out)]
+    assert [line for line in text.splitlines() if "error:" in line] == [last_line(out)]
     assert last_line(out).startswith("wsync train: error: disk sync of version 1 failed")
     assert "/proc/no-such-folder" in last_line(out)
 

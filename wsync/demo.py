@@ -24,15 +24,18 @@ import signal
 import tempfile
 
 from bridge.errors import BridgeError, ConfigError, SyncError
-from wsync.launch import start_ranks, under_torchrun
+from bridge.launch import start_ranks, under_torchrun
 from wsync.train import add_model_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--steps", type=int, default=20, help="training steps (one publish per step and transport)")
-    p.add_argument("--transport", default="both", choices=["broadcast", "disk", "colocated", "both", "all"],
-                   help="how weights reach the servers: both = broadcast and disk; all = broadcast, colocated and disk")
+    from bridge.transports import transport_names
+
+    p.add_argument("--transport", default="both", choices=[*transport_names(), "both", "all"],
+                   help="how weights reach the servers: both = broadcast and disk; all = every registered transport "
+                        f"({', '.join(transport_names())})")
     p.add_argument("--servers", type=int, default=1, help="number of reference servers to start")
     p.add_argument("--nproc", type=int, default=2, help="FSDP ranks of the trainer")
     p.add_argument("--name-resolve", metavar="URL",
@@ -146,19 +149,15 @@ def _trainer_main(spec: dict) -> int:
         model_path=spec["model"], optimizer=OptimizerConfig(lr=spec["lr"], schedule="constant", max_grad_norm=1.0),
     ))
     engine.initialize()
-    transports = {"both": ["broadcast", "disk"], "all": ["broadcast", "colocated", "disk"]}.get(
-        spec["transport"], [spec["transport"]])
-    common = dict(servers=spec["servers"], serving_dtype=spec["serving_dtype"], progress=False)
+    from bridge.transports import transport_names
+
+    transports = {"both": ["broadcast", "disk"], "all": transport_names()}.get(spec["transport"], [spec["transport"]])
+    # One set of keywords for every transport: an option of another transport has no effect.
+    common = dict(servers=spec["servers"], serving_dtype=spec["serving_dtype"], progress=False, experiment="demo",
+                  trial="trial0", name_resolve=spec["name_resolve"], snapshot_root=spec["snapshot_root"])
     if spec["bucket_mb"]:
         common["bucket_mb"] = spec["bucket_mb"]
-    publishers = {
-        "broadcast": lambda: WeightPublisher(PublisherConfig(transport="broadcast", **common)),
-        "colocated": lambda: WeightPublisher(PublisherConfig(transport="colocated", **common)),
-        "disk": lambda: WeightPublisher(PublisherConfig(
-            transport="disk", experiment="demo", trial="trial0", name_resolve=spec["name_resolve"],
-            snapshot_root=spec["snapshot_root"], **common)),
-    }
-    pubs = {t: publishers[t]() for t in transports}
+    pubs = {t: WeightPublisher(PublisherConfig(transport=t, **common)) for t in transports}
     table = _Table(spec["servers"]) if engine.rank == 0 else None
     records, ok = [], True
     per_rank = max(1, spec["batch_size"] // engine.world_size)

@@ -12,7 +12,7 @@ import os
 import tempfile
 
 from bridge.errors import ConfigError, ServerError
-from wsync.launch import run_ranks, under_torchrun
+from bridge.launch import run_ranks, under_torchrun
 
 # The publisher's default snapshot folder (bridge.publisher.default_snapshot_root), shown in --help.
 _DEFAULT_SNAPSHOT_ROOT = os.path.join(tempfile.gettempdir(), "wsync-snapshots", "<experiment>", "<trial>")
@@ -42,8 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for model init and data")
     p.add_argument("--save", metavar="DIR", help="save the trained model here at the end")
     p.add_argument("--save-format", default="hf", choices=["hf", "dcp"], help="format of --save")
-    p.add_argument("--publish", default="none", choices=["none", "broadcast", "disk"],
-                   help="publish the weights after every step by this transport")
+    from bridge.transports import transport_names
+
+    p.add_argument("--publish", default="none", choices=["none", *transport_names()],
+                   help="publish the weights after every step by this transport (a registered one: see "
+                        "bridge.transports; its options are below)")
     p.add_argument("--server", action="append", default=[], metavar="URL", help="server to publish to (repeat for several)")
     p.add_argument("--api-key", help="the servers' --api-key (bearer key of their routes)")
     p.add_argument("--admin-api-key", help="the servers' --admin-api-key (bearer key of their weight-update routes)")
@@ -63,9 +66,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start a new run on the servers: versions may start below the one they serve (a restarted "
                         "trainer counting from 1 again); without it they refuse a version that goes back. Disk "
                         "announcements still only go up per --experiment/--trial")
-    p.add_argument("--bucket-mb", type=float, help="broadcast bucket size in MiB (default: 32 on CPU, 512 on GPU)")
+    p.add_argument("--bucket-mb", type=float, help="bucket size in MiB (default: 32 on CPU, 512 on GPU)")
     p.add_argument("--serving-dtype", default="bfloat16", help="dtype the servers serve; weights are cast on the way")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO; env WSYNC_LOG_LEVEL)")
+    add_transport_options(p)
+
+
+def add_transport_options(p: argparse.ArgumentParser) -> None:
+    """One flag per option a registered transport declares (``Transport.Options``), unless the command
+    has a flag of that name already; a flag left out keeps the transport's default."""
+    from bridge.transports import option_fields
+
+    taken = {a.dest for a in p._actions}
+    g = p.add_argument_group("transport options", "each transport's own settings (a flag another transport "
+                                                  "declares has no effect)")
+    for o in option_fields():
+        if o.name in taken:
+            continue
+        where = "/".join(o.transports)
+        shown = "" if o.default is None else f" (default: {o.default})"
+        if o.type is bool:
+            g.add_argument(f"--{o.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{where}: {o.help}{shown}")
+        else:
+            g.add_argument(f"--{o.name.replace('_', '-')}", type=o.type, default=None, metavar=o.type.__name__.upper(),
+                           help=f"{where}: {o.help}{shown}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,8 +123,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"--start-version must be >= 1, got {args.start_version}")
     if args.publish == "none":
         return
-    if args.publish == "broadcast" and not args.server:
-        raise ConfigError("--publish broadcast needs at least one --server URL (start one with `wsync serve`)")
+    from bridge.transports import transport_class
+
+    if transport_class(args.publish).needs_servers and not args.server:
+        raise ConfigError(f"--publish {args.publish} needs at least one --server URL (start one with `wsync serve`)")
     if args.bucket_mb is not None and not args.bucket_mb > 0:
         raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
     publisher_config(args, args.server)  # checks --bucket-mb, --serving-dtype, the URLs' form
@@ -168,11 +195,17 @@ def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
     """The command line that reproduces ``args`` (what each rank parses again)."""
+    from bridge.transports import option_fields
+
+    negatable = {o.name for o in option_fields() if o.type is bool}  # --no-<flag> says False
     out = []
     for k, v in vars(args).items():
+        flag = "--" + k.replace("_", "-")
+        if v is False and k in negatable:
+            out.append("--no-" + flag[2:])
+            continue
         if k.startswith("_") or v in (None, False) or (isinstance(v, list) and not v):
             continue
-        flag = "--" + k.replace("_", "-")
         if v is True:
             out.append(flag)
         elif isinstance(v, list):
@@ -202,14 +235,17 @@ def build_engine(args: argparse.Namespace):
 def publisher_config(args: argparse.Namespace, servers: list[str]):
     """The :class:`bridge.PublisherConfig` the flags describe (its checks raise ``ConfigError``)."""
     from bridge import PublisherConfig
+    from bridge.transports import option_fields
 
     kw = dict(
         transport=args.publish, servers=servers, experiment=args.experiment, trial=args.trial,
-        name_resolve=args.name_resolve, snapshot_root=args.snapshot_root, serving_dtype=args.serving_dtype,
-        api_key=args.api_key, admin_api_key=args.admin_api_key, new_run=args.new_run,
+        serving_dtype=args.serving_dtype, api_key=args.api_key, admin_api_key=args.admin_api_key,
+        new_run=args.new_run,
     )
     if args.bucket_mb is not None:
         kw["bucket_mb"] = args.bucket_mb
+    # Every transport option given on the command line (another transport's has no effect).
+    kw.update({o.name: getattr(args, o.name) for o in option_fields() if getattr(args, o.name, None) is not None})
     return PublisherConfig(**kw)
 
 

@@ -1,4 +1,5 @@
-"""The lifecycle every transport follows, and the server bookkeeping that broadcast and colocated share.
+"""The lifecycle every transport follows, the per-rank part of a sync, and the server bookkeeping that
+broadcast and colocated share.
 
 :class:`bridge.publisher.WeightPublisher` drives one sync as a fixed sequence of steps; after each
 step every trainer rank learns every rank's outcome (:mod:`bridge.agreement`), so all ranks go on or
@@ -8,30 +9,43 @@ all raise the same error. A transport only says how bytes move. Which process ru
 method        who       what
 ============  ========  ==================================================================================
 ``begin``     rank 0    open the sync: check the version, connect (process group), pause generation, open
-                        update sessions. Nothing has moved yet.
+                        update sessions. Nothing has moved yet. What it returns reaches every rank's part.
 ``buffer``    rank 0    the uint8 tensor bucket ``k`` is gathered into (every rank then gathers into it).
 ``send``      rank 0    put bucket ``k`` on its way; may return before it arrived (the gather of bucket
                         ``k+1`` overlaps it). The last bucket carries the version.
 ``settle``    rank 0    wait until the bucket in flight arrived everywhere; raise if it did not. At most
                         one bucket is in flight, so rank 0 holds at most about two buckets.
-``commit``    rank 0    make the version live on every server (end the session, or announce a snapshot).
+``commit``    rank 0    make the version live on every server (end the session, or announce a snapshot),
+                        given what every rank's part reported at settle.
 ``abort``     rank 0    after a failure on any rank, at any step: leave every server serving its previous
                         version, unpaused, with no open session. Bounded in time, never raises; returns
                         a line saying what the servers serve now.
 ``close``     rank 0    release connections (the publisher is closed).
 ============  ========  ==================================================================================
 
-Disk with ``disk_writers="all"`` (the default) is the one exception to "rank 0": each bucket is
-gathered to, and written as a shard by, the rank that owns it, through that rank's
-:class:`bridge.transports.disk.ShardWriter` (``buffer``, ``send`` and ``settle`` on every rank); rank 0's
-transport still runs ``begin``, ``commit`` and ``abort``.
+Every rank also has a :class:`RankPart`, made by ``Transport.rank_part``: which rank receives bucket
+``k`` (``owner``), and what that rank does with it (``buffer``, ``send``), what it reports at ``settle``,
+how it stops (``abort``). The default part sends every bucket from rank 0 through the transport's
+methods above; disk with ``disk_writers="all"`` gives every rank a part that writes its own shards
+(:class:`bridge.transports.disk.ShardWriter`), which is how a transport gives its ranks work of their
+own without the driver knowing it.
+
+A transport also declares, as class attributes: ``name`` and ``aliases`` (it registers itself with
+:func:`bridge.transports.register`), ``Options`` (a dataclass of its own settings, checked in its
+``__post_init__``), ``needs_servers``, and ``source_needs`` (the optional capabilities of a weight
+source it cannot do without, see :class:`bridge.sources.CheckedSource`).
 
 Failure handling lives once, in the driver: a transport raises whatever it meets and the driver turns
 it into one agreed error, calls ``abort`` on rank 0 and re-raises on every rank. When rank 0's own step
 failed, it calls ``abort`` at once, before the other ranks answer (unless ``gives_back_early`` is False),
 so that servers are not kept paused while it waits for a rank that died; ``abort`` must therefore be
-idempotent. Adding a transport is
-one new module with a subclass of :class:`Transport`.
+idempotent. Adding a transport is one new module (README, "Adding a transport")::
+
+    @register
+    class FileTransport(Transport):
+        name = "file"
+        def send(self, k, bucket, buf, version): ...
+        def commit(self, plan, reports): ...
 """
 
 from __future__ import annotations
@@ -42,15 +56,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
 from bridge.buckets import Bucket
-from bridge.errors import BridgeError, ServerError, SyncError, VersionError
+from bridge.errors import BridgeError, ConfigError, ServerError, SyncError, VersionError
 from bridge.failpoints import armed, failpoint
 from bridge.log import get_logger
 
-__all__ = ["Plan", "ServerSessions", "Transport"]
+__all__ = ["NoOptions", "Plan", "RankPart", "ServerSessions", "SessionOptions", "Transport", "is_local", "option"]
 
 logger = get_logger(__name__)
 
@@ -76,17 +91,63 @@ class Plan:
         return sum(b.nbytes for b in self.buckets)
 
 
+def option(default: Any, help: str) -> Any:
+    """A field of a transport's ``Options``; ``help`` is what ``wsync train --help`` shows for its flag."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(kw_only=True)
+class NoOptions:
+    """The options of a transport that has none of its own."""
+
+
+@dataclass(kw_only=True)
+class SessionOptions:
+    """Options of the transports that pause the servers and update them in sessions (broadcast, colocated)."""
+
+    pause_mode: str = option("abort", "how servers pause during a sync (SGLang's /pause_generation mode): "
+                                      "abort, retract, in_place, or none to not pause")
+    load_format: str = option("auto", "auto (flattened buckets when every server takes them), flattened_bucket "
+                                      "or per_tensor")
+
+    def __post_init__(self) -> None:
+        if self.pause_mode not in ("abort", "retract", "in_place", "none"):
+            raise ConfigError(f"pause_mode must be abort, retract, in_place or none, got {self.pause_mode!r}")
+        if self.load_format not in ("auto", "flattened_bucket", "per_tensor"):
+            raise ConfigError(f"load_format must be auto, flattened_bucket or per_tensor, got {self.load_format!r}")
+
+
 class Transport:
     """One way of moving a sync's buckets to the servers; see the module docstring for the lifecycle."""
 
     name = "?"
+    aliases: tuple[str, ...] = ()
+    Options: type = NoOptions
+    needs_servers = True
+    """A publisher of this transport without a server URL is a ConfigError."""
+    source_needs: tuple[str, ...] = ()
+    """Optional capabilities of the weight source this transport cannot do without (checked before
+    anything moves): any of :data:`bridge.sources.CAPABILITIES`."""
 
     gives_back_early = True
     """``abort`` may run on rank 0 as soon as rank 0's own step failed, before the other ranks answered
     (it only touches the servers). False when it must wait for the other ranks (disk: their writers)."""
 
-    def __init__(self, config):
+    def __init__(self, config, servers):
         self.config = config
+        self.servers = servers
+        """A :class:`bridge.client.ServerGroup` of ``config.servers``, or None without servers."""
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Checks across the shared settings and the options (the options check themselves alone)."""
+        if cls.needs_servers and not config.servers:
+            raise ConfigError(f"the {cls.name} transport needs at least one server URL (servers=[...])")
+
+    @classmethod
+    def rank_part(cls, config, transport: Transport | None, rank: int, world: int) -> RankPart:
+        """This rank's part of every sync (``transport`` is rank 0's, None on the other ranks)."""
+        return RankPart(transport)
 
     @classmethod
     def commit_seconds(cls, config) -> float:
@@ -94,8 +155,8 @@ class Transport:
         sessions and resume by default."""
         return 3 * config.http_timeout
 
-    def begin(self, plan: Plan) -> None:
-        """Rank 0: open the sync."""
+    def begin(self, plan: Plan) -> Any:
+        """Rank 0: open the sync; what it returns is handed to every rank's ``RankPart.begin``."""
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
         """Rank 0: a uint8 tensor of ``bucket.nbytes`` for bucket ``k`` (CPU by default)."""
@@ -108,9 +169,10 @@ class Transport:
     def settle(self) -> None:
         """Rank 0: wait for the bucket in flight, if any."""
 
-    def commit(self, plan: Plan) -> dict:
-        """Rank 0: make ``plan.version`` live; returns what :class:`PublishResult` reports
-        (``servers``: url -> "ok" or its error; optionally ``path`` and ``phases``)."""
+    def commit(self, plan: Plan, reports: list) -> dict:
+        """Rank 0: make ``plan.version`` live; ``reports`` are what every rank's part returned at settle
+        (rank order). Returns what :class:`PublishResult` reports (``servers``: url -> "ok" or its error;
+        optionally ``path``, ``bytes`` and ``retried``)."""
         raise NotImplementedError
 
     def abort(self, reason: str) -> str:
@@ -119,6 +181,44 @@ class Transport:
 
     def close(self) -> None:
         """Rank 0: release connections."""
+
+
+class RankPart:
+    """One trainer rank's part of a sync, on every rank. This default sends every bucket from rank 0
+    through its transport; the other ranks only take part in the gathers."""
+
+    stops_before_abort = False
+    """True when every rank's part must have stopped (``abort``) before rank 0's transport aborts (its
+    files live in the folder rank 0 removes); the driver then waits for all of them."""
+
+    def __init__(self, transport: Transport | None = None):
+        self.transport = transport
+
+    def owner(self, k: int) -> int:
+        """The rank bucket ``k`` is gathered to (when the source can gather to any rank; else rank 0)."""
+        return 0
+
+    def begin(self, opened: Any, plan: Plan) -> None:
+        """A sync starts; ``opened`` is what rank 0's ``Transport.begin`` returned."""
+
+    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        """On the rank bucket ``k`` is gathered to: the buffer it is gathered into."""
+        return self.transport.buffer(k, bucket)
+
+    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
+        """On the rank bucket ``k`` was gathered to: pass it on (``version`` on the last bucket only)."""
+        self.transport.settle()  # bucket k-1 arrived first: one bucket in flight at most
+        self.transport.send(k, bucket, buf, version)
+
+    def settle(self) -> Any:
+        """Every bucket was handed on: wait for this rank's own work; what it returns reaches ``commit``."""
+        return None
+
+    def abort(self, seconds: float) -> None:
+        """The sync failed: stop this rank's work within ``seconds`` and remove what it made. Never raises."""
+
+    def close(self) -> None:
+        """The publisher is closed."""
 
 
 class ServerSessions:
@@ -294,6 +394,12 @@ def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting
     if errors:
         refused = all(isinstance(e, VersionError) for e in errors)
         raise (VersionError if refused else SyncError)("; ".join(map(str, errors)))
+
+
+def is_local(url: str) -> bool:
+    """True for a loopback URL (the server runs on this host)."""
+    host = urlparse(url if "://" in url else "http://" + url).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def deadline_left(deadline: float) -> float:

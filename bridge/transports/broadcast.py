@@ -20,8 +20,8 @@ import threading
 import time
 import uuid
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from datetime import timedelta
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -29,26 +29,56 @@ import torch.distributed as dist
 from bridge.buckets import Bucket
 from bridge.errors import BridgeError, ConfigError, SyncError, SyncTimeout
 from bridge.log import get_logger
-from bridge.process_group import default_backend, destroy_custom_process_group, find_free_port, init_custom_process_group
-from bridge.transports.base import Plan, ServerSessions, Transport, bucket_answers, deadline_left
+from bridge.process_group import (
+    default_backend,
+    destroy_custom_process_group,
+    find_free_port,
+    init_custom_process_group,
+)
+from bridge.transports.base import (
+    Plan,
+    ServerSessions,
+    SessionOptions,
+    Transport,
+    bucket_answers,
+    deadline_left,
+    is_local,
+    option,
+)
+from bridge.transports.registry import register
 
-__all__ = ["BroadcastTransport", "is_local"]
+__all__ = ["BroadcastOptions", "BroadcastTransport", "is_local"]
 
 logger = get_logger(__name__)
 
 
-def is_local(url: str) -> bool:
-    """True for a loopback URL (the server runs on this host)."""
-    host = urlparse(url if "://" in url else "http://" + url).hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
+@dataclass(kw_only=True)
+class BroadcastOptions(SessionOptions):
+    """The broadcast transport's options: how servers pause and load (:class:`SessionOptions`), and where
+    they meet trainer rank 0 for the weight-update group."""
+
+    group_name: str = option("wsync_weight_update", "name of the weight-update process group (the store "
+                                                      "prefix both sides use)")
+    master_address: str | None = option(None, "address of trainer rank 0 as the servers reach it (default: "
+                                              "127.0.0.1 if every server is local, else this host's address)")
+    master_port: int | None = option(None, "port of the weight-update group's rendezvous (default: a free port)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.group_name:
+            raise ConfigError("group_name must not be empty")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"master_port must be a port number (1-65535), got {self.master_port}")
 
 
+@register
 class BroadcastTransport(Transport):
     name = "broadcast"
+    aliases = ("nccl", "xccl", "distributed")
+    Options = BroadcastOptions
 
     def __init__(self, config, servers):
-        super().__init__(config)
-        self.servers = servers
+        super().__init__(config, servers)
         self.backend = config.backend or default_backend()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.pg: dist.ProcessGroup | None = None
@@ -107,7 +137,7 @@ class BroadcastTransport(Transport):
             except RuntimeError as e:
                 raise SyncError(f"broadcast of bucket {k} failed: {e}") from e
 
-    def commit(self, plan: Plan) -> dict:
+    def commit(self, plan: Plan, reports: list) -> dict:
         return {"servers": self.sessions.commit(plan.version)}
 
     def abort(self, reason: str) -> str:

@@ -44,7 +44,16 @@ from bridge.errors import ConfigError
 from bridge.log import fmt_bytes, get_logger
 from bridge.protocol import SHM_LOAD_FORMAT
 from bridge.transports import cuda_ipc
-from bridge.transports.base import Plan, ServerSessions, Transport, bucket_answers, remove_file
+from bridge.transports.base import (
+    Plan,
+    ServerSessions,
+    SessionOptions,
+    Transport,
+    bucket_answers,
+    is_local,
+    remove_file,
+)
+from bridge.transports.registry import register
 
 __all__ = ["ColocatedTransport", "sweep_stale_files"]
 
@@ -53,17 +62,28 @@ logger = get_logger(__name__)
 PREFIX = "wsync-"
 
 
+@register
 class ColocatedTransport(Transport):
     name = "colocated"
+    Options = SessionOptions
 
     def __init__(self, config, servers):
-        super().__init__(config)
-        self.servers = servers
+        super().__init__(config, servers)
         self.sessions: ServerSessions | None = None
         self.device: torch.device | None = None  # the buckets' CUDA device for real SGLang; None: shm files
         self._inflight = None  # (k, futures, path or CUDA buffer)
         self._paths: list[str] = []
         sweep_stale_files()
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        super().check_config(config)
+        remote = [s for s in config.servers if not is_local(s)]
+        if remote:
+            raise ConfigError(
+                f"the colocated transport hands weights over in this host's shared memory, so every server must "
+                f"be local (a loopback URL such as http://127.0.0.1:30000); not local: {remote}"
+            )
 
     def begin(self, plan: Plan) -> None:
         self.device = self._choose_device()
@@ -137,7 +157,7 @@ class ColocatedTransport(Transport):
             if isinstance(held, str):
                 self._unlink(held)
 
-    def commit(self, plan: Plan) -> dict:
+    def commit(self, plan: Plan, reports: list) -> dict:
         return {"servers": self.sessions.commit(plan.version)}
 
     def abort(self, reason: str) -> str:

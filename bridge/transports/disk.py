@@ -44,6 +44,7 @@ import socket
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -52,9 +53,10 @@ from bridge.errors import BridgeError, ConfigError, ServerError, SnapshotError, 
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger
 from bridge.tensors import dtype_from_str
-from bridge.transports.base import Plan, Transport, remove_file
+from bridge.transports.base import Plan, RankPart, Transport, option, remove_file
+from bridge.transports.registry import register
 
-__all__ = ["DiskTransport", "ShardWriter", "default_snapshot_root"]
+__all__ = ["DiskOptions", "DiskTransport", "ShardWriter", "default_snapshot_root"]
 
 logger = get_logger(__name__)
 
@@ -75,15 +77,46 @@ def default_snapshot_root(experiment: str | None = None, trial: str | None = Non
     return os.path.join(base, experiment, trial)
 
 
+@dataclass(kw_only=True)
+class DiskOptions:
+    """The disk transport's options: where snapshots go, where they are announced, whom to wait for."""
+
+    name_resolve: str | None = option(None, "name resolution for announcements: etcd://host:port, file:///path "
+                                            "or memory:// (default: a folder under the temp folder, the one "
+                                            "`wsync watch` follows)")
+    snapshot_root: str | None = option(None, "folder that receives one v<version> snapshot per version, one per "
+                                             "trial (default: <temp>/wsync-snapshots/<experiment>/<trial>)")
+    keep_snapshots: int = option(3, "snapshots kept on disk, the newest ones; older ones are garbage-collected")
+    wait_loaded: bool = option(True, "wait until every server in --server reports the new version")
+    wait_loaded_timeout: float = option(120.0, "seconds to wait for the servers to load an announced version")
+    announce_ttl: float | None = option(None, "TTL of announcements in seconds, kept alive while the publisher "
+                                              "lives (default: permanent)")
+    disk_writers: str = option("all", "all: every trainer rank writes a share of the shards (the ranks must "
+                                      "share snapshot_root: one host or a shared filesystem); rank0: rank 0 "
+                                      "writes them all")
+
+    def __post_init__(self) -> None:
+        if self.disk_writers not in ("all", "rank0"):
+            raise ConfigError(f"disk_writers must be all or rank0, got {self.disk_writers!r}")
+        if self.keep_snapshots < 1:
+            raise ConfigError(f"keep_snapshots must be >= 1, got {self.keep_snapshots}")
+        if not self.wait_loaded_timeout > 0:
+            raise ConfigError(f"wait_loaded_timeout must be a positive number of seconds, got {self.wait_loaded_timeout}")
+        if self.announce_ttl is not None and not self.announce_ttl > 0:
+            raise ConfigError(f"announce_ttl must be a positive number of seconds or None, got {self.announce_ttl}")
+
+
+@register
 class DiskTransport(Transport):
     name = "disk"
+    Options = DiskOptions
+    needs_servers = False  # the snapshot is announced; servers in the config are only waited for
     gives_back_early = False  # the temporary snapshot goes only once every rank's writer has stopped
 
     def __init__(self, config, servers):
         from bridge.name_resolve import DEFAULT_URL, make_name_resolve, names
 
-        super().__init__(config)
-        self.servers = servers
+        super().__init__(config, servers)
         self.root = config.snapshot_root or default_snapshot_root(config.experiment, config.trial)
         # The same default as `wsync watch`, so a trainer and a watcher on one machine meet with no flags.
         self.url = config.name_resolve or DEFAULT_URL
@@ -99,6 +132,11 @@ class DiskTransport(Transport):
     def commit_seconds(cls, config) -> float:
         return 3 * config.http_timeout + (config.wait_loaded_timeout if config.wait_loaded else 0.0)
 
+    @classmethod
+    def rank_part(cls, config, transport, rank: int, world: int) -> RankPart:
+        """With ``disk_writers="all"`` every rank writes the shards of its buckets; else rank 0 writes them."""
+        return ShardWriter(config, rank, world) if config.disk_writers == "all" else RankPart(transport)
+
     def _key(self, leaf: str) -> str:
         return f"{self.names.trial_root(self.config.experiment, self.config.trial)}/{leaf}"
 
@@ -109,7 +147,8 @@ class DiskTransport(Transport):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def begin(self, plan: Plan) -> None:
+    def begin(self, plan: Plan) -> str:
+        """Opens the snapshot under a temporary name; returns its folder (the ranks' writers write there)."""
         from bridge.snapshot import SnapshotWriter
 
         versions = self.announced_versions()
@@ -123,10 +162,11 @@ class DiskTransport(Transport):
             self.servers.model_info()  # a server that is down fails the publish before anything is written
             self._check_disk_roots()
         self.writer = SnapshotWriter(
-            self.root, plan.version, config=_model_config(plan.source), tokenizer=getattr(plan.source, "tokenizer", None),
+            self.root, plan.version, config=plan.source.model_config, tokenizer=plan.source.tokenizer,
             dtype=dtype_from_str(self.config.serving_dtype), max_shard_bytes=max(1, self.config.bucket_bytes),
         )
         self._t_write = time.perf_counter()
+        return self.writer.tmp_dir
 
     def _check_disk_roots(self) -> None:
         """A reference server loads only from its ``--disk-root`` directories: a snapshot root outside them
@@ -149,22 +189,16 @@ class DiskTransport(Transport):
         for name, tensor in unflatten_bucket(buf, bucket.specs):
             self.writer.add(name, tensor)
 
-    @property
-    def staging_dir(self) -> str | None:
-        """The temporary directory of the open snapshot (the other ranks write their shards into it)."""
-        return self.writer.tmp_dir if self.writer is not None else None
-
-    def add_shards(self, shards: dict[str, dict]) -> None:
-        """Record the shards the ranks wrote into :attr:`staging_dir` (file name -> entry, from
-        :meth:`ShardWriter.settle` of every rank); ``commit`` then finishes the snapshot around them."""
-        for fname in sorted(shards):
-            self.writer.add_shard(fname, shards[fname])
-
-    def commit(self, plan: Plan) -> dict:
+    def commit(self, plan: Plan, reports: list) -> dict:
+        """Finishes the snapshot around the shards the ranks wrote (``reports``: each rank's file name ->
+        entry, from :meth:`ShardWriter.settle`), announces it, waits for the servers."""
         from bridge.name_resolve import Announcement
         from bridge.snapshot import gc_snapshots
 
         writer, self.writer = self.writer, None
+        shards = {fname: entry for written in reports if written for fname, entry in written.items()}
+        for fname in sorted(shards):
+            writer.add_shard(fname, shards[fname])
         try:
             info = writer.finish()
         except SnapshotError as e:
@@ -245,7 +279,7 @@ class DiskTransport(Transport):
                 for u, s in status.items()}
 
 
-class ShardWriter:
+class ShardWriter(RankPart):
     """Every rank's part of a disk sync with ``disk_writers="all"``: writes the shards of its buckets.
 
     Driven by the publisher on every rank: ``begin`` (with rank 0's temporary directory), then for each
@@ -253,7 +287,10 @@ class ShardWriter:
     ``settle`` (wait for the last write; this rank's file entries), or ``abort`` after a failure.
     """
 
+    stops_before_abort = True  # its files are in the temporary folder rank 0's abort removes
+
     def __init__(self, config, rank: int, world: int):
+        super().__init__()
         self.rank, self.world = rank, world
         self.wait_s = config.group_timeout
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="wsync-shard")
@@ -271,8 +308,9 @@ class ShardWriter:
         ``world_size`` apart, so its write of one overlaps the gathers of the next ones."""
         return k % self.world
 
-    def begin(self, staging_dir: str, version: int, n_buckets: int) -> None:
-        self._dir, self._version, self._n = staging_dir, version, n_buckets
+    def begin(self, opened: str, plan: Plan) -> None:
+        """``opened``: the snapshot's temporary folder, from rank 0's ``DiskTransport.begin``."""
+        self._dir, self._version, self._n = opened, plan.version, len(plan.buckets)
         self._pending, self._written, self._paths, self._bytes = None, {}, [], 0
         self._stop = threading.Event()  # a new one: a write of an aborted sync still sees its own set
 
@@ -288,7 +326,7 @@ class ShardWriter:
             )
         return torch.empty(bucket.nbytes, dtype=torch.uint8)
 
-    def send(self, k: int, bucket: Bucket, buf: torch.Tensor) -> None:
+    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None = None) -> None:
         """Write bucket ``k`` (in ``buf``) as shard ``k + 1`` in the background."""
         from bridge.snapshot import shard_name, write_shard
 
@@ -335,7 +373,7 @@ class ShardWriter:
         self._pool.shutdown(wait=False, cancel_futures=True)  # a write still going was aborted already
 
     def _wait(self) -> None:
-        from bridge.snapshot.writer import _write_error
+        from bridge.snapshot.writer import write_error
 
         pending, self._pending = self._pending, None
         if pending is None:
@@ -351,14 +389,7 @@ class ShardWriter:
         except BridgeError:
             raise
         except Exception as e:  # disk full, permissions, ...: the rank-0 writer's message, naming the shard
-            raise SnapshotError(f"{fname}: {_write_error(os.path.dirname(self._dir), self._version, e, self._bytes)}") from e
+            raise SnapshotError(f"{fname}: {write_error(os.path.dirname(self._dir), self._version, e, self._bytes)}") from e
         self._written[fname] = entry
         self._bytes += entry["tensor_bytes"]
 
-
-def _model_config(source):
-    for obj in (source, getattr(source, "module", None), getattr(source, "model", None)):
-        cfg = getattr(obj, "model_config", None) or getattr(obj, "config", None)
-        if cfg is not None and hasattr(cfg, "to_dict"):
-            return cfg
-    return None

@@ -1,0 +1,134 @@
+"""How and where to publish: :class:`PublisherConfig`, the settings every transport shares, and the options
+of the chosen one.
+
+Each transport declares its own options as a small dataclass (``Transport.Options``, checked in its own
+``__post_init__``: :class:`bridge.transports.base.SessionOptions`, ``BroadcastOptions``, ``DiskOptions``).
+``PublisherConfig`` takes them either as that object (``options=DiskOptions(disk_writers="rank0")``) or
+as flat keywords, as it always has (``PublisherConfig(transport="disk", disk_writers="rank0")``), and
+reads them back as attributes (``config.disk_writers``). A keyword that is an option of another
+transport is accepted and has no effect, as before options were per transport, so that one set of
+keywords can build every transport's config in a loop; a keyword no transport knows is a ConfigError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bridge.errors import ConfigError
+from bridge.tensors import dtype_from_str
+from bridge.transports.registry import option_fields, transport_class
+
+__all__ = ["PublisherConfig"]
+
+
+def _default_bucket_mb() -> float:
+    # Enough bytes per HTTP round trip, and several buckets per model so the gather of one overlaps the
+    # send of the previous one. On 2 CPU cores 32 MiB measured fastest on both bench presets
+    # (wsync bench); NCCL links want larger buckets.
+    return 512.0 if torch.cuda.is_available() else 32.0
+
+
+@dataclass(kw_only=True, init=False)
+class PublisherConfig:
+    """How and where to publish: the settings every transport shares, and ``options``, the chosen
+    transport's own (see the module docstring). Checked when built."""
+
+    transport: str = "broadcast"
+    """A registered transport (``bridge.transports.transport_names()``): ``broadcast`` (alias ``nccl``), a
+    custom process group, one broadcast per bucket; ``colocated``, servers on this host, buckets handed
+    over by reference; ``disk``, HF snapshots announced in name resolution."""
+    servers: Sequence[str] = ()
+    """Base URLs of the servers (required unless the transport can do without: disk waits for them)."""
+    experiment: str = "default"
+    """Experiment name: part of the run id servers see and of the announcement keys."""
+    trial: str = "trial0"
+    """Trial name: part of the run id servers see and of the announcement keys."""
+    bucket_mb: float = field(default_factory=_default_bucket_mb)
+    """Byte budget of one bucket, in MiB. Rank 0 holds at most about two buckets."""
+    serving_dtype: str = "bfloat16"
+    """dtype the servers serve; weights are cast to it on the way (fp32 master -> bf16)."""
+    backend: str | None = None
+    """``nccl`` or ``gloo`` for the trainer's gathers and the weight-update group; default: nccl with
+    CUDA, gloo without."""
+    http_timeout: float = 60.0
+    """Seconds for each HTTP call to a server."""
+    group_timeout: float = 60.0
+    """Seconds for a group rendezvous and for each gather or broadcast to complete."""
+    api_key: str | None = None
+    """Bearer key for the servers' ``--api-key`` (every route; the control routes too unless ``admin_api_key``)."""
+    admin_api_key: str | None = None
+    """Bearer key for the servers' ``--admin-api-key``: SGLang's control routes then accept only this key."""
+    progress: bool = True
+    """Show a progress bar for syncs that take longer than a second."""
+    new_run: bool = False
+    """This publisher starts a new run: its first publish may go below the version the servers serve (a
+    restarted trainer counting from 1 again). Without it the reference server refuses a version older
+    than the served one unless ``experiment``/``trial`` (the run id it is sent) changed."""
+    options: Any = None
+    """The transport's options (an instance of ``transport_class(transport).Options``); built from the
+    flat keywords when not given."""
+
+    def __init__(self, *, options: Any = None, **keywords: Any):
+        shared = {f.name for f in dataclasses.fields(self)} - {"options"}
+        for f in dataclasses.fields(self):
+            if f.name in shared:
+                value = keywords.pop(f.name) if f.name in keywords else (
+                    f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                setattr(self, f.name, value)
+        cls = transport_class(self.transport)  # an unknown name is a ConfigError listing the known ones
+        self.transport = cls.name  # aliases resolved
+        self.options = _options(cls, options, keywords)
+        self._check()
+        cls.check_config(self)
+
+    @classmethod
+    def keywords(cls) -> set[str]:
+        """Every keyword the constructor takes: the shared settings and every registered transport's options."""
+        return {f.name for f in dataclasses.fields(cls)} | {o.name for o in option_fields()}
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names that are not attributes: the options read as the config's own.
+        options = self.__dict__.get("options")
+        if options is not None and name in {f.name for f in dataclasses.fields(options)}:
+            return getattr(options, name)
+        raise AttributeError(f"PublisherConfig has no setting {name!r} for the {self.__dict__.get('transport')} transport")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 1024 * 1024)
+
+    def _check(self) -> None:
+        if isinstance(self.servers, str):
+            raise ConfigError(f"servers must be a list of URLs, got the string {self.servers!r}")
+        self.servers = [s.rstrip("/") for s in self.servers]
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        dtype_from_str(self.serving_dtype)
+        for name in ("http_timeout", "group_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.backend not in (None, "nccl", "gloo"):
+            raise ConfigError(f"backend must be nccl or gloo (or None: nccl with CUDA, gloo without), got {self.backend!r}")
+
+
+def _options(cls, options: Any, keywords: dict[str, Any]) -> Any:
+    """The transport's options object, from ``options`` or the flat keywords (see the module docstring)."""
+    own = {f.name for f in dataclasses.fields(cls.Options)}
+    if options is not None:
+        if not isinstance(options, cls.Options):
+            raise ConfigError(f"options for the {cls.name} transport must be a {cls.Options.__name__}, "
+                              f"got {type(options).__name__}")
+        clash = sorted(own & set(keywords))
+        if clash:
+            raise ConfigError(f"{clash} given both as keywords and in options=; give each once")
+    unknown = sorted(set(keywords) - own - {o.name for o in option_fields()})
+    if unknown:
+        raise ConfigError(f"PublisherConfig got unknown keyword(s) {unknown}; known: {sorted(PublisherConfig.keywords())}")
+    if options is not None:
+        return options
+    return cls.Options(**{k: v for k, v in keywords.items() if k in own})
