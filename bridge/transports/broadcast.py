@@ -15,6 +15,7 @@ server keeps its name there, and must not block the next one.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 import time
@@ -22,6 +23,7 @@ import uuid
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -47,7 +49,7 @@ from bridge.transports.base import (
 )
 from bridge.transports.registry import register
 
-__all__ = ["BroadcastOptions", "BroadcastTransport", "is_local"]
+__all__ = ["BroadcastOptions", "BroadcastTransport", "is_local", "is_loopback", "master_address_for"]
 
 logger = get_logger(__name__)
 
@@ -65,6 +67,8 @@ class BroadcastOptions(SessionOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.master_address is not None and not self.master_address.strip():
+            raise ConfigError("master_address must not be empty (leave it out to let the kernel choose)")
         if not self.group_name:
             raise ConfigError("group_name must not be empty")
         if self.master_port is not None and not 0 < self.master_port < 65536:
@@ -76,6 +80,18 @@ class BroadcastTransport(Transport):
     name = "broadcast"
     aliases = ("nccl", "xccl", "distributed")
     Options = BroadcastOptions
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        super().check_config(config)
+        remote = [u for u in config.servers if not is_local(u)]
+        if remote and config.master_address and is_loopback(config.master_address):
+            raise ConfigError(
+                f"master_address={config.master_address} is a loopback address, which the servers on other hosts "
+                f"({', '.join(remote)}) cannot reach; set master_address (wsync train --master-address) to this "
+                "host's address on their network, or leave it out: the address of the interface that routes to "
+                "them is found by itself"
+            )
 
     def __init__(self, config, servers):
         super().__init__(config, servers)
@@ -171,7 +187,7 @@ class BroadcastTransport(Transport):
         if self.pg is not None:
             return
         cfg, servers = self.config, self.servers
-        address = cfg.master_address or ("127.0.0.1" if all(is_local(u) for u in servers.urls) else _host_ip())
+        address = master_address_for(servers.urls, cfg.master_address)
         port = cfg.master_port or find_free_port("0.0.0.0" if address != "127.0.0.1" else address)
         name = f"{cfg.group_name}-{uuid.uuid4().hex[:8]}"
         world_size = servers.world_size()
@@ -194,7 +210,9 @@ class BroadcastTransport(Transport):
             missing = [c.url for c, f in zip(servers.clients, futures) if not f.done()]
             raise SyncTimeout(
                 f"servers did not join the weight-update group within group_timeout={cfg.group_timeout:g} s: "
-                f"{'; '.join(failed) or missing or '?'} ({e})"
+                f"{'; '.join(failed) or missing or '?'} ({e}); they were told to meet trainer rank 0 at "
+                f"{address}:{port}: if they cannot reach it, set master_address and master_port (wsync train "
+                "--master-address, --master-port) to an address and port they can reach"
             ) from e
         self.pg, self.group_name = pg, name
         for c, f in zip(servers.clients, futures):
@@ -247,6 +265,30 @@ def _join_unless_refused(futures, clients, join):
     return value
 
 
-def _host_ip() -> str:
-    """This host's address as other hosts see it (set ``master_address`` when this guess is wrong)."""
-    return socket.gethostbyname(socket.gethostname())
+def master_address_for(urls: list[str], given: str | None) -> str:
+    """The address the servers reach trainer rank 0 at: ``given``; else 127.0.0.1 when every server is on
+    this host; else the address of this host's interface that routes to the first remote server, as the
+    kernel chooses it (a UDP socket connected to the server, then ``getsockname``: nothing is sent). The
+    host name's address is no answer: it is 127.0.0.1 or 127.0.1.1 on many hosts."""
+    if given:
+        return given
+    remote = [u for u in urls if not is_local(u)]
+    if not remote:
+        return "127.0.0.1"
+    parsed = urlparse(remote[0] if "://" in remote[0] else "http://" + remote[0])
+    try:
+        family, _, _, _, where = socket.getaddrinfo(parsed.hostname, parsed.port or 80, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(where)
+            return probe.getsockname()[0]
+    except OSError as e:
+        raise ConfigError(f"cannot find this host's address on the way to {remote[0]} ({e}); set master_address "
+                          "(wsync train --master-address) to the address the servers reach this host at") from e
+
+
+def is_loopback(address: str) -> bool:
+    """True for an address only this host can reach (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
