@@ -25,7 +25,10 @@ from torch.distributed import distributed_c10d as c10d
 
 from bridge.errors import ConfigError, SyncTimeout
 
-__all__ = ["default_backend", "destroy_custom_process_group", "find_free_port", "init_custom_process_group"]
+__all__ = ["default_backend", "destroy_custom_process_group", "find_free_port", "init_custom_process_group",
+           "interface_of", "route_source"]
+
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,54 @@ def find_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def route_source(host: str, port: int = 9) -> str:
+    """This host's address on the way to ``host``, as the kernel routes it: a UDP socket connected to it,
+    then ``getsockname`` (nothing is sent). ``host``'s own address when it is one of this host's.
+
+    Raises:
+        OSError: ``host`` does not resolve, or no route leads there.
+    """
+    family, _, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(where)
+        return probe.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds the IPv4 ``address``; None when none does
+    (or on a system without ``SIOCGIFADDR``)."""
+    import fcntl
+    import struct
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(raw[20:24]) == address:
+            return name
+    return None
+
+
+def _gloo_interface(master_address: str, master_port: int) -> str | None:
+    """The interface gloo must bind the group's connections to: the one that routes to group rank 0.
+
+    Left alone, gloo binds to the address this host's name resolves to, which is 127.0.0.1 (or 127.0.1.1)
+    on many hosts: peers on other hosts are then told to connect to a loopback address. None when the
+    user chose with ``GLOO_SOCKET_IFNAME``, when rank 0 is on this host's loopback, or when it cannot tell.
+    """
+    if os.environ.get(GLOO_IFNAME_ENV):
+        return None
+    try:
+        local = route_source(master_address, master_port)
+    except OSError:
+        return None
+    if local.startswith("127.") or ":" in local:
+        return None
+    return interface_of(local)
 
 
 def _tcp_url(host: str, port: int) -> str:
@@ -127,7 +178,16 @@ def _join(master_address: str, master_port: int, world_size: int, rank: int, gro
         params = inspect.signature(c10d._new_process_group_helper).parameters
         # torch 2.6 renamed pg_options -> backend_options.
         kwargs["backend_options" if "backend_options" in params else "pg_options"] = None
-        pg = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store, **kwargs)
+        iface = _gloo_interface(master_address, master_port) if backend == "gloo" else None
+        if iface is not None:  # read by gloo when the group is made, from this process's environment
+            logger.info("weight-update group %s: gloo binds to %s, the interface that routes to %s", group_name,
+                        iface, master_address)
+            os.environ[GLOO_IFNAME_ENV] = iface
+        try:
+            pg = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store, **kwargs)
+        finally:
+            if iface is not None:
+                os.environ.pop(GLOO_IFNAME_ENV, None)
         pg = pg[0] if isinstance(pg, tuple) else pg
     except (RuntimeError, dist.DistStoreError) as e:  # DistStoreError subclasses RuntimeError on new torch
         if "timeout" in str(e).lower() or "timed out" in str(e).lower():

@@ -4,11 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# A real etcd server for the name-resolution tests (the tests start it themselves on a loopback port).
-if ! command -v etcd >/dev/null 2>&1; then
-    echo "== installing etcd-server (Debian package)"
+# A real etcd server for the name-resolution tests (the tests start it themselves on a loopback port), and
+# iproute2 for the multi-host tier (tests/test_multihost.py builds hosts out of network namespaces).
+DEBS=()
+command -v etcd >/dev/null 2>&1 || DEBS+=(etcd-server)
+command -v ip >/dev/null 2>&1 || DEBS+=(iproute2)
+if [ ${#DEBS[@]} -gt 0 ]; then
+    echo "== installing ${DEBS[*]} (Debian packages)"
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${DEBS[@]}" >/dev/null
 fi
 
 # torch==2.13.0 is the CPU build on this kind of machine's disk; a bare `torch` would pull a CUDA build.

@@ -30,14 +30,18 @@ INSTALL_HINT = "etcd binary not found; install it with `apt-get install etcd-ser
 
 
 class LocalEtcd:
-    """An ``etcd`` process serving ``url`` (``etcd://127.0.0.1:PORT``) between :meth:`start` and :meth:`stop`."""
+    """An ``etcd`` process serving ``url`` (``etcd://127.0.0.1:PORT``) between :meth:`start` and :meth:`stop`.
 
-    def __init__(self, binary: str, workdir: str, name: str = "wsync") -> None:
-        self.binary, self.name = binary, name
+    ``host`` is the address it listens on (loopback by default); ``wrap`` is a command prefix it is started
+    under (``["ip", "netns", "exec", NS]`` runs it on another host made of a network namespace)."""
+
+    def __init__(self, binary: str, workdir: str, name: str = "wsync", host: str = "127.0.0.1",
+                 wrap: tuple[str, ...] = ()) -> None:
+        self.binary, self.name, self.host, self.wrap = binary, name, host, tuple(wrap)
         self.data_dir = tempfile.mkdtemp(prefix="etcd-", dir=workdir)
         self.log_path = os.path.join(self.data_dir, "etcd.log")
         self.client_port, self.peer_port = find_free_port(), find_free_port()
-        self.url = f"etcd://127.0.0.1:{self.client_port}"
+        self.url = f"etcd://{host}:{self.client_port}"
         self.proc: subprocess.Popen | None = None
 
     @classmethod
@@ -57,9 +61,9 @@ class LocalEtcd:
             ConfigError: etcd exited at start-up or was not healthy within ``timeout`` (see ``log_path``).
         """
         assert self.proc is None, "etcd is already running"
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
         cmd = [
-            self.binary, "--name", self.name, "--data-dir", os.path.join(self.data_dir, "data"),
+            *self.wrap, self.binary, "--name", self.name, "--data-dir", os.path.join(self.data_dir, "data"),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"{self.name}={peer}",

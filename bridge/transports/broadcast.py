@@ -16,7 +16,6 @@ server keeps its name there, and must not block the next one.
 from __future__ import annotations
 
 import ipaddress
-import socket
 import threading
 import time
 import uuid
@@ -36,6 +35,7 @@ from bridge.process_group import (
     destroy_custom_process_group,
     find_free_port,
     init_custom_process_group,
+    route_source,
 )
 from bridge.transports.base import (
     Plan,
@@ -277,10 +277,7 @@ def master_address_for(urls: list[str], given: str | None) -> str:
         return "127.0.0.1"
     parsed = urlparse(remote[0] if "://" in remote[0] else "http://" + remote[0])
     try:
-        family, _, _, _, where = socket.getaddrinfo(parsed.hostname, parsed.port or 80, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(where)
-            return probe.getsockname()[0]
+        return route_source(parsed.hostname, parsed.port or 80)
     except OSError as e:
         raise ConfigError(f"cannot find this host's address on the way to {remote[0]} ({e}); set master_address "
                           "(wsync train --master-address) to the address the servers reach this host at") from e

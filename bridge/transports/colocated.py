@@ -82,7 +82,8 @@ class ColocatedTransport(Transport):
         if remote:
             raise ConfigError(
                 f"the colocated transport hands weights over in this host's shared memory, so every server must "
-                f"be local (a loopback URL such as http://127.0.0.1:30000); not local: {remote}"
+                f"be local (a loopback URL such as http://127.0.0.1:30000); not local: {', '.join(remote)}; "
+                "for servers on other hosts use the broadcast transport (wsync train --publish broadcast) or disk"
             )
 
     def begin(self, plan: Plan) -> None:
