@@ -60,7 +60,10 @@ setup() {
     [ -e "${whl[0]}" ] || { echo "no wheels in $DEVICE_DIR/whl (bash scripts/pack_device.sh; carry .device)"; return 1; }
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "${whl[@]}" 2>&1 | grep -v "neither a file nor a directory" || true
-    mkdir -p /tmp/sglang-cache && tar -xJf "$DEVICE_DIR/sglang-code.tar.xz" -C /tmp/sglang-cache || return 1
+    mkdir -p /tmp/sglang-cache || return 1
+    tar -xJf "$DEVICE_DIR/sglang-code.tar.xz" -C /tmp/sglang-cache 2>/dev/null \
+        || "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
+            "$DEVICE_DIR/sglang-code.tar.xz" /tmp/sglang-cache || return 1  # without an xz binary
     ls -d /tmp/sglang-cache/sglang-*
     nvidia-smi -L 2>&1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1

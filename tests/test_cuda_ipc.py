@@ -185,7 +185,7 @@ def test_cuda_ipc_payload_opens_in_sglang_own_receive_code(version, tiny_model_d
     out = _answer(rc, stdout, stderr)
     buckets = out["buckets"]
     report = {"version": version, "imports": out["imports"], "gpu": out["gpu"], "torch": out["torch"],
-              "buckets": len(buckets), "tensors": sum(len(b["sent"]) for b in buckets),
+              "payloads": len(buckets), "tensors": sum(len(b["sent"]) for b in buckets) // 2,  # 2 formats each
               "elements": sum(int(np.prod(s)) for b in buckets for _, _, s, _ in b["sent"]) // 2,  # 2 formats
               "import_failures": import_failures}
     print("CUDA_IPC_REPORT " + json.dumps(report))
