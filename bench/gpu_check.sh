@@ -23,6 +23,7 @@ OUT_DIR=${1:-${OUT:-gpu-check-out}}
 PY=${PYTHON:-python3}
 DEVICE_DIR=${DEVICE_DIR:-.device}
 CHECK_SECONDS=${CHECK_SECONDS:-360}
+STEPS=" ${GPU_CHECK_STEPS:-0 1 2 3 4} "  # which steps run (setup, 0, always runs): a rerun may take fewer
 START=$(date +%s)
 mkdir -p "$OUT_DIR" || exit 2
 SUMMARY="$OUT_DIR/summary.txt"
@@ -90,25 +91,55 @@ step "0 setup (wheels, SGLang code, versions)" 90 setup >> "$SETUP" 2>&1
 grep -E "^(torch|GPU 0|transformers|fastapi)" "$SETUP" >> "$SUMMARY"
 sed -n '/^0 setup/p' "$SUMMARY" >&2
 
-# ---- 1. CUDA IPC with plain torch
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+
+# ---- 1. CUDA IPC with plain torch; device-to-host copies into pageable and pinned memory
+if want 1; then
 echo "== 1. CUDA IPC between two torch processes" >> "$SETUP"
 step "1 torch CUDA IPC probe" 60 "$PY" -m bench.cuda_ipc_probe >> "$SETUP" 2>&1
 grep "^cuda_ipc_probe" "$SETUP" >> "$SUMMARY"
+step "1 device-to-host copy, pageable vs pinned" 40 "$PY" -c '
+import time, torch
+src = [torch.randn(8 << 20, device="cuda").to(torch.bfloat16) for _ in range(12)]  # 12 x 16 MiB
+for pinned in (False, True, False, True):
+    dst = torch.empty(16 << 20, dtype=torch.uint8, pin_memory=pinned)
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for s in src:
+        dst.view(torch.bfloat16).copy_(s)
+    dt = time.perf_counter() - t
+    kind = "pinned  " if pinned else "pageable"
+    print(f"d2h {kind} 12 x 16 MiB: {dt * 1e3:.1f} ms, {12 * 16 * 2**20 / dt / 1e9:.1f} GB/s")
+rt = torch.cuda.cudart()
+for _ in range(2):  # pageable memory registered for the copies (as an mmap of /dev/shm would be)
+    dst = torch.empty(16 << 20, dtype=torch.uint8)
+    torch.cuda.synchronize(); t = time.perf_counter()
+    rt.cudaHostRegister(dst.data_ptr(), dst.numel(), 0)
+    t1 = time.perf_counter()
+    for s in src:
+        dst.view(torch.bfloat16).copy_(s)
+    rt.cudaHostUnregister(dst.data_ptr())
+    dt = time.perf_counter() - t
+    print(f"d2h registered 12 x 16 MiB: {dt * 1e3:.1f} ms incl. register {(t1 - t) * 1e3:.1f} ms")
+' >> "$SUMMARY" 2>&1
+fi
 
 # ---- 2. the payload through SGLang's own receive code
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rA --timeout 200)
+if want 2; then
 echo "== 2. CUDA IPC payload into SGLang's own receive code" > "$OUT_DIR/pytest-gpu.log"
 step "2 CUDA IPC payload, SGLang's receive code (pytest)" 170 \
     "${PYTEST[@]}" -m gpu "tests/test_cuda_ipc.py::test_cuda_ipc_payload_opens_in_sglang_own_receive_code" \
     >> "$OUT_DIR/pytest-gpu.log" 2>&1
 grep -E "^CUDA_IPC_REPORT|^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed" "$OUT_DIR/pytest-gpu.log" \
     | cut -c1-600 >> "$SUMMARY"
+fi
 
 # ---- 3. the bench, one size per call
+if want 3; then
 : > "$OUT_DIR/bench.txt"
 : > "$OUT_DIR/bench.log"
-for spec in "many 75" "medium 140"; do
-    set -- $spec
+for spec in ${GPU_CHECK_BENCH:-many:75 medium:140}; do  # size:seconds
+    set -- ${spec/:/ }
     echo "== wsync bench --sizes $1" | tee -a "$OUT_DIR/bench.txt" >> "$OUT_DIR/bench.log"
     step "3 bench $1 (cuda, buckets 32 512 MiB, 2 repeats)" "$2" \
         "$PY" -m wsync.cli bench --device cuda --nproc 1 --sizes "$1" --repeats 2 --bucket-mb 32 512 --no-etcd \
@@ -133,13 +164,16 @@ for size in ("many", "medium"):
     for t in r["targets"]:
         print(f"  [{ {True: 'met', False: 'MISSED'}.get(t['met'], 'n/a') }] {t['target']}: {t['measured']}")
 EOF
+fi
 
 # ---- 4. the other gpu tests
+if want 4; then
 echo "== 4. the other gpu-marked tests" >> "$OUT_DIR/pytest-gpu.log"
 step "4 other gpu tests (pytest -m gpu)" 120 "${PYTEST[@]}" -m gpu tests \
     --deselect "tests/test_cuda_ipc.py::test_cuda_ipc_payload_opens_in_sglang_own_receive_code" \
     >> "$OUT_DIR/pytest-gpu.log" 2>&1
 tail -n 12 "$OUT_DIR/pytest-gpu.log" | grep -E "passed|failed|skipped|error" >> "$SUMMARY"
+fi
 
 echo "total $(( $(date +%s) - START )) s; $([ $failed -eq 0 ] && echo 'every step passed' || echo 'a step failed or was skipped')" \
     >> "$SUMMARY"

@@ -37,6 +37,7 @@ from bridge.process_group import (
     init_custom_process_group,
     route_source,
 )
+from bridge.tensors import host_buffer
 from bridge.transports.base import (
     Plan,
     ServerSessions,
@@ -114,6 +115,8 @@ class BroadcastTransport(Transport):
         plan.phases["group_init"] = time.perf_counter() - t
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        if self.device.type == "cpu":  # gloo: a CUDA trainer's bucket lands in pinned host memory
+            return host_buffer(bucket.nbytes)
         return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:

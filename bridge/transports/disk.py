@@ -52,7 +52,7 @@ from bridge.buckets import Bucket, unflatten_bucket
 from bridge.errors import BridgeError, ConfigError, ServerError, SnapshotError, SyncError, SyncTimeout, VersionError
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger
-from bridge.tensors import dtype_from_str
+from bridge.tensors import dtype_from_str, host_buffer
 from bridge.transports.base import Plan, RankPart, Transport, option, remove_file
 from bridge.transports.registry import register
 
@@ -324,7 +324,7 @@ class ShardWriter(RankPart):
                 "disk_writers='all' every trainer rank writes into snapshot_root, so it must be one filesystem "
                 "for all of them (one host, or a shared filesystem at the same path); or use disk_writers='rank0'"
             )
-        return torch.empty(bucket.nbytes, dtype=torch.uint8)
+        return host_buffer(bucket.nbytes)
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None = None) -> None:
         """Write bucket ``k`` (in ``buf``) as shard ``k + 1`` in the background."""
