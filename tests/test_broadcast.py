@@ -81,6 +81,14 @@ def test_sync_into_two_servers_after_every_step(servers):
     _assert_all_synced(rank0, urls, 2)
 
 
+def test_sync_into_three_servers_through_gloos_broadcast_tree(servers):
+    """Four ranks in the weight-update group: gloo broadcasts along a tree, so a server relays each bucket
+    to the next one (its whole receive buffer: the reference server's slack must stay small there)."""
+    urls = [s.url for s in servers]
+    rank0, _ = run_ranks(_train_and_publish, 2, args=(urls, 1, "auto"), timeout=240)
+    _assert_all_synced(rank0, urls, 1)
+
+
 def test_per_tensor_mode_for_servers_older_than_0_5_6(servers):
     urls = [servers[2].url]
     rank0, _ = run_ranks(_train_and_publish, 2, args=(urls, 2, "auto"), timeout=240)
