@@ -60,7 +60,7 @@ from bridge.config import PublisherConfig
 from bridge.errors import BridgeError, ConfigError, VersionError
 from bridge.failpoints import failpoint
 from bridge.interrupts import held
-from bridge.log import fmt_bytes, get_logger
+from bridge.log import fmt_bytes, get_logger, progress_bar
 from bridge.memory import PeakMemory
 from bridge.process_group import default_backend
 from bridge.sources import CheckedSource, WeightSource, check_source
@@ -121,7 +121,7 @@ class WeightPublisher:
         self._last_digest: int | None = None
         self._agree = Agreement.of_default_group()
         self._rank = self._agree.rank
-        self._servers = None
+        self._fleet = None  # rank 0: where the servers are found, which answer, which are in rotation
         self._kind = transport_class(config.transport)
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
         self._part: RankPart | None = None  # this rank's part of every sync (every rank), built with it
@@ -131,16 +131,9 @@ class WeightPublisher:
 
     @property
     def servers(self):
-        """The :class:`bridge.client.ServerGroup` of the configured servers (rank 0 only talks to them)."""
-        if self._servers is None and self.config.servers:
-            from bridge.client import ServerGroup
-
-            self._servers = ServerGroup(
-                self.config.servers, api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
-                timeout=self.config.http_timeout,
-            )
-            self._servers.claim_run(self.run_id, new_run=self.config.new_run)
-        return self._servers
+        """The :class:`bridge.client.ServerGroup` of the last publish's servers, the ones that answered
+        (rank 0 only talks to them; None elsewhere and before the first publish)."""
+        return self._fleet.group if self._fleet is not None else None
 
     @property
     def run_id(self) -> str:
@@ -195,7 +188,10 @@ class WeightPublisher:
                 if self._rank != 0:
                     return None
                 failpoint("commit", 0)
-                return {**self._transport.commit(plan, [report for _, report in settled]), "peak": peak}
+                outcome = self._transport.commit(plan, [report for _, report in settled])
+                if self._fleet is not None:  # who took it: in rotation; who did not: out (or too few: raise)
+                    outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
+                return {**outcome, "peak": peak}
 
             outcome = self._agreed("commit", commit, self._commit_bound() + SLACK_S)[0]
         except BridgeError as e:
@@ -208,8 +204,6 @@ class WeightPublisher:
             self._leave(e, began)
             raise
         self.last_version, self._last_digest = version, plan.digest
-        if self.config.new_run and self._servers is not None:  # the run is started; later versions only go up
-            self._servers.claim_run(self.run_id)
         result = PublishResult(
             version=version, transport=self.config.transport, bytes=outcome.get("bytes", plan.nbytes),
             seconds=time.perf_counter() - t0, buckets=len(plan.buckets), servers=outcome["servers"],
@@ -230,8 +224,8 @@ class WeightPublisher:
         deadline = time.monotonic() + CLOSE_WAIT_S
         while _pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
             _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
-        transport, part, servers = self._transport, self._part, self._servers
-        self._transport = self._part = self._servers = None
+        transport, part, servers = self._transport, self._part, self._fleet
+        self._transport = self._part = self._fleet = None
 
         def release() -> None:
             for piece in (transport, part, servers):
@@ -295,8 +289,8 @@ class WeightPublisher:
             failpoint("prepare", self._rank)
             source.require(self._kind.source_needs, f"the {cfg.transport} transport")
             specs = self._wire_specs(source)
-            if self._rank == 0 and self._transport is None:
-                self._transport = self._kind(cfg, self.servers)
+            if self._rank == 0:
+                self._open_servers()
             if self._part is None:
                 self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
             if retry:  # only a retry needs the digests before anything moves
@@ -322,6 +316,21 @@ class WeightPublisher:
         plan.retried = True
         return self._with_gather_group(plan)
 
+    def _open_servers(self) -> None:
+        """Rank 0: the servers of this sync, found and probed again (:class:`bridge.fleet.Fleet`), and the
+        transport over them."""
+        cfg = self.config
+        if self._fleet is None and (cfg.servers or cfg.server_registry):
+            from bridge.fleet import Fleet
+
+            self._fleet = Fleet(cfg, self.run_id)
+        snapshot = getattr(self._transport, "newest_snapshot", None)
+        servers = self._fleet.prepare(snapshot) if self._fleet is not None else None
+        if self._transport is None:
+            self._transport = self._kind(cfg, servers)
+        else:
+            self._transport.use_servers(servers)
+
     def _with_gather_group(self, plan: Plan) -> Plan:
         if self._agree.world > 1 and self._gather_group is None:
             self._step("gather group", lambda: None, self.config.group_timeout, on_every_rank=self._make_gather_group)
@@ -330,7 +339,7 @@ class WeightPublisher:
     def _transfer(self, plan: Plan) -> None:
         """Steps "bucket k" (every rank): gather bucket k while rank 0 waits for bucket k-1, then send k."""
         last = len(plan.buckets) - 1
-        bar = _progress(self.config.progress and self._rank == 0, plan.nbytes, f"sync v{plan.version}")
+        bar = progress_bar(self.config.progress and self._rank == 0, plan.nbytes, f"sync v{plan.version}")
 
         part, source = self._part, plan.source
 
@@ -382,6 +391,8 @@ class WeightPublisher:
                     pass
         if self._rank == 0 and began and self._transport is not None:
             status = _abort_within(self._transport, str(error), ABORT_WAIT_S)
+            if self._fleet is not None:  # torn servers: out of rotation until a publish repairs them
+                status = "; ".join(filter(None, [status, self._fleet.failed(self._transport.held())]))
         if began:
             # A gather may have been left half-done on some rank: the next publish builds a new group.
             self._drop_gather_group()
@@ -404,6 +415,8 @@ class WeightPublisher:
             self._part.abort(ABORT_WAIT_S)
         if self._rank == 0 and began and self._transport is not None:
             status = _abort_within(self._transport, f"{type(error).__name__} on rank 0", ABORT_WAIT_S)
+            if self._fleet is not None:
+                self._fleet.failed(self._transport.held())
             if status:
                 logger.warning("%s", status)
 
@@ -478,20 +491,3 @@ def _abort_within(transport: Transport, reason: str, seconds: float) -> str:
 
 _pending_aborts: list[threading.Thread] = []
 """Clean-ups still running after their failed sync raised; ``close()`` gives them time to finish."""
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(enabled: bool, total: int, desc: str):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    # delay=1: the bar only appears for syncs that take longer than a second.
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, delay=1.0, leave=False)

@@ -59,6 +59,9 @@ class ServerClient:
         self._tp_size: int | None = None
         self._paused_mode: str | None = None  # what this client last paused the server with
         self._run: dict[str, Any] = {}  # the project's run fields, see claim_run
+        self.updates_sent = 0
+        """Weight-changing requests this client has sent (counted before each goes out): a server that does
+        not stage may hold part of a sync's weights as soon as this grew during the sync."""
 
     def __repr__(self) -> str:
         return f"ServerClient({self.url!r}, version={self._version!r})"
@@ -140,8 +143,8 @@ class ServerClient:
             body.update(self._run)
         return body
 
-    def _load_server_info(self) -> None:
-        info = self.server_info()
+    def _load_server_info(self, timeout: float | None = None) -> None:
+        info = self.server_info(timeout)
         self._info = info
         if self._version is None:
             v = info.get("version")
@@ -151,16 +154,27 @@ class ServerClient:
         tp = info.get("tp_size") or 1
         self._tp_size = int(tp)
 
-    def server_info(self) -> dict:
+    def server_info(self, timeout: float | None = None) -> dict:
         """``/server_info``; servers older than 0.5.6 answer 404 there and are asked ``/get_server_info``."""
         if self._features is not None or self._version is not None:
-            return self._http.call("GET", self.features.server_info_route)
+            return self._http.call("GET", self.features.server_info_route, timeout=timeout)
         try:
-            return self._http.call("GET", "/server_info")
+            return self._http.call("GET", "/server_info", timeout=timeout)
         except ServerError as e:
             if e.status != 404:
                 raise
-            return self._http.call("GET", "/get_server_info")
+            return self._http.call("GET", "/get_server_info", timeout=timeout)
+
+    def probe(self, timeout: float) -> str:
+        """The weight version the server serves, every call within ``timeout`` seconds (the server info
+        too, the first time): whether a server is there to sync, before anything waits on it.
+
+        Raises:
+            ServerError / SyncTimeout: it does not answer, or not as an SGLang server.
+        """
+        if self._info is None:
+            self._load_server_info(timeout)
+        return str(self.model_info(timeout=timeout).get("weight_version"))
 
     def model_info(self, timeout: float | None = None) -> dict:
         """``/model_info`` (``/get_model_info`` before 0.5.6): carries the served ``weight_version``."""
@@ -248,6 +262,7 @@ class ServerClient:
                 body["weight_version"] = str(weight_version)
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, self.version, weight_version)
+        self.updates_sent += 1
         out = self._http.call("POST", route, self._with_run(body), timeout=timeout)
         v = body.get("weight_version")
         if v is not None and self._paused_mode is not None and self.features.version_lost_when_paused:

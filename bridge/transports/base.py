@@ -141,8 +141,9 @@ class Transport:
     @classmethod
     def check_config(cls, config) -> None:
         """Checks across the shared settings and the options (the options check themselves alone)."""
-        if cls.needs_servers and not config.servers:
-            raise ConfigError(f"the {cls.name} transport needs at least one server URL (servers=[...])")
+        if cls.needs_servers and not config.servers and not config.server_registry:
+            raise ConfigError(f"the {cls.name} transport needs at least one server: their URLs (servers=[...]) or where "
+                              "to find them (server_registry=...)")
 
     @classmethod
     def rank_part(cls, config, transport: Transport | None, rank: int, world: int) -> RankPart:
@@ -181,6 +182,17 @@ class Transport:
 
     def close(self) -> None:
         """Rank 0: release connections."""
+
+    def use_servers(self, servers) -> None:
+        """Rank 0, before ``begin``: the servers of the next sync (the fleet found them at this publish;
+        :mod:`bridge.fleet`). A transport that keeps state per server set (a process group) overrides it."""
+        self.servers = servers
+
+    def held(self) -> dict[str, str]:
+        """Rank 0, after a sync: the servers it left paused on purpose, url -> ``torn: why`` or ``failed:
+        why`` (their weights may be partly changed, or they did not take the version beside the others)."""
+        sessions = getattr(self, "sessions", None)
+        return dict(sessions.held) if isinstance(sessions, ServerSessions) else {}
 
 
 class RankPart:
@@ -232,10 +244,15 @@ class ServerSessions:
         self.servers, self.pause_mode = servers, pause_mode
         self.paused: list = []
         self.in_session: list = []
+        self.held: dict[str, str] = {}
+        """url -> ``torn: why`` or ``failed: why``: servers left paused on purpose after this sync (their
+        weights may be partly changed, or they did not take the version beside the others)."""
+        self._sent: dict[str, int] = {}  # each client's updates_sent when the sync opened
         self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(servers.clients)), thread_name_prefix="wsync-session")
 
     def open(self) -> None:
         """Pause every server (unless ``pause_mode`` is none), then open a session where one is needed."""
+        self._sent = {c.url: c.updates_sent for c in self.servers.clients}
         if self.pause_mode != "none":
             done, errors = self._each(lambda c: c.pause_generation(mode=self.pause_mode), self.servers.clients)
             self.paused += done
@@ -272,8 +289,36 @@ class ServerSessions:
         errors = [(c, f.exception()) for c, f in zip(clients, futures) if f.exception() is not None]
         failed = {c for c, _ in errors}
         self.in_session = [c for c in self.in_session if c in failed]
-        _raise_first(errors, "commit the update")
-        return self.resume()
+        if len(errors) == len(clients):
+            _raise_first(errors, "commit the update")
+        for c, e in errors:  # the others took the version: these must not serve the old one beside them
+            logger.warning("%s: commit failed: %s", c.url, e)
+            self.hold(c, f"commit failed: {e}")
+        self._sent = {}  # done: an abort after this (a later step failed) finds nothing half-loaded
+        return {**self.resume(), **self.held}
+
+    def may_be_torn(self, c) -> bool:
+        """True when ``c`` loads buckets as they arrive and was sent some during this sync (open, not committed)."""
+        return c.url in self._sent and not c.stages_updates and c.updates_sent > self._sent[c.url]
+
+    def hold(self, c, why: str) -> None:
+        """Leave ``c`` paused (out of rotation) instead of resuming it; ``held`` says why. Never raises."""
+        self.paused = [p for p in self.paused if p is not c]
+        in_session = c in self.in_session
+        self.in_session = [p for p in self.in_session if p is not c]
+        if self.may_be_torn(c):
+            self.held[c.url] = f"torn: {why} (it loads buckets as they arrive)"
+        else:
+            self.held[c.url] = f"failed: {why}"
+            try:
+                if in_session:
+                    discard_session(c)
+            except Exception as e:  # its state is unknown: as good as torn
+                self.held[c.url] = f"torn: {why}; its update session could not be discarded ({e})"
+        try:
+            c.pause_generation("abort")
+        except Exception as e:  # best effort: it is out of rotation either way
+            logger.warning("%s: could not pause it (out of rotation: %s): %s", c.url, why, e)
 
     @staticmethod
     def _end(i: int, c, in_session: bool, version: int | None, earlier: list[cf.Future]) -> None:
@@ -296,24 +341,40 @@ class ServerSessions:
         return status
 
     def abort(self, first=None, seconds: float = 5.0) -> None:
-        """Discard every open session and resume every paused server; never raises.
+        """Discard every open session and resume every paused server, but for the ones that must not serve
+        (``held``: their weights may be torn, or they are out of rotation), which stay paused; never raises.
 
         Each server on its own thread (``first(client)``, then discard, then resume), so a server that
         does not answer never delays the others: they are resumed within milliseconds. Returns after at
         most ``seconds``; a server still not answered is left to its thread."""
         in_session, paused = set(self.in_session), set(self.paused)
         self.in_session, self.paused = [], []
+        out = getattr(self.servers, "out_of_rotation", {})
 
         def one(c) -> None:
-            for what, call, needed in (("clean up", first, first is not None), ("discard the update session",
-                                       discard_session, c in in_session), ("resume generation",
-                                       lambda c: c.continue_generation(), c in paused)):
+            for what, call, needed in (("clean up", first, first is not None),
+                                       ("discard the update session", discard_session, c in in_session)):
                 if not needed:
                     continue
                 try:
                     call(c)
                 except Exception as e:  # best effort, per server and per call
                     logger.warning("%s: could not %s: %s", c.url, what, e)
+                    if call is discard_session:
+                        self.held[c.url] = f"torn: its update session could not be discarded ({e})"
+            if self.may_be_torn(c):
+                self.held.setdefault(c.url, "torn: the failed sync may have loaded part of its buckets (it loads "
+                                            "them as they arrive)")
+            elif c.url in out:
+                self.held.setdefault(c.url, out[c.url])
+            held = c.url in self.held  # never serve a torn or stale model: it stays paused
+            try:
+                if not held and c in paused:
+                    c.continue_generation()
+                elif held and c not in paused:
+                    c.pause_generation("abort")
+            except Exception as e:  # best effort, per server
+                logger.warning("%s: could not %s: %s", c.url, "pause it" if held else "resume generation", e)
 
         threads = [threading.Thread(target=one, args=(c,), name="wsync-abort-server", daemon=True)
                    for c in self.servers.clients]

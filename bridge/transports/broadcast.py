@@ -170,6 +170,13 @@ class BroadcastTransport(Transport):
         self.sessions.abort(first=(lambda c: self._destroy_on(c, name)) if pg is not None else None)
         return self.sessions.serving()
 
+    def use_servers(self, servers) -> None:
+        """A group is made for one set of servers: another set (a server died, or joined) gets a new one. The
+        old one is dropped here and on the servers that stay (a dead one is not waited for)."""
+        if self.pg is not None and (servers is None or servers.urls != self.servers.urls):
+            self._teardown_group(keep=set(servers.urls) if servers is not None else set())
+        self.servers = servers
+
     def close(self) -> None:
         self._teardown_group()
         if self.sessions is not None:
@@ -225,13 +232,16 @@ class BroadcastTransport(Transport):
                 raise SyncTimeout(f"{c.url}: no answer to init_weights_update_group within "
                                   f"{cfg.group_timeout + cfg.http_timeout:.0f} s (group_timeout + http_timeout)") from None
 
-    def _teardown_group(self) -> None:
-        """Destroy the group here and ask the servers to drop theirs (best effort, bounded)."""
+    def _teardown_group(self, keep: set[str] | None = None) -> None:
+        """Destroy the group here and ask the servers (those in ``keep`` only, when given) to drop theirs
+        (best effort, bounded)."""
         pg, name, self.pg, self.group_name = self.pg, self.group_name, None, None
         if pg is None:
             return
         destroy_custom_process_group(pg)
         for c in self.servers.clients:
+            if keep is not None and c.url not in keep:
+                continue
             try:
                 self._destroy_on(c, name)
             except BridgeError as e:

@@ -145,6 +145,17 @@ class DiskTransport(Transport):
         versions = (self.names.version_of(k) for k in self.nr.find_subtree(prefix))
         return sorted(v for v in versions if v is not None)
 
+    def newest_snapshot(self):
+        """The :class:`bridge.name_resolve.Announcement` of the newest version announced for this trial, or
+        None: the fleet repairs a server that is behind (or torn) from it at once (:mod:`bridge.fleet`)."""
+        from bridge.name_resolve import Announcement
+
+        versions = self.announced_versions()
+        if not versions:
+            return None
+        key = self.names.update_weights_from_disk(self.config.experiment, self.config.trial, versions[-1])
+        return Announcement.from_json(self.nr.get(key))
+
     # ------------------------------------------------------------------ lifecycle
 
     def begin(self, plan: Plan) -> str:
