@@ -309,6 +309,75 @@ def test_a_commit_that_fails_on_one_of_two_servers_takes_it_out_of_rotation(pair
         assert router.workers() == sorted([a.url, b.url]) and _serves(b.url, _own(model))
 
 
+# ------------------------------------------------------------------ the command line
+
+
+def test_the_register_sidecar_keeps_an_entry_only_while_its_server_answers(pair, tmp_path):
+    """``wsync register`` for a server that cannot register itself: the entry is there while the server
+    answers /health, gone while it does not (SIGSTOP), back when it answers again, and deleted when the
+    sidecar is stopped."""
+    import subprocess
+    import sys
+
+    server = pair[2]
+    registry = f"file://{tmp_path / 'registry'}"
+    sidecar = subprocess.Popen([sys.executable, "-m", "wsync", "register", "--server", server.url, "--registry", registry,
+                                "--experiment", EXP, "--trial", "sidecar", "--ttl", "3", "--interval", "0.2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def listed(want: bool, within: float = 15.0) -> None:
+        reg, deadline = Registry(registry, EXP, "sidecar"), time.monotonic() + within
+        try:
+            while (server.url in reg.urls()) != want:
+                assert time.monotonic() < deadline and sidecar.poll() is None, f"listed is not {want}"
+                time.sleep(0.1)
+        finally:
+            reg.close()
+
+    try:
+        listed(True)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            listed(False)
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        listed(True)
+        sidecar.send_signal(signal.SIGTERM)
+        out, _ = sidecar.communicate(timeout=20)
+        assert sidecar.returncode == 0 and "removed" in out, out
+        listed(False, within=0.1)
+    finally:
+        if sidecar.poll() is None:
+            sidecar.kill()
+
+
+def test_wsync_train_finds_its_servers_in_a_registry(server_factory, tiny_model_dir, tmp_path):
+    """``wsync train --server-registry``: the trainer publishes to the server registered with
+    ``wsync serve --register``; a registered server that is dead is excluded, and training goes on."""
+    import json
+    import subprocess
+    import sys
+
+    from bridge.name_resolve import make_name_resolve
+
+    registry = f"file://{tmp_path / 'registry'}"
+    reg = ["--register", registry, "--experiment", EXP, "--trial", "cli"]
+    (server,) = server_factory.many([dict(model=tiny_model_dir, extra_args=reg)])
+    nr = make_name_resolve(registry)
+    nr.add(f"wsync/{EXP}/cli/servers/dead", json.dumps({"url": "http://127.0.0.1:9"}))  # nobody listens there
+    nr.close()
+    deadline = time.monotonic() + 15
+    while server.url not in (reg_urls := Registry(registry, EXP, "cli").urls()):
+        assert time.monotonic() < deadline, reg_urls
+        time.sleep(0.1)
+    out = subprocess.run([sys.executable, "-m", "wsync", "train", "--nproc", "1", "--steps", "2", "--publish", "broadcast",
+                          "--server-registry", registry, "--experiment", EXP, "--trial", "cli", "--start-version", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "published v2" in out.stdout and _version(server.url) == "2"
+    assert "http://127.0.0.1:9 is excluded" in out.stderr, out.stderr[-2000:]
+
+
 # ------------------------------------------------------------------ soak
 
 
