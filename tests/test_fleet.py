@@ -153,6 +153,16 @@ def _check_no_stale_answers(seen, published: list[tuple[float, int]]) -> None:
         assert tag.isdigit() and int(tag) >= floor, f"{kind} answered from version {tag!r} after v{floor} was published"
 
 
+def test_registrations_are_checked():
+    from bridge import ConfigError
+    from bridge.fleet import Registration
+
+    with pytest.raises(ConfigError, match="cannot register itself in a router"):
+        Registration("router+http://127.0.0.1:1", "http://127.0.0.1:2", EXP, "t")
+    with pytest.raises(ConfigError, match="ttl must be in"):
+        Registration("memory://fleet", "http://127.0.0.1:2", EXP, "t", ttl=60)
+
+
 # ------------------------------------------------------------------ a registry (etcd)
 
 

@@ -85,7 +85,13 @@ class BroadcastTransport(Transport):
     @classmethod
     def check_config(cls, config) -> None:
         super().check_config(config)
-        remote = [u for u in config.servers if not is_local(u)]
+        cls.check_servers(config, config.servers)
+
+    @staticmethod
+    def check_servers(config, urls) -> None:
+        """A loopback master_address only with local servers (also the ones found in a registry, checked at
+        each sync's begin)."""
+        remote = [u for u in urls if not is_local(u)]
         if remote and config.master_address and is_loopback(config.master_address):
             raise ConfigError(
                 f"master_address={config.master_address} is a loopback address, which the servers on other hosts "
@@ -107,6 +113,7 @@ class BroadcastTransport(Transport):
     # ------------------------------------------------------------------ lifecycle
 
     def begin(self, plan: Plan) -> None:
+        self.check_servers(self.config, self.servers.urls)
         self.load_format = self._pick_load_format()
         self.sessions = ServerSessions(self.servers, self.config.pause_mode)
         self.sessions.open()
