@@ -89,7 +89,8 @@ class Fleet:
         fleet = self.version if self.version is not None else _newest(found[u] for u in live)
         for u in live:
             why = self.torn.get(u)
-            if why is None and fleet is not None and found[u] != fleet:
+            tracked = self.clients[u].features.weight_version  # SGLang < 0.5.1 has no version to compare
+            if why is None and fleet is not None and tracked and found[u] != fleet:
                 why = f"serves version {found[u]}, not the fleet's {fleet}"
             if why is None and u in self.out:
                 why = self.out[u]
