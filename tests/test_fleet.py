@@ -319,6 +319,34 @@ def test_a_commit_that_fails_on_one_of_two_servers_takes_it_out_of_rotation(pair
         assert router.workers() == sorted([a.url, b.url]) and _serves(b.url, _own(model))
 
 
+def test_a_restarted_server_is_repaired_from_the_newest_snapshot_at_once(server_factory, tiny_model_dir, model,
+                                                                          tmp_path, caplog):
+    """Disk transport: a server restarted on its base weights is brought to the fleet's version from the
+    newest complete snapshot before the sync, then takes the new version like the others."""
+    from bridge.client import ServerGroup
+    from inference_adapter.watcher import DiskWatcher
+
+    a, b = server_factory.many([dict(model=tiny_model_dir)] * 2)
+    nr = f"file://{tmp_path / 'nr'}"
+    cfg = _config(transport="disk", servers=[a.url, b.url], name_resolve=nr, snapshot_root=str(tmp_path / "snap"),
+                  trial="snapshot")
+    watcher = DiskWatcher(nr, EXP, "snapshot", ServerGroup([a.url, b.url]))
+    watcher.start()
+    caplog.set_level(logging.WARNING, logger="bridge.fleet")
+    try:
+        with WeightPublisher(cfg) as pub:
+            pub.publish(model, version=1)
+            v1 = _own(model)
+            _kill(b)
+            b = server_factory(model=tiny_model_dir, port=_port(b))
+            _train(model, 2)
+            assert pub.publish(model, version=2).servers == {a.url: "ok", b.url: "ok"}
+        assert any(f"{b.url} repaired from the snapshot of version 1" in r.getMessage() for r in caplog.records)
+        assert _serves(a.url, _own(model)) and _serves(b.url, _own(model)) and _own(model) != v1
+    finally:
+        watcher.stop()
+
+
 # ------------------------------------------------------------------ the command line
 
 
