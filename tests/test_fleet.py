@@ -456,5 +456,3 @@ def test_soak_eight_servers_fifty_publishes_one_dies_and_one_joins_every_ten(
     _check_no_stale_answers(gens.seen, published)
     assert router.workers() == sorted(s.url for s in alive)
     assert all(_serves(s.url, _own(model)) and _version(s.url) == "51" for s in alive)
-    with cf.ThreadPoolExecutor(len(alive)) as pool:  # at once, not one by one at the module's end
-        list(pool.map(lambda s: s.stop(), alive))
