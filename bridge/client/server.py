@@ -59,6 +59,7 @@ class ServerClient:
         self._tp_size: int | None = None
         self._paused_mode: str | None = None  # what this client last paused the server with
         self._run: dict[str, Any] = {}  # the project's run fields, see claim_run
+        self._writer: str | None = None  # the project's writer field, see name_writer
 
     def __repr__(self) -> str:
         return f"ServerClient({self.url!r}, version={self._version!r})"
@@ -135,10 +136,41 @@ class ServerClient:
         if new_run:
             self._run["wsync_new_run"] = True
 
+    def name_writer(self, writer: str | None) -> None:
+        """Name the writer (one publisher) that the weight-changing requests that follow come from
+        (``wsync_writer``, a project field sent with the run fields, to the reference server only): while a
+        writer holds the server's lease (:meth:`take_writer_lease`) it refuses weight changes from any other."""
+        self._writer = writer
+
     def _with_run(self, body: dict) -> dict:
-        if self._run and self.is_reference_server:
+        if (self._run or self._writer) and self.is_reference_server:
             body.update(self._run)
+            if self._writer is not None:
+                body["wsync_writer"] = self._writer
         return body
+
+    def take_writer_lease(self, seconds: float, starts_sync: bool = False) -> dict:
+        """Project extension, reference server only: take (or renew) the server for this writer
+        (:meth:`name_writer`) for ``seconds`` (``/wsync/writer_lease``). While the lease is live, weight changes
+        from anyone else are refused; it runs out ``seconds`` after its last renewal (every request of the
+        writer renews it too). ``starts_sync``: a session this writer left open earlier is discarded.
+
+        Raises:
+            ServerError: ``reason`` :data:`bridge.protocol.ANOTHER_WRITER` (HTTP 409) while another writer holds
+                the server; the message names its run and writer.
+        """
+        if self._writer is None:
+            raise ConfigError("name the writer first (name_writer) to take a writer lease")
+        body = {"wsync_writer": self._writer, "lease_s": float(seconds), "starts_sync": bool(starts_sync)}
+        if self._run.get("wsync_run_id") is not None:
+            body["wsync_run_id"] = self._run["wsync_run_id"]
+        return self._http.call("POST", "/wsync/writer_lease", body)
+
+    def release_writer_lease(self) -> dict:
+        """Project extension, reference server only: end this writer's lease (a no-op when it holds none)."""
+        if self._writer is None:
+            raise ConfigError("name the writer first (name_writer) to release a writer lease")
+        return self._http.call("POST", "/wsync/writer_lease", {"wsync_writer": self._writer, "release": True})
 
     def _load_server_info(self) -> None:
         info = self.server_info()
@@ -255,9 +287,12 @@ class ServerClient:
         return out
 
     def _flush(self, flush_cache: bool) -> bool:
-        """The ``flush_cache`` to send: never while this client has the server paused in place."""
-        if flush_cache and self._paused_mode == "in_place":
-            logger.debug("%s: paused in place, so the update is sent with flush_cache=False", self.url)
+        """The ``flush_cache`` to send: never while this client has the server paused in place, nor paused by
+        retracting where that version refuses the flush (:attr:`ProtocolFeatures.flush_refused_while_retracted`)."""
+        refused = self._paused_mode == "in_place" or (self._paused_mode == "retract"
+                                                      and self.features.flush_refused_while_retracted)
+        if flush_cache and refused:
+            logger.debug("%s: paused (%s), so the update is sent with flush_cache=False", self.url, self._paused_mode)
             return False
         return bool(flush_cache)
 
@@ -389,7 +424,7 @@ class ServerClient:
     def abort_weight_update(self) -> dict:
         """Project extension, reference server only: ``/wsync/abort_weight_update`` discards the open update
         session without applying anything (real SGLang answers 404: it has no staging to discard)."""
-        return self._http.call("POST", "/wsync/abort_weight_update", {})
+        return self._http.call("POST", "/wsync/abort_weight_update", self._with_run({}))
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
         """Drop the group on the server; on servers without the route (< 0.5.3) a logged no-op."""
@@ -431,7 +466,7 @@ class ServerClient:
         """Close the update session (SGLang >= 0.5.21; the reference server swaps weights here)."""
         if not self.features.needs_session:
             return self._no_session()
-        return self._http.call("POST", "/end_weight_update", {})
+        return self._http.call("POST", "/end_weight_update", self._with_run({}))
 
     def _no_session(self) -> dict:
         """The answer of a session route on a server without sessions (< 0.5.21), which has nothing to open."""

@@ -65,7 +65,8 @@ from bridge.errors import BridgeError, ConfigError, ServerError, SyncError, Vers
 from bridge.failpoints import armed, failpoint
 from bridge.log import get_logger
 
-__all__ = ["NoOptions", "Plan", "RankPart", "ServerSessions", "SessionOptions", "Transport", "is_local", "option"]
+__all__ = ["NoOptions", "Plan", "RankPart", "ServerSessions", "SessionOptions", "Transport", "is_local", "option",
+           "pause_mode_for"]
 
 logger = get_logger(__name__)
 
@@ -105,16 +106,30 @@ class NoOptions:
 class SessionOptions:
     """Options of the transports that pause the servers and update them in sessions (broadcast, colocated)."""
 
-    pause_mode: str = option("abort", "how servers pause during a sync (SGLang's /pause_generation mode): "
-                                      "abort, retract, in_place, or none to not pause")
+    pause_mode: str = option("auto", "how servers pause during a sync (SGLang's /pause_generation mode): auto "
+                                     "(per server, a mode that keeps the requests in flight where its SGLang "
+                                     "version has a safe one: retract or in_place; else abort), abort (ends them), "
+                                     "retract, in_place, or none to not pause")
     load_format: str = option("auto", "auto (flattened buckets when every server takes them), flattened_bucket "
                                       "or per_tensor")
+    writer_lease: float = option(10.0, "seconds a server stays reserved for this publisher after its last word: "
+                                       "renewed while a sync runs, so a dead publisher blocks others that long")
+    writer_lock: str | None = option(None, "name resolution (etcd://host:port or file:///dir) holding a lock per "
+                                           "server for servers without the reference server's writer lease (real "
+                                           "SGLang), so that two trainers never write into one at once")
 
     def __post_init__(self) -> None:
-        if self.pause_mode not in ("abort", "retract", "in_place", "none"):
-            raise ConfigError(f"pause_mode must be abort, retract, in_place or none, got {self.pause_mode!r}")
+        if self.pause_mode not in ("auto", "abort", "retract", "in_place", "none"):
+            raise ConfigError(f"pause_mode must be auto, abort, retract, in_place or none, got {self.pause_mode!r}")
         if self.load_format not in ("auto", "flattened_bucket", "per_tensor"):
             raise ConfigError(f"load_format must be auto, flattened_bucket or per_tensor, got {self.load_format!r}")
+        if isinstance(self.writer_lease, bool) or not isinstance(self.writer_lease, (int, float)) or \
+                not 0.5 <= self.writer_lease <= 3600:
+            raise ConfigError(f"writer_lease must be 0.5-3600 seconds, got {self.writer_lease!r}")
+        if self.writer_lock is not None:
+            from bridge.name_resolve import make_name_resolve
+
+            make_name_resolve(self.writer_lock).close()  # a bad URL fails here, not at the first sync
 
 
 class Transport:
@@ -137,6 +152,7 @@ class Transport:
         self.config = config
         self.servers = servers
         """A :class:`bridge.client.ServerGroup` of ``config.servers``, or None without servers."""
+        self._writer_lease = None
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -182,6 +198,18 @@ class Transport:
     def close(self) -> None:
         """Rank 0: release connections."""
 
+    def writer_lease(self):
+        """This publisher's hold on its servers, one writer at a time (:class:`bridge.transports.lease.WriterLease`),
+        made once: hand it to :class:`ServerSessions`, which takes it before pausing and releases it after."""
+        if self._writer_lease is None:
+            from bridge.transports.lease import WriterLease
+
+            cfg = self.config
+            self._writer_lease = WriterLease(self.servers, run_id=f"{cfg.experiment}/{cfg.trial}",
+                                             seconds=getattr(cfg, "writer_lease", 10.0),
+                                             lock_url=getattr(cfg, "writer_lock", None))
+        return self._writer_lease
+
 
 class RankPart:
     """One trainer rank's part of a sync, on every rank. This default sends every bucket from rank 0
@@ -222,38 +250,51 @@ class RankPart:
 
 
 class ServerSessions:
-    """Pause, update sessions and resume on a :class:`bridge.client.ServerGroup`, server by server.
+    """Take the servers, pause, update sessions, resume and let go, on a :class:`bridge.client.ServerGroup`,
+    server by server.
 
     Each server's state is tracked on its own, so a failure on one server (it refuses to pause, say)
     still resumes the others that were paused, and a failed sync discards the sessions that were opened.
+    ``lease`` (:meth:`Transport.writer_lease`) makes this publisher the one writer of every server for the
+    sync: taken before anything is paused, released once every server was resumed.
     """
 
-    def __init__(self, servers, pause_mode: str):
-        self.servers, self.pause_mode = servers, pause_mode
+    def __init__(self, servers, pause_mode: str, lease=None):
+        self.servers, self.pause_mode, self.lease = servers, pause_mode, lease
         self.paused: list = []
         self.in_session: list = []
         self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(servers.clients)), thread_name_prefix="wsync-session")
 
     def open(self) -> None:
-        """Pause every server (unless ``pause_mode`` is none), then open a session where one is needed."""
+        """Take every server (one writer at a time), pause it (unless ``pause_mode`` is none), then open a
+        session where one is needed."""
+        if self.lease is not None:
+            self.lease.take()
         if self.pause_mode != "none":
-            done, errors = self._each(lambda c: c.pause_generation(mode=self.pause_mode), self.servers.clients)
+            done, errors = self._each(lambda c: c.pause_generation(mode=pause_mode_for(c, self.pause_mode)),
+                                      self.servers.clients)
             self.paused += done
             _raise_first(errors, "pause generation")
         done, errors = self._each(self._begin, [c for c in self.servers.clients if c.features.needs_session])
         self.in_session += done
         _raise_first(errors, "open an update session")
 
-    @staticmethod
-    def _begin(c) -> None:
+    def _begin(self, c) -> None:
         try:
             c.begin_weight_update()
         except ServerError as e:
-            if "already" not in e.message and "end_weight_update" not in e.message:
+            if "already" not in e.message and "end_weight_update" not in e.message or c.is_reference_server:
+                # The reference server discarded, when this writer took it, any session of a writer that no
+                # longer holds it; one still open belongs to a client that named no writer, or is live.
                 raise
-            # A session left open by a trainer that died mid-sync: discard it (never commit it), then
-            # open ours.
-            logger.warning("%s had an update session open (a previous sync died); discarding it", c.url)
+            # Real SGLang: a session another writer left open. Holding the server's writer lock, it was left
+            # by a writer that is gone: discard it (never commit it) and open ours. Without a lock, nothing
+            # tells a dead trainer's session from a live one's (README: do not share such a server).
+            if self.lease is None or not self.lease.guards(c):
+                logger.warning("%s had an update session open, discarded without knowing whether its writer is "
+                               "alive (no writer_lock): two trainers must not share a real SGLang server", c.url)
+            else:
+                logger.warning("%s had an update session open, left by a writer that is gone; discarding it", c.url)
             discard_session(c)
             c.begin_weight_update()
 
@@ -273,7 +314,10 @@ class ServerSessions:
         failed = {c for c, _ in errors}
         self.in_session = [c for c in self.in_session if c in failed]
         _raise_first(errors, "commit the update")
-        return self.resume()
+        status = self.resume()
+        if self.lease is not None:
+            self.lease.release()
+        return status
 
     @staticmethod
     def _end(i: int, c, in_session: bool, version: int | None, earlier: list[cf.Future]) -> None:
@@ -304,10 +348,13 @@ class ServerSessions:
         in_session, paused = set(self.in_session), set(self.paused)
         self.in_session, self.paused = [], []
 
+        lease = self.lease
+
         def one(c) -> None:
             for what, call, needed in (("clean up", first, first is not None), ("discard the update session",
                                        discard_session, c in in_session), ("resume generation",
-                                       lambda c: c.continue_generation(), c in paused)):
+                                       lambda c: c.continue_generation(), c in paused),
+                                       ("let go of the server", lambda c: lease.release_one(c), lease is not None)):
                 if not needed:
                     continue
                 try:
@@ -322,6 +369,8 @@ class ServerSessions:
         deadline = time.monotonic() + seconds
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if lease is not None:
+            lease.release()  # stop renewing (what a thread still holds runs out on its own)
 
     def serving(self) -> str:
         """What every server serves now, in one line (for error messages)."""
@@ -337,6 +386,8 @@ class ServerSessions:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.lease is not None:
+            self.lease.close()
 
     def _each(self, fn, clients: list) -> tuple[list, list[tuple]]:
         """Run ``fn(client)`` on each client concurrently: (clients that succeeded, [(client, error)])."""
@@ -349,6 +400,12 @@ class ServerSessions:
             else:
                 errors.append((c, e))
         return done, errors
+
+
+def pause_mode_for(c, mode: str) -> str:
+    """The pause mode sent to ``c``: ``mode``, or for ``auto`` the one its SGLang version keeps requests with
+    (:attr:`bridge.protocol.ProtocolFeatures.default_pause_mode`)."""
+    return c.features.default_pause_mode if mode == "auto" else mode
 
 
 def _raise_first(errors: list[tuple], what: str) -> None:

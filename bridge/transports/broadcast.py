@@ -107,7 +107,7 @@ class BroadcastTransport(Transport):
 
     def begin(self, plan: Plan) -> None:
         self.load_format = self._pick_load_format()
-        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
         self.sessions.open()
         t = time.perf_counter()
         self._ensure_group()
