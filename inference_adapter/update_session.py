@@ -25,14 +25,21 @@ class SessionControl:
 
     # ------------------------------------------------------------------ the writer lease
 
-    def take_lease(self, writer: str, run_id: str | None, seconds: float, starts_sync: bool = False) -> str:
+    def take_lease(self, writer: str, run_id: str | None, seconds: float, starts_sync: bool = False,
+                   renew_only: bool = False) -> str:
         """Take or renew the writer lease (``/wsync/writer_lease``). Taking the server discards an update session
         left open by a writer that does not hold it (its lease expired, or it let go of it), and, when the take
-        ``starts_sync``, one this writer left open itself (an earlier sync whose end never came)."""
+        ``starts_sync``, one this writer left open itself (an earlier sync whose end never came). ``renew_only``
+        (the publisher's renewals) never takes a lease that is not this writer's any more: a renewal that
+        arrives after the release must not take the server again."""
         if not MIN_LEASE_S <= seconds <= MAX_LEASE_S:
             raise RequestError(f"lease_s must be between {MIN_LEASE_S:g} and {MAX_LEASE_S:g} seconds, got {seconds!r}")
         if self.writers.renew(writer, seconds) and not starts_sync:
             return f"Writer lease renewed for {seconds:g} s."
+        if renew_only:
+            self.writers.check(writer, "Failed to renew the writer lease")
+            raise RequestError(f"Failed to renew the writer lease: writer {writer!r} holds none here (it was released, "
+                               "or it expired and the server cleaned up after it); take it again to write")
         with self.lock:  # taking it over may discard a session: no update may run meanwhile
             previous = self.writers.take(writer, run_id, seconds)
             s = self.session

@@ -288,7 +288,7 @@ class WeightUpdates(SessionControl):
                            load_format: str | None, weight_version: str | None, abort_all_requests: bool,
                            run: RunClaim) -> str:
         """Receive one broadcast request (see the module docstring); returns SGLang's success message."""
-        if abort_all_requests:
+        if abort_all_requests and self.writers.may(run.writer):  # a refused writer ends nobody's requests
             self.generation.abort_all("Abort by update_weights_from_distributed(abort_all_requests=True).")
         t0 = time.perf_counter()
         with self.lock:
@@ -369,7 +369,7 @@ class WeightUpdates(SessionControl):
         answer), validated like a distributed bucket, and staged in the session (swapped at
         end_weight_update). Any bad input answers 400, aborts the session, and changes nothing.
         """
-        if abort_all_requests:
+        if abort_all_requests and self.writers.may(run.writer):  # a refused writer ends nobody's requests
             self.generation.abort_all("Abort by update_weights_from_tensor(abort_all_requests=True).")
         t0 = time.perf_counter()
         with self.lock:
@@ -415,7 +415,7 @@ class WeightUpdates(SessionControl):
         the announced digest, when given) in the same pass that reads it; a failure is refused with
         ``wsync_reason`` :data:`~bridge.protocol.SNAPSHOT_INVALID`. The open session, if any, is untouched.
         """
-        if abort_all_requests:
+        if abort_all_requests and self.writers.may(run.writer):  # a refused writer ends nobody's requests
             self.generation.abort_all("Abort by update_weights_from_disk(abort_all_requests=True).")
         problem = version_problem(weight_version, "weight_version")
         if problem:

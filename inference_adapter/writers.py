@@ -78,6 +78,12 @@ class WriterLeases:
             if h.left() > 0:
                 raise self._refusal(h, action)
 
+    def may(self, writer: str | None) -> bool:
+        """True when :meth:`check` would let ``writer`` change the weights now (renews nothing)."""
+        with self._lock:
+            h = self.held
+            return h is None or (writer is not None and h.writer == writer) or h.left() <= 0
+
     def take(self, writer: str, run_id: str | None, seconds: float) -> Lease | None:
         """Make ``writer`` the holder for ``seconds``; the previous holder's lease when an expired one is taken
         over (its session must go). RequestError (409, another_writer) while another writer's lease is live."""

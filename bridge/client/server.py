@@ -149,27 +149,21 @@ class ServerClient:
                 body["wsync_writer"] = self._writer
         return body
 
-    def take_writer_lease(self, seconds: float, starts_sync: bool = False) -> dict:
-        """Project extension, reference server only: take (or renew) the server for this writer
-        (:meth:`name_writer`) for ``seconds`` (``/wsync/writer_lease``). While the lease is live, weight changes
-        from anyone else are refused; it runs out ``seconds`` after its last renewal (every request of the
-        writer renews it too). ``starts_sync``: a session this writer left open earlier is discarded.
+    def take_writer_lease(self, seconds: float, starts_sync: bool = False, renew_only: bool = False) -> dict:
+        """Project extension, reference server only (``/wsync/writer_lease``): take or renew the server for this
+        writer (:meth:`name_writer`) for ``seconds`` after its last request; meanwhile it refuses weight changes
+        from anyone else. ``starts_sync``: discard a session this writer left open; ``renew_only``: never take.
 
         Raises:
-            ServerError: ``reason`` :data:`bridge.protocol.ANOTHER_WRITER` (HTTP 409) while another writer holds
-                the server; the message names its run and writer.
+            ServerError: ``reason`` :data:`bridge.protocol.ANOTHER_WRITER` (HTTP 409): another writer holds the
+                server; the message names its run and writer.
         """
-        if self._writer is None:
-            raise ConfigError("name the writer first (name_writer) to take a writer lease")
-        body = {"wsync_writer": self._writer, "lease_s": float(seconds), "starts_sync": bool(starts_sync)}
-        if self._run.get("wsync_run_id") is not None:
-            body["wsync_run_id"] = self._run["wsync_run_id"]
+        body = {"wsync_writer": self._writer, "lease_s": float(seconds), "starts_sync": bool(starts_sync),
+                "renew_only": bool(renew_only), "wsync_run_id": self._run.get("wsync_run_id")}
         return self._http.call("POST", "/wsync/writer_lease", body)
 
     def release_writer_lease(self) -> dict:
         """Project extension, reference server only: end this writer's lease (a no-op when it holds none)."""
-        if self._writer is None:
-            raise ConfigError("name the writer first (name_writer) to release a writer lease")
         return self._http.call("POST", "/wsync/writer_lease", {"wsync_writer": self._writer, "release": True})
 
     def _load_server_info(self) -> None:

@@ -8,8 +8,9 @@ all raise the same error. A transport only says how bytes move. Which process ru
 ============  ========  ==================================================================================
 method        who       what
 ============  ========  ==================================================================================
-``begin``     rank 0    open the sync: check the version, connect (process group), pause generation, open
-                        update sessions. Nothing has moved yet. What it returns reaches every rank's part.
+``begin``     rank 0    open the sync: check the version, take the servers (one writer at a time,
+                        :class:`ServerSessions`), connect (process group), pause generation, open update
+                        sessions. Nothing has moved yet. What it returns reaches every rank's part.
 ``buffer``    rank 0    the uint8 tensor bucket ``k`` is gathered into (every rank then gathers into it).
 ``send``      rank 0    put bucket ``k`` on its way; may return before it arrived (the gather of bucket
                         ``k+1`` overlaps it). The last bucket carries the version.
@@ -18,8 +19,8 @@ method        who       what
 ``commit``    rank 0    make the version live on every server (end the session, or announce a snapshot),
                         given what every rank's part reported at settle.
 ``abort``     rank 0    after a failure on any rank, at any step: leave every server serving its previous
-                        version, unpaused, with no open session. Bounded in time, never raises; returns
-                        a line saying what the servers serve now.
+                        version, unpaused, with no open session, and let go of it. Bounded in time, never
+                        raises; returns a line saying what the servers serve now.
 ``close``     rank 0    release connections (the publisher is closed).
 ============  ========  ==================================================================================
 
@@ -126,10 +127,9 @@ class SessionOptions:
         if isinstance(self.writer_lease, bool) or not isinstance(self.writer_lease, (int, float)) or \
                 not 0.5 <= self.writer_lease <= 3600:
             raise ConfigError(f"writer_lease must be 0.5-3600 seconds, got {self.writer_lease!r}")
-        if self.writer_lock is not None:
-            from bridge.name_resolve import make_name_resolve
-
-            make_name_resolve(self.writer_lock).close()  # a bad URL fails here, not at the first sync
+        if self.writer_lock is not None and urlparse(str(self.writer_lock)).scheme not in ("etcd", "etcd3", "file", "memory"):
+            raise ConfigError(f"writer_lock must be a name resolution URL (etcd://host:port or file:///dir), got "
+                              f"{self.writer_lock!r}")
 
 
 class Transport:

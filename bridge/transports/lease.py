@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import threading
+import time
 import uuid
 from urllib.parse import quote
 
@@ -105,12 +106,17 @@ class WriterLease:
             logger.warning("%s: could not release the writer %s (it runs out within %g s): %s", client.url, kind,
                            self.seconds, e)
 
-    def release(self) -> None:
-        """Release every server still held and stop renewing. Never raises."""
+    def release(self, seconds: float = 5.0) -> None:
+        """Release every server still held and stop renewing; never raises, and returns within ``seconds``
+        (a server that does not answer is left to its thread; its lease runs out on its own)."""
         self._stop.set()
-        for c in self.servers.clients:
-            if c.url in self._held:
-                self.release_one(c)
+        threads = [threading.Thread(target=self.release_one, args=(c,), name="wsync-lease-release", daemon=True)
+                   for c in self.servers.clients if c.url in self._held]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + seconds
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         self.release()
@@ -164,6 +170,6 @@ class WriterLease:
                 leased = [c for c in self.servers.clients if self._held.get(c.url) == "lease"]
             for c in leased:
                 try:
-                    c.take_writer_lease(self.seconds)
+                    c.take_writer_lease(self.seconds, renew_only=True)  # one arriving after the release takes nothing
                 except BridgeError as e:  # the sync's next request to it fails too, naming the cause
                     logger.warning("%s: could not renew the writer lease: %s", c.url, e)

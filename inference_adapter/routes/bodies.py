@@ -126,7 +126,8 @@ class WriterBody(_RunFields):
 
 class LeaseBody(BaseModel):
     """``/wsync/writer_lease``: take (or renew) the server for ``lease_s`` seconds, or ``release`` it;
-    ``starts_sync``: the take opens a sync (a session this writer left open before is discarded)."""
+    ``starts_sync``: the take opens a sync (a session this writer left open before is discarded);
+    ``renew_only``: renew this writer's lease, never take one."""
 
     model_config = ConfigDict(extra="ignore")
     wsync_writer: Any = None
@@ -134,6 +135,7 @@ class LeaseBody(BaseModel):
     lease_s: Any = 10.0
     release: Any = False
     starts_sync: Any = False
+    renew_only: Any = False
     _run: RunClaim = PrivateAttr(default_factory=RunClaim)
 
     @model_validator(mode="after")
@@ -141,7 +143,7 @@ class LeaseBody(BaseModel):
         if self.wsync_writer is None:
             raise RequestError("wsync_writer is required: the writer (publisher) that takes or releases the lease")
         self._run = RunClaim.from_fields(self.wsync_run_id, False, self.wsync_writer)
-        for name in ("release", "starts_sync"):
+        for name in ("release", "starts_sync", "renew_only"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.lease_s, bool) or not isinstance(self.lease_s, (int, float)) or not self.lease_s == self.lease_s:

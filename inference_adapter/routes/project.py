@@ -3,7 +3,7 @@
 ``/wsync/weights_checksum`` (GET or POST ``{"names": [...] | null}``): the sha256 of every (or each
 named) served tensor and the weight version, read under one lock. ``/wsync/abort_weight_update``
 (POST): discard the open update session without applying anything. ``/wsync/writer_lease`` (POST
-``{"wsync_writer", "wsync_run_id", "lease_s", "release", "starts_sync"}``): take, renew or release the writer lease (one
+``{"wsync_writer", "wsync_run_id", "lease_s", "release", "starts_sync", "renew_only"}``): take, renew or release the writer lease (one
 writer at a time, :mod:`inference_adapter.writers`). The bench's raw-transport route lives in
 :mod:`inference_adapter.bench_routes`.
 """
@@ -40,5 +40,6 @@ async def writer_lease(request: Request, state: Served):
     u, run = state.updates, req.run
     if req.release:
         return ok(await run_in_threadpool(u.release_lease, run.writer))
-    return ok(await run_in_threadpool(u.take_lease, run.writer, run.run_id, float(req.lease_s), req.starts_sync),
+    return ok(await run_in_threadpool(u.take_lease, run.writer, run.run_id, float(req.lease_s), req.starts_sync,
+                                      req.renew_only),
               **{"writer_lease": u.writers.state()})
