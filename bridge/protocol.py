@@ -147,10 +147,12 @@ class ProtocolFeatures:
     def flush_refused_while_retracted(self) -> bool:
         """0.5.9-0.5.20: the scheduler's ``flush_cache`` counts the waiting queue, where a ``retract`` pause puts
         the requests in flight, so an update that asks for a flush while paused that way is refused (and, with
-        :attr:`flush_asserts`, kills the server). Read in SGLang's source: 0.5.20's ``flush_cache`` checks
-        ``is_fully_idle()``, waiting queue included; 0.5.21 added ``ignore_waiting`` while paused; 0.5.6-0.5.8's
-        ``_is_no_request`` counts only running batches. The releases between 0.5.8 and 0.5.20 are not installed,
-        so the gate starts at the first of them; the client then sends no flush (as paused in place)."""
+        :attr:`flush_asserts`, kills the server). Seen running SGLang's own code (``tests/test_sglang_versions.py``):
+        a retract-paused flushing update with a request in flight succeeds on 0.5.8 and 0.5.21 and kills 0.5.20's
+        scheduler; in the source, 0.5.20's ``flush_cache`` checks ``is_fully_idle()``, waiting queue included,
+        0.5.21 added ``ignore_waiting`` while paused, and 0.5.6-0.5.8's ``_is_no_request`` counts only running
+        batches. No release between 0.5.8 and 0.5.20 is installed, so the gate starts at the first of them; the
+        client then sends no flush (as paused in place)."""
         return (0, 5, 9) <= self.release < (0, 5, 21)
 
     @property

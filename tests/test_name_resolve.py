@@ -364,7 +364,7 @@ def test_taking_an_expired_directory_entry_is_exclusive(tmp_path):
 
     ctx = mp.get_context("fork")
     path, key = str(tmp_path / "nr"), "wsync/writer_lock/x"
-    for round_ in range(15):
+    for round_ in range(10):
         stale = DirectoryNameResolve(path)
         stale.add(key, "expired", ttl=0.01)
         stale.close()
