@@ -149,19 +149,24 @@ class DirectoryNameResolve(NameResolve):
             if self._stop.wait(interval):
                 return
             for key in kept:
-                with self._lock:  # delete() and add() of the same key wait, so a refresh never resurrects
-                    ttl = self._kept.get(key)
-                    if ttl is None:
-                        continue
-                    rec = self._read(self._file(key))
-                    if rec is None or rec.get("owner") != self._owner:
-                        log.info("kept-alive key %s was deleted or replaced by another process; no longer refreshing", key)
-                        del self._kept[key]
-                        continue
-                    try:
-                        self._write(key, rec["value"], ttl, replace=True, written_at=rec["written_at"])
-                    except NameResolveError as e:
-                        log.warning("keep-alive of %s failed: %s", key, e)
+                try:
+                    self._refresh(key)
+                except (OSError, NameResolveError) as e:
+                    log.warning("keep-alive of %s failed: %s", key, e)
+
+    def _refresh(self, key: str) -> None:
+        # delete() and add() of the same key wait, so a refresh never resurrects; and under the lock file,
+        # another process's take of the key (once it expired) and this refresh never interleave.
+        with self._lock, self._exclusive():
+            ttl = self._kept.get(key)
+            if ttl is None:
+                return
+            rec = self._read(self._file(key))
+            if rec is None or rec.get("owner") != self._owner:
+                log.info("kept-alive key %s was deleted or replaced by another process; no longer refreshing", key)
+                del self._kept[key]
+                return
+            self._write(key, rec["value"], ttl, replace=True, written_at=rec["written_at"])
 
     def get(self, name):
         rec = self._read(self._file(check_key(name)))
