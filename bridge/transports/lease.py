@@ -64,11 +64,6 @@ class WriterLease:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    @property
-    def holder(self) -> str:
-        """How others see this writer: its run and id."""
-        return f"run {self.run_id!r}, writer {self.writer!r}"
-
     def guards(self, client) -> bool:
         """True when this sync holds ``client``'s server through a lease or a lock, so that no other wsync writer
         can be writing there: an update session found open there was left by a writer that is gone."""
@@ -145,8 +140,9 @@ class WriterLease:
     def _lock(self, c) -> None:
         from bridge.name_resolve import make_name_resolve
 
-        if self._nr is None:
-            self._nr = make_name_resolve(self.lock_url)
+        with self._mutex:  # the servers are taken concurrently
+            if self._nr is None:
+                self._nr = make_name_resolve(self.lock_url)
         value = json.dumps({"writer": self.writer, "run_id": self.run_id})
         try:
             self._nr.add(lock_key(c.url), value, ttl=self.seconds, keepalive=True, replace=False)
