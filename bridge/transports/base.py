@@ -349,12 +349,14 @@ class ServerSessions:
         self.in_session, self.paused = [], []
 
         lease = self.lease
+        held = lease.held() if lease is not None else {}  # released once, by this abort
 
         def one(c) -> None:
             for what, call, needed in (("clean up", first, first is not None), ("discard the update session",
                                        discard_session, c in in_session), ("resume generation",
                                        lambda c: c.continue_generation(), c in paused),
-                                       ("let go of the server", lambda c: lease.release_one(c), lease is not None)):
+                                       ("let go of the server", lambda c: lease.release_one(c, held[c.url]),
+                                        c.url in held)):
                 if not needed:
                     continue
                 try:
@@ -370,7 +372,7 @@ class ServerSessions:
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         if lease is not None:
-            lease.release()  # stop renewing (what a thread still holds runs out on its own)
+            lease.stop_renewing()  # a server whose thread is still stuck: its lease runs out on its own
 
     def serving(self) -> str:
         """What every server serves now, in one line (for error messages)."""

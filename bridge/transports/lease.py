@@ -88,10 +88,19 @@ class WriterLease:
                                          daemon=True)
         self._renewer.start()
 
-    def release_one(self, client) -> None:
-        """Release ``client``'s server (never raises; a lease left behind runs out on its own)."""
+    def held(self) -> dict[str, str]:
+        """What is held (url -> "lease" or "lock"), now forgotten: the caller releases each with
+        :meth:`release_one` (a second caller finds nothing left to release)."""
         with self._mutex:
-            kind = self._held.pop(client.url, None)
+            held, self._held = self._held, {}
+        return held
+
+    def release_one(self, client, kind: str | None = None) -> None:
+        """Release ``client``'s server, held as ``kind`` (default: as this lease holds it). Never raises; a lease
+        left behind runs out on its own."""
+        if kind is None:
+            with self._mutex:
+                kind = self._held.pop(client.url, None)
         try:
             if kind == "lease":
                 client.release_writer_lease()
@@ -112,6 +121,10 @@ class WriterLease:
         deadline = time.monotonic() + seconds
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+
+    def stop_renewing(self) -> None:
+        """Renew nothing any more (what is still held runs out within the lease)."""
+        self._stop.set()
 
     def close(self) -> None:
         self.release()
