@@ -31,9 +31,13 @@ have (one more exchange) rank 0 removes the temporary directory: nothing is anno
 
 ``commit`` (rank 0) finishes the snapshot (index, manifest with checksums, fsync, rename into
 ``<root>/v<version>``), then announces it under ``<root>/<experiment>/<trial>/update_weights_from_disk/<version>``,
-optionally waits until every server reports the version, and garbage-collects old snapshots. ``abort``
-removes the temporary directory: a version that was not complete is never announced, and one that was
-announced can be loaded. Both ways give the same files on disk, byte for byte the same format.
+optionally waits until every server reports the version, and garbage-collects old snapshots, withdrawing
+each one's announcement first. ``abort`` removes the temporary directory: a version that was not complete is
+never announced, and one that was announced can be loaded. Nothing of a failed publish blocks its retry: a
+failed announce removes the snapshot it had renamed into place, and ``begin`` removes a final directory of
+the version that was never announced (a publish that died between rename and announce).
+
+Both ways of writing give the same files on disk, byte for byte the same format.
 """
 
 from __future__ import annotations
