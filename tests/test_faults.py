@@ -544,7 +544,9 @@ def _stop_server_mid_sync(urls: list[str], pid: int):
     from bridge import PublisherConfig, WeightPublisher
 
     engine = sb.engine()
-    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=4, http_timeout=4, progress=False))
+    # A short writer lease: the one the trainer cannot release on the stopped server runs out soon after.
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=4, http_timeout=4, progress=False,
+                                          writer_lease=2))
     try:
         before, after = sb.publish_then_train(pub, engine, 81)
         stop = sb.Sabotage(engine, after=len(engine.param_specs()) // 2, act=lambda: os.kill(pid, signal.SIGSTOP))
