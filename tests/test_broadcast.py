@@ -243,10 +243,10 @@ def test_rank0_peak_memory_is_bounded_by_buckets_not_the_model(server_factory, t
 
 
 def test_the_default_pause_loses_no_generation(server_factory):
-    """4 client threads generate while 20 broadcast publishes of the medium preset run (1 s apart, for the
+    """4 client threads generate while 20 broadcast publishes of the medium preset run (0.6 s apart, for the
     training step), with the default pause mode (``auto``: ``retract`` on SGLang 0.5.23's protocol): no answer
     comes back aborted (a retracted generation starts again on the new weights), and the versions each
-    thread sees only go up. (With ``abort``, the old default, 28 % of them did.)"""
+    thread sees only go up. (With ``abort``, the old default, 31 of 185 did here, and 28 % in the issue.)"""
     import threading
 
     import torch
@@ -279,7 +279,7 @@ def test_the_default_pause_loses_no_generation(server_factory):
             for v in range(1, 21):
                 with torch.no_grad():
                     model.model.norm.weight.add_(0.01)  # other weights each version
-                time.sleep(1.0)  # the training step: generations run between two publishes
+                time.sleep(0.6)  # the training step: generations run between two publishes
                 pub.publish(model, version=v)
     finally:
         stop.set()

@@ -430,7 +430,7 @@ def test_a_version_whose_announce_failed_can_be_published_again(etcd_server, tmp
 
     etcd, root = etcd_server, str(tmp_path / "snap")
     nr_url = f"{etcd.url}?retry_deadline=3"
-    monkeypatch.setenv("WSYNC_FAILPOINTS", "announce@0=sleep:3")  # rank 0 waits there, renamed, not announced
+    monkeypatch.setenv("WSYNC_FAILPOINTS", "announce@0=sleep:2")  # rank 0 waits there, renamed, not announced
     import concurrent.futures as cf
 
     with cf.ThreadPoolExecutor(1) as pool:
