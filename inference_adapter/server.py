@@ -18,6 +18,10 @@ Routes beyond SGLang's (project extensions, safe to ignore):
     ``{"path": "/dev/shm/...", "nbytes": N, "names": [...], "dtypes": [...], "shapes": [...]}`` naming a
     same-host file that holds one flattened bucket (never a pickle; other load formats answer 400).
     ``/wsync/abort_weight_update`` (POST): discard the open update session without applying anything.
+    ``/wsync/writer_lease`` (POST ``{"wsync_writer", "wsync_run_id", "lease_s", "release", ...}``) and field
+    ``wsync_writer`` on every weight-changing request: one writer at a time (:mod:`inference_adapter.writers`);
+    while a writer holds the lease, weight changes from anyone else answer 409 with
+    ``wsync_reason: another_writer``, naming the holder's run and writer.
     The ``wsync_shm`` descriptor may carry ``"pid"``: the trainer's rank-0 process id; if it dies, the open
     session is discarded and the pause lifted within ~1-2 s.
     Fields ``wsync_run_id`` (str) and ``wsync_new_run`` (bool) on ``/begin_weight_update``, the update
@@ -31,8 +35,8 @@ Routes beyond SGLang's (project extensions, safe to ignore):
     snapshot is verified against it in the pass that reads it, and a failed check answers 400 with
     ``wsync_reason: snapshot_invalid`` (the disk watcher then falls back to an older announced version).
 
-Refused beyond SGLang (each a 400 naming what was wrong): disk paths outside ``--disk-root``, non-regular
-files, NaN/Inf weights, version labels answers could not carry, bodies nested deeper than 32 levels or
+Refused beyond SGLang (each a 400 naming what was wrong): disk paths outside ``--disk-root``, snapshot files
+(any the manifest lists) that are not regular files inside the snapshot, NaN/Inf weights, version labels answers could not carry, bodies nested deeper than 32 levels or
 with NaN literals or lone surrogates. A broadcast bigger than announced is a 400, not a crash, and a
 broadcast whose bytes never come gives up after ``--receive-timeout`` plus its size at 50 MB/s.
 

@@ -80,12 +80,13 @@ def train_step(engine, seed: int) -> None:
     engine.train_batch(make_batch(engine.tokenizer, 8, seed=seed * 2 + engine.rank))
 
 
-def serving_now(url: str) -> dict:
+def serving_now(url: str, lease_wait: float = 0.0) -> dict:
     """A server right now: how long a 1-token generation takes (None: no answer within 3 s, the server
     holds it paused), its version, that a new update session can be opened (refused while one is left
-    open), and for the reference server its pause and session state and the checksum of every served
-    tensor (SGLang's own code has no such route; its weights are torn by a failed sync by design, so it
-    is then held paused until a publish repairs it)."""
+    open), and for the reference server its pause and session state, the writer holding it (a failed sync
+    releases it; a dead trainer's runs out: ``lease_wait`` seconds are waited for that) and the checksum of
+    every served tensor (SGLang's own code has no such route; its weights are torn by a failed sync by
+    design, so it is then held paused until a publish repairs it)."""
     import time
 
     from bridge.client import ServerClient
@@ -100,11 +101,16 @@ def serving_now(url: str) -> dict:
     except BridgeError:
         generate_s = generate_version = None
     out = dict(generate_s=generate_s, generate_version=generate_version,
-               version=c.model_info()["weight_version"], paused=None, session_open=None, checksums=None)
+               version=c.model_info()["weight_version"], paused=None, session_open=None, checksums=None,
+               writer_lease=None)
     if c.is_reference_server:
-        state = c.server_info()["internal_states"][0]
+        deadline = time.monotonic() + lease_wait
+        while (state := c.server_info()["internal_states"][0])["writer_lease"] and time.monotonic() < deadline:
+            time.sleep(0.1)
         out.update(paused=state["paused"], session_open=state["update_session_open"],
-                   checksums=c.weights_checksum()["checksums"])
+                   checksums=c.weights_checksum()["checksums"], writer_lease=state["writer_lease"])
+        if state["writer_lease"] is not None:
+            return out  # a writer holds it: the probe below would be refused (assert_left_on says so)
         c.begin_weight_update()
         c.abort_weight_update()
     elif c.features.needs_session:
@@ -254,6 +260,7 @@ def assert_left_on(now: dict, version: int, was: dict, own_before: dict, own_aft
     if now["checksums"] is None:
         return
     assert now["paused"] is False and now["session_open"] is False, f"{where}: {now}"
+    assert now["writer_lease"] is None, f"{where}: the failed sync did not let go of the server: {now['writer_lease']}"
     assert now["checksums"] == was["checksums"], f"{where}: the served weights changed"
     assert holds(now["checksums"], own_before), f"{where}: not the trainer's v{version}"
     assert not holds(now["checksums"], own_after), f"{where}: the new weights are served"

@@ -464,7 +464,7 @@ def test_colocated_trainer_killed_then_a_new_trainer_fails(server, tmp_path):
     from bridge.publisher import PublisherConfig, dead_rank_bound
 
     args = ([server.url], str(tmp_path / "own.json"), 61)
-    kwargs = dict(transport="colocated", group_timeout=4, http_timeout=4)
+    kwargs = dict(transport="colocated", group_timeout=4, http_timeout=4, writer_lease=2)
     r0, r1 = run_ranks(sb.rank0_dies_mid_sync, 2, args=args, kwargs=kwargs, timeout=200, may_die=(0,))
     assert r0 is None
     # Rank 0 is dead (and the store it hosted with it): rank 1 fails within the bound, not never.
@@ -480,6 +480,9 @@ def test_colocated_trainer_killed_then_a_new_trainer_fails(server, tmp_path):
         time.sleep(0.1)
     assert time.monotonic() - t < 5, "the dead trainer's session was not discarded within 5 s"
     own = json.loads((tmp_path / "own.json").read_text())
+    # The dead trainer holds the server until its writer lease runs out; the new trainer comes after.
+    while c.server_info()["internal_states"][0]["writer_lease"] and time.monotonic() - t < 15:
+        time.sleep(0.1)
     r0, r1 = run_ranks(_colocated_fails, 2, args=([server.url],), timeout=200)
     assert r0[0] == r1[0] == "SyncError", r0
     state = _served([server.url])[server.url]
@@ -562,7 +565,9 @@ def _stop_server_mid_sync(urls: list[str], pid: int):
     from bridge import PublisherConfig, WeightPublisher
 
     engine = sb.engine()
-    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=4, http_timeout=4, progress=False))
+    # A short writer lease: the one the trainer cannot release on the stopped server runs out soon after.
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=4, http_timeout=4, progress=False,
+                                          writer_lease=2))
     try:
         before, after = sb.publish_then_train(pub, engine, 81)
         stop = sb.Sabotage(engine, after=len(engine.param_specs()) // 2, act=lambda: os.kill(pid, signal.SIGSTOP))
@@ -594,5 +599,6 @@ def test_a_server_stopped_mid_broadcast(server_factory, tiny_model_dir):
     # Resumed, the server finds its group gone, drops what it staged and lifts the pause by itself (the
     # trainer could not reach it while it was stopped).
     _wait_generating(victim.url, within=30)
-    state = _served([victim.url])[victim.url]
+    state = sb.serving_now(victim.url, lease_wait=15)  # the lease the trainer could not release runs out
+    assert state["writer_lease"] is None, state
     assert state["version"] == "81" and sb.holds(state["checksums"], before) and not sb.holds(state["checksums"], after)

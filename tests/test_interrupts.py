@@ -198,7 +198,7 @@ def test_wsync_train_interrupted_mid_broadcast(server_factory, tiny_model_dir, s
         assert proc.returncode == 1 and "rank 1 was interrupted at bucket 1 (SIGTERM)" in last, (proc.returncode, err[-2000:])
     assert (now["weight_version"], now["paused"], now["update_session_open"]) == (before["weight_version"], False, False), now
     assert now["checksums"] == before["checksums"], "the served weights changed"
-    assert now["weight_update_groups"] == [], now
+    assert now["weight_update_groups"] == [] and now["writer_lease"] is None, now
 
 
 def test_wsync_train_ctrl_c_mid_disk_announces_nothing_and_leaves_no_temporary(tmp_path):

@@ -59,9 +59,10 @@ class ServerClient:
         self._tp_size: int | None = None
         self._paused_mode: str | None = None  # what this client last paused the server with
         self._run: dict[str, Any] = {}  # the project's run fields, see claim_run
+        # Weight-changing requests sent (counted before each goes out): a server that does not stage may hold
+        # part of a sync's weights as soon as this grew during the sync.
         self.updates_sent = 0
-        """Weight-changing requests this client has sent (counted before each goes out): a server that does
-        not stage may hold part of a sync's weights as soon as this grew during the sync."""
+        self._writer: str | None = None  # the project's writer field, see name_writer
 
     def __repr__(self) -> str:
         return f"ServerClient({self.url!r}, version={self._version!r})"
@@ -138,10 +139,30 @@ class ServerClient:
         if new_run:
             self._run["wsync_new_run"] = True
 
+    def name_writer(self, writer: str | None) -> None:
+        """Name the writer (one publisher) of the weight-changing requests that follow (``wsync_writer``, to the
+        reference server only, which refuses any other writer while one holds its lease)."""
+        self._writer = writer
+
     def _with_run(self, body: dict) -> dict:
-        if self._run and self.is_reference_server:
+        if (self._run or self._writer) and self.is_reference_server:
             body.update(self._run)
+            if self._writer is not None:
+                body["wsync_writer"] = self._writer
         return body
+
+    def take_writer_lease(self, seconds: float, starts_sync: bool = False, renew_only: bool = False) -> dict:
+        """Project extension, reference server only (``/wsync/writer_lease``): take or renew the server for this
+        writer (:meth:`name_writer`) for ``seconds`` after its last request; meanwhile it refuses weight changes
+        from anyone else. ``starts_sync``: discard a session this writer left open; ``renew_only``: never take.
+        Raises ServerError, ``reason`` ANOTHER_WRITER (HTTP 409), naming the run and writer holding the server."""
+        body = {"wsync_writer": self._writer, "lease_s": float(seconds), "starts_sync": bool(starts_sync),
+                "renew_only": bool(renew_only), "wsync_run_id": self._run.get("wsync_run_id")}
+        return self._http.call("POST", "/wsync/writer_lease", body)
+
+    def release_writer_lease(self) -> dict:
+        """Project extension, reference server only: end this writer's lease (a no-op when it holds none)."""
+        return self._http.call("POST", "/wsync/writer_lease", {"wsync_writer": self._writer, "release": True})
 
     def _load_server_info(self, timeout: float | None = None) -> None:
         info = self.server_info(timeout)
@@ -270,9 +291,12 @@ class ServerClient:
         return out
 
     def _flush(self, flush_cache: bool) -> bool:
-        """The ``flush_cache`` to send: never while this client has the server paused in place."""
-        if flush_cache and self._paused_mode == "in_place":
-            logger.debug("%s: paused in place, so the update is sent with flush_cache=False", self.url)
+        """The ``flush_cache`` to send: never while this client has the server paused in place, nor paused by
+        retracting where that version refuses the flush (:attr:`ProtocolFeatures.flush_refused_while_retracted`)."""
+        refused = self._paused_mode == "in_place" or (self._paused_mode == "retract"
+                                                      and self.features.flush_refused_while_retracted)
+        if flush_cache and refused:
+            logger.debug("%s: paused (%s), so the update is sent with flush_cache=False", self.url, self._paused_mode)
             return False
         return bool(flush_cache)
 
@@ -404,7 +428,7 @@ class ServerClient:
     def abort_weight_update(self) -> dict:
         """Project extension, reference server only: ``/wsync/abort_weight_update`` discards the open update
         session without applying anything (real SGLang answers 404: it has no staging to discard)."""
-        return self._http.call("POST", "/wsync/abort_weight_update", {})
+        return self._http.call("POST", "/wsync/abort_weight_update", self._with_run({}))
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
         """Drop the group on the server; on servers without the route (< 0.5.3) a logged no-op."""
@@ -438,19 +462,17 @@ class ServerClient:
 
     def begin_weight_update(self) -> dict:
         """Open an update session (SGLang >= 0.5.21); elsewhere a no-op that reports success."""
-        if not self.features.needs_session:
-            return self._no_session()
-        return self._http.call("POST", "/begin_weight_update", self._with_run({}))
+        return self._session("/begin_weight_update")
 
     def end_weight_update(self) -> dict:
         """Close the update session (SGLang >= 0.5.21; the reference server swaps weights here)."""
-        if not self.features.needs_session:
-            return self._no_session()
-        return self._http.call("POST", "/end_weight_update", {})
+        return self._session("/end_weight_update")
 
-    def _no_session(self) -> dict:
-        """The answer of a session route on a server without sessions (< 0.5.21), which has nothing to open."""
-        return {"success": True, "message": f"SGLang {self.version} needs no update session"}
+    def _session(self, route: str) -> dict:
+        """A session route; a server without sessions (< 0.5.21) has nothing to open or close."""
+        if not self.features.needs_session:
+            return {"success": True, "message": f"SGLang {self.version} needs no update session"}
+        return self._http.call("POST", route, self._with_run({}))
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
         """``/update_weight_version`` (SGLang >= 0.5.1)."""

@@ -115,7 +115,7 @@ class BroadcastTransport(Transport):
     def begin(self, plan: Plan) -> None:
         self.check_servers(self.config, self.servers.urls)
         self.load_format = self._pick_load_format()
-        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
         self.sessions.open()
         t = time.perf_counter()
         self._ensure_group()
@@ -182,7 +182,7 @@ class BroadcastTransport(Transport):
         old one is dropped here and on the servers that stay (a dead one is not waited for)."""
         if self.pg is not None and (servers is None or servers.urls != self.servers.urls):
             self._teardown_group(keep=set(servers.urls) if servers is not None else set())
-        self.servers = servers
+        super().use_servers(servers)
 
     def close(self) -> None:
         self._teardown_group()

@@ -94,7 +94,7 @@ class ColocatedTransport(Transport):
     def begin(self, plan: Plan) -> None:
         self.check_servers(self.config, self.servers.urls)
         self.device = self._choose_device()
-        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
         self.sessions.open()
 
     def _choose_device(self) -> torch.device | None:
