@@ -90,8 +90,8 @@ class Fleet:
         for u in live:
             why = self.torn.get(u)
             tracked = self.clients[u].features.weight_version  # SGLang < 0.5.1 has no version to compare
-            if why is None and fleet is not None and tracked and found[u] != fleet:
-                why = f"serves version {found[u]}, not the fleet's {fleet}"
+            if why is None and fleet is not None and tracked and _behind(found[u], fleet):
+                why = f"serves version {found[u]}, behind the fleet's {fleet}"
             if why is None and u in self.out:
                 why = self.out[u]
             if why is not None:
@@ -314,3 +314,13 @@ class _Down:
 def _newest(versions) -> str | None:
     numeric = [int(v) for v in versions if isinstance(v, str) and v.isdigit()]
     return str(max(numeric)) if numeric else None
+
+
+def _behind(served: str, fleet: str) -> bool:
+    """True when a server that serves ``served`` is behind the fleet's version: an older version, or a label
+    that is no version of this run (``default``, a base model). A server ahead of it (another publisher of
+    the same run gave it a newer version, as the demo's broadcast and disk publishers take turns) is not."""
+    served, fleet = str(served), str(fleet)
+    if served.isdigit() and fleet.isdigit():
+        return int(served) < int(fleet)
+    return served != fleet and not served.isdigit()
