@@ -292,7 +292,7 @@ def test_a_link_cut_mid_broadcast_fails_every_rank_in_bounds_and_the_other_serve
     from tests.sync_bodies import holds, serving_now
 
     urls = [servers["B"], servers["C"]]
-    group_timeout, http_timeout = 10.0, 10.0
+    group_timeout, http_timeout = 5.0, 5.0
     bound = dead_rank_bound(PublisherConfig(servers=urls, group_timeout=group_timeout, http_timeout=http_timeout))
     out = tmp_path
     # Version 2 stops at bucket 3 on rank 0 for 3 s: the link to C goes down meanwhile.
