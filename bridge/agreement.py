@@ -41,6 +41,7 @@ import torch.distributed as dist
 from bridge.errors import (
     BridgeError,
     ConfigError,
+    DeltaBaseMismatch,
     NameResolveError,
     SnapshotError,
     SyncError,
@@ -59,7 +60,8 @@ _instances = itertools.count()
 # Errors that keep their class when they cross ranks: the caller may handle them differently (a
 # VersionError means "publish a higher version", a ConfigError "fix the setting"). Anything else,
 # the project's ServerError included, arrives as a SyncError that names the rank, the step and the cause.
-_KEEP_CLASS = {c.__name__: c for c in (ConfigError, VersionError, SyncTimeout, SnapshotError, NameResolveError, SyncError)}
+_KEEP_CLASS = {c.__name__: c for c in (ConfigError, VersionError, SyncTimeout, SnapshotError, NameResolveError, SyncError,
+                                        DeltaBaseMismatch)}
 # Not errors but interrupts: the message says the rank was interrupted, not that it failed.
 _INTERRUPTS = ("Interrupted", "KeyboardInterrupt", "SystemExit")
 

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-__all__ = ["fmt_bytes", "get_logger", "setup_logging"]
+__all__ = ["fmt_bytes", "get_logger", "progress_bar", "setup_logging"]
 
 _FORMAT = "%(asctime)s %(levelname).1s [%(name)s rank %(rank)s] %(message)s"
 
@@ -61,3 +61,20 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(enabled: bool, total: int, desc: str):
+    """A tqdm bar of ``total`` bytes that appears only after a second (a no-op when not ``enabled``)."""
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, delay=1.0, leave=False)

@@ -54,6 +54,7 @@ from inference_adapter.checks import (
     version_number,
     version_problem,
 )
+from inference_adapter.delta import DeltaRefused, Deltas, delta_specs
 from inference_adapter.errors import RequestError
 from inference_adapter.groups import TrainerGroups
 from inference_adapter.session import Session, process_start, session_owner
@@ -117,6 +118,7 @@ class WeightUpdates:
         self.session: Session | None = None
         self.last_session_error: str | None = None  # why the last session was aborted, for end_weight_update
         self.run_id: str | None = None  # the run (RunClaim.run_id) the served version came from
+        self.deltas = Deltas(weights)  # the delta encoding's buckets (inference_adapter.delta)
 
     # ------------------------------------------------------------------ refusals
 
@@ -334,7 +336,7 @@ class WeightUpdates:
 
     def update_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
                            load_format: str | None, weight_version: str | None, abort_all_requests: bool,
-                           run: RunClaim) -> str:
+                           run: RunClaim, wsync_delta: dict | None = None) -> str:
         """Receive one broadcast request (see the module docstring); returns SGLang's success message."""
         if abort_all_requests:
             self.generation.abort_all("Abort by update_weights_from_distributed(abort_all_requests=True).")
@@ -346,7 +348,9 @@ class WeightUpdates:
                 raise self.groups.missing(group_name)
             flattened = load_format == "flattened_bucket"
             specs = self._announced_specs(names, dtypes, shapes, group_name, load_format)
-            problems = self._request_problems(weight_version, specs, flattened, "update_weights_from_distributed")
+            table, problems = delta_specs(wsync_delta, specs) if wsync_delta is not None else (None, [])
+            problems += self._request_problems(weight_version, table or specs, flattened and table is None,
+                                               "update_weights_from_distributed")
             nbytes = sum(s.nbytes for s in specs)
             if problems and nbytes > max(2 * self.weights.nbytes, 64 << 20):
                 self.groups.drop(group_name, "it was sent an invalid request too large to receive and discard")
@@ -362,7 +366,15 @@ class WeightUpdates:
             if problems:
                 raise self._refuse(_DISTRIBUTED, join_problems(problems), abort_why=problems[0],
                                    tail=" (The broadcast was received and discarded; the group is still usable.)")
+            received = self._from_delta(_DISTRIBUTED, wsync_delta, received, table)
             return self._stage(received, weight_version, nbytes, t0, group_name, run)
+
+    def _from_delta(self, action: str, wsync_delta, received: list, table) -> list[tuple[str, torch.Tensor]]:
+        """Caller holds the lock: a delta bucket's whole new tensors (``received`` when it is no delta)."""
+        try:
+            return received if wsync_delta is None else self.deltas.staged(wsync_delta, received[0][1], table)
+        except (DeltaRefused, WireError) as e:  # a refused base names its reason (delta_base_mismatch)
+            raise self._refuse(action, str(e), reason=getattr(e, "reason", None)) from None
 
     def _announced_specs(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
                          load_format: str | None) -> list[ParamSpec]:
@@ -437,7 +449,8 @@ class WeightUpdates:
                 owner = session_owner(desc.get("pid"), self.session)
             except WireError as e:
                 raise self._refuse(_TENSOR, str(e)) from None
-            problems = self._request_problems(weight_version, specs, True, "update_weights_from_tensor")
+            table, problems = delta_specs(desc["wsync_delta"], specs) if "wsync_delta" in desc else (None, [])
+            problems += self._request_problems(weight_version, table or specs, table is None, "update_weights_from_tensor")
             nbytes = sum(sp.nbytes for sp in specs)
             if desc["nbytes"] != nbytes:
                 problems.append(f"nbytes is {desc['nbytes']} but names/dtypes/shapes describe {nbytes} bytes")
@@ -449,7 +462,8 @@ class WeightUpdates:
                 raise self._refuse(_TENSOR, str(e)) from None
             if self.session is not None and owner is not None:
                 self.session.owner = owner
-            return self._stage(unflatten_bucket(buf, specs), weight_version, nbytes, t0, None, run)
+            received = self._from_delta(_TENSOR, desc.get("wsync_delta"), unflatten_bucket(buf, specs), table)
+            return self._stage(received, weight_version, nbytes, t0, None, run)
 
     # ------------------------------------------------------------------ disk
 

@@ -115,6 +115,14 @@ class ServerClient:
         return self.is_reference_server and self.features.needs_session
 
     @property
+    def custom_weight_loaders(self) -> list[str]:
+        """The loaders real SGLang was started with (``--custom-weight-loader``, in its server info)."""
+        if self._info is None:
+            self._load_server_info()
+        loaders = (self._info or {}).get("custom_weight_loader")
+        return [str(x) for x in loaders] if isinstance(loaders, list) else []
+
+    @property
     def disk_roots(self) -> list[str] | None:
         """The directories a reference server loads snapshots from (``wsync_disk_roots`` in its server
         info, resolved); None for real SGLang, which loads any directory it can read."""
@@ -298,11 +306,14 @@ class ServerClient:
         weight_version: str | None = None,
         abort_all_requests: bool = False,
         timeout: float | None = None,
+        wsync_delta: dict | None = None,
     ) -> dict:
         """Announce one broadcast request; the trainer broadcasts the tensors concurrently.
 
         Per tensor (``load_format=None``): one ``dist.broadcast(src=0)`` per tensor in ``names`` order.
         ``load_format="flattened_bucket"``: one uint8 buffer (:mod:`bridge.buckets` layout).
+        ``wsync_delta`` (reference server only): the buffer is a delta bucket and this its table
+        (:mod:`bridge.encodings.delta_send`).
 
         Raises:
             ConfigError: the server's version cannot take this request (checked before sending, so the
@@ -332,6 +343,9 @@ class ServerClient:
             body = dict(name=names[0], dtype=dtypes[0], shape=shapes[0])
         if load_format is not None:
             body["load_format"] = load_format
+        if wsync_delta is not None:
+            self.require_reference_server("a delta bucket on the weight-update group (wsync_delta)")
+            body["wsync_delta"] = wsync_delta
         return self._post_update("/update_weights_from_distributed", body, weight_version, timeout)
 
     def update_weights_from_tensor(

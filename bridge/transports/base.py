@@ -61,9 +61,10 @@ from urllib.parse import urlparse
 import torch
 
 from bridge.buckets import Bucket
-from bridge.errors import BridgeError, ConfigError, ServerError, SyncError, VersionError
+from bridge.errors import BridgeError, ConfigError, DeltaBaseMismatch, ServerError, SyncError, VersionError
 from bridge.failpoints import armed, failpoint
 from bridge.log import get_logger
+from bridge.protocol import DELTA_BASE_MISMATCH
 
 __all__ = ["NoOptions", "Plan", "RankPart", "ServerSessions", "SessionOptions", "Transport", "is_local", "option"]
 
@@ -85,6 +86,8 @@ class Plan:
     retried: bool = False
     """True when this republishes the last version with identical weights (a safe retry)."""
     phases: dict[str, float] = field(default_factory=dict)
+    encoded: Any = None
+    """What the encoding (:mod:`bridge.encodings`) planned for this sync; None for ``full``."""
 
     @property
     def nbytes(self) -> int:
@@ -128,6 +131,9 @@ class Transport:
     source_needs: tuple[str, ...] = ()
     """Optional capabilities of the weight source this transport cannot do without (checked before
     anything moves): any of :data:`bridge.sources.CAPABILITIES`."""
+
+    encodings: tuple[str, ...] = ("full",)
+    """The encodings (:mod:`bridge.encodings`) this transport can carry."""
 
     gives_back_early = True
     """``abort`` may run on rank 0 as soon as rank 0's own step failed, before the other ranks answered
@@ -392,6 +398,8 @@ def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting
         except BridgeError as e:
             errors.append(e)
     if errors:
+        if any(getattr(e, "reason", None) == DELTA_BASE_MISMATCH for e in errors):
+            raise DeltaBaseMismatch("; ".join(map(str, errors)))
         refused = all(isinstance(e, VersionError) for e in errors)
         raise (VersionError if refused else SyncError)("; ".join(map(str, errors)))
 

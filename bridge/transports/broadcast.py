@@ -80,6 +80,7 @@ class BroadcastTransport(Transport):
     name = "broadcast"
     aliases = ("nccl", "xccl", "distributed")
     Options = BroadcastOptions
+    encodings = ("full", "delta")
 
     @classmethod
     def check_config(cls, config) -> None:
