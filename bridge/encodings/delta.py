@@ -26,7 +26,7 @@ instead, in the same ``publish()`` call. How the bytes move: :mod:`bridge.encodi
 from __future__ import annotations
 
 import concurrent.futures as cf
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ import torch
 from bridge.delta_codec import (
     BITMASK,
     DENSE,
+    SPARSE32,
+    SPARSE64,
     changed_positions,
     choose,
     combine_digest,
@@ -82,6 +84,8 @@ class DeltaPlan:
     """Why this sync is an anchor (a full sync); None for a delta."""
     via: str | None = None
     """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
+    probes: dict = field(default_factory=dict)
+    """name -> {"shape", "items": [(flat position, base bits)]}: base values the SGLang loader checks."""
 
     @property
     def mode(self) -> str:
@@ -116,6 +120,7 @@ class DeltaEncoding(Encoding):
         self.base_version: int | None = None
         self.since_anchor = 0
         self.changes: dict[str, _Change] = {}
+        self.probes: dict[str, list] = {}  # name -> [(flat position, base bits)]: for the SGLang loader's check
         self.force_reason: str | None = None  # rank 0: the next sync is an anchor, for this reason
         self._crcs: cf.Future | None = None
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync-base-crc")
@@ -148,7 +153,7 @@ class DeltaEncoding(Encoding):
     def prepare(self, source, specs: list[ParamSpec]) -> dict:
         source.require(("local_shards",), "the delta encoding")
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
-        self.changes = {}
+        self.changes, self.probes = {}, {}
         sizes, whole, changed, numel, fresh = {}, [], 0, 0, False
         for sh in source.local_shards(specs):
             if sh.whole:
@@ -163,7 +168,8 @@ class DeltaEncoding(Encoding):
             sizes[sh.spec.name] = ch.nbytes
             changed += ch.count
             fresh |= ch.old is None
-        return {"sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh, "crcs": crcs}
+        return {"sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh, "crcs": crcs,
+                "probes": self.probes}
 
     def _diff(self, spec: ParamSpec, local: torch.Tensor, start: int) -> _Change | None:
         new = local.detach().reshape(-1).to(spec.dtype)
@@ -180,6 +186,9 @@ class DeltaEncoding(Encoding):
         kind, nbytes = choose(n, count, itemsize)
         # A dense record needs no positions, but the undo log keeps its bits.
         positions = changed_positions(new, held.base, BITMASK if kind == DENSE else kind, mask)
+        first = int(positions[0]) if kind in (SPARSE32, SPARSE64) else int(mask.to(torch.uint8).argmax())
+        bits = held.base.view(ints)
+        self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
         old = held.base[mask]
         held.base.copy_(new)
         return _Change(kind, count, nbytes, positions, old, undo_bits=kind in (BITMASK, DENSE))
@@ -198,6 +207,10 @@ class DeltaEncoding(Encoding):
         buckets = self._buckets([spec for b in plan.buckets for spec in b.specs], summaries, whole, crcs)
         total = sum(sum(b.sizes) for b in buckets)
         enc = DeltaPlan(buckets, total, plan.nbytes, changed, numel, self.base_version, world)
+        shapes = {s.name: list(s.shape) for b in plan.buckets for s in b.specs}
+        for s in summaries:
+            for name, items in s["probes"].items():
+                enc.probes.setdefault(name, {"shape": shapes[name], "items": []})["items"] += items
         if self.base_version is None or any(s["fresh"] for s in summaries):
             enc.reason = "no base yet" if self.base_version is None else "the trainer's tensors changed shape"
         elif self.since_anchor + 1 >= cfg.delta_anchor_every:

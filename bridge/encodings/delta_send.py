@@ -60,11 +60,15 @@ def delta_route(servers, base_version: int | None) -> tuple[str | None, str | No
     return None, "native" if all(reference) else "loader"
 
 
-def table(db, base_version: int | None, world: int) -> dict:
-    """The delta bucket's table: what a server needs besides the bytes (``wsync_delta``)."""
-    return {"base_version": str(base_version), "base_digest": db.digest, "world": world, "whole": db.whole,
-            "names": [s.name for s in db.specs], "dtypes": [dtype_to_str(s.dtype) for s in db.specs],
-            "shapes": [list(s.shape) for s in db.specs]}
+def table(db, enc, version: int, first: bool) -> dict:
+    """The delta bucket's table: what a server needs besides the bytes (``wsync_delta``). For the SGLang
+    loader, the first bucket also carries the base values to check (``probes``)."""
+    out = {"base_version": str(enc.base_version), "base_digest": db.digest, "world": enc.world, "whole": db.whole,
+           "names": [s.name for s in db.specs], "dtypes": [dtype_to_str(s.dtype) for s in db.specs],
+           "shapes": [list(s.shape) for s in db.specs], "version": str(version)}
+    if first and enc.via == "loader":
+        out["probes"] = enc.probes
+    return out
 
 
 def transfer(encoding, plan, steps) -> Any:
@@ -76,11 +80,11 @@ def transfer(encoding, plan, steps) -> Any:
     last = len(enc.buckets) - 1
     for j, db in enumerate(enc.buckets):
         version = plan.version if j == last else None
-        steps["agreed"](f"delta {j}", lambda j=j, db=db, v=version: _one(encoding, enc, j, db, sender, v, steps))
+        steps["agreed"](f"delta {j}", lambda j=j, db=db, v=version: _one(encoding, plan, j, db, sender, v, steps))
     return sender
 
 
-def _one(encoding, enc, j: int, db, sender, version: int | None, steps) -> None:
+def _one(encoding, plan, j: int, db, sender, version: int | None, steps) -> None:
     rank = encoding.rank
     own = db.sizes[rank]
     group = steps["group"]()
@@ -93,7 +97,7 @@ def _one(encoding, enc, j: int, db, sender, version: int | None, steps) -> None:
                 dist.send(out, dst=0, group=group)
             return
         bucket = Bucket([ParamSpec(DELTA_TENSOR, (db.nbytes,), torch.uint8)],
-                        extra={"wsync_delta": table(db, enc.base_version, enc.world)})
+                        extra={"wsync_delta": table(db, plan.encoded, plan.version, j == 0)})
         buf = sender.buffer(j, bucket)
         _encode(encoding, db, buf[:own])
         buf[sum(db.sizes):].zero_()
