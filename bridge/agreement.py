@@ -210,7 +210,9 @@ class Agreement:
                 # Every rank has read step seq-2 (they all wrote seq-1 after it): drop this rank's old key.
                 self._store.delete_key(self._key(self._seq - 2, self.rank))
             self._store.wait(keys, timedelta(seconds=timeout))
-            return [pickle.loads(self._store.get(k)) for k in keys]
+            # One round trip for the other ranks' values; this rank's own is not read back.
+            others = iter(self._store.multi_get([k for r, k in enumerate(keys) if r != self.rank]))
+            return [value if r == self.rank else pickle.loads(next(others)) for r in range(self.world)]
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, dist.DistNetworkError):  # the store itself is gone, with the rank that hosts it
                 error = SyncTimeout(

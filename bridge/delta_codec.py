@@ -126,7 +126,15 @@ def changed_positions(new: torch.Tensor, old: torch.Tensor, kind: int, mask: tor
     if mask is None:
         mask = _as_ints(new) != _as_ints(old)
     if kind in (SPARSE32, SPARSE64):
-        return mask.nonzero().squeeze(1).to(torch.int32 if kind == SPARSE32 else torch.int64)
+        width = torch.int32 if kind == SPARSE32 else torch.int64
+        if mask.device.type == "cpu":
+            try:
+                import numpy as np
+
+                return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int32 if kind == SPARSE32 else np.int64))
+            except ImportError:
+                pass
+        return mask.nonzero().squeeze(1).to(width)
     return pack_bits(mask)
 
 
@@ -240,7 +248,7 @@ def apply_record(flat: torch.Tensor, rec: Record) -> None:
     if rec.kind == DENSE:
         piece.copy_(values)
     elif rec.kind == BITMASK:
-        piece[unpack_bits(rec.positions, rec.length).to(flat.device)] = values
+        piece.masked_scatter_(unpack_bits(rec.positions, rec.length).to(flat.device), values)
     else:
         piece[rec.positions.to(flat.device, torch.int64)] = values
 

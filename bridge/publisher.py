@@ -312,13 +312,13 @@ class WeightPublisher:
                 self._transport = self._kind(cfg, self.servers)
             if self._part is None:
                 self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
-            summary = self._encoding.prepare(source, specs)
+            summary, mine = self._encoding.prepare(source, specs), specs if self._rank == 0 else None  # rank 0's are used
             if retry:  # only a retry needs the digests before anything moves
-                return specs, source.digest(), summary
+                return mine, source.digest(), summary
             # Otherwise the digest is taken while the buckets travel and collected at settle, for the
             # next retry.
             background.append(source.digest_in_background())
-            return specs, None, summary
+            return mine, None, summary
 
         results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
         specs = results[0][0]

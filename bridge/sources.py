@@ -28,10 +28,9 @@ the source):
 from __future__ import annotations
 
 import inspect
-import threading
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -395,16 +394,13 @@ class CheckedSource:
         """The digest, computed on a thread while the buckets travel (crc32 releases the GIL)."""
         if self._digest is None:
             return None
-        future: Future = Future()
+        global _digest_thread
+        if _digest_thread is None:  # one thread for the life of the process: starting one per sync cost ms
+            _digest_thread = ThreadPoolExecutor(1, thread_name_prefix="wsync-digest")
+        return _digest_thread.submit(self._digest)  # an error surfaces at settle, through the agreement
 
-        def run() -> None:
-            try:
-                future.set_result(self._digest())
-            except Exception as e:  # surfaces at settle, through the agreement
-                future.set_exception(e)
 
-        threading.Thread(target=run, name="wsync-digest", daemon=True).start()
-        return future
+_digest_thread: ThreadPoolExecutor | None = None
 
 
 def _takes_dst(gather) -> bool:

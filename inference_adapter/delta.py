@@ -7,8 +7,9 @@ version and digest, the layout of the trainer's pieces, and the names, dtypes an
 anything is staged, the base: the served version label must be the table's ``base_version`` and the
 digest of the served bytes of the table's tensors, cut into the trainer's pieces, its ``base_digest``.
 Otherwise the request is refused with ``wsync_reason`` :data:`~bridge.protocol.DELTA_BASE_MISMATCH` and
-nothing changes. Each touched tensor is staged as a copy of the served one with the records assigned, so
-the update then goes through the session like any other (swapped atomically at ``end_weight_update``).
+nothing changes. Each touched tensor is staged as a :class:`Patch` (its records), which the swap applies
+in place, so the update goes through the session like any other (swapped atomically at
+``end_weight_update``) without a copy of every touched tensor.
 
 The CRC of each served piece is cached until the weights change (one pass over the touched tensors per
 version, about 7 GB/s).
@@ -17,6 +18,7 @@ version, about 7 GB/s).
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -33,7 +35,7 @@ from bridge.protocol import DELTA_BASE_MISMATCH
 from bridge.tensors import ParamSpec
 from inference_adapter.wire import WireError, wire_specs
 
-__all__ = ["DeltaRefused", "Deltas", "delta_specs", "table_specs"]
+__all__ = ["DeltaRefused", "Deltas", "Patch", "delta_specs", "table_specs"]
 
 _KEYS = ("base_version", "base_digest", "world", "whole", "names", "dtypes", "shapes")
 
@@ -78,6 +80,25 @@ def delta_specs(table, specs: list[ParamSpec]) -> tuple[list[ParamSpec] | None, 
         return None, [*problems, str(e)]
 
 
+class Patch:
+    """A delta's records for one served tensor: staged instead of a whole new copy of it, and applied in place
+    when the update is swapped in (:meth:`ServedWeights.swap <inference_adapter.weights.ServedWeights.swap>`),
+    under the writer lock. It is *stale* when the served tensor changed after the base was checked (a disk
+    load in the middle of a session): the swap then applies nothing."""
+
+    def __init__(self, target: torch.Tensor):
+        self.records: list = []
+        self._stamp = (target.data_ptr(), target._version)
+
+    def stale(self, target: torch.Tensor) -> bool:
+        return (target.data_ptr(), target._version) != self._stamp
+
+    def apply_to(self, target: torch.Tensor) -> None:
+        flat = target.detach().view(-1)
+        for rec in self.records:
+            apply_record(flat, rec)
+
+
 class Deltas:
     """The delta path of one server's :class:`~inference_adapter.weights.ServedWeights` (callers hold the
     update lock)."""
@@ -86,26 +107,51 @@ class Deltas:
         self.weights = weights
         self._crcs: dict[tuple, list] = {}
         self._epoch = -1
+        self._layout: tuple[int, set] | None = None  # (world, whole names) of the last delta
+        self._ahead: threading.Thread | None = None  # CRCs of the served pieces, taken after a swap
 
-    def staged(self, table: dict, buf: torch.Tensor, specs: list[ParamSpec]) -> list[tuple[str, torch.Tensor]]:
+    def staged(self, table: dict, buf: torch.Tensor, specs: list[ParamSpec]) -> tuple[list, dict]:
         """The whole new tensors of a delta bucket whose table (already checked by the caller against the
-        served model) is ``specs``.
+        served model) is ``specs``, and its new values (what to check for NaN/Inf: the rest is served).
 
         Raises:
             DeltaRefused: the served version or bytes are not the delta's base.
             WireError: the records do not fit the table.
         """
         self._check_base(table, specs)
-        touched: dict[int, torch.Tensor] = {}
+        touched: dict[int, Patch] = {}
+        values: dict[str, torch.Tensor] = {}
         try:
             for rec in iter_records(buf, [s.dtype for s in specs], [math.prod(s.shape) for s in specs]):
-                flat = touched.get(rec.tensor)
-                if flat is None:
-                    flat = touched[rec.tensor] = self.weights.target(specs[rec.tensor].name).detach().reshape(-1).clone()
-                apply_record(flat, rec)
+                if rec.tensor not in touched:
+                    touched[rec.tensor] = Patch(self.weights.target(specs[rec.tensor].name))
+                touched[rec.tensor].records.append(rec)
+                values[f"{specs[rec.tensor].name} (delta record {len(values)})"] = rec.values
         except DeltaFormatError as e:
             raise WireError(f"the delta bucket is malformed: {e}") from None
-        return [(specs[i].name, flat.view(specs[i].shape)) for i, flat in touched.items()]
+        return [(specs[i].name, patch) for i, patch in touched.items()], values
+
+    def after_swap(self) -> None:
+        """The served weights changed: take the CRCs of their pieces now, on a thread, as the last delta cut them,
+        so that the next delta does not wait for them (``zlib.crc32`` releases the GIL)."""
+        if self._layout is None:
+            return
+        world, whole = self._layout
+        epoch, params = self.weights.epoch, dict(self.weights.params)
+
+        def run() -> None:
+            out = {}
+            for name, t in params.items():
+                if self.weights.epoch != epoch:
+                    return  # swapped again meanwhile: these would be of neither version
+                key = (name, world, name in whole)
+                flat = t.detach().reshape(-1)
+                out[key] = [(name, s, n, piece_crc(flat, s, n)) for s, n in pieces_of(tuple(t.shape), world, key[2])]
+            if self.weights.epoch == epoch:
+                self._crcs, self._epoch = out, epoch
+
+        self._ahead = threading.Thread(target=run, name="wsync-delta-crc", daemon=True)
+        self._ahead.start()
 
     def _check_base(self, table: dict, specs: list[ParamSpec]) -> None:
         served = self.weights.version
@@ -114,8 +160,14 @@ class Deltas:
                                f"version {served}")
         if table["base_digest"] is None:
             return
+        if self._ahead is not None:
+            self._ahead.join()
+            self._ahead = None
         entries = []
         whole = set(table["whole"])
+        if self._layout is None or self._layout[0] != table["world"]:
+            self._layout = (table["world"], set())
+        self._layout[1].update(whole)
         for s in specs:
             entries += self._piece_crcs(s, table["world"], s.name in whole)
         if combine_digest(entries) != table["base_digest"]:

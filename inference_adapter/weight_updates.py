@@ -179,6 +179,7 @@ class WeightUpdates:
         """Caller holds the lock: serve ``staged`` (and ``version``), remembering the run it came from."""
         self._claim(version, run)
         self.weights.swap(staged, version, model_path=model_path)
+        self.deltas.after_swap()
         self.log.info("swapped in %d tensors", len(staged))
 
     def set_version(self, new_version: str, abort_all_requests: bool, run: RunClaim) -> None:
@@ -261,14 +262,15 @@ class WeightUpdates:
             self.lock.release()
 
     def _stage(self, received: list[tuple[str, torch.Tensor]], weight_version: str | None, nbytes: int, t0: float,
-               group_name: str | None, run: RunClaim) -> str:
-        """Caller holds the lock: stage a validated request in the session, or swap it in without one."""
+               group_name: str | None, run: RunClaim, check: dict | None = None) -> str:
+        """Caller holds the lock: stage a validated request (``check``: its new values, if not all) or swap it in."""
         staged = {n: t for n, t in received if n not in self.weights.aliases}
+        check = staged if check is None else check
         run = self.session.run if self.session is not None else run  # a session claims its run at begin
         problem = self._rollback_problem(weight_version, run)
         reason = VERSION_GOES_BACK if problem else None
         if self.session is None:
-            problem = problem or non_finite_problem(staged)
+            problem = problem or non_finite_problem(check)
         if problem:
             raise self._refuse(_DISTRIBUTED, problem, reason=reason)
         if self.session is None:
@@ -279,7 +281,7 @@ class WeightUpdates:
             return msg
         s = self.session
         s.last_request = time.monotonic()
-        s.finite_checks.append(finite_checker.submit(non_finite_problem, staged))
+        s.finite_checks.append(finite_checker.submit(non_finite_problem, check))
         s.staged.update(staged)
         if group_name is not None:
             s.groups.add(group_name)
@@ -366,13 +368,13 @@ class WeightUpdates:
             if problems:
                 raise self._refuse(_DISTRIBUTED, join_problems(problems), abort_why=problems[0],
                                    tail=" (The broadcast was received and discarded; the group is still usable.)")
-            received = self._from_delta(_DISTRIBUTED, wsync_delta, received, table)
-            return self._stage(received, weight_version, nbytes, t0, group_name, run)
+            received, check = self._from_delta(_DISTRIBUTED, wsync_delta, received, table)
+            return self._stage(received, weight_version, nbytes, t0, group_name, run, check)
 
-    def _from_delta(self, action: str, wsync_delta, received: list, table) -> list[tuple[str, torch.Tensor]]:
-        """Caller holds the lock: a delta bucket's whole new tensors (``received`` when it is no delta)."""
+    def _from_delta(self, action: str, wsync_delta, received: list, table) -> tuple[list, dict | None]:
+        """Caller holds the lock: a delta bucket's whole new tensors and new values (``received``, None: no delta)."""
         try:
-            return received if wsync_delta is None else self.deltas.staged(wsync_delta, received[0][1], table)
+            return (received, None) if wsync_delta is None else self.deltas.staged(wsync_delta, received[0][1], table)
         except (DeltaRefused, WireError) as e:  # a refused base names its reason (delta_base_mismatch)
             raise self._refuse(action, str(e), reason=getattr(e, "reason", None)) from None
 
@@ -462,8 +464,8 @@ class WeightUpdates:
                 raise self._refuse(_TENSOR, str(e)) from None
             if self.session is not None and owner is not None:
                 self.session.owner = owner
-            received = self._from_delta(_TENSOR, desc.get("wsync_delta"), unflatten_bucket(buf, specs), table)
-            return self._stage(received, weight_version, nbytes, t0, None, run)
+            received, check = self._from_delta(_TENSOR, desc.get("wsync_delta"), unflatten_bucket(buf, specs), table)
+            return self._stage(received, weight_version, nbytes, t0, None, run, check)
 
     # ------------------------------------------------------------------ disk
 

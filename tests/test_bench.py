@@ -34,11 +34,18 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
                 "gather-per-tensor", f"flat-{bucket}", "per-tensor", f"colocated-{bucket}", "disk-dir"}
     if shutil.which("etcd"):
         expected.add("disk-etcd")
+    expected |= {"delta-lr1e-06", "delta-lr1e-05"}
     assert expected <= methods, f"missing rows: {expected - methods}"
     for r in report["rows"]:
         assert r["bytes"] > 0 and r["seconds"]["n"] == 1, r
         assert r["seconds"]["median"] > 0, r
-        if r["kind"] not in ("floor", "gather"):
+        if r["kind"] == "delta":
+            # A real optimizer step before each delta: part of the elements changed, far from all bytes moved,
+            # timed against the full flattened sync and the floor of the same run.
+            assert 0 < r["changed_fraction"] < 1 and r["bytes"] < r["full_bytes"] / 2, r
+            assert r["full_method"] in methods and r["speedup_vs_full"] > 0 and r["ratio"] > 0, r
+            assert r["sent"] == ["delta"], r
+        elif r["kind"] not in ("floor", "gather"):
             # Every method is reported end to end and transfer only, against floors of the same run.
             assert r["ratio"] > 0 and r["first_seconds"] > 0, r
             assert r["gather_item"] in methods and r["transfer_seconds"]["n"] == 1, r

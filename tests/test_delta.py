@@ -220,7 +220,7 @@ def test_restarted_server_refused_delta_and_failed_delta_sync(server_factory, ti
                                                      timeout=400)
     got = [(r["version"], r["encoding"]) for r in rows]
     assert got == [(1, "anchor"), (2, "delta"), (3, "anchor"), (4, "delta"), (5, "anchor"), (6, "delta")], rows
-    assert "does not serve the base version 2" in rows[2]["reason"], rows[2]
+    assert "refused the delta" in rows[2]["reason"] and "against version 2" in rows[2]["reason"], rows[2]
     assert "refused the delta" in rows[4]["reason"] and "not the delta's base" in rows[4]["reason"], rows[4]
     assert all(r["equal"] == {srv.url: True} for r in rows), rows
     # Each failed v6 raised on both ranks and left the server on v5, unpaused, with no session open, serving
@@ -246,3 +246,27 @@ def test_wsync_train_encoding_delta(server):
     lines = [ln for ln in out.stdout.splitlines() if "published" in ln]
     assert len(lines) == 3 and "anchor (no base yet)" in lines[0], out.stdout
     assert all(ln.endswith(" delta") for ln in lines[1:]), out.stdout
+
+
+def test_a_staged_delta_is_not_applied_on_bytes_that_changed_after_its_base_was_checked(server, tiny_model_dir):
+    """A delta staged in a session, then a disk load outside the session: end_weight_update applies nothing
+    (the delta's base is gone) and says so; the disk load's bytes stay served."""
+    c = ServerClient(server.url)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    base = torch.randn(_shapes(tiny_model_dir)[name], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    _put(c, {name: base}, "200")
+    digest = combine_digest([(name, 0, base.numel(), piece_crc(base.reshape(-1), 0, base.numel()))])
+    new = base.clone()
+    new.view(-1)[::7] += 1
+    records, table = _delta_of(name, base, new, "200", digest)
+    buf, path = shm_buffer(records[DELTA_TENSOR].numel(), 0)
+    buf.copy_(records[DELTA_TENSOR])
+    entry = base64.b64encode(json.dumps({"path": path, "nbytes": buf.numel(), "names": [DELTA_TENSOR],
+                                         "dtypes": ["uint8"], "shapes": [[buf.numel()]], "wsync_delta": table}).encode())
+    c.begin_weight_update()
+    c.update_weights_from_tensor([entry.decode()], load_format="wsync_shm", weight_version="201")
+    c.update_weights_from_disk(tiny_model_dir, weight_version="300")
+    loaded = c.weights_checksum()
+    with pytest.raises(ServerError, match="changed after the delta's base was checked"):
+        c.end_weight_update()
+    assert c.weights_checksum() == loaded

@@ -125,6 +125,7 @@ class DeltaEncoding(Encoding):
         self._crcs: cf.Future | None = None
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync-base-crc")
         self._sender = None
+        self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
 
     @classmethod
@@ -172,26 +173,37 @@ class DeltaEncoding(Encoding):
                 "probes": self.probes}
 
     def _diff(self, spec: ParamSpec, local: torch.Tensor, start: int) -> _Change | None:
-        new = local.detach().reshape(-1).to(spec.dtype)
-        n, itemsize = new.numel(), new.element_size()
+        n = local.numel()
+        new = self._scratch("new", n, spec.dtype, local.device)
+        new.copy_(local.detach().reshape(-1))  # the cast, into memory reused from tensor to tensor and sync to sync
+        itemsize = new.element_size()
         held = self.base.get(spec.name)
         if held is None or held.start != start or held.base.shape != new.shape or held.base.dtype != new.dtype:
-            self.base[spec.name] = _Held(start, new.clone() if new.data_ptr() == local.data_ptr() else new)
+            self.base[spec.name] = _Held(start, new.clone())
             return _Change(DENSE, n, record_nbytes(DENSE, n, n, itemsize))
         ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
-        mask = new.view(ints) != held.base.view(ints)
+        mask = self._scratch("mask", n, torch.bool, local.device)
+        torch.ne(new.view(ints), held.base.view(ints), out=mask)
         count = int(torch.count_nonzero(mask))
         if not count:
             return None
         kind, nbytes = choose(n, count, itemsize)
         # A dense record needs no positions, but the undo log keeps its bits.
         positions = changed_positions(new, held.base, BITMASK if kind == DENSE else kind, mask)
-        first = int(positions[0]) if kind in (SPARSE32, SPARSE64) else int(mask.to(torch.uint8).argmax())
+        first = int(positions[0]) if kind in (SPARSE32, SPARSE64) else int(mask.view(torch.uint8).argmax())
         bits = held.base.view(ints)
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
         old = held.base[mask]
         held.base.copy_(new)
         return _Change(kind, count, nbytes, positions, old, undo_bits=kind in (BITMASK, DENSE))
+
+    def _scratch(self, key: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``n`` elements of a buffer kept across tensors and syncs (as large as this rank's largest piece):
+        a fresh tensor per piece spent more time faulting its pages in than casting or comparing."""
+        buf = self._buffers.get((key, dtype, device))
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[(key, dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
 
     # ------------------------------------------------------------------ plan: the same on every rank
 

@@ -42,22 +42,26 @@ LOADER = "bridge.sglang_delta_loader.load_delta"
 
 
 def delta_route(servers, base_version: int | None) -> tuple[str | None, str | None]:
-    """Rank 0, servers paused: (why this sync must be an anchor, None) or (None, ``native``/``loader``)."""
+    """Rank 0, servers paused: (why this sync must be an anchor, None) or (None, ``native``/``loader``).
+
+    Reference servers check the base version and digest of every delta bucket themselves; real SGLang's
+    loader cannot answer a refusal, so before a delta to it every server must report the base version."""
     clients = servers.clients
     reference = [c.is_reference_server for c in clients]
     if any(reference) and not all(reference):
         return ("the servers are of two kinds (reference server and real SGLang), and a delta goes to each kind "
                 "another way; publish to each kind with a publisher of its own"), None
-    if not all(reference):
-        missing = [c.url for c in clients if LOADER not in c.custom_weight_loaders]
-        if missing:
-            return (f"{', '.join(missing)} was not started with --custom-weight-loader {LOADER}, so it cannot "
-                    "apply a delta"), None
+    if all(reference):  # each checks the base itself, refusing before it stages anything: no round trip here
+        return None, "native"
+    missing = [c.url for c in clients if LOADER not in c.custom_weight_loaders]
+    if missing:
+        return (f"{', '.join(missing)} was not started with --custom-weight-loader {LOADER}, so it cannot "
+                "apply a delta"), None
     off = {u: v for u, v in servers.weight_versions().items() if v != str(base_version)}
     if off:
         return ("a server does not serve the base version " + str(base_version) + ": "
                 + ", ".join(f"{u} serves {v}" for u, v in off.items())), None
-    return None, "native" if all(reference) else "loader"
+    return None, "loader"
 
 
 def table(db, enc, version: int, first: bool) -> dict:
