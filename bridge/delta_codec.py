@@ -139,11 +139,12 @@ def changed_positions(new: torch.Tensor, old: torch.Tensor, kind: int, mask: tor
 
 
 def write_record(out: torch.Tensor, tensor: int, kind: int, start: int, piece: torch.Tensor,
-                 positions: torch.Tensor | None, count: int) -> int:
+                 positions: torch.Tensor | None, count: int, values: torch.Tensor | None = None) -> int:
     """Write one record into the uint8 tensor ``out`` (8-byte aligned, long enough); its byte size.
 
     ``piece`` is the tensor's new values over ``[start, start + length)`` (flat), ``positions`` what
-    :func:`changed_positions` gave for ``kind`` (None for ``DENSE``)."""
+    :func:`changed_positions` gave for ``kind`` (None for ``DENSE``); ``values``, when given, the new values
+    at the changed positions (else taken from ``piece``)."""
     length, itemsize = piece.numel(), piece.element_size()
     nbytes = record_nbytes(kind, length, count, itemsize)
     header = torch.tensor([tensor, kind, start, length, count, itemsize], dtype=torch.int64)
@@ -155,12 +156,14 @@ def write_record(out: torch.Tensor, tensor: int, kind: int, start: int, piece: t
     if kind == BITMASK:
         n = positions.numel()
         out[at : at + n].copy_(positions)
-        values = piece[unpack_bits(positions.cpu(), length).to(piece.device)]
+        if values is None:
+            values = piece[unpack_bits(positions.cpu(), length).to(piece.device)]
         at += _pad8(n)
     else:
         width = positions.element_size()
         out[at : at + count * width].view(positions.dtype).copy_(positions)
-        values = piece.index_select(0, positions.to(piece.device))
+        if values is None:
+            values = piece.index_select(0, positions.to(piece.device))
         at += _pad8(count * width)
     out[at : at + count * itemsize].view(piece.dtype).copy_(values)
     return nbytes

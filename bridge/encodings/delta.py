@@ -39,9 +39,9 @@ from bridge.delta_codec import (
     changed_positions,
     choose,
     combine_digest,
+    pack_bits,
     piece_crc,
     record_nbytes,
-    unpack_bits,
 )
 from bridge.encodings.base import Encoding
 from bridge.encodings.registry import register_encoding
@@ -99,9 +99,10 @@ class _Change:
     kind: int
     count: int
     nbytes: int
-    positions: torch.Tensor | None = None  # record positions (sparse) or packed bits (bitmask, dense)
-    old: torch.Tensor | None = None  # the values overwritten, in position order; None: the tensor was new
-    undo_bits: bool = False  # positions are packed bits
+    positions: torch.Tensor | None = None  # the changed positions (None: dense)
+    old: torch.Tensor | None = None  # what was overwritten: at the positions, or all (dense); None: new tensor
+    values: torch.Tensor | None = None  # the new values at the positions (None: dense, they are the base)
+    bits: torch.Tensor | None = None  # a bitmask record's packed bits
 
 
 @dataclass
@@ -188,14 +189,22 @@ class DeltaEncoding(Encoding):
         if not count:
             return None
         kind, nbytes = choose(n, count, itemsize)
-        # A dense record needs no positions, but the undo log keeps its bits.
-        positions = changed_positions(new, held.base, BITMASK if kind == DENSE else kind, mask)
-        first = int(positions[0]) if kind in (SPARSE32, SPARSE64) else int(mask.view(torch.uint8).argmax())
         bits = held.base.view(ints)
+        if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
+            first = int(mask.view(torch.uint8).argmax())
+            self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
+            old = held.base.clone()
+            held.base.copy_(new)
+            return _Change(kind, count, nbytes, old=old)
+        # Positions once (numpy's flatnonzero), then every gather by position: a boolean index scans the whole
+        # mask again, each time.
+        positions = changed_positions(new, held.base, SPARSE64 if n >= 2**31 else SPARSE32, mask)
+        first = int(positions[0])
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
-        old = held.base[mask]
+        old = held.base.index_select(0, positions)
+        values = new.index_select(0, positions)
         held.base.copy_(new)
-        return _Change(kind, count, nbytes, positions, old, undo_bits=kind in (BITMASK, DENSE))
+        return _Change(kind, count, nbytes, positions, old, values, pack_bits(mask) if kind == BITMASK else None)
 
     def _scratch(self, key: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``n`` elements of a buffer kept across tensors and syncs (as large as this rank's largest piece):
@@ -308,8 +317,8 @@ class DeltaEncoding(Encoding):
             if ch.old is None:  # new in this sync: there is no base of it
                 del self.base[name]
                 self.base_version = None
-            elif ch.undo_bits:
-                held.base[unpack_bits(ch.positions.cpu(), held.base.numel()).to(held.base.device)] = ch.old
+            elif ch.positions is None:
+                held.base.copy_(ch.old)
             else:
                 held.base[ch.positions.to(held.base.device, torch.int64)] = ch.old
         self.changes = {}
