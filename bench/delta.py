@@ -85,8 +85,9 @@ class DeltaRows:
 # ------------------------------------------------------------------------------------------ report side
 
 
-def delta_fields(rec: dict, items: dict, floor_median: float | None) -> dict:
-    """A delta row's own figures (``rec`` is its item's record, ``items`` every item of its size)."""
+def delta_fields(rec: dict, items: dict, floor: str, floor_median: float | None) -> dict:
+    """A delta row's own figures (``rec`` is its item's record, ``items`` every item of its size; ``floor`` the
+    broadcast floor's row, of median ``floor_median``)."""
     runs = rec["runs"]
     if not runs:
         return {}
@@ -100,7 +101,8 @@ def delta_fields(rec: dict, items: dict, floor_median: float | None) -> dict:
         "lr": runs[0]["lr"], "changed_fraction": statistics.median(r["changed_fraction"] for r in runs),
         "bytes": moved, "full_bytes": full, "bytes_fraction": moved / full if full else None,
         "full_method": flat, "full_seconds": flat_s, "speedup_vs_full": flat_s / med if flat_s else None,
-        "ratio": floor_median / med if floor_median else None, "sent": sent,
+        "ratio": floor_median / med if floor_median else None, "floor": floor, "floor_seconds": floor_median,
+        "sent": sent,
         "base_bytes": runs[0].get("base_bytes"),
     }
 

@@ -148,7 +148,7 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
             if kind == "disk":
                 row["phases"] = {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]}
             if kind == "delta":  # its time against the full flattened sync and the floor (bench.delta)
-                row.update(delta_fields(rec, items, floor_stats.get(FLOOR_BROADCAST, {}).get("median")))
+                row.update(delta_fields(rec, items, FLOOR_BROADCAST, floor_stats.get(FLOOR_BROADCAST, {}).get("median")))
             if name == "raw-broadcast":
                 row["server_seconds"] = stats([r["server_seconds"] for r in runs])
             if name in ("raw-disk", "raw-shm"):

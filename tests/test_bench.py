@@ -177,3 +177,29 @@ def test_report_ratios_are_floor_over_method_per_round():
     assert [t["met"] for t in targets] == [False, False, None, None, True, False, False]
     text = format_table(rows, targets)
     assert "MISSED" in text and "[    MET     ]" in text and "not measured" in text
+
+
+def test_delta_rows_in_the_report():
+    """Delta rows: against the full flattened sync and the broadcast floor of the same run, with the targets."""
+    from bench.report import build_rows, check_targets, format_table
+
+    def runs(values, **extra):
+        extra = {"bytes": 400, **extra}
+        return {"first": {"seconds": values[0], **extra}, "runs": [{"seconds": v, **extra} for v in values]}
+
+    flat = dict(bytes=400, buckets=2, peak_extra_bytes=10, bucket_bytes=2**25, largest_bucket_bytes=200, phases={},
+                gather_item="gather-32MiB")
+    delta = dict(bytes=20, full_bytes=400, encoding="delta", anchor_reason=None, changed_fraction=0.01, lr=1e-6,
+                 peak_extra_bytes=5, bucket_bytes=2**25, base_bytes=200, buckets=2)
+    items = {"raw-gather": runs([1.0, 1.0]), "raw-broadcast": runs([0.5, 0.5], server_seconds=0.4),
+             "gather-32MiB": runs([1.0, 1.0]),
+             "flat-32MiB": runs([2.0, 2.0], **flat), "delta-lr1e-06": runs([0.5, 0.5], **delta),
+             "delta-lr1e-05": runs([1.0, 1.0], **{**delta, "lr": 1e-5, "bytes": 80, "changed_fraction": 0.1})}
+    rows = build_rows([{"label": "medium", "params": 200, "bytes": 400, "tensors": 3, "items": items}])
+    by = {r["method"]: r for r in rows}
+    d = by["delta-lr1e-06"]
+    assert d["kind"] == "delta" and d["bytes_fraction"] == pytest.approx(0.05) and d["speedup_vs_full"] == pytest.approx(4.0)
+    assert d["ratio"] == pytest.approx(1.5 / 0.5) and d["sent"] == ["delta", "delta"]
+    targets = [t for t in check_targets(rows) if t["target"].startswith("delta")]
+    assert [t["met"] for t in targets] == [True, True]
+    assert "delta-lr1e-06: 1.00% of the elements changed" in format_table(rows, check_targets(rows))

@@ -4,16 +4,18 @@ Every trainer rank keeps the serving-dtype bytes of its own shard as last commit
 per parameter of its shard in bf16, on the parameters' device (``base_bytes``). At each publish, in the
 prepare step, a rank casts its shard, compares it bit for bit with the base, and for each tensor it holds
 picks the smallest of indices + values, bitmask + values, or the dense piece (:mod:`bridge.delta_codec`);
-it writes the new bytes into the base at once and keeps what it overwrote (an undo log of at most
-``count`` positions and old values per tensor), so a failed sync puts the base back exactly and a committed
-one only drops the log. The base therefore moves only when a publish commits.
+it writes the new bytes into the base at once and keeps what it overwrote (an undo log: the changed
+positions and old values of each tensor, or a copy of a tensor that changed almost entirely), so a failed
+sync puts the base back exactly and a committed one only drops the log. The base therefore moves only when
+a publish commits. During a sync a rank also holds the new values at the changed positions (what its records
+carry) and two scratch buffers as large as its largest piece (the cast piece and its change mask).
 
 Every rank learns every rank's encoded sizes, so all of them plan the same *delta buckets* (whole tensors,
 up to ``bucket_mb`` of encoded bytes each) and decide alike whether this sync must be an *anchor*, a full
 sync: there is no base yet; every ``delta_anchor_every`` versions; the delta is over ``delta_max_fraction``
-of the full bytes. Rank 0, once the servers are paused, also sends an anchor when a server does not report
-the base version, when the servers are of two kinds (reference server and real SGLang), when real SGLang
-was not started with the loader (``--custom-weight-loader``), and after a failed sync into real SGLang
+of the full bytes. Rank 0, once the servers are paused, also sends an anchor when the servers are of two
+kinds (reference server and real SGLang), when real SGLang was not started with the loader
+(``--custom-weight-loader``) or does not report the base version, and after a failed sync into real SGLang
 (which loads buckets as they arrive, so it may hold part of it). The reason is logged and reported
 (``PublishResult.encoding``, ``.anchor_reason``).
 
