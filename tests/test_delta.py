@@ -115,6 +115,7 @@ def _engine(lr: float):
 def _publisher(transport: str, urls: list[str], **kw):
     from bridge import PublisherConfig, WeightPublisher
 
+    kw.setdefault("delta_max_fraction", 0.5)  # lr 1e-5 changes about a quarter of the tiny model's elements
     return WeightPublisher(PublisherConfig(transport=transport, servers=urls, bucket_mb=0.25, encoding="delta",
                                            group_timeout=20, http_timeout=20, progress=False, **kw))
 
@@ -241,7 +242,7 @@ def test_wsync_train_encoding_delta(server):
     refused = wsync("--publish", "disk", "--encoding", "delta", "--server", server.url)
     assert refused.returncode == 2 and "broadcast or colocated" in refused.stderr.strip().splitlines()[-1], refused.stderr
     out = wsync("--nproc", "1", "--steps", "3", "--lr", "1e-5", "--publish", "broadcast", "--encoding", "delta",
-                "--server", server.url)
+                "--delta-max-fraction", "0.5", "--server", server.url)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if "published" in ln]
     assert len(lines) == 3 and "anchor (no base yet)" in lines[0], out.stdout
@@ -270,3 +271,31 @@ def test_a_staged_delta_is_not_applied_on_bytes_that_changed_after_its_base_was_
     with pytest.raises(ServerError, match="changed after the delta's base was checked"):
         c.end_weight_update()
     assert c.weights_checksum() == loaded
+
+
+def _anchors_decided_early(url: str):
+    """Every rank: anchors every 3 versions (decided before diffing; the base refreshed at commit), then a
+    publisher whose delta_max_fraction is below what one step changes (its rank estimates it from a sample)."""
+    from tests import sync_bodies as sb
+
+    engine = _engine(1e-5)
+    rows = []
+    for kw, versions in (({"delta_anchor_every": 3}, range(1, 6)), ({"delta_max_fraction": 0.01}, range(6, 9))):
+        pub = _publisher("broadcast", [url], **kw)
+        try:
+            for v in versions:
+                sb.train_step(engine, v)
+                rows.append(_row(engine, [url], pub.publish(engine, version=v)))
+        finally:
+            pub.close()
+    engine.destroy()
+    return rows
+
+
+def test_anchors_decided_before_the_diff_refresh_the_base(server):
+    rows, _ = run_ranks(_anchors_decided_early, 2, args=(server.url,), timeout=400)
+    got = [(r["version"], r["encoding"]) for r in rows]
+    assert got == [(1, "anchor"), (2, "delta"), (3, "delta"), (4, "anchor"), (5, "delta"),
+                   (6, "anchor"), (7, "anchor"), (8, "anchor")], rows  # (6: a new publisher, no base yet)
+    assert "every 3 versions" in rows[3]["reason"] and "from a sample" in rows[6]["reason"], rows
+    assert all(r["equal"] == {server.url: True} for r in rows), rows  # v5: a delta on the base refreshed at v4

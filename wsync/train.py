@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--encoding delta: a full sync at least every N versions (default: 50)")
     p.add_argument("--delta-max-fraction", type=float, default=None, metavar="F",
                    help="--encoding delta: send a full sync when the delta is over this fraction of the full bytes "
-                        "(default: 0.5)")
+                        "(default: 0.1)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO; env WSYNC_LOG_LEVEL)")
     add_transport_options(p)
 

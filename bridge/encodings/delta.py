@@ -130,6 +130,7 @@ class DeltaEncoding(Encoding):
         self._sender = None
         self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
+        self._refresh: list = []  # this rank's pieces to copy into the base at commit (an anchor decided early)
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
@@ -157,11 +158,17 @@ class DeltaEncoding(Encoding):
     def prepare(self, source, specs: list[ParamSpec]) -> dict:
         source.require(("local_shards",), "the delta encoding")
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
-        self.changes, self.probes = {}, {}
-        sizes, whole, changed, numel, fresh = {}, [], 0, 0, False
-        for sh in source.local_shards(specs):
-            if sh.whole:
-                whole.append(sh.spec.name)
+        self.changes, self.probes, self._refresh = {}, {}, []
+        shards = source.local_shards(specs)
+        whole = [sh.spec.name for sh in shards if sh.whole]
+        skip = self._anchor_ahead([sh for sh in shards if sh.local is not None])
+        if skip is not None:  # an anchor for sure: no diff; the base is refreshed from the weights at commit
+            reason, changed, numel = skip
+            self._refresh = [sh for sh in shards if sh.local is not None]
+            return {"skip": reason, "sizes": {}, "whole": whole, "changed": changed, "numel": numel, "fresh": False,
+                    "crcs": crcs, "probes": {}}
+        sizes, changed, numel, fresh = {}, 0, 0, False
+        for sh in shards:
             if sh.local is None:
                 continue
             ch = self._diff(sh.spec, sh.local, sh.start)
@@ -172,8 +179,38 @@ class DeltaEncoding(Encoding):
             sizes[sh.spec.name] = ch.nbytes
             changed += ch.count
             fresh |= ch.old is None
-        return {"sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh, "crcs": crcs,
-                "probes": self.probes}
+        return {"skip": None, "sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh,
+                "crcs": crcs, "probes": self.probes}
+
+    def _anchor_ahead(self, owned: list) -> tuple[str, int, int] | None:
+        """(why, estimated changed elements, elements) when this rank knows before diffing that the sync will be
+        an anchor: every ``delta_anchor_every`` versions, or when a sample (1 element in 64) says the delta
+        would be over ``delta_max_fraction`` of this rank's bytes. Then the sync costs a full one and little
+        more: no diff, only the base refreshed at commit. None: diff (also when there is no base to sample)."""
+        cfg = self.config
+        numel = sum(sh.local.numel() for sh in owned)
+        if self.base_version is None or any(self._fresh(sh) for sh in owned):
+            return None
+        if self.since_anchor + 1 >= cfg.delta_anchor_every:
+            return f"an anchor every {cfg.delta_anchor_every} versions (delta_anchor_every)", 0, numel
+        est = changed = full = 0
+        for sh in owned:
+            n, itemsize = sh.local.numel(), sh.spec.dtype.itemsize
+            stride = 64 if n >= 4096 else 1
+            ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+            sample = sh.local.detach().reshape(-1)[::stride].to(sh.spec.dtype)
+            hits = int(torch.count_nonzero(sample.view(ints) != self.base[sh.spec.name].base[::stride].view(ints)))
+            count = min(n, round(hits * n / max(1, sample.numel())))
+            est, changed, full = est + (choose(n, count, itemsize)[1] if count else 0), changed + count, full + n * itemsize
+        if est > cfg.delta_max_fraction * full:
+            return (f"the delta would be about {est / max(1, full):.0%} of the full bytes (from a sample of 1 element "
+                    f"in 64), over delta_max_fraction={cfg.delta_max_fraction:g}"), changed, numel
+        return None
+
+    def _fresh(self, sh) -> bool:
+        held = self.base.get(sh.spec.name)
+        return held is None or held.start != sh.start or held.base.numel() != sh.local.numel() or \
+            held.base.dtype != sh.spec.dtype
 
     def _diff(self, spec: ParamSpec, local: torch.Tensor, start: int) -> _Change | None:
         n = local.numel()
@@ -236,6 +273,8 @@ class DeltaEncoding(Encoding):
                 enc.probes.setdefault(name, {"shape": shapes[name], "items": []})["items"] += items
         if self.base_version is None or any(s["fresh"] for s in summaries):
             enc.reason = "no base yet" if self.base_version is None else "the trainer's tensors changed shape"
+        elif any(s["skip"] for s in summaries):
+            enc.reason = next(s["skip"] for s in summaries if s["skip"])
         elif self.since_anchor + 1 >= cfg.delta_anchor_every:
             enc.reason = f"an anchor every {cfg.delta_anchor_every} versions (delta_anchor_every)"
         elif total > cfg.delta_max_fraction * plan.nbytes:
@@ -301,9 +340,13 @@ class DeltaEncoding(Encoding):
 
     # ------------------------------------------------------------------ the end of a sync
 
+    @torch.no_grad()
     def committed(self, plan) -> None:
         enc = plan.encoded
+        for sh in self._refresh:  # an anchor decided before diffing: the base becomes the weights just sent
+            self.base[sh.spec.name].base.copy_(sh.local.detach().reshape(-1))
         self.changes, self._sender, self.force_reason, self._into_real_sglang = {}, None, None, False
+        self._refresh = []
         self.base_version = plan.version
         self.since_anchor = 0 if enc.mode == "anchor" else self.since_anchor + 1
         pieces = [(name, h.start, h.base) for name, h in self.base.items()]
@@ -311,7 +354,7 @@ class DeltaEncoding(Encoding):
 
     @torch.no_grad()
     def failed(self, plan) -> None:
-        self._sender = None  # (plan is None when the sync failed before it was planned)
+        self._sender, self._refresh = None, []  # (plan is None when the sync failed before it was planned)
         for name, ch in self.changes.items():
             held = self.base.get(name)
             if held is None:
