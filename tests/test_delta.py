@@ -274,8 +274,12 @@ def test_a_staged_delta_is_not_applied_on_bytes_that_changed_after_its_base_was_
 
 
 def _anchors_decided_early(url: str):
-    """Every rank: anchors every 3 versions (decided before diffing; the base refreshed at commit), then a
-    publisher whose delta_max_fraction is below what one step changes (its rank estimates it from a sample)."""
+    """Every rank: anchors every 3 versions (decided before diffing; the base copied beside the transfer), then
+    a publisher whose delta_max_fraction is below what one step changes (its rank estimates it from a sample);
+    v7 fails once at settle first (the half-copied base is dropped: v7 is then an anchor with no base)."""
+    import os
+
+    from bridge.errors import SyncError
     from tests import sync_bodies as sb
 
     engine = _engine(1e-5)
@@ -285,6 +289,11 @@ def _anchors_decided_early(url: str):
         try:
             for v in versions:
                 sb.train_step(engine, v)
+                if v == 7:
+                    os.environ["WSYNC_FAILPOINTS"] = "settle@1"
+                    with pytest.raises(SyncError):
+                        pub.publish(engine, version=v)
+                    del os.environ["WSYNC_FAILPOINTS"]
                 rows.append(_row(engine, [url], pub.publish(engine, version=v)))
         finally:
             pub.close()
@@ -297,5 +306,6 @@ def test_anchors_decided_before_the_diff_refresh_the_base(server):
     got = [(r["version"], r["encoding"]) for r in rows]
     assert got == [(1, "anchor"), (2, "delta"), (3, "delta"), (4, "anchor"), (5, "delta"),
                    (6, "anchor"), (7, "anchor"), (8, "anchor")], rows  # (6: a new publisher, no base yet)
-    assert "every 3 versions" in rows[3]["reason"] and "from a sample" in rows[6]["reason"], rows
+    assert "every 3 versions" in rows[3]["reason"] and "from a sample" in rows[7]["reason"], rows
+    assert rows[6]["reason"] == "no base yet", rows[6]  # v7 after its failed try
     assert all(r["equal"] == {server.url: True} for r in rows), rows  # v5: a delta on the base refreshed at v4

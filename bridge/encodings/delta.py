@@ -130,7 +130,7 @@ class DeltaEncoding(Encoding):
         self._sender = None
         self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
-        self._refresh: list = []  # this rank's pieces to copy into the base at commit (an anchor decided early)
+        self._refresh: cf.Future | None = None  # an anchor decided early: the copy of the weights into the base
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
@@ -158,13 +158,14 @@ class DeltaEncoding(Encoding):
     def prepare(self, source, specs: list[ParamSpec]) -> dict:
         source.require(("local_shards",), "the delta encoding")
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
-        self.changes, self.probes, self._refresh = {}, {}, []
+        self.changes, self.probes, self._refresh = {}, {}, None
         shards = source.local_shards(specs)
         whole = [sh.spec.name for sh in shards if sh.whole]
         skip = self._anchor_ahead([sh for sh in shards if sh.local is not None])
-        if skip is not None:  # an anchor for sure: no diff; the base is refreshed from the weights at commit
+        if skip is not None:  # an anchor for sure: no diff; the base becomes the weights while the buckets travel
             reason, changed, numel = skip
-            self._refresh = [sh for sh in shards if sh.local is not None]
+            owned = [sh for sh in shards if sh.local is not None]
+            self._refresh = self._pool.submit(self._copy_into_base, owned)  # (copy_ releases the GIL)
             return {"skip": reason, "sizes": {}, "whole": whole, "changed": changed, "numel": numel, "fresh": False,
                     "crcs": crcs, "probes": {}}
         sizes, changed, numel, fresh = {}, 0, 0, False
@@ -206,6 +207,11 @@ class DeltaEncoding(Encoding):
             return (f"the delta would be about {est / max(1, full):.0%} of the full bytes (from a sample of 1 element "
                     f"in 64), over delta_max_fraction={cfg.delta_max_fraction:g}"), changed, numel
         return None
+
+    @torch.no_grad()
+    def _copy_into_base(self, owned: list) -> None:
+        for sh in owned:
+            self.base[sh.spec.name].base.copy_(sh.local.detach().reshape(-1))
 
     def _fresh(self, sh) -> bool:
         held = self.base.get(sh.spec.name)
@@ -343,10 +349,10 @@ class DeltaEncoding(Encoding):
     @torch.no_grad()
     def committed(self, plan) -> None:
         enc = plan.encoded
-        for sh in self._refresh:  # an anchor decided before diffing: the base becomes the weights just sent
-            self.base[sh.spec.name].base.copy_(sh.local.detach().reshape(-1))
+        if self._refresh is not None:  # an anchor decided before diffing: its base copy ran beside the transfer
+            self._refresh.result()
         self.changes, self._sender, self.force_reason, self._into_real_sglang = {}, None, None, False
-        self._refresh = []
+        self._refresh = None
         self.base_version = plan.version
         self.since_anchor = 0 if enc.mode == "anchor" else self.since_anchor + 1
         pieces = [(name, h.start, h.base) for name, h in self.base.items()]
@@ -354,7 +360,10 @@ class DeltaEncoding(Encoding):
 
     @torch.no_grad()
     def failed(self, plan) -> None:
-        self._sender, self._refresh = None, []  # (plan is None when the sync failed before it was planned)
+        self._sender = None  # (plan is None when the sync failed before it was planned)
+        if self._refresh is not None:  # the base was being overwritten with weights no server holds: drop it
+            self._refresh.exception()
+            self._refresh, self.base, self.base_version = None, {}, None
         for name, ch in self.changes.items():
             held = self.base.get(name)
             if held is None:
