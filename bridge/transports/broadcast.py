@@ -108,9 +108,7 @@ class BroadcastTransport(Transport):
 
     def begin(self, plan: Plan) -> None:
         self.load_format = self._pick_load_format()
-        if self.sessions is None:  # one for every sync: its threads are started once
-            self.sessions = ServerSessions(self.servers, self.config.pause_mode)
-        self.sessions.pause_mode = self.config.pause_mode
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
         self.sessions.open()
         t = time.perf_counter()
         self._ensure_group()

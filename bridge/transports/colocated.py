@@ -89,9 +89,7 @@ class ColocatedTransport(Transport):
 
     def begin(self, plan: Plan) -> None:
         self.device = self._choose_device()
-        if self.sessions is None:  # one for every sync: its threads are started once
-            self.sessions = ServerSessions(self.servers, self.config.pause_mode)
-        self.sessions.pause_mode = self.config.pause_mode
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
         self.sessions.open()
 
     def _choose_device(self) -> torch.device | None:
