@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -277,12 +278,10 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
 
 
 def _has_disk_writers() -> bool:
-    """True when the publisher can choose who writes a disk snapshot (``PublisherConfig.disk_writers``)."""
-    import dataclasses
+    """True when the publisher can choose who writes a disk snapshot (the disk transport's ``disk_writers``)."""
+    from bridge.transports import transport_class
 
-    from bridge import PublisherConfig
-
-    return any(f.name == "disk_writers" for f in dataclasses.fields(PublisherConfig))
+    return any(f.name == "disk_writers" for f in dataclasses.fields(transport_class("disk").Options))
 
 
 def _start_watcher(disk: dict, url: str, timeout: float):

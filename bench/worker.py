@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from bridge.errors import BridgeError, ConfigError
 from bridge.log import get_logger
-from bridge.tensors import dtype_from_str
+from bridge.tensors import dtype_from_str, host_buffer
 
 __all__ = ["EXPERIMENT", "RAW_GROUP", "run_worker"]
 
@@ -304,7 +304,10 @@ class _Bench:
         buckets = plan_buckets(self.wire, bucket_bytes)
         t0 = time.perf_counter()
         for bucket in buckets:
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if self.rank0 else None
+            buf = None
+            if self.rank0:  # as the transports allocate: host buckets pinned on a CUDA trainer
+                buf = host_buffer(bucket.nbytes) if device.type == "cpu" else torch.empty(
+                    bucket.nbytes, dtype=torch.uint8, device=device)
             self.engine.gather_bucket(bucket, buf, group=self.gather_group)
             del buf
         self._sync()

@@ -44,7 +44,16 @@ class PublisherConfig:
     custom process group, one broadcast per bucket; ``colocated``, servers on this host, buckets handed
     over by reference; ``disk``, HF snapshots announced in name resolution."""
     servers: Sequence[str] = ()
-    """Base URLs of the servers (required unless the transport can do without: disk waits for them)."""
+    """Base URLs of the servers (a fixed list; or, with ``server_registry``, found at every publish)."""
+    server_registry: str | Sequence[str] | None = None
+    """Where the servers are found, read again at the start of every publish: ``etcd://host:port`` or
+    ``file:///dir`` (servers registered under ``wsync/<experiment>/<trial>/servers/``), or
+    ``router+http://host:port`` (the workers of an sglang-router or smg); several for a registry and the
+    router that is the rotation (README, "Fleet")."""
+    min_servers: int = 1
+    """A publish fails when fewer servers than this answer, or take the version (a dead one is excluded)."""
+    probe_timeout: float = 5.0
+    """Seconds each server has to answer the probe before every sync (at most ``http_timeout``)."""
     experiment: str = "default"
     """Experiment name: part of the run id servers see and of the announcement keys."""
     trial: str = "trial0"
@@ -127,6 +136,18 @@ class PublisherConfig:
         for name in ("http_timeout", "group_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if isinstance(self.server_registry, str) or self.server_registry is None:
+            registries = [self.server_registry] if self.server_registry else []
+        else:
+            registries = self.server_registry = list(self.server_registry)
+        from bridge.fleet.sources import check_registry_url
+
+        for url in registries:
+            check_registry_url(url)
+        if isinstance(self.min_servers, bool) or not isinstance(self.min_servers, int) or self.min_servers < 1:
+            raise ConfigError(f"min_servers must be an integer >= 1, got {self.min_servers!r}")
+        if not self.probe_timeout > 0:
+            raise ConfigError(f"probe_timeout must be a positive number of seconds, got {self.probe_timeout}")
         if self.backend not in (None, "nccl", "gloo"):
             raise ConfigError(f"backend must be nccl or gloo (or None: nccl with CUDA, gloo without), got {self.backend!r}")
 

@@ -33,6 +33,7 @@ from bridge.errors import ConfigError
 
 __all__ = [
     "ADMIN_ROUTES",
+    "ANOTHER_WRITER",
     "DEFAULT_GROUP_NAME",
     "SESSION_REQUIRED_MESSAGE",
     "SHM_LOAD_FORMAT",
@@ -72,6 +73,11 @@ SHM_LOAD_FORMAT = "wsync_shm"
 VERSION_GOES_BACK = "version_goes_back"
 """``wsync_reason`` of the reference server's 400 for a version older than the served one without a new
 run; the client raises :class:`bridge.errors.VersionError` for it."""
+
+ANOTHER_WRITER = "another_writer"
+"""``wsync_reason`` of the reference server's 409 for a weight change while another writer holds the server: a
+writer (``wsync_writer``, with its run ``wsync_run_id``) holds it from ``/wsync/writer_lease`` until it releases
+it or its lease runs out; the message names the holder's run and writer."""
 
 SNAPSHOT_INVALID = "snapshot_invalid"
 """``wsync_reason`` of the reference server's 400 for a snapshot that fails verification against its
@@ -143,6 +149,29 @@ class ProtocolFeatures:
     does (:meth:`bridge.client.ServerClient.pause_generation`)."""
 
     @property
+    def flush_refused_while_retracted(self) -> bool:
+        """0.5.9-0.5.20: the scheduler's ``flush_cache`` counts the waiting queue, where a ``retract`` pause puts
+        the requests in flight, so an update that asks for a flush while paused that way is refused (and, with
+        :attr:`flush_asserts`, kills the server). Seen running SGLang's own code (``tests/test_sglang_versions.py``):
+        a retract-paused flushing update with a request in flight succeeds on 0.5.8 and 0.5.21 and kills 0.5.20's
+        scheduler; in the source, 0.5.20's ``flush_cache`` checks ``is_fully_idle()``, waiting queue included,
+        0.5.21 added ``ignore_waiting`` while paused, and 0.5.6-0.5.8's ``_is_no_request`` counts only running
+        batches. No release between 0.5.8 and 0.5.20 is installed, so the gate starts at the first of them; the
+        client then sends no flush (as paused in place)."""
+        return (0, 5, 9) <= self.release < (0, 5, 21)
+
+    @property
+    def default_pause_mode(self) -> str:
+        """The mode ``pause_mode="auto"`` pauses with: one that keeps the requests in flight (they go on after
+        the update instead of coming back aborted), where this version has one whose update can still flush the
+        cache. ``retract`` (0.5.6-0.5.8 and 0.5.21+: requests are re-queued and recomputed on the new weights, and
+        the flush ignores them); ``in_place`` (0.5.9-0.5.20, :attr:`flush_refused_while_retracted`: requests keep
+        their cache, and the client sends no flush while paused so); ``abort`` before 0.5.6, which has no modes."""
+        if not self.pause_mode:
+            return "abort"
+        return "in_place" if self.flush_refused_while_retracted else "retract"
+
+    @property
     def version_lost_when_paused(self) -> bool:
         """0.5.6 only: an update sent while the server is paused returns before the tokenizer side records its
         ``weight_version`` (0.5.1-0.5.5 record it in the HTTP route, 0.5.7 fixed the tokenizer side); the client
@@ -182,7 +211,7 @@ ADMIN_ROUTES = frozenset({
     "/update_weights_from_disk", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
     "/release_memory_occupation", "/resume_memory_occupation", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
-    "/wsync/abort_weight_update",
+    "/wsync/abort_weight_update", "/wsync/writer_lease",
 })
 
 

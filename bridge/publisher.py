@@ -47,9 +47,7 @@ import logging
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +62,7 @@ from bridge.interrupts import held
 from bridge.log import fmt_bytes, get_logger, progress_bar
 from bridge.memory import PeakMemory
 from bridge.process_group import default_backend
+from bridge.result import PublishResult
 from bridge.sources import CheckedSource, WeightSource, check_source
 from bridge.tensors import ParamSpec, dtype_from_str
 from bridge.transports import Plan, RankPart, Transport, transport_class
@@ -82,37 +81,6 @@ SLACK_S = 10.0
 """Added to a step's own bound before the other ranks give up waiting for a rank (it died or hangs)."""
 
 
-@dataclass
-class PublishResult:
-    """What one publish did. ``servers`` maps each server URL to ``"ok"`` or its error message."""
-
-    version: int
-    transport: str
-    bytes: int
-    seconds: float
-    buckets: int = 0
-    servers: dict[str, str] = field(default_factory=dict)
-    path: str | None = None
-    retried: bool = False
-    peak_extra_bytes: int = 0
-    """Rank 0's peak extra host (or device) memory during the transfer, measured."""
-    phases: dict[str, float] = field(default_factory=dict)
-    encoding: str = "full"  # what was sent: full, delta, or anchor (a full sync of the delta encoding)
-    anchor_reason: str | None = None  # why a delta publisher sent an anchor
-    changed_fraction: float | None = None  # delta encoding: the fraction of the elements changed since the base
-    base_bytes: int = 0  # delta encoding: this rank's memory for its base (its shard in the serving dtype)
-
-    @property
-    def gbps(self) -> float:
-        """Throughput in GB/s (10^9 bytes per second) of the bytes on the wire."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["gbps"] = self.gbps
-        return d
-
-
 class WeightPublisher:
     """Publishes versioned weights to a set of servers. See the module docstring for the steps."""
 
@@ -126,7 +94,7 @@ class WeightPublisher:
         self._last_digest: int | None = None
         self._agree = Agreement.of_default_group()
         self._rank = self._agree.rank
-        self._servers = None
+        self._fleet = None  # rank 0: where the servers are found, which answer, which are in rotation
         self._kind = transport_class(config.transport)
         self._encoding = encoding_class(config.encoding)(config, self._rank, self._agree.world)
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
@@ -137,16 +105,9 @@ class WeightPublisher:
 
     @property
     def servers(self):
-        """The :class:`bridge.client.ServerGroup` of the configured servers (rank 0 only talks to them)."""
-        if self._servers is None and self.config.servers:
-            from bridge.client import ServerGroup
-
-            self._servers = ServerGroup(
-                self.config.servers, api_key=self.config.api_key, admin_api_key=self.config.admin_api_key,
-                timeout=self.config.http_timeout,
-            )
-            self._servers.claim_run(self.run_id, new_run=self.config.new_run)
-        return self._servers
+        """The :class:`bridge.client.ServerGroup` of the last publish's servers, the ones that answered
+        (rank 0 only talks to them; None elsewhere and before the first publish)."""
+        return self._fleet.group if self._fleet is not None else None
 
     @property
     def run_id(self) -> str:
@@ -203,7 +164,10 @@ class WeightPublisher:
                 if self._rank != 0:
                     return None
                 failpoint("commit", 0)
-                return {**self._transport.commit(plan, [report for _, report in settled]), "peak": peak}
+                outcome = self._transport.commit(plan, [report for _, report in settled])
+                if self._fleet is not None:  # who took it: in rotation; who did not: out (or too few: raise)
+                    outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
+                return {**outcome, "peak": peak}
 
             outcome = self._agreed("commit", commit, self._commit_bound() + SLACK_S)[0]
         except BridgeError as e:
@@ -219,8 +183,6 @@ class WeightPublisher:
             raise
         self._encoding.committed(plan)
         self.last_version, self._last_digest = version, plan.digest
-        if self.config.new_run and self._servers is not None:  # the run is started; later versions only go up
-            self._servers.claim_run(self.run_id)
         encoded = self._encoding.result(plan)
         result = PublishResult(
             version=version, transport=self.config.transport, bytes=encoded.pop("bytes", outcome.get("bytes", plan.nbytes)),
@@ -242,8 +204,8 @@ class WeightPublisher:
         deadline = time.monotonic() + CLOSE_WAIT_S
         while _pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
             _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
-        transport, part, servers = self._transport, self._part, self._servers
-        self._transport = self._part = self._servers = None
+        transport, part, servers = self._transport, self._part, self._fleet
+        self._transport = self._part = self._fleet = None
         self._encoding.close()
 
         def release() -> None:
@@ -308,8 +270,8 @@ class WeightPublisher:
             failpoint("prepare", self._rank)
             source.require(self._kind.source_needs, f"the {cfg.transport} transport")
             specs = self._wire_specs(source)
-            if self._rank == 0 and self._transport is None:
-                self._transport = self._kind(cfg, self.servers)
+            if self._rank == 0:
+                self._open_servers()
             if self._part is None:
                 self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
             summary, mine = self._encoding.prepare(source, specs), specs if self._rank == 0 else None  # rank 0's are used
@@ -336,6 +298,21 @@ class WeightPublisher:
             )
         plan.retried = True
         return self._with_gather_group(plan)
+
+    def _open_servers(self) -> None:
+        """Rank 0: the servers of this sync, found and probed again (:class:`bridge.fleet.Fleet`), and the
+        transport over them."""
+        cfg = self.config
+        if self._fleet is None and (cfg.servers or cfg.server_registry):
+            from bridge.fleet import Fleet
+
+            self._fleet = Fleet(cfg, self.run_id)
+        snapshot = getattr(self._transport, "newest_snapshot", None)
+        servers = self._fleet.prepare(snapshot) if self._fleet is not None else None
+        if self._transport is None:
+            self._transport = self._kind(cfg, servers)
+        else:
+            self._transport.use_servers(servers)
 
     def _with_gather_group(self, plan: Plan) -> Plan:
         if self._agree.world > 1 and self._gather_group is None:
@@ -380,7 +357,7 @@ class WeightPublisher:
             if self._encoding.sends(plan):
                 return self._encoding.transfer(plan, dict(
                     agreed=lambda name, fn: self._agreed(name, fn, self._bucket_bound() + SLACK_S), part=part,
-                    group=lambda: self._gather_group, leave_group=self._drop_gather_group, servers=self._servers))
+                    group=lambda: self._gather_group, leave_group=self._drop_gather_group, servers=self.servers))
             for k, bucket in enumerate(plan.buckets):
                 self._agreed(f"bucket {k}", lambda k=k, b=bucket: one(k, b), self._bucket_bound() + SLACK_S)
         finally:
@@ -401,6 +378,8 @@ class WeightPublisher:
                     pass
         if self._rank == 0 and began and self._transport is not None:
             status = _abort_within(self._transport, str(error), ABORT_WAIT_S)
+            if self._fleet is not None:  # torn servers: out of rotation until a publish repairs them
+                status = "; ".join(filter(None, [status, self._fleet.failed(self._transport.held())]))
         if began:
             # A gather may have been left half-done on some rank: the next publish builds a new group.
             self._drop_gather_group()
@@ -423,6 +402,8 @@ class WeightPublisher:
             self._part.abort(ABORT_WAIT_S)
         if self._rank == 0 and began and self._transport is not None:
             status = _abort_within(self._transport, f"{type(error).__name__} on rank 0", ABORT_WAIT_S)
+            if self._fleet is not None:
+                self._fleet.failed(self._transport.held())
             if status:
                 logger.warning("%s", status)
 
@@ -497,4 +478,3 @@ def _abort_within(transport: Transport, reason: str, seconds: float) -> str:
 
 _pending_aborts: list[threading.Thread] = []
 """Clean-ups still running after their failed sync raised; ``close()`` gives them time to finish."""
-

@@ -9,7 +9,7 @@ import torch
 
 from bridge.errors import ConfigError
 
-__all__ = ["ParamSpec", "dtype_from_str", "dtype_to_str"]
+__all__ = ["ParamSpec", "dtype_from_str", "dtype_to_str", "host_buffer"]
 
 # The dtypes a weight update may carry. SGLang resolves each with getattr(torch, name), so the wire form
 # is the bare attribute name ("bfloat16"), never "torch.bfloat16".
@@ -73,3 +73,14 @@ class ParamSpec:
     @classmethod
     def from_json(cls, d: dict) -> ParamSpec:
         return cls(str(d["name"]), tuple(int(x) for x in d["shape"]), dtype_from_str(d["dtype"]))
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 buffer of ``nbytes`` in host memory for a bucket, pinned when this process uses CUDA.
+
+    A CUDA trainer's gather copies every tensor of the bucket from the GPU into it: into pageable memory
+    each copy goes through the driver's staging buffer (about 1 GB/s seen on an H200 host), into pinned
+    memory it is one DMA. Pinned blocks come from torch's caching host allocator, so the buckets of later
+    syncs reuse them. A process that never touched CUDA gets plain memory (no CUDA context is created)."""
+    pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)

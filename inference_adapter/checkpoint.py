@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 
 import torch
 
@@ -78,9 +77,12 @@ def missing_problem(tensors: dict[str, torch.Tensor], staged: dict[str, torch.Te
 def _checked_dir(path: str, roots: list[str]) -> str:
     """``path`` resolved, or CheckpointRefused for what must not be loaded.
 
-    Refused: a directory outside ``roots`` once symlinks are resolved; a manifest or index entry that
-    names a file outside the directory (``../``, a symlink out); and any file the loader would open that is
-    not a regular file (a FIFO would block the reader forever) or, for JSON, is implausibly large.
+    Refused: a directory outside ``roots`` once symlinks are resolved; and any file the loader would open
+    (every file the manifest or the index names, and every ``.json`` and ``.safetensors`` file) that is not
+    a regular file directly inside the directory once symlinks are resolved
+    (:func:`bridge.snapshot.manifest.open_entry`: opened without blocking, so a FIFO never freezes the
+    server) or, for the manifest and the index, is implausibly large. A refusal says nothing of where a
+    symlink leads or of the file there.
     """
     from bridge.snapshot import INDEX_NAME, MANIFEST_NAME
     from bridge.snapshot.manifest import under_roots
@@ -95,46 +97,47 @@ def _checked_dir(path: str, roots: list[str]) -> str:
     if not under_roots(real, roots):
         raise CheckpointRefused(f"{path} (resolved: {real}) is outside the directories this server loads from "
                                 f"({', '.join(roots)}); start the server with --disk-root naming the snapshot root")
-    names = set(os.listdir(real))
+    names = {n for n in os.listdir(real) if n.endswith((".safetensors", ".json"))}
     for meta_name, key in ((MANIFEST_NAME, "files"), (INDEX_NAME, "weight_map")):
         if meta_name in names:
             entries = _json_entries(real, meta_name, key)
-            names |= {e for e in entries if isinstance(e, str)}
-            bad = [e for e in entries if not isinstance(e, str) or os.path.basename(e) != e or e in ("", ".", "..")]
-            if bad:
-                raise CheckpointRefused(f"{meta_name} names {bad[0]!r}, which leaves the snapshot directory; entries "
-                                        "must be plain file names inside it")
+            for e in entries:  # checked as they are listed, before any of them is opened for its bytes
+                _check_regular_file(real, e)
+            names |= set(entries)
     for name in sorted(names):
-        if name.endswith((".safetensors", ".json")):
-            _check_regular_file(real, name)
+        _check_regular_file(real, name)
     return real
 
 
 def _json_entries(directory: str, name: str, key: str) -> list:
     """The keys (``files``) or values (``weight_map``) of a small JSON file of the checkpoint."""
-    full = _check_regular_file(directory, name)
-    if os.path.getsize(full) > _MAX_JSON_BYTES:
-        raise CheckpointRefused(f"{name} has {os.path.getsize(full)} bytes, more than a checkpoint's {name} can need")
-    try:
-        with open(full, "rb") as f:
+    fd = _check_regular_file(directory, name, keep_open=True)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > _MAX_JSON_BYTES:
+            raise CheckpointRefused(f"{name} has {size} bytes, more than a checkpoint's {name} can need")
+        try:
             data = json.loads(f.read(_MAX_JSON_BYTES))
-        table = data[key]
-        return list(table) if key == "files" else list(table.values())
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise CheckpointRefused(f"{name} is not a valid {name} ({type(e).__name__}: {e})") from None
+            table = data[key]
+            return list(table) if key == "files" else list(table.values())
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise CheckpointRefused(f"{name} is not a valid {name} ({type(e).__name__}: {e})") from None
 
 
-def _check_regular_file(directory: str, name: str) -> str:
-    """The path of ``name`` in ``directory``; refused unless it resolves to a regular file inside it."""
-    full = os.path.join(directory, name)
-    real = os.path.realpath(full)
-    if os.path.dirname(real) != directory:
-        raise CheckpointRefused(f"{name} resolves to {real}, outside the snapshot directory")
+def _check_regular_file(directory: str, name, keep_open: bool = False) -> int | None:
+    """Refused unless ``name`` is a regular file inside ``directory`` (a missing one is the reader's to
+    report, with the manifest's view of it); with ``keep_open`` its open file descriptor."""
+    from bridge.snapshot.manifest import open_entry
+
     try:
-        st = os.stat(real)
+        fd = open_entry(directory, name)
     except FileNotFoundError:
-        return full  # a missing file is the reader's to report, with the manifest's view of it
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointRefused(f"{name} is not a regular file (a FIFO, device or directory would block or mislead "
-                                "the reader)")
-    return full
+        if keep_open:
+            raise CheckpointRefused(f"{name} disappeared while the checkpoint was read") from None
+        return None
+    except SnapshotError as e:
+        raise CheckpointRefused(str(e).removeprefix(f"snapshot {directory}: ")) from None
+    if keep_open:
+        return fd
+    os.close(fd)
+    return None

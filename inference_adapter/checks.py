@@ -56,18 +56,24 @@ class RunClaim:
 
     run_id: str | None = None
     new_run: bool = False
+    writer: str | None = None
+    """``wsync_writer``: the publisher sending the request (one writer at a time, see
+    :mod:`inference_adapter.writers`); None for a client that does not name itself."""
 
     @classmethod
-    def from_fields(cls, run_id: object, new_run: object) -> RunClaim:
-        """The claim of a request's ``wsync_run_id``/``wsync_new_run`` values; RequestError naming a bad one."""
-        if run_id is not None and not isinstance(run_id, str):
-            raise RequestError(f"wsync_run_id must be a string naming the run, got {type(run_id).__name__}")
-        problem = version_problem(run_id, "wsync_run_id", example="experiment/trial")
-        if problem:
-            raise RequestError(problem)
+    def from_fields(cls, run_id: object, new_run: object, writer: object = None) -> RunClaim:
+        """The claim of a request's ``wsync_run_id``/``wsync_new_run``/``wsync_writer`` values; RequestError naming
+        a bad one."""
+        for field, value, example in (("wsync_run_id", run_id, "experiment/trial"),
+                                      ("wsync_writer", writer, "host:pid:id")):
+            if value is not None and not isinstance(value, str):
+                raise RequestError(f"{field} must be a string, such as {example}, got {type(value).__name__}")
+            problem = version_problem(value, field, example=example)
+            if problem:
+                raise RequestError(problem)
         if not isinstance(new_run, bool):
             raise RequestError(f"wsync_new_run must be true or false, got {new_run!r}")
-        return cls(run_id, new_run)
+        return cls(run_id, new_run, writer)
 
     def starts_new_run(self, served_run_id: str | None) -> bool:
         """True when this request may replace the served version with any other, older ones included."""

@@ -157,7 +157,7 @@ class ModelState(GenerationMixin):
         groups = self.updates.groups
         return {"weight_version": self.version, "paused": self._paused, "running_requests": running,
                 "update_session_open": self.updates.session is not None, "weight_update_groups": groups.names(),
-                "receiving_on_group": groups.receiving}
+                "receiving_on_group": groups.receiving, "writer_lease": self.updates.writers.state()}
 
     def model_info(self) -> dict:
         cfg = self.model.config

@@ -18,6 +18,10 @@ Routes beyond SGLang's (project extensions, safe to ignore):
     ``{"path": "/dev/shm/...", "nbytes": N, "names": [...], "dtypes": [...], "shapes": [...]}`` naming a
     same-host file that holds one flattened bucket (never a pickle; other load formats answer 400).
     ``/wsync/abort_weight_update`` (POST): discard the open update session without applying anything.
+    ``/wsync/writer_lease`` (POST ``{"wsync_writer", "wsync_run_id", "lease_s", "release", ...}``) and field
+    ``wsync_writer`` on every weight-changing request: one writer at a time (:mod:`inference_adapter.writers`);
+    while a writer holds the lease, weight changes from anyone else answer 409 with
+    ``wsync_reason: another_writer``, naming the holder's run and writer.
     The ``wsync_shm`` descriptor may carry ``"pid"``: the trainer's rank-0 process id; if it dies, the open
     session is discarded and the pause lifted within ~1-2 s.
     Fields ``wsync_run_id`` (str) and ``wsync_new_run`` (bool) on ``/begin_weight_update``, the update
@@ -31,8 +35,8 @@ Routes beyond SGLang's (project extensions, safe to ignore):
     snapshot is verified against it in the pass that reads it, and a failed check answers 400 with
     ``wsync_reason: snapshot_invalid`` (the disk watcher then falls back to an older announced version).
 
-Refused beyond SGLang (each a 400 naming what was wrong): disk paths outside ``--disk-root``, non-regular
-files, NaN/Inf weights, version labels answers could not carry, bodies nested deeper than 32 levels or
+Refused beyond SGLang (each a 400 naming what was wrong): disk paths outside ``--disk-root``, snapshot files
+(any the manifest lists) that are not regular files inside the snapshot, NaN/Inf weights, version labels answers could not carry, bodies nested deeper than 32 levels or
 with NaN literals or lone surrogates. A broadcast bigger than announced is a 400, not a crash, and a
 broadcast whose bytes never come gives up after ``--receive-timeout`` plus its size at 50 MB/s.
 
@@ -48,7 +52,10 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
@@ -96,6 +103,17 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="name reported on /model_info (default: the model path)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice / OMP_NUM_THREADS)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
+    g = p.add_argument_group("registration", "be found by publishers (PublisherConfig(server_registry=URL), wsync train "
+                                             "--server-registry URL)")
+    g.add_argument("--register", metavar="URL", help="while this server answers, keep an entry for it in this registry "
+                   "(etcd://host:port or file:///dir) under wsync/<experiment>/<trial>/servers/<host:port>; deleted on a "
+                   "clean exit, gone within --register-ttl after a crash")
+    g.add_argument("--experiment", default="default", help="the experiment whose publisher this server serves (default default)")
+    g.add_argument("--trial", default="trial0", help="the trial whose publisher this server serves (default trial0)")
+    g.add_argument("--register-ttl", type=float, default=10.0, help="seconds the entry outlives this server (at most 30; "
+                   "default 10)")
+    g.add_argument("--advertise-url", metavar="URL", help="the URL publishers reach this server at (default: "
+                   "http://<host>:<port>, with this host's name for 0.0.0.0)")
     return p
 
 
@@ -176,12 +194,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from bridge.fleet import answers_health
     from bridge.log import setup_logging
     from bridge.protocol import ProtocolFeatures
     from inference_adapter.model_state import ModelState, load_model
 
     setup_logging(args.log_level)
     ProtocolFeatures.from_version(args.protocol_version)  # fail fast on a bad version string
+    registration = _registration(args)  # a bad registry URL fails now, before the model loads
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     t0 = time.perf_counter()
@@ -197,9 +217,40 @@ def run(args: argparse.Namespace) -> int:
     server_args = {k: v for k, v in vars(args).items() if k not in ("api_key", "admin_api_key")}
     app = create_app(state, api_key=args.api_key, admin_api_key=args.admin_api_key, server_args=server_args)
     state.log.info("serving on http://%s:%d", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level.lower(),
-                access_log=False, timeout_graceful_shutdown=5)
+    stop, follower = threading.Event(), None
+    if registration is not None:  # registered once it answers /health, removed when it stops answering
+        local = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        follower = threading.Thread(target=registration.follow, args=(stop,), name="wsync-register", daemon=True,
+                                    kwargs=dict(interval=1.0, alive=lambda: answers_health(local)))
+        follower.start()
+        # uvicorn raises SIGTERM again once it has shut down: end by SystemExit instead, so that the entry
+        # is deleted below (a clean exit) rather than left to run out.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level.lower(),
+                    access_log=False, timeout_graceful_shutdown=5)
+    finally:
+        stop.set()  # a clean exit deletes the entry at once
+        if follower is not None:
+            follower.join(5.0)
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
+
+
+def _registration(args: argparse.Namespace):
+    """The :class:`bridge.fleet.Registration` that ``--register`` asks for, or None."""
+    if not args.register:
+        return None
+    from bridge.fleet import Registration
+
+    url = args.advertise_url
+    if url is None:
+        host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{args.port}"
+    return Registration(args.register, url, args.experiment, args.trial, ttl=args.register_ttl)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,12 +32,15 @@ class Session:
     last_request: float = field(default_factory=time.monotonic)
     run: RunClaim = field(default_factory=RunClaim)
     finite_checks: list[Future] = field(default_factory=list)  # non_finite_problem of each staged request
+    writer: str | None = None  # the writer that opened it (wsync_writer), None if it named none
 
     def describe(self) -> str:
         if self.owner:
             who = f"colocated trainer pid {self.owner[0]}"
         else:
             who = f"group(s) {sorted(self.groups)}" if self.groups else "no trainer known"
+        if self.writer is not None:
+            who = f"writer {self.writer!r} of run {self.run.run_id!r}, {who}"
         return f"{who}, {self.requests} request(s) staged, last request {time.monotonic() - self.last_request:.1f} s ago"
 
 

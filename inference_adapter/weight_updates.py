@@ -57,7 +57,8 @@ from inference_adapter.checks import (
 from inference_adapter.delta import DeltaRefused, Deltas, delta_specs
 from inference_adapter.errors import RequestError
 from inference_adapter.groups import TrainerGroups
-from inference_adapter.session import Session, process_start, session_owner
+from inference_adapter.session import Session, session_owner
+from inference_adapter.update_session import SessionControl
 from inference_adapter.weights import ServedWeights
 from inference_adapter.wire import (
     ReceiveTimeout,
@@ -69,6 +70,7 @@ from inference_adapter.wire import (
     shm_descriptor,
     wire_specs,
 )
+from inference_adapter.writers import WriterLeases
 
 __all__ = ["PauseControl", "WeightUpdates"]
 
@@ -89,8 +91,10 @@ class PauseControl(Protocol):
     def abort_all(self, why: str) -> int: ...
 
 
-class WeightUpdates:
-    """Every weight operation of the server, one at a time under ``lock``, and the state they share.
+class WeightUpdates(SessionControl):
+    """Every weight operation of the server, one at a time under ``lock``, and the state they share. The
+    session and the writer lease are :class:`~inference_adapter.update_session.SessionControl`'s; every
+    weight change first asks the lease (:mod:`inference_adapter.writers`) whether its writer may make it.
 
     Args:
         weights: the served weights, swapped only when an update is complete and valid.
@@ -119,6 +123,7 @@ class WeightUpdates:
         self.last_session_error: str | None = None  # why the last session was aborted, for end_weight_update
         self.run_id: str | None = None  # the run (RunClaim.run_id) the served version came from
         self.deltas = Deltas(weights)  # the delta encoding's buckets (inference_adapter.delta)
+        self.writers = WriterLeases()  # who may change the weights now
 
     # ------------------------------------------------------------------ refusals
 
@@ -155,6 +160,16 @@ class WeightUpdates:
             self.log.warning("continuing generation on the previous weights: %s", why)
             self.generation.resume()
 
+    def _writer_may(self, run: RunClaim, action: str, group_name: str) -> None:
+        """Caller holds the lock: refuse a broadcast of a writer other than the lease's holder; its bytes are
+        already in flight on its own group, which is dropped (the holder's session is left alone)."""
+        try:
+            self.writers.check(run.writer, action)
+        except RequestError:
+            if group_name in self.groups.pgs and not (self.session and group_name in self.session.groups):
+                self.groups.drop(group_name, "it carried a broadcast of a writer that does not hold the server")
+            raise
+
     # ------------------------------------------------------------------ runs and versions
 
     def _rollback_problem(self, version: str | None, run: RunClaim) -> str | None:
@@ -188,6 +203,7 @@ class WeightUpdates:
         if problem:
             raise RequestError(f"Failed to update weight version: {problem}.")
         with self.lock:
+            self.writers.check(run.writer, "Failed to update weight version")
             problem = self._rollback_problem(new_version, run)
             if problem:
                 raise RequestError(f"Failed to update weight version: {problem}.", reason=VERSION_GOES_BACK)
@@ -196,70 +212,6 @@ class WeightUpdates:
             self._claim(new_version, run)
             self.weights.set_version(new_version)
         self.log.info("weight version set")
-
-    # ------------------------------------------------------------------ sessions
-
-    def begin_session(self, run: RunClaim) -> str:
-        with self.lock:
-            if self.session is not None:
-                raise RequestError(
-                    f"A weight update session is already open ({self.session.describe()}). If it is yours, finish it "
-                    "with end_weight_update(); to discard it without applying anything, call /wsync/abort_weight_update."
-                )
-            self.session, self.last_session_error = Session(run=run), None
-        self.log.info("weight update session opened")
-        return "Weight update session started."
-
-    def end_session(self) -> str:
-        with self.lock:
-            s = self.session
-            if s is None:
-                why = f" The last session was aborted: {self.last_session_error}" if self.last_session_error else ""
-                raise RequestError(f"No weight update session is open; call begin_weight_update() first.{why}")
-            self.session = None
-            problem, reason = next((p for p in (c.result() for c in s.finite_checks) if p), None), None
-            if not problem:
-                problem = self._rollback_problem(s.version, s.run)
-                reason = VERSION_GOES_BACK if problem else None
-            if problem:
-                self.last_session_error = problem
-                raise RequestError(f"Weight update session aborted, nothing applied: {problem}.", reason=reason)
-            self._swap(s.staged, s.version, s.run)
-        msg = f"Weight update session ended: {len(s.staged)} tensors from {s.requests} requests applied atomically."
-        if s.version is not None:
-            msg += f" Weight version updated to {s.version}."
-        return msg
-
-    def abort_session(self) -> str:
-        """Project extension (``/wsync/abort_weight_update``): discard the open session, apply nothing."""
-        with self.lock:
-            if self.session is None:
-                raise RequestError("No weight update session is open; nothing to abort.")
-            self._abort_session("the trainer aborted it (/wsync/abort_weight_update)")
-        return f"Weight update session aborted; nothing was applied; still serving weight version {self.weights.version}."
-
-    def check_session_owner(self) -> None:
-        """Watchdog round: discard a session whose trainer is gone (see :class:`~inference_adapter.session.Session`),
-        and lift its pause."""
-        if not self.lock.acquire(timeout=0.1):
-            return  # an update is running: its trainer is alive, or the update fails by itself
-        try:
-            s = self.session
-            if s is None:
-                return
-            if s.owner is not None:
-                pid, started = s.owner
-                if process_start(pid) == started:
-                    return
-                why = f"its colocated trainer (pid {pid}) is gone"
-            elif not s.groups and time.monotonic() - s.last_request > self.group_timeout:
-                why = f"no request came for {self.group_timeout:g} s (--group-timeout) and no trainer is known to watch"
-            else:
-                return
-            self._abort_session(why)
-            self._continue_generation(why)
-        finally:
-            self.lock.release()
 
     def _stage(self, received: list[tuple[str, torch.Tensor]], weight_version: str | None, nbytes: int, t0: float,
                group_name: str | None, run: RunClaim, check: dict | None = None) -> str:
@@ -340,10 +292,11 @@ class WeightUpdates:
                            load_format: str | None, weight_version: str | None, abort_all_requests: bool,
                            run: RunClaim, wsync_delta: dict | None = None) -> str:
         """Receive one broadcast request (see the module docstring); returns SGLang's success message."""
-        if abort_all_requests:
+        if abort_all_requests and self.writers.may(run.writer):  # a refused writer ends nobody's requests
             self.generation.abort_all("Abort by update_weights_from_distributed(abort_all_requests=True).")
         t0 = time.perf_counter()
         with self.lock:
+            self._writer_may(run, _DISTRIBUTED, group_name)
             pg = self.groups.pgs.get(group_name)
             if pg is None:
                 self._abort_session(f"group {group_name} does not exist")
@@ -430,10 +383,11 @@ class WeightUpdates:
         answer), validated like a distributed bucket, and staged in the session (swapped at
         end_weight_update). Any bad input answers 400, aborts the session, and changes nothing.
         """
-        if abort_all_requests:
+        if abort_all_requests and self.writers.may(run.writer):  # a refused writer ends nobody's requests
             self.generation.abort_all("Abort by update_weights_from_tensor(abort_all_requests=True).")
         t0 = time.perf_counter()
         with self.lock:
+            self.writers.check(run.writer, _TENSOR)
             if load_format != SHM_LOAD_FORMAT:
                 raise self._refuse(_TENSOR, (
                     f"load_format {load_format!r} is not supported by the reference server: CPU tensors cannot cross "
@@ -477,12 +431,13 @@ class WeightUpdates:
         the announced digest, when given) in the same pass that reads it; a failure is refused with
         ``wsync_reason`` :data:`~bridge.protocol.SNAPSHOT_INVALID`. The open session, if any, is untouched.
         """
-        if abort_all_requests:
+        if abort_all_requests and self.writers.may(run.writer):  # a refused writer ends nobody's requests
             self.generation.abort_all("Abort by update_weights_from_disk(abort_all_requests=True).")
         problem = version_problem(weight_version, "weight_version")
         if problem:
             raise RequestError(f"{_DISK}: {problem}.")
         with self.lock:
+            self.writers.check(run.writer, _DISK)
             problem = self._rollback_problem(weight_version, run)
             if problem:
                 raise self._refused(_DISK, problem, reason=VERSION_GOES_BACK)

@@ -43,6 +43,7 @@ __all__ = ["ReceiveTimeout", "SizeMismatch", "WireError", "read_shm", "receive_b
 _PROBE = 16  # bytes of pattern on each side of a receive's announced end
 _MIN_UNDER_CHECK = 8  # below this many bytes the "fewer bytes arrived" check is skipped (false alarms)
 _MIN_RATE = 50e6  # bytes/s: the slowest transfer the receive bound allows for, beyond --receive-timeout
+_RELAY_SLACK = 64 << 10  # the slack of a receive in a group of more than two servers (see _slack_buffer)
 # Linux's MAP_NORESERVE (Python's mmap module names it only from 3.12 on): no swap/commit accounting.
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
@@ -202,7 +203,7 @@ def recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float, keep: bool
     many small tensors does not hold a mapping per tensor.
     """
     own = keep and nbytes >= _OWN_MAPPING_BYTES
-    buf = _slack_buffer(nbytes, own=own)
+    buf = _slack_buffer(nbytes, own=own, relayed=pg.size() > 3)
     lo = max(0, nbytes - _PROBE)
     g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
     pattern = torch.randint(0, 256, (nbytes + _PROBE - lo,), dtype=torch.uint8, generator=g)
@@ -230,7 +231,7 @@ _reserve: torch.Tensor | None = None  # see _slack_buffer; receives run one at a
 _OWN_MAPPING_BYTES = 1 << 20
 
 
-def _slack_buffer(nbytes: int, own: bool = False) -> torch.Tensor:
+def _slack_buffer(nbytes: int, own: bool = False, relayed: bool = False) -> torch.Tensor:
     """``nbytes`` plus a reserve as large as physical memory, in one lazily backed mapping (only written
     pages cost memory) that every receive reuses, so its pages are faulted in once; ``own=True``: a new
     mapping of that size for this receive only (it lives as long as the tensors viewing it).
@@ -238,8 +239,15 @@ def _slack_buffer(nbytes: int, own: bool = False) -> torch.Tensor:
     gloo aborts the process when more bytes arrive than were posted; the reserve makes that need more
     bytes than the host could hold. Where the kernel refuses such a mapping (strict overcommit), the
     reserve is ``nbytes`` (at least 4 KiB) of ordinary memory.
+
+    ``relayed``: in a group of more than two servers gloo's broadcast is a tree, and a server passes its
+    whole posted buffer on to the next one, reserve included: a reserve of physical memory would then be
+    written, page by page, into the next server's memory. Such a receive gets :data:`_RELAY_SLACK` of
+    ordinary memory instead (a trainer that broadcasts more than that beyond its announcement aborts it).
     """
     global _reserve
+    if relayed:
+        return torch.empty(nbytes + _RELAY_SLACK, dtype=torch.uint8)
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     def mapping(size: int) -> torch.Tensor | None:

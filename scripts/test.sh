@@ -24,6 +24,9 @@ if python -m pip show -q etcd3 >/dev/null 2>&1; then
     python -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "python3-etcd3>=0.13"
 fi
 python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev]"
+# SGLang's real routers for the fleet tests (tests/test_fleet.py), run as processes on CPU: sglang-router and
+# its successor gateway smg. pip leaves them alone once these versions are installed.
+python -m pip install -q --disable-pip-version-check "sglang-router==0.3.2" "smg==1.13.0"
 
 # Before the SGLang install below (minutes on a fresh machine), so a lint finding fails at once.
 echo "== lint (ruff; the rules and why each is chosen: pyproject.toml [tool.ruff])"

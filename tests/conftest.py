@@ -17,7 +17,7 @@ os.environ["WSYNC_PLUGINS"] = ",".join(sorted(
     if name.endswith(".py") and name != "__init__.py"))
 os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
 
-pytest_plugins = [p for p in ("tests.fixtures_server", "tests.fixtures_etcd") if os.path.exists(
+pytest_plugins = [p for p in ("tests.fixtures_server", "tests.fixtures_etcd", "tests.fixtures_router") if os.path.exists(
     os.path.join(os.path.dirname(__file__), p.split(".")[1] + ".py"))]
 
 

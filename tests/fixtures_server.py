@@ -78,8 +78,9 @@ class _Factory:
         return servers
 
     def stop_all(self) -> None:
-        for s in self.started:
-            s.stop()
+        if self.started:  # at once: each waits for its server's graceful shutdown
+            with cf.ThreadPoolExecutor(len(self.started)) as pool:
+                list(pool.map(lambda s: s.stop(), self.started))
 
 
 @pytest.fixture(scope="module")

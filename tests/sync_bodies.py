@@ -80,25 +80,37 @@ def train_step(engine, seed: int) -> None:
     engine.train_batch(make_batch(engine.tokenizer, 8, seed=seed * 2 + engine.rank))
 
 
-def serving_now(url: str) -> dict:
-    """A server right now: how long a 1-token generation takes (a paused server holds it), its version,
-    that a new update session can be opened (refused while one is left open), and for the reference
-    server its pause and session state and the checksum of every served tensor (SGLang's own code has
-    no such route; its weights are torn by a failed sync by design)."""
+def serving_now(url: str, lease_wait: float = 0.0) -> dict:
+    """A server right now: how long a 1-token generation takes (None: no answer within 3 s, the server
+    holds it paused), its version, that a new update session can be opened (refused while one is left
+    open), and for the reference server its pause and session state, the writer holding it (a failed sync
+    releases it; a dead trainer's runs out: ``lease_wait`` seconds are waited for that) and the checksum of
+    every served tensor (SGLang's own code has no such route; its weights are torn by a failed sync by
+    design, so it is then held paused until a publish repairs it)."""
     import time
 
     from bridge.client import ServerClient
+    from bridge.errors import BridgeError
 
     c = ServerClient(url, timeout=10)
     t = time.monotonic()
-    answer = c.generate(input_ids=[1, 4, 5], sampling_params={"temperature": 0, "max_new_tokens": 1})
-    generate_s = time.monotonic() - t
-    out = dict(generate_s=generate_s, generate_version=answer["meta_info"]["weight_version"],
-               version=c.model_info()["weight_version"], paused=None, session_open=None, checksums=None)
+    try:
+        answer = ServerClient(url, timeout=3).generate(input_ids=[1, 4, 5],
+                                                       sampling_params={"temperature": 0, "max_new_tokens": 1})
+        generate_s, generate_version = time.monotonic() - t, answer["meta_info"]["weight_version"]
+    except BridgeError:
+        generate_s = generate_version = None
+    out = dict(generate_s=generate_s, generate_version=generate_version,
+               version=c.model_info()["weight_version"], paused=None, session_open=None, checksums=None,
+               writer_lease=None)
     if c.is_reference_server:
-        state = c.server_info()["internal_states"][0]
+        deadline = time.monotonic() + lease_wait
+        while (state := c.server_info()["internal_states"][0])["writer_lease"] and time.monotonic() < deadline:
+            time.sleep(0.1)
         out.update(paused=state["paused"], session_open=state["update_session_open"],
-                   checksums=c.weights_checksum()["checksums"])
+                   checksums=c.weights_checksum()["checksums"], writer_lease=state["writer_lease"])
+        if state["writer_lease"] is not None:
+            return out  # a writer holds it: the probe below would be refused (assert_left_on says so)
         c.begin_weight_update()
         c.abort_weight_update()
     elif c.features.needs_session:
@@ -232,16 +244,23 @@ def run_into_sglang(body, model_dir: str, tmp_path, transports: list[tuple[str, 
     return runs0, runs1, srv.url
 
 
-def assert_left_on(now: dict, version: int, was: dict, own_before: dict, own_after: dict, where: str) -> None:
+def assert_left_on(now: dict, version: int, was: dict, own_before: dict, own_after: dict, where: str,
+                   torn: bool = False) -> None:
     """A server after a failed sync (``now``, from :func:`serving_now`): still labelled ``version``,
     answering at once; a reference server also unpaused, with no session, serving exactly what it served
     before (``was``), which is the trainer's ``own_before`` and not its ``own_after``. SGLang's own code
-    stages nothing, so its weights carry no such promise (``checksums`` is None there)."""
-    assert (now["version"], now["generate_version"]) == (str(version), str(version)), f"{where}: {now['version']}"
-    assert now["generate_s"] < 1, f"{where}: generation still paused: {now['generate_s']:.2f} s"
+    stages nothing, so its weights carry no such promise (``checksums`` is None there): once a failed
+    sync sent it a bucket (``torn``), it is held paused and answers nothing until a publish repairs it."""
+    assert now["version"] == str(version), f"{where}: {now['version']}"
+    if torn:
+        assert now["generate_s"] is None, f"{where}: a server with torn weights answered a generation"
+        return
+    assert now["generate_version"] == str(version), f"{where}: answered from {now['generate_version']}"
+    assert now["generate_s"] is not None and now["generate_s"] < 1, f"{where}: generation still paused"
     if now["checksums"] is None:
         return
     assert now["paused"] is False and now["session_open"] is False, f"{where}: {now}"
+    assert now["writer_lease"] is None, f"{where}: the failed sync did not let go of the server: {now['writer_lease']}"
     assert now["checksums"] == was["checksums"], f"{where}: the served weights changed"
     assert holds(now["checksums"], own_before), f"{where}: not the trainer's v{version}"
     assert not holds(now["checksums"], own_after), f"{where}: the new weights are served"

@@ -118,6 +118,9 @@ def test_a_restarted_trainer_goes_back_in_versions_only_when_it_starts_a_new_run
     (dict(servers=["x"], serving_dtype="float8"), "dtype"),
     (dict(servers=["x"], load_format="zip"), "load_format"),
     (dict(servers=["x"], group_timeout=-1), "group_timeout"),
+    (dict(server_registry="http://x:1"), "router\\+http"),  # a router is router+http://, not a server URL
+    (dict(servers=["x"], min_servers=0), "min_servers"),
+    (dict(servers=["x"], probe_timeout=0), "probe_timeout"),
 ])
 def test_config_errors_name_the_field(kwargs, match):
     with pytest.raises(ConfigError, match=match):

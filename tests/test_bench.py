@@ -31,7 +31,8 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
     bucket = f"{report['meta']['config']['bucket_mb'][0]:g}MiB"
     expected = {"raw-gather", "raw-gather-16MiB", "raw-broadcast", "raw-shm", "raw-disk", "floor: gather+broadcast",
                 "floor: gather+shm write+read", "floor: gather+disk write+fsync+read", f"gather-{bucket}",
-                "gather-per-tensor", f"flat-{bucket}", "per-tensor", f"colocated-{bucket}", "disk-dir"}
+                "gather-per-tensor", f"flat-{bucket}", "per-tensor", f"colocated-{bucket}", "disk-dir",
+                "disk-dir-rank0"}  # the rank-0 writer beside every-rank writers (2 ranks by default)
     if shutil.which("etcd"):
         expected.add("disk-etcd")
     expected |= {"delta-lr1e-06", "delta-lr1e-05"}

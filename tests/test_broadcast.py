@@ -81,6 +81,14 @@ def test_sync_into_two_servers_after_every_step(servers):
     _assert_all_synced(rank0, urls, 2)
 
 
+def test_sync_into_three_servers_through_gloos_broadcast_tree(servers):
+    """Four ranks in the weight-update group: gloo broadcasts along a tree, so a server relays each bucket
+    to the next one (its whole receive buffer: the reference server's slack must stay small there)."""
+    urls = [s.url for s in servers]
+    rank0, _ = run_ranks(_train_and_publish, 2, args=(urls, 1, "auto"), timeout=240)
+    _assert_all_synced(rank0, urls, 1)
+
+
 def test_per_tensor_mode_for_servers_older_than_0_5_6(servers):
     urls = [servers[2].url]
     rank0, _ = run_ranks(_train_and_publish, 2, args=(urls, 2, "auto"), timeout=240)
@@ -143,7 +151,8 @@ def test_trainer_killed_mid_sync_leaves_previous_version(server_factory, tiny_mo
     from bridge.publisher import PublisherConfig, dead_rank_bound
 
     (server,) = server_factory.many([dict(model=tiny_model_dir)])
-    args, kwargs = ([server.url], str(tmp_path / "own.json"), 7), dict(group_timeout=10, http_timeout=10)
+    # A short writer lease: the dead rank 0 holds the server until it runs out.
+    args, kwargs = ([server.url], str(tmp_path / "own.json"), 7), dict(group_timeout=10, http_timeout=10, writer_lease=2)
     r0, r1 = run_ranks(sb.rank0_dies_mid_sync, 2, args=args, kwargs=kwargs, timeout=120, may_die=(0,))
     assert r0 is None
     kind, message, seconds = r1  # rank 1 outlives rank 0 and raises within its bound
@@ -157,8 +166,8 @@ def test_trainer_killed_mid_sync_leaves_previous_version(server_factory, tiny_mo
         if c.model_info()["weight_version"] == "7" and not c.server_info()["internal_states"][0]["paused"]:
             break
         time.sleep(0.5)
-    now = sb.serving_now(server.url)
-    assert now["version"] == now["generate_version"] == "7", now
+    now = sb.serving_now(server.url, lease_wait=10)
+    assert now["version"] == now["generate_version"] == "7" and now["writer_lease"] is None, now
     assert sb.holds(now["checksums"], own["before"]) and not sb.holds(now["checksums"], own["after"])
     # A new trainer can sync again (the stale session and group are cleaned up).
     rank0, _ = run_ranks(_train_and_publish, 2, args=([server.url], 1, "auto"), timeout=240)
@@ -173,8 +182,7 @@ def _publish_once(urls, group_timeout):
     pub = WeightPublisher(PublisherConfig(servers=urls, group_timeout=group_timeout, http_timeout=5, progress=False))
     t0 = time.monotonic()
     try:
-        pub.publish(engine, version=1)
-        return ("ok", 0.0, "")
+        return ("ok", time.monotonic() - t0, pub.publish(engine, version=1).servers)
     except BridgeError as e:
         return (type(e).__name__, time.monotonic() - t0, str(e))
     finally:
@@ -182,18 +190,21 @@ def _publish_once(urls, group_timeout):
         engine.destroy()
 
 
-def test_server_that_never_joins(server_factory, tiny_model_dir):
+def test_a_server_that_answers_nothing_is_excluded(server_factory, tiny_model_dir):
+    """Alive but frozen (SIGSTOP): it accepts connections and answers nothing, so it would never join the
+    group. It fails the probe before the sync (probe_timeout, at most http_timeout), is excluded, and the
+    other server takes the version (README, "Fleet"); the rendezvous bound itself is tested in
+    tests/test_faults.py (test_rendezvous_nobody_joins_within_the_timeout)."""
     good, frozen = server_factory.many([dict(model=tiny_model_dir), dict(model=tiny_model_dir)])
-    os.kill(frozen.process.pid, signal.SIGSTOP)  # alive, but answers nothing and never joins
+    os.kill(frozen.process.pid, signal.SIGSTOP)
     try:
         rank0, rank1 = run_ranks(_publish_once, 2, args=([good.url, frozen.url], 4), timeout=120)
     finally:
         os.kill(frozen.process.pid, signal.SIGCONT)
-    for kind, seconds, message in (rank0, rank1):
-        assert kind in ("SyncTimeout", "SyncError", "ServerError"), message
-        assert seconds < 30
-    assert frozen.url in rank0[2]
-    assert _versions([good.url]) == {good.url: "default"}
+    for kind, seconds, servers in (rank0, rank1):
+        assert kind == "ok" and seconds < 30, servers
+        assert servers[good.url] == "ok" and servers[frozen.url].startswith("excluded: no answer within 5 s"), servers
+    assert _versions([good.url, frozen.url]) == {good.url: "1", frozen.url: "default"}
 
 
 # ------------------------------------------------------------------ memory
@@ -236,3 +247,58 @@ def test_rank0_peak_memory_is_bounded_by_buckets_not_the_model(server_factory, t
               f"rank-0 peak extra memory {peak / 2**20:.1f} MiB = {peak / bucket:.2f} x bucket")
         assert total > 5 * bucket  # the model is much larger than a bucket...
         assert peak < 2.5 * bucket, transport  # ...but rank 0 never holds more than about two buckets
+
+
+# ------------------------------------------------------------------ the default pause keeps generations
+
+
+def test_the_default_pause_loses_no_generation(server_factory):
+    """4 client threads generate while 20 broadcast publishes of the medium preset run (0.6 s apart, for the
+    training step), with the default pause mode (``auto``: ``retract`` on SGLang 0.5.23's protocol): no answer
+    comes back aborted (a retracted generation starts again on the new weights), and the versions each
+    thread sees only go up. (With ``abort``, the old default, 31 of 185 did here, and 28 % in the issue.)"""
+    import threading
+
+    import torch
+
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.client import ServerClient
+    from bridge.presets import build_model
+
+    srv = server_factory(preset="medium")
+    model = build_model("medium", seed=1)
+    stop, answers, errors = threading.Event(), [[] for _ in range(4)], []
+
+    def client(i: int) -> None:
+        c = ServerClient(srv.url, timeout=300)
+        prompt = [1] + [b + 3 for b in f"rev thread{i}=".encode()]
+        try:
+            while not stop.is_set():
+                out = c.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 4,
+                                                                    "ignore_eos": True})
+                answers[i].append((out["meta_info"]["finish_reason"]["type"], out["meta_info"]["weight_version"]))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        with WeightPublisher(PublisherConfig(servers=[srv.url], experiment="pause", trial="t0", progress=False)) as pub:
+            assert pub.config.pause_mode == "auto"
+            for v in range(1, 21):
+                with torch.no_grad():
+                    model.model.norm.weight.add_(0.01)  # other weights each version
+                time.sleep(0.6)  # the training step: generations run between two publishes
+                pub.publish(model, version=v)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    kinds = [k for a in answers for k, _ in a]
+    print(f"{len(kinds)} answers during 20 publishes: {kinds.count('abort')} aborted")
+    assert len(kinds) >= 8 and kinds.count("abort") == 0, kinds
+    for a in answers:
+        seen = [int(v) for _, v in a if v != "default"]
+        assert seen == sorted(seen), f"a thread saw versions go down: {seen}"

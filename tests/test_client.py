@@ -43,6 +43,26 @@ def test_protocol_features(version, release, flags):
         assert getattr(f, k) is v, k
 
 
+@pytest.mark.parametrize("version, mode, flush_while_retracted", [
+    ("0.4.9", "abort", True), ("0.5.5", "abort", True),  # no pause modes: every pause aborts
+    ("0.5.6", "retract", True), ("0.5.8", "retract", True),  # the flush counts running batches only
+    ("0.5.9", "in_place", False), ("0.5.20", "in_place", False),  # the flush counts the retracted requests
+    ("0.5.21", "retract", True), ("0.5.23", "retract", True),  # a paused flush ignores them again
+])
+def test_the_default_pause_keeps_requests_where_the_version_can(version, mode, flush_while_retracted):
+    """README, "Pausing": ``pause_mode="auto"`` pauses each server with a mode that loses no generation where
+    its version has one whose update can still flush the cache; the client never asks a server paused so
+    for a flush it would refuse (0.5.6-0.5.21 would die of it)."""
+    f = ProtocolFeatures.from_version(version)
+    assert f.default_pause_mode == mode
+    assert f.flush_refused_while_retracted is not flush_while_retracted
+    c = ServerClient("http://127.0.0.1:1", version=version)
+    c._paused_mode = "retract" if f.pause_mode else None  # as pause_generation("retract") leaves it
+    assert c._flush(True) is (flush_while_retracted or not f.pause_mode)
+    c._paused_mode = "in_place"
+    assert c._flush(True) is False
+
+
 def test_the_sglang_extra_asks_for_the_oldest_release_the_colocated_transport_takes():
     """``pip install "wsync[sglang]"`` is for the trainer host's colocated transport (and for launching real
     SGLang, which the client speaks from 0.4.9): its lower bound is the colocated transport's minimum."""

@@ -8,8 +8,10 @@ and Qwen2 loader over HTTP (the harness server), whose served (stacked) weights 
 their own where SGLang imports (:mod:`tests.sglang_harness.ipc_payload`). On CPU the tensors cross processes
 as shared-memory files; the CUDA IPC handles themselves need a GPU.
 
-GPU tier (``gpu``): a trainer on a CUDA device publishes with ``transport="colocated"`` into a real SGLang
-server on the same host, end to end.
+GPU tier (``gpu``): the payload of CUDA tensors -- real CUDA IPC handles -- is opened on the same GPU by SGLang's
+own receive code (0.5.23 and 0.5.6, from the CPU tier's copies) in a process other than the trainer's and loaded
+bit-equal; and, where real SGLang is installed, a trainer on a CUDA device publishes with
+``transport="colocated"`` into a real SGLang server on the same host, end to end.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,8 +37,8 @@ def _need(version: str) -> None:
         pytest.skip(f"SGLang {version} is not installed (bash scripts/install_sglang.sh)")
 
 
-def _run(version: str, *args: str, timeout: float = 240) -> dict:
-    """Run :mod:`tests.sglang_harness.ipc_payload` with SGLang ``version`` importable; its JSON answer.
+def _start(version: str, *args: str, timeout: float = 240) -> tuple[int, str, str]:
+    """Run :mod:`tests.sglang_harness.ipc_payload` with SGLang ``version`` importable: exit status, stdout, stderr.
 
     Output goes to files, not pipes: torch's shared-memory manager, which the sender starts, inherits them
     and lives as long as the server holds its files, so a pipe would not close when the sender exits."""
@@ -45,10 +48,18 @@ def _run(version: str, *args: str, timeout: float = 240) -> dict:
                              sglang_dir(version)], cwd=ROOT, env=env, stdout=out, stderr=err, timeout=timeout).returncode
         out.seek(0)
         err.seek(0)
-        stdout, stderr = out.read(), err.read()
+        return rc, out.read(), err.read()
+
+
+def _answer(rc: int, stdout: str, stderr: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("IPC_PAYLOAD ")]
     assert rc == 0 and lines, f"exit {rc}:\n{stdout[-3000:]}\n{stderr[-5000:]}"
     return json.loads(lines[-1].removeprefix("IPC_PAYLOAD "))
+
+
+def _run(version: str, *args: str, timeout: float = 240) -> dict:
+    """:func:`_start`'s JSON answer; fails with the process's output when there is none."""
+    return _answer(*_start(version, *args, timeout=timeout))
 
 
 @pytest.mark.sglang_code
@@ -150,6 +161,45 @@ def test_colocated_refuses_a_mix_of_reference_and_real_servers(tiny_model_dir, s
 
 
 # ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", IPC_VERSIONS)
+def test_cuda_ipc_payload_opens_in_sglang_own_receive_code(version, tiny_model_dir):
+    """A GPU: the trainer's buckets of CUDA tensors (bf16, fp16, fp32, int64, int32, bool, a scalar, an empty
+    tensor, a tied pair, a 3 MiB layer), serialized by :func:`bridge.transports.cuda_ipc.serialize_bucket` for 2
+    TP ranks, carry CUDA IPC handles naming the GPU by UUID; SGLang's own receive code in another process opens
+    them on that GPU and loads every tensor bit-equal (names in order, dtypes, shapes, bytes), flattened and per
+    tensor. SGLang's modules import as on a GPU host; where a release's CUDA-only imports fail on this host (no
+    sgl_kernel, flashinfer, ...), they import as in the CPU harness instead, and the test says so."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the payload's CUDA IPC handles)")
+    _need(version)
+    import_failures = {}
+    for imports in ("cuda", "cpu"):
+        rc, stdout, stderr = _start(version, "cuda", "--imports", imports, "--tp-size", "2", "--model", tiny_model_dir,
+                                    timeout=420)
+        if rc != 3 or "SGLANG_IMPORT_FAILED" not in stdout:
+            break
+        import_failures[imports] = (stdout + stderr)[-1500:]
+    out = _answer(rc, stdout, stderr)
+    buckets = out["buckets"]
+    report = {"version": version, "imports": out["imports"], "gpu": out["gpu"], "torch": out["torch"],
+              "payloads": len(buckets), "tensors": sum(len(b["sent"]) for b in buckets) // 2,  # 2 formats each
+              "elements": sum(int(np.prod(s)) for b in buckets for _, _, s, _ in b["sent"]) // 2,  # 2 formats
+              "import_failures": import_failures}
+    print("CUDA_IPC_REPORT " + json.dumps(report))
+    assert out["sender_pid"] != out["receiver_pid"]
+    assert len(buckets) >= 4 and {b["flattened"] for b in buckets} == {True, False}
+    for b in buckets:
+        assert b["entry_types"] == ["str"] and b["cuda_rebuild"] and b["device_uuid"], b
+        assert len(b["ranks"]) == 2
+        for rank in b["ranks"]:
+            assert rank == b["sent"]
+        assert b["devices"] == ["cuda:0"], b["devices"]  # opened on the trainer's GPU, not copied to the CPU
+    dtypes = {d for b in buckets for _, d, _, _ in b["sent"]}
+    assert {"bfloat16", "float16", "float32", "int64", "int32", "bool"} <= dtypes
+    assert any(n == "layers.1.mlp.down_proj.weight" for b in buckets for n, *_ in b["sent"])
 
 
 def _cuda_and_sglang() -> str | None:

@@ -96,7 +96,7 @@ def test_disk_sync_on_directory_backend(server, tmp_path):
 def test_disk_sync_on_etcd_survives_an_etcd_restart(server, etcd_server, tmp_path):
     """README: "an etcd restart between publishes loses nothing": the announcement of v10, made before the
     restart, reads back the same after it (from a client that connects after the restart), and the
-    trainer and watcher go on with v11 and v12."""
+    trainer and watcher go on with v11 and v12 (whose publish collects v10, announcement included)."""
     from bridge.name_resolve import Announcement, make_name_resolve, names
 
     etcd = etcd_server
@@ -126,9 +126,9 @@ def test_disk_sync_on_etcd_survives_an_etcd_restart(server, etcd_server, tmp_pat
     ann = Announcement.from_json(read["after"])
     assert ann.version == 10 and ann.path == rank0[0][1], (ann, rank0[0][1])
     with make_name_resolve(etcd.url) as nr:
-        assert nr.get(key10) == read["before"]  # still there after the later publishes
         versions = sorted(names.version_of(k) for k in nr.find_subtree(names.update_weights_from_disk_root("e2e", "t0")))
-    assert versions == [10, 11, 12], versions
+    # keep_snapshots=2: v12's publish collected v10's snapshot, and withdrew its announcement with it.
+    assert versions == [11, 12], versions
 
 
 def test_corrupt_snapshot_after_announcement_is_refused(server, tmp_path, caplog):
@@ -393,3 +393,86 @@ def test_disk_writers_setting_is_checked():
     assert PublisherConfig(transport="disk").disk_writers == "all"
     with pytest.raises(ConfigError, match="disk_writers must be all or rank0"):
         PublisherConfig(transport="disk", disk_writers="rank1")
+
+
+# ------------------------------------------------------------------ a failed announce, and what gc leaves
+
+
+def _publish_trained(nr_url: str, root: str, version: int, seed: int):
+    """Every rank: train one step (``seed`` makes the weights), publish ``version`` (no server waited for);
+    (error class or "ok", message, this rank's own checksums after the step on rank 0)."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+
+    engine = sb.engine()
+    sb.train_step(engine, seed)
+    own = sb.own_checksums(engine)
+    pub = WeightPublisher(PublisherConfig(transport="disk", name_resolve=nr_url, snapshot_root=root, experiment="ann",
+                                          trial="t0", progress=False))
+    try:
+        pub.publish(engine, version=version)
+        outcome = ("ok", "")
+    except BridgeError as e:
+        outcome = (type(e).__name__, str(e))
+    finally:
+        pub.close()
+        engine.destroy()
+    return (*outcome, own)
+
+
+def test_a_version_whose_announce_failed_can_be_published_again(etcd_server, tmp_path, monkeypatch):
+    """etcd killed in the announce step (after the rename) and kept down: every rank raises
+    NameResolveError and the final directory is gone with the announce; with etcd back, a fresh trainer
+    with other weights publishes the same version (before: VersionError, "already published")."""
+    from bridge.name_resolve import Announcement, make_name_resolve, names
+    from bridge.protocol import tensor_checksum
+    from bridge.snapshot import read_snapshot, snapshot_dir
+
+    etcd, root = etcd_server, str(tmp_path / "snap")
+    nr_url = f"{etcd.url}?retry_deadline=3"
+    monkeypatch.setenv("WSYNC_FAILPOINTS", "announce@0=sleep:2")  # rank 0 waits there, renamed, not announced
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(run_ranks, _publish_trained, 2, (nr_url, root, 2, 1), None, 200)
+        deadline = time.monotonic() + 150
+        while not os.path.isdir(snapshot_dir(root, 2)):
+            assert time.monotonic() < deadline and not first.done(), "the publish never reached the announce"
+            time.sleep(0.02)
+        etcd.proc.kill()  # killed, not stopped
+        etcd.proc.wait()
+        etcd.proc = None
+        try:
+            r0, r1 = first.result()
+        finally:
+            etcd.start()
+    assert r0[0] == r1[0] == "NameResolveError" and r0[1] == r1[1], (r0, r1)
+    assert not [d for d in os.listdir(root) if d.startswith(("v", ".tmp"))], os.listdir(root)
+    monkeypatch.delenv("WSYNC_FAILPOINTS")
+    r0, _ = run_ranks(_publish_trained, 2, args=(etcd.url, root, 2, 2), timeout=200)
+    assert r0[0] == "ok", r0
+    with make_name_resolve(etcd.url) as nr:
+        ann = Announcement.from_json(nr.get(names.update_weights_from_disk("ann", "t0", 2)))
+    assert ann.path == snapshot_dir(root, 2)
+    served = {n: tensor_checksum(t) for n, t in read_snapshot(ann.path, expected_manifest_sha256=ann.manifest_sha256).items()}
+    assert {n: served[n] for n in r0[2] if n in served} == {n: c for n, c in r0[2].items() if n in served}
+
+
+def test_garbage_collection_removes_the_announcements_of_the_snapshots_it_removes(tmp_path):
+    """50 versions with keep_snapshots=3: 3 snapshots and 3 announcements remain, the newest ones."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.name_resolve import make_name_resolve, names
+    from bridge.snapshot import list_snapshots
+    from tests.fixtures_server import local_model, random_weights
+
+    nr_url, root = f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")
+    model = local_model(random_weights(seed=3))
+    cfg = PublisherConfig(transport="disk", name_resolve=nr_url, snapshot_root=root, experiment="gc", trial="t0",
+                          keep_snapshots=3, progress=False)
+    with WeightPublisher(cfg) as pub:
+        for v in range(1, 51):
+            pub.publish(model, version=v)
+    with make_name_resolve(nr_url) as nr:
+        announced = sorted(names.version_of(k) for k in nr.find_subtree(names.update_weights_from_disk_root("gc", "t0")))
+    assert list_snapshots(root) == [48, 49, 50]
+    assert announced == [48, 49, 50], announced

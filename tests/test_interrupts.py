@@ -21,6 +21,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests import sync_bodies as sb
 from tests.dist_utils import run_ranks
@@ -68,6 +69,7 @@ def _interrupt_matrix(urls: list[str], nr_url: str, root: str, transports: list[
                 run = dict(before=_observe(urls, nr_url, root, disk) if rank0 else None, own_before=own_before,
                            own_after=own_after, outcomes=[])
                 for point, _, _ in INTERRUPTS:
+                    torch.distributed.barrier()  # rank 0 may still be observing a held server (3 s)
                     os.environ[ENV] = point
                     t = time.monotonic()
                     try:
@@ -110,8 +112,9 @@ def _check_matrix(runs0: dict, runs1: dict, transports: list[tuple[str, int]], u
             if sb.announces(transport):
                 assert after == dict(announced=[v0], temporary=[]), f"{where}: {after}"
                 continue
-            for url in urls:  # generation within 1 s when publish() raised, as the issue asks
-                sb.assert_left_on(after[url], v0, r0["before"][url], r0["own_before"], r0["own_after"], where)
+            for url in urls:  # generation within 1 s when publish() raised, as the issue asks; SGLang's own
+                torn = after[url]["checksums"] is None  # code is torn by then (buckets went out): held paused
+                sb.assert_left_on(after[url], v0, r0["before"][url], r0["own_before"], r0["own_after"], where, torn)
         if sb.announces(transport):
             assert r0["final"] == [v0, v0 + 1]
         else:
@@ -195,7 +198,7 @@ def test_wsync_train_interrupted_mid_broadcast(server_factory, tiny_model_dir, s
         assert proc.returncode == 1 and "rank 1 was interrupted at bucket 1 (SIGTERM)" in last, (proc.returncode, err[-2000:])
     assert (now["weight_version"], now["paused"], now["update_session_open"]) == (before["weight_version"], False, False), now
     assert now["checksums"] == before["checksums"], "the served weights changed"
-    assert now["weight_update_groups"] == [], now
+    assert now["weight_update_groups"] == [] and now["writer_lease"] is None, now
 
 
 def test_wsync_train_ctrl_c_mid_disk_announces_nothing_and_leaves_no_temporary(tmp_path):

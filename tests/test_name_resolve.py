@@ -230,7 +230,7 @@ def test_announcement_wire_format():
 def test_directory_entries_are_atomic_files(tmp_path):
     nr = DirectoryNameResolve(tmp_path)
     nr.add("a/b", "v")
-    files = os.listdir(tmp_path)
+    files = [f for f in os.listdir(tmp_path) if f != ".wsync-lock"]  # the lock file of create-if-absent
     assert files == ["a%2Fb.entry"]  # flat: every change touches the directory's mtime
     with open(tmp_path / files[0]) as f:
         rec = json.load(f)
@@ -343,3 +343,43 @@ def test_etcd_lost_lease_is_recreated(etcd_server, prefix):
     finally:
         raw.close()
         nr.close()
+
+
+def _race_for(path: str, key: str, go, out) -> None:
+    from bridge.name_resolve import DirectoryNameResolve
+
+    nr = DirectoryNameResolve(path)
+    go.wait()
+    try:
+        nr.add(key, str(os.getpid()), ttl=30)
+        out.put("won")
+    except NameEntryExists:
+        out.put("lost")
+
+
+def test_taking_an_expired_directory_entry_is_exclusive(tmp_path):
+    """A directory entry with a TTL kept alive is a lock with a lease (the publishers' writer locks): when it
+    expired, of several processes that try to create it at once exactly one may succeed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    path, key = str(tmp_path / "nr"), "wsync/writer_lock/x"
+    for round_ in range(10):
+        stale = DirectoryNameResolve(path)
+        stale.add(key, "expired", ttl=0.01)
+        stale.close()
+        time.sleep(0.05)
+        go, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_race_for, args=(path, key, go, out)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        time.sleep(0.3)
+        go.set()
+        outcomes = sorted(out.get(timeout=30) for _ in procs)
+        for p in procs:
+            p.join(10)
+        assert outcomes.count("won") == 1, f"round {round_}: {outcomes}"
+        check = DirectoryNameResolve(path)
+        assert check.get(key) != "expired"
+        check.delete(key)
+        check.close()

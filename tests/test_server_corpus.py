@@ -47,7 +47,8 @@ def _route_cases() -> list[tuple[str, str, object]]:
     routes = ["/init_weights_update_group", "/update_weights_from_distributed", "/update_weights_from_tensor",
               "/update_weights_from_disk", "/update_weight_version", "/destroy_weights_update_group",
               "/pause_generation", "/continue_generation", "/end_weight_update", "/wsync/abort_weight_update",
-              "/get_weights_by_name", "/wsync/weights_checksum", "/generate", "/wsync/bench/recv_raw"]
+              "/get_weights_by_name", "/wsync/weights_checksum", "/generate", "/wsync/bench/recv_raw",
+              "/wsync/writer_lease"]
     cases = [("POST", r, b) for r in routes for b in generic]
     init = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
     cases += [("POST", "/init_weights_update_group", {**init, **bad}) for bad in (
@@ -95,6 +96,10 @@ def _route_cases() -> list[tuple[str, str, object]]:
             {"stop_token_ids": [10**20]}, {"min_new_tokens": 2, "stop_token_ids": [10**6]}, {"seed": -1},
             {"sampling_sed": 2**70}, {"sampling_seed": 2**70}, {"stop": [BIG]}, {"frequency_penalty": 1},
             {"temperature": 1e-300}, {"top_k": 10**20})])]
+    cases += [("POST", "/wsync/writer_lease", b) for b in (
+        {"wsync_writer": BIG}, {"wsync_writer": "w", "lease_s": "x"}, {"wsync_writer": "w", "lease_s": 1e308},
+        {"wsync_writer": "w", "lease_s": -1}, {"wsync_writer": "w", "release": 1}, {"wsync_writer": ["w"]},
+        {"wsync_writer": "w", "wsync_run_id": "\ud800"}, {"wsync_writer": "w", "starts_sync": "yes"})]
     cases += [("POST", "/wsync/bench/recv_raw", b) for b in (
         {"group_name": "none", "nbytes": 0}, {"group_name": "none", "nbytes": 10**20}, {"group_name": "none", "nbytes": 8},
         {"group_name": "", "nbytes": 8}, {"group_name": "none", "nbytes": 8, "extra": 1})]

@@ -362,6 +362,70 @@ def test_manifest_entries_that_leave_the_snapshot_are_refused(client, roots):
     assert served(client) == before
 
 
+def _with_extra_entry(root: str, version: int, make, size: int, checksum: str) -> str:
+    """A complete snapshot whose manifest also lists ``notes.txt`` (made by ``make(path)``) with ``size`` and
+    ``checksum``: a crafted manifest, as a hostile writer of the snapshot root could leave."""
+    from bridge.snapshot import MANIFEST_NAME
+
+    path = snapshot(root, version)
+    make(os.path.join(path, "notes.txt"))
+    with open(os.path.join(path, MANIFEST_NAME)) as f:
+        manifest = json.load(f)
+    manifest["files"]["notes.txt"] = {"bytes": size, "checksum": checksum}
+    with open(os.path.join(path, MANIFEST_NAME), "w") as f:
+        json.dump(manifest, f)
+    return path
+
+
+def _refused_at_once(client, path: str, version: str) -> requests.Response:
+    """POST the disk load on a thread; meanwhile the weight routes must answer within 1 s each."""
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.update(r=post(client, "/update_weights_from_disk",
+                                                           {"model_path": path, "weight_version": version})))
+    t0 = time.monotonic()
+    th.start()
+    label = served(client)["version"]
+    for _ in range(3):
+        for route, body in (("/update_weight_version", {"new_version": label, "abort_all_requests": False}),
+                            ("/wsync/weights_checksum", {"names": [NORM]})):
+            t = time.monotonic()
+            assert post(client, route, body, timeout=1).status_code == 200
+            assert time.monotonic() - t < 1, route
+        time.sleep(0.05)
+    th.join(timeout=10)
+    assert not th.is_alive() and time.monotonic() - t0 < 5, "the crafted snapshot was not refused at once"
+    return box["r"]
+
+
+def test_a_manifest_entry_that_is_a_fifo_is_refused_at_once(client, roots):
+    before = served(client)
+    path = _with_extra_entry(roots["allowed"], 43, os.mkfifo, 0, "00000000")  # what a FIFO measures
+    r = _refused_at_once(client, path, "fifo-entry")
+    assert 400 <= r.status_code < 500 and "notes.txt" in message(r) and "not a regular file" in message(r), r.text
+    assert served(client) == before
+
+
+def test_a_manifest_entry_that_links_outside_reveals_nothing_of_it(client, roots):
+    import zlib
+
+    from bridge.snapshot.checksums import crc_hex
+
+    before = served(client)
+    secret = b"SECRET-" + b"x" * 1230  # 1237 bytes: a size no message may carry
+    outside = os.path.join(roots["outside"], "secret.txt")
+    with open(outside, "wb") as f:
+        f.write(secret)
+    true_crc = crc_hex(zlib.crc32(secret))
+    for version, size in ((44, len(secret)), (45, len(secret) + 1)):  # its true size and crc, then a wrong size
+        path = _with_extra_entry(roots["allowed"], version, lambda p: os.symlink(outside, p), size, true_crc)
+        r = _refused_at_once(client, path, f"link-{version}")
+        text = r.text
+        assert 400 <= r.status_code < 500 and "notes.txt" in message(r) and "leaves the snapshot" in message(r), text
+        for leak in (outside, roots["outside"], "secret", "SECRET", str(len(secret)), true_crc):
+            assert leak not in text, (leak, text)
+    assert served(client) == before
+
+
 def test_a_manifestless_checkpoint_inside_the_roots_still_loads(client, roots, tiny_model_dir):
     d = os.path.join(roots["allowed"], "plain-hf")
     shutil.copytree(tiny_model_dir, d)

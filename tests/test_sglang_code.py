@@ -357,3 +357,79 @@ def test_colocated_publish_refused_by_real_sglang(server):
         pub.close()
     c = ServerClient(server.url)
     assert server.alive() and c.model_info()["weight_version"] != "1"
+
+
+# ---------------------------------------------------------------------------------------------- one writer at a time
+
+_HOLDER = """
+import sys
+from bridge import PublisherConfig, WeightPublisher
+from tests.fixtures_server import local_model, random_weights
+pub = WeightPublisher(PublisherConfig(servers=[sys.argv[1]], experiment="lock", trial=sys.argv[2], bucket_mb=0.1,
+                                      progress=False, writer_lease=2, writer_lock=sys.argv[3]))
+pub.publish(local_model(random_weights(seed=7)), version=int(sys.argv[4]))
+"""
+
+
+def test_two_trainers_share_real_sglang_through_the_writer_lock(server, tmp_path):
+    """SGLang has no writer lease: with ``writer_lock`` the publishers take a lock with a lease per server in
+    name resolution. While one holds it mid-sync, another is refused naming its run and leaves its session
+    alone (it completes); one SIGKILLed mid-sync is taken over once its lock ran out, and the session it left
+    open on SGLang is discarded then, not before."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+    from bridge.name_resolve import make_name_resolve
+    from bridge.protocol import ANOTHER_WRITER
+    from bridge.transports.lease import lock_key
+    from tests.fixtures_server import local_model, random_weights
+
+    if server.version != "0.5.23":
+        pytest.skip("one release with sessions is enough")
+    lock = f"file://{tmp_path / 'locks'}"
+    nr = make_name_resolve(lock)
+
+    def holder(trial: str, version: int) -> subprocess.Popen:
+        env = {**os.environ, "WSYNC_FAILPOINTS": "bucket:1@0=sleep:6" if trial == "A" else "bucket:1@0=sleep:60"}
+        p = subprocess.Popen([sys.executable, "-c", _HOLDER, server.url, trial, lock, str(version)], env=env)
+        deadline = time.monotonic() + 60
+        while not nr.find_subtree("wsync/writer_lock") or not _scheduler(server)["paused"]:
+            assert time.monotonic() < deadline and p.poll() is None, "the holder never took the server"
+            time.sleep(0.05)
+        return p
+
+    def publish_b(version: int, seed: int) -> list[str]:
+        refusals = []
+        with WeightPublisher(PublisherConfig(servers=[server.url], experiment="lock", trial="B", bucket_mb=0.1,
+                                             progress=False, writer_lease=2, writer_lock=lock)) as pub:
+            while True:
+                try:
+                    pub.publish(local_model(random_weights(seed=seed)), version=version)
+                    return refusals
+                except BridgeError as e:
+                    assert ANOTHER_WRITER in str(e) and "lock/A" in str(e) and len(refusals) < 300, e
+                    refusals.append(str(e))
+                    time.sleep(0.1)
+
+    a = holder("A", 11)  # holds the server 6 s mid-sync, then completes
+    refused = publish_b(12, seed=8)
+    assert a.wait(60) == 0, "the refused trainer broke the holder's sync"
+    assert refused, "B was never refused"
+    assert nr.find_subtree("wsync/writer_lock") == []
+    _served_equal(server, random_weights(seed=8))  # then B's sync went through
+    a = holder("A", 13)  # killed mid-sync: its session stays open on SGLang, paused
+    a.send_signal(signal.SIGKILL)
+    a.wait()
+    killed = time.monotonic()
+    assert nr.find_subtree("wsync/writer_lock") == [lock_key(server.url)]
+    refused = publish_b(14, seed=9)
+    taken = time.monotonic() - killed
+    assert refused and taken >= 2 * 2 / 3 - 0.2, taken  # not before A's lock ran out (renewed every 2/3 s)
+    _served_equal(server, random_weights(seed=9))
+    assert ServerClient(server.url).model_info()["weight_version"] == "14" and not _scheduler(server)["paused"]
+    nr.close()
+    assert server.alive()

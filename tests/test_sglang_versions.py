@@ -19,6 +19,9 @@ each pins), the harness (SGLang's HTTP app, tokenizer-side and scheduler-side co
 * ``flush_asserts`` (at the two releases of its gate, 0.5.21 and 0.5.22; tests/test_sglang_code.py sees it at
   0.5.6 and 0.5.23): with a generation in flight and paused in place, an update asking for a flush kills the
   server (SGLang's ``assert flush_cache_success``) rather than failing.
+* ``flush_refused_while_retracted`` (at 0.5.8, 0.5.20 and 0.5.21, the installed releases around its gate): with a
+  generation in flight and paused by ``retract`` (it waits in SGLang's waiting queue), an update asking for a
+  flush is refused (0.5.20: the scheduler asserts and dies) rather than applied.
 
 The same probes (but the last two, which the reference server does not emulate: its updates are atomic and it
 keeps no cache to flush) then run against the reference server started with ``--protocol-version`` of the
@@ -54,9 +57,12 @@ pytestmark = pytest.mark.sglang_code
 # The gates ProtocolFeatures encodes that the probes read; the reference server emulates all but the last two.
 EMULATED = ("info_routes", "get_weight_version_route", "weight_version", "batched_distributed", "flattened_bucket",
             "pause_mode", "destroy_group", "needs_session")
-BEHAVIOUR = ("version_lost_when_paused", "flush_asserts")
+BEHAVIOUR = ("version_lost_when_paused", "flush_asserts", "flush_refused_while_retracted")
 # flush_asserts is probed at the releases on either side of its gate (the probe kills the server there).
 FLUSH_PROBED = ("0.5.21", "0.5.22")
+# flush_refused_while_retracted at the installed releases around its gate (0.5.9-0.5.20; between 0.5.8 and 0.5.20
+# no release is installed). The probe kills 0.5.20.
+RETRACT_FLUSH_PROBED = ("0.5.8", "0.5.20", "0.5.21")
 # The releases whose own code loses the version of an update made while paused, which the client sets again.
 LOSES_PAUSED_VERSION = tuple(v for v in ALL_VERSIONS if ProtocolFeatures.from_version(v).version_lost_when_paused)
 PROBE_VERSION = "wsync-probe-v"
@@ -188,11 +194,43 @@ def _flush_kills(url: str, model_dir: str) -> bool:
     raise AssertionError(f"an in-place paused update asking for a flush answered {r.status_code} {r.text[:300]}")
 
 
+def _retracted_flush_refused(url: str, model_dir: str) -> bool:
+    """Paused by ``retract`` with a generation in flight (now in the waiting queue), an update asks for a flush:
+    is it refused (the server dies of it where the flush is asserted, or fails the update)?"""
+    call = functools.partial(_call, url)
+    gen = threading.Thread(target=lambda: _quiet(lambda: call("POST", "/generate", {
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "custom_params": {"harness_hold_s": 6}}},
+        timeout=60)), daemon=True)
+    gen.start()
+    deadline = time.monotonic() + 30
+    while call("GET", "/wsync_harness/scheduler").json()["running"] == 0:  # until SGLang's scheduler holds it
+        assert time.monotonic() < deadline, "the held generation never reached SGLang's running batch"
+        time.sleep(0.1)
+    assert call("POST", "/pause_generation", {"mode": "retract"}).status_code == 200
+    assert call("GET", "/wsync_harness/scheduler").json()["waiting"] == 1, "retract did not re-queue the request"
+    try:
+        r = call("POST", "/update_weights_from_disk", {"model_path": model_dir, "flush_cache": True}, timeout=60)
+    except requests.ConnectionError:
+        return True  # the scheduler's assert ended the server under the request
+    call("POST", "/continue_generation", {})
+    if r.status_code == 400 and "not flushed" in r.text:
+        return True
+    assert r.status_code == 200 and r.json()["success"], f"a retract-paused flushing update: {r.status_code} {r.text[:300]}"
+    gen.join(30)
+    return False
+
+
 def _quiet(fn):
     try:
         fn()
     except Exception:  # the server may die under this request, as it should
         pass
+
+
+def _kills(version: str, facts: dict) -> bool:
+    """Whether the flush probes ended the server: a refused flush kills the releases that assert it."""
+    asserts = ProtocolFeatures.from_version(version).flush_asserts
+    return bool(facts.get("flush_asserts")) or bool(facts.get("flush_refused_while_retracted") and asserts)
 
 
 # ---------------------------------------------------------------------------------------------- launches
@@ -220,9 +258,11 @@ class _Probes:
                                                      and _version_lost_when_paused(srv.url, self.model_dir))
                 # Before the flush probe, which kills the server at the releases whose scheduler asserts the flush.
                 kept = _client_keeps_paused_version(srv.url, self.model_dir) if version in LOSES_PAUSED_VERSION else None
+                if version in RETRACT_FLUSH_PROBED:
+                    facts["flush_refused_while_retracted"] = _retracted_flush_refused(srv.url, self.model_dir)
                 if version in FLUSH_PROBED:
                     facts["flush_asserts"] = _flush_kills(srv.url, self.model_dir)
-                deadline = time.monotonic() + (10 if facts.get("flush_asserts") else 0)
+                deadline = time.monotonic() + (10 if _kills(version, facts) else 0)
                 while srv.alive() and time.monotonic() < deadline:  # the dying server's exit
                     time.sleep(0.1)
                 return {"facts": facts, "client_kept_version": kept, "alive": srv.alive()}
@@ -303,9 +343,9 @@ def test_gates_match_sglang_code(probes, version):
                      f"(gate but code): {bad}")
     if version in FLUSH_PROBED:
         assert "flush_asserts" in seen["facts"]
-        assert seen["alive"] is not seen["facts"]["flush_asserts"]
-    else:
-        assert seen["alive"]
+    if version in RETRACT_FLUSH_PROBED:
+        assert "flush_refused_while_retracted" in seen["facts"]
+    assert seen["alive"] is not _kills(version, seen["facts"]), seen
 
 
 @_on_reference

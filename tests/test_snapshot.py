@@ -233,6 +233,80 @@ def test_altered_manifest_checksum_and_stale_announcement(tmp_path):
             check(info.path)
 
 
+def _listing(path: str, name: str, size: int, checksum: str) -> None:
+    """Add ``name`` to the manifest of the snapshot at ``path`` (a crafted manifest)."""
+    mpath = os.path.join(path, MANIFEST_NAME)
+    m = json.loads(open(mpath).read())
+    m["files"][name] = {"bytes": size, "checksum": checksum}
+    with open(mpath, "w") as f:
+        json.dump(m, f)
+
+
+def _within(seconds: float, fn, release) -> BaseException | None:
+    """Run ``fn`` on a thread; the exception it raised (None if none). Fails if it takes longer than
+    ``seconds`` (``release()`` then unblocks it, so the test does not hang)."""
+    import threading
+
+    box: list = []
+
+    def run():
+        try:
+            fn()
+            box.append(None)
+        except BaseException as e:  # the caller asserts on it
+            box.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(seconds)
+    if th.is_alive():
+        release()
+        th.join(5)
+        pytest.fail(f"blocked for more than {seconds} s")
+    return box[0]
+
+
+def test_every_manifest_entry_is_a_regular_file_opened_without_blocking(tmp_path):
+    """A FIFO listed in the manifest (as a FIFO measures: 0 bytes, the empty checksum) is refused at once
+    by the reader the watcher runs before real SGLang, instead of blocking until someone writes to it."""
+    info = write_snapshot(tmp_path, 0, [("a", torch.zeros(8))])
+    fifo = os.path.join(info.path, "notes.txt")
+    os.mkfifo(fifo)
+    _listing(info.path, "notes.txt", 0, "00000000")
+
+    def release():
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+
+    for check in (verify_snapshot, read_snapshot):
+        e = _within(1.0, lambda check=check: check(info.path), release)
+        assert isinstance(e, SnapshotError) and "notes.txt" in str(e) and "not a regular file" in str(e), e
+
+
+def test_a_manifest_entry_that_links_outside_is_refused_saying_nothing_of_its_target(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret.txt"
+    secret.write_bytes(b"SECRET-" + b"x" * 1230)
+    info = write_snapshot(tmp_path / "root", 0, [("a", torch.zeros(8))])
+    os.symlink(secret, os.path.join(info.path, "notes.txt"))
+    crc = f"{zlib.crc32(secret.read_bytes()):08x}"
+    for size in (1237, 1238):  # its true size, then a wrong one
+        _listing(info.path, "notes.txt", size, crc)
+        for check in (verify_snapshot, read_snapshot):
+            with pytest.raises(SnapshotError, match="notes.txt.*leaves the snapshot") as e:
+                check(info.path)
+            for leak in (str(outside), "secret", "1237", crc):
+                assert leak not in str(e.value), (leak, str(e.value))
+    # A symlink that stays inside the snapshot is as good as the file it names.
+    os.remove(os.path.join(info.path, "notes.txt"))
+    (tmp_path / "root" / "v0" / "real.txt").write_bytes(b"inside")
+    os.symlink("real.txt", os.path.join(info.path, "notes.txt"))
+    _listing(info.path, "notes.txt", 6, f"{zlib.crc32(b'inside'):08x}")
+    _listing(info.path, "real.txt", 6, f"{zlib.crc32(b'inside'):08x}")
+    verify_snapshot(info.path)
+
+
 def test_missing_dir_and_plain_hf_dir(tmp_path, tiny_model_dir):
     with pytest.raises(SnapshotError, match="does not exist"):
         read_snapshot(tmp_path / "nope")

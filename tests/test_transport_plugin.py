@@ -67,7 +67,7 @@ def test_its_options_are_checked_and_read_back(tmp_path):
     from tests.plugins.file_transport import FileOptions
 
     cfg = PublisherConfig(transport="file", servers=["http://127.0.0.1:1"], options=FileOptions(file_dir=str(tmp_path)))
-    assert cfg.file_dir == str(tmp_path) and cfg.pause_mode == "abort"
+    assert cfg.file_dir == str(tmp_path) and cfg.pause_mode == "auto" and cfg.writer_lease == 10.0
     with pytest.raises(ConfigError, match="file_dir"):
         PublisherConfig(transport="file", servers=["http://127.0.0.1:1"], file_dir=str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="not local"):

@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="publish the weights after every step by this transport (a registered one: see "
                         "bridge.transports; its options are below)")
     p.add_argument("--server", action="append", default=[], metavar="URL", help="server to publish to (repeat for several)")
+    p.add_argument("--server-registry", action="append", default=[], metavar="URL",
+                   help="where the servers are found at every publish: etcd://host:port or file:///dir (servers "
+                        "registered with `wsync serve --register` or `wsync register`), router+http://host:port (an "
+                        "sglang-router's or smg's workers); repeat for a registry and a router (README, 'Fleet')")
+    p.add_argument("--min-servers", type=int, default=1,
+                   help="fail a publish when fewer servers answer or take the version (a dead one is excluded)")
     p.add_argument("--api-key", help="the servers' --api-key (bearer key of their routes)")
     p.add_argument("--admin-api-key", help="the servers' --admin-api-key (bearer key of their weight-update routes)")
     from bridge.name_resolve import DEFAULT_URL
@@ -135,8 +141,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         return
     from bridge.transports import transport_class
 
-    if transport_class(args.publish).needs_servers and not args.server:
-        raise ConfigError(f"--publish {args.publish} needs at least one --server URL (start one with `wsync serve`)")
+    if transport_class(args.publish).needs_servers and not args.server and not args.server_registry:
+        raise ConfigError(f"--publish {args.publish} needs at least one --server URL (start one with `wsync serve`) or "
+                          "a --server-registry")
     if args.bucket_mb is not None and not args.bucket_mb > 0:
         raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
     publisher_config(args, args.server)  # checks --bucket-mb, --serving-dtype, the URLs' form
@@ -187,20 +194,35 @@ def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
             sub.close()
         if latest is not None:
             found.append((latest.version, f"announced for {args.experiment}/{args.trial} in {args.name_resolve}"))
-    if args.server and not args.new_run:
-        from bridge import ServerGroup
+    if (args.server or args.server_registry) and not args.new_run:
+        served, where = _served_versions(args)
+        if served:
+            found.append((max(served), "served by " + ", ".join(where)))
+    return max(found, default=(None, ""))
 
-        try:
+
+def _served_versions(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """The versions the --server URLs serve, and those of the servers the registries list that answer."""
+    from bridge import ServerGroup
+
+    served, where = [], list(args.server)
+    try:
+        if args.server:
             with ServerGroup(args.server, api_key=args.api_key, admin_api_key=args.admin_api_key) as servers:
                 served = [int(v) for v in servers.weight_versions().values() if v.isdigit()]
-        except ServerError as e:
-            if e.status is not None:
-                raise
-            raise ConfigError(f"cannot reach --server {e.server}: is a server running there (`wsync serve --port N`) "
-                              f"and is the URL right?") from e
-        if served:
-            found.append((max(served), "served by " + ", ".join(args.server)))
-    return max(found, default=(None, ""))
+    except ServerError as e:
+        if e.status is not None:
+            raise
+        raise ConfigError(f"cannot reach --server {e.server}: is a server running there (`wsync serve --port N`) "
+                          f"and is the URL right?") from e
+    if args.server_registry:
+        from bridge.fleet import list_servers
+
+        for url, version in list_servers(args.server_registry, args.experiment, args.trial).items():
+            if version is not None and version.isdigit():
+                served.append(int(version))
+                where.append(url)
+    return served, where
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
@@ -250,7 +272,8 @@ def publisher_config(args: argparse.Namespace, servers: list[str]):
     kw = dict(
         transport=args.publish, servers=servers, experiment=args.experiment, trial=args.trial,
         serving_dtype=args.serving_dtype, api_key=args.api_key, admin_api_key=args.admin_api_key,
-        new_run=args.new_run, encoding=args.encoding,
+        new_run=args.new_run, encoding=args.encoding, server_registry=args.server_registry or None,
+        min_servers=args.min_servers,
     )
     for name in ("bucket_mb", "delta_anchor_every", "delta_max_fraction"):
         if getattr(args, name) is not None:

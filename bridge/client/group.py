@@ -43,6 +43,9 @@ class ServerGroup:
         urls = [c.url for c in self.clients]
         if len(set(urls)) != len(urls):
             raise ConfigError(f"a server is listed twice: {urls}")
+        self.out_of_rotation: dict[str, str] = {}
+        """url -> why, for servers of this group that are out of rotation (their weights are stale or may be
+        torn): a sync that fails leaves them paused instead of resuming them (:mod:`bridge.fleet`)."""
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)), thread_name_prefix="wsync-http")
 
     @property
@@ -131,9 +134,10 @@ class ServerGroup:
         infos = self.model_info()
         return {c.url: str(i.get("weight_version")) for c, i in zip(self.clients, infos)}
 
-    def close(self) -> None:
+    def close(self, clients: bool = True) -> None:
+        """Stop the fan-out threads and, unless ``clients`` is False (they are shared), close the clients."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for c in self.clients:
+        for c in self.clients if clients else ():
             c.close()
 
     def __enter__(self) -> ServerGroup:

@@ -5,18 +5,15 @@ See :mod:`bridge.client` for the dialect rules, the keys and the errors.
 
 from __future__ import annotations
 
-import base64
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from bridge.client.connection import Connection
+from bridge.client.updates import WeightUpdateRoutes
 from bridge.errors import BridgeError, ConfigError, ServerError, SyncTimeout
 from bridge.log import get_logger
-from bridge.protocol import DEFAULT_GROUP_NAME, SHM_LOAD_FORMAT, ProtocolFeatures
-from bridge.tensors import dtype_to_str
+from bridge.protocol import ProtocolFeatures
 
 __all__ = ["ServerClient"]
 
@@ -26,12 +23,7 @@ logger = get_logger(__package__)
 _PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-def _wire_dtype(d: str | torch.dtype) -> str:
-    # SGLang resolves getattr(torch, name): the bare attribute name, never "torch.bfloat16".
-    return dtype_to_str(d) if isinstance(d, torch.dtype) else str(d).removeprefix("torch.")
-
-
-class ServerClient:
+class ServerClient(WeightUpdateRoutes):
     """One inference server (real SGLang or the reference server).
 
     Args:
@@ -59,6 +51,10 @@ class ServerClient:
         self._tp_size: int | None = None
         self._paused_mode: str | None = None  # what this client last paused the server with
         self._run: dict[str, Any] = {}  # the project's run fields, see claim_run
+        # Weight-changing requests sent (counted before each goes out): a server that does not stage may hold
+        # part of a sync's weights as soon as this grew during the sync.
+        self.updates_sent = 0
+        self._writer: str | None = None  # the project's writer field, see name_writer
 
     def __repr__(self) -> str:
         return f"ServerClient({self.url!r}, version={self._version!r})"
@@ -143,13 +139,33 @@ class ServerClient:
         if new_run:
             self._run["wsync_new_run"] = True
 
+    def name_writer(self, writer: str | None) -> None:
+        """Name the writer (one publisher) of the weight-changing requests that follow (``wsync_writer``, to the
+        reference server only, which refuses any other writer while one holds its lease)."""
+        self._writer = writer
+
     def _with_run(self, body: dict) -> dict:
-        if self._run and self.is_reference_server:
+        if (self._run or self._writer) and self.is_reference_server:
             body.update(self._run)
+            if self._writer is not None:
+                body["wsync_writer"] = self._writer
         return body
 
-    def _load_server_info(self) -> None:
-        info = self.server_info()
+    def take_writer_lease(self, seconds: float, starts_sync: bool = False, renew_only: bool = False) -> dict:
+        """Project extension, reference server only (``/wsync/writer_lease``): take or renew the server for this
+        writer (:meth:`name_writer`) for ``seconds`` after its last request; meanwhile it refuses weight changes
+        from anyone else. ``starts_sync``: discard a session this writer left open; ``renew_only``: never take.
+        Raises ServerError, ``reason`` ANOTHER_WRITER (HTTP 409), naming the run and writer holding the server."""
+        body = {"wsync_writer": self._writer, "lease_s": float(seconds), "starts_sync": bool(starts_sync),
+                "renew_only": bool(renew_only), "wsync_run_id": self._run.get("wsync_run_id")}
+        return self._http.call("POST", "/wsync/writer_lease", body)
+
+    def release_writer_lease(self) -> dict:
+        """Project extension, reference server only: end this writer's lease (a no-op when it holds none)."""
+        return self._http.call("POST", "/wsync/writer_lease", {"wsync_writer": self._writer, "release": True})
+
+    def _load_server_info(self, timeout: float | None = None) -> None:
+        info = self.server_info(timeout)
         self._info = info
         if self._version is None:
             v = info.get("version")
@@ -159,16 +175,27 @@ class ServerClient:
         tp = info.get("tp_size") or 1
         self._tp_size = int(tp)
 
-    def server_info(self) -> dict:
+    def server_info(self, timeout: float | None = None) -> dict:
         """``/server_info``; servers older than 0.5.6 answer 404 there and are asked ``/get_server_info``."""
         if self._features is not None or self._version is not None:
-            return self._http.call("GET", self.features.server_info_route)
+            return self._http.call("GET", self.features.server_info_route, timeout=timeout)
         try:
-            return self._http.call("GET", "/server_info")
+            return self._http.call("GET", "/server_info", timeout=timeout)
         except ServerError as e:
             if e.status != 404:
                 raise
-            return self._http.call("GET", "/get_server_info")
+            return self._http.call("GET", "/get_server_info", timeout=timeout)
+
+    def probe(self, timeout: float) -> str:
+        """The weight version the server serves, every call within ``timeout`` seconds (the server info
+        too, the first time): whether a server is there to sync, before anything waits on it.
+
+        Raises:
+            ServerError / SyncTimeout: it does not answer, or not as an SGLang server.
+        """
+        if self._info is None:
+            self._load_server_info(timeout)
+        return str(self.model_info(timeout=timeout).get("weight_version"))
 
     def model_info(self, timeout: float | None = None) -> dict:
         """``/model_info`` (``/get_model_info`` before 0.5.6): carries the served ``weight_version``."""
@@ -256,6 +283,7 @@ class ServerClient:
                 body["weight_version"] = str(weight_version)
             else:
                 logger.warning("%s (SGLang %s) does not track weight versions; %r not sent", self.url, self.version, weight_version)
+        self.updates_sent += 1
         out = self._http.call("POST", route, self._with_run(body), timeout=timeout)
         v = body.get("weight_version")
         if v is not None and self._paused_mode is not None and self.features.version_lost_when_paused:
@@ -263,193 +291,33 @@ class ServerClient:
         return out
 
     def _flush(self, flush_cache: bool) -> bool:
-        """The ``flush_cache`` to send: never while this client has the server paused in place."""
-        if flush_cache and self._paused_mode == "in_place":
-            logger.debug("%s: paused in place, so the update is sent with flush_cache=False", self.url)
+        """The ``flush_cache`` to send: never while this client has the server paused in place, nor paused by
+        retracting where that version refuses the flush (:attr:`ProtocolFeatures.flush_refused_while_retracted`)."""
+        refused = self._paused_mode == "in_place" or (self._paused_mode == "retract"
+                                                      and self.features.flush_refused_while_retracted)
+        if flush_cache and refused:
+            logger.debug("%s: paused (%s), so the update is sent with flush_cache=False", self.url, self._paused_mode)
             return False
         return bool(flush_cache)
 
     def flush_cache(self) -> str:
         return self._http.call("POST", "/flush_cache", text=True)
 
-    # ------------------------------------------------------------------ weight updates
-
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = DEFAULT_GROUP_NAME,
-        backend: str = "nccl",
-        timeout: float | None = None,
-    ) -> dict:
-        """Ask the server to join the custom process group; blocks until the trainer has joined too.
-
-        Send it from a thread (or ``ServerGroup.submit``) and join the group on the trainer side
-        concurrently (:func:`bridge.process_group.init_custom_process_group`, rank 0).
-        """
-        body = dict(
-            master_address=master_address, master_port=int(master_port), rank_offset=int(rank_offset),
-            world_size=int(world_size), group_name=group_name, backend=backend,
-        )
-        return self._http.call("POST", "/init_weights_update_group", body, timeout=timeout)
-
-    def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str | torch.dtype],
-        shapes: Sequence[Sequence[int]],
-        group_name: str = DEFAULT_GROUP_NAME,
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        abort_all_requests: bool = False,
-        timeout: float | None = None,
-        wsync_delta: dict | None = None,
-    ) -> dict:
-        """Announce one broadcast request; the trainer broadcasts the tensors concurrently.
-
-        Per tensor (``load_format=None``): one ``dist.broadcast(src=0)`` per tensor in ``names`` order.
-        ``load_format="flattened_bucket"``: one uint8 buffer (:mod:`bridge.buckets` layout).
-        ``wsync_delta`` (reference server only): the buffer is a delta bucket and this its table
-        (:mod:`bridge.encodings.delta_send`).
-
-        Raises:
-            ConfigError: the server's version cannot take this request (checked before sending, so the
-                trainer does not start a broadcast nobody receives).
-        """
-        names = [str(n) for n in names]
-        dtypes = [_wire_dtype(d) for d in dtypes]
-        shapes = [[int(x) for x in s] for s in shapes]
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ConfigError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
-        f = self.features
-        if load_format is not None and load_format != "flattened_bucket":
-            raise ConfigError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
-        if load_format == "flattened_bucket" and not f.flattened_bucket:
-            raise ConfigError(
-                f"{self.url} runs SGLang {f.version}, which has no load_format='flattened_bucket' (needs >= 0.5.6); "
-                "send one broadcast per tensor (load_format=None)"
-            )
-        if f.batched_distributed:
-            body: dict[str, Any] = dict(
-                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
-                flush_cache=self._flush(flush_cache), abort_all_requests=abort_all_requests,
-            )
-        else:
-            if len(names) != 1:
-                raise ConfigError(f"{self.url} runs SGLang {f.version}, which takes one tensor per request; got {len(names)}")
-            body = dict(name=names[0], dtype=dtypes[0], shape=shapes[0])
-        if load_format is not None:
-            body["load_format"] = load_format
-        if wsync_delta is not None:
-            self.require_reference_server("a delta bucket on the weight-update group (wsync_delta)")
-            body["wsync_delta"] = wsync_delta
-        return self._post_update("/update_weights_from_distributed", body, weight_version, timeout)
-
-    def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: Sequence[str | bytes],
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        abort_all_requests: bool = False,
-        timeout: float | None = None,
-    ) -> dict:
-        """``/update_weights_from_tensor``: co-located weights, handed over by reference.
-
-        ``serialized_named_tensors`` has one entry per TP rank of the server (bytes are base64-encoded
-        here). With real SGLang each entry is SGLang's ``MultiprocessingSerializer`` output for CUDA tensors
-        (CUDA IPC; CPU tensors cannot cross HTTP, SGLang issue #4551). The reference server instead takes the
-        project extension ``load_format="wsync_shm"``: each entry is base64 of the JSON object
-        ``{"path": "/dev/shm/...", "nbytes": N, "names": [...], "dtypes": [...], "shapes": [...]}``
-        describing a file that holds one flattened bucket (:mod:`bridge.buckets` layout).
-        SGLang >= 0.5.21 (and the reference server emulating it) takes it only inside a
-        ``begin_weight_update``/``end_weight_update`` session.
-
-        Raises:
-            ConfigError: ``load_format="wsync_shm"`` for a server that does not say it is the reference
-                server (real SGLang would unpickle the entry in its scheduler and die); nothing is sent.
-        """
-        if load_format == SHM_LOAD_FORMAT:
-            self.require_reference_server(f"load_format={SHM_LOAD_FORMAT!r}")
-        if isinstance(serialized_named_tensors, (str, bytes)):
-            raise ConfigError("serialized_named_tensors must be a list with one entry per TP rank, not a single string")
-        entries = [
-            base64.b64encode(e).decode() if isinstance(e, (bytes, bytearray)) else str(e) for e in serialized_named_tensors
-        ]
-        if not entries:
-            raise ConfigError("serialized_named_tensors is empty; it needs one entry per TP rank")
-        body: dict[str, Any] = dict(
-            serialized_named_tensors=entries, load_format=load_format, flush_cache=self._flush(flush_cache),
-            abort_all_requests=abort_all_requests,
-        )
-        return self._post_update("/update_weights_from_tensor", body, weight_version, timeout)
-
-    def require_reference_server(self, what: str = "the shared-memory extension") -> None:
-        """Raise ConfigError unless the server says it is the project's reference server.
-
-        The colocated transport calls this before any byte moves: SGLang has no ``wsync_shm`` format and
-        its scheduler dies unpickling such an entry; with real SGLang use CUDA IPC on a GPU host.
-        """
-        if not self.is_reference_server:
-            raise ConfigError(
-                f"{self.url} (SGLang {self.version}) is not the wsync reference server, so it cannot take {what}; "
-                "real SGLang takes co-located weights only as CUDA IPC handles on a GPU (use transport='broadcast' "
-                "or 'disk' here)"
-            )
-
-    def abort_weight_update(self) -> dict:
-        """Project extension, reference server only: ``/wsync/abort_weight_update`` discards the open update
-        session without applying anything (real SGLang answers 404: it has no staging to discard)."""
-        return self._http.call("POST", "/wsync/abort_weight_update", {})
-
-    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
-        """Drop the group on the server; on servers without the route (< 0.5.3) a logged no-op."""
-        if not self.features.destroy_group:
-            msg = f"SGLang {self.version} has no /destroy_weights_update_group; the group stays open on the server"
-            logger.warning("%s: %s", self.url, msg)
-            return {"success": True, "message": msg}
-        return self._http.call("POST", "/destroy_weights_update_group", {"group_name": group_name})
-
-    def update_weights_from_disk(
-        self,
-        model_path: str,
-        weight_version: str | None = None,
-        abort_all_requests: bool = False,
-        flush_cache: bool = True,
-        timeout: float | None = None,
-        manifest_sha256: str | None = None,
-    ) -> dict:
-        """Load an HF checkpoint directory (as seen from the server's host).
-
-        ``manifest_sha256`` (a wsync snapshot's announced manifest digest) goes only to the reference
-        server, which verifies the snapshot against it while reading it and refuses a mismatch with
-        ``ServerError.reason == SNAPSHOT_INVALID``; real SGLang reads what it is given.
-        """
-        body: dict[str, Any] = dict(
-            model_path=str(model_path), abort_all_requests=abort_all_requests, flush_cache=self._flush(flush_cache),
-        )
-        if manifest_sha256 is not None and self.is_reference_server:
-            body["wsync_manifest_sha256"] = manifest_sha256
-        return self._post_update("/update_weights_from_disk", body, weight_version, timeout)
+    # ------------------------------------------------------------------ sessions and versions
 
     def begin_weight_update(self) -> dict:
         """Open an update session (SGLang >= 0.5.21); elsewhere a no-op that reports success."""
-        if not self.features.needs_session:
-            return self._no_session()
-        return self._http.call("POST", "/begin_weight_update", self._with_run({}))
+        return self._session("/begin_weight_update")
 
     def end_weight_update(self) -> dict:
         """Close the update session (SGLang >= 0.5.21; the reference server swaps weights here)."""
-        if not self.features.needs_session:
-            return self._no_session()
-        return self._http.call("POST", "/end_weight_update", {})
+        return self._session("/end_weight_update")
 
-    def _no_session(self) -> dict:
-        """The answer of a session route on a server without sessions (< 0.5.21), which has nothing to open."""
-        return {"success": True, "message": f"SGLang {self.version} needs no update session"}
+    def _session(self, route: str) -> dict:
+        """A session route; a server without sessions (< 0.5.21) has nothing to open or close."""
+        if not self.features.needs_session:
+            return {"success": True, "message": f"SGLang {self.version} needs no update session"}
+        return self._http.call("POST", route, self._with_run({}))
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
         """``/update_weight_version`` (SGLang >= 0.5.1)."""

@@ -13,11 +13,12 @@ carry) and two scratch buffers as large as its largest piece (the cast piece and
 Every rank learns every rank's encoded sizes, so all of them plan the same *delta buckets* (whole tensors,
 up to ``bucket_mb`` of encoded bytes each) and decide alike whether this sync must be an *anchor*, a full
 sync: there is no base yet; every ``delta_anchor_every`` versions; the delta is over ``delta_max_fraction``
-of the full bytes. Rank 0, once the servers are paused, also sends an anchor when the servers are of two
-kinds (reference server and real SGLang), when real SGLang was not started with the loader
-(``--custom-weight-loader``) or does not report the base version, and after a failed sync into real SGLang
-(which loads buckets as they arrive, so it may hold part of it). The reason is logged and reported
-(``PublishResult.encoding``, ``.anchor_reason``).
+of the full bytes. Rank 0, once the servers are paused, also sends an anchor when a server is out of
+rotation (:mod:`bridge.fleet`: restarted, newly joined, on another version, torn or held paused; the anchor
+repairs it), when the servers are of two kinds (reference server and real SGLang), when real SGLang was not
+started with the loader (``--custom-weight-loader``) or does not report the base version, and after a failed
+sync into real SGLang (which loads buckets as they arrive, so it may hold part of it). The reason is logged
+and reported (``PublishResult.encoding``, ``.anchor_reason``).
 
 Each delta bucket names the base version and a digest of the base of its tensors (the CRC32 of each rank's
 piece, :func:`bridge.delta_codec.combine_digest`); a server that does not serve exactly that base refuses

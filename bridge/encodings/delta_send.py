@@ -33,7 +33,7 @@ from bridge.buckets import Bucket
 from bridge.delta_codec import BITMASK, DELTA_TENSOR, write_record
 from bridge.failpoints import failpoint
 from bridge.tensors import ParamSpec, dtype_to_str
-from bridge.transports.base import bucket_answers
+from bridge.transports.sessions import bucket_answers
 
 __all__ = ["LOADER", "LoaderSender", "delta_route", "table", "transfer"]
 
@@ -44,8 +44,15 @@ LOADER = "bridge.sglang_delta_loader.load_delta"
 def delta_route(servers, base_version: int | None) -> tuple[str | None, str | None]:
     """Rank 0, servers paused: (why this sync must be an anchor, None) or (None, ``native``/``loader``).
 
-    Reference servers check the base version and digest of every delta bucket themselves; real SGLang's
-    loader cannot answer a refusal, so before a delta to it every server must report the base version."""
+    A server the fleet (:mod:`bridge.fleet`) took out of rotation gets an anchor: it restarted, joined, serves
+    another version, or may be torn or was left paused by a failed sync or commit, and this sync is what
+    repairs it, with every tensor. Otherwise reference servers check the base version and digest of every
+    delta bucket themselves; real SGLang's loader cannot answer a refusal, so before a delta to it every
+    server must report the base version."""
+    out = getattr(servers, "out_of_rotation", None) or {}
+    if out:
+        return ("out of rotation until a full sync repairs it: "
+                + "; ".join(f"{u} ({why})" for u, why in out.items())), None
     clients = servers.clients
     reference = [c.is_reference_server for c in clients]
     if any(reference) and not all(reference):

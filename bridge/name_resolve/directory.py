@@ -9,7 +9,14 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import quote, unquote
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: create-if-expired is then not exclusive across processes
+    fcntl = None
 
 from bridge.errors import ConfigError, NameResolveError
 from bridge.log import get_logger
@@ -34,7 +41,9 @@ class DirectoryNameResolve(NameResolve):
     Layout: every key is one file ``<dir>/<url-quoted key>.entry`` (flat, so that every change touches the
     directory itself) holding JSON ``{"key", "value", "expires_at", "written_at", "owner"}``. Writes go to a
     temporary file that is renamed into place (``os.replace``; ``os.link`` for create-if-absent), so a
-    reader sees the old or the new entry, never a torn one.
+    reader sees the old or the new entry, never a torn one. Create-if-absent (``replace=False``) runs under
+    the directory's lock file (``.wsync-lock``, ``flock``), so that replacing an expired entry is exclusive
+    too: an entry with a TTL kept alive is a lock with a lease (the publishers' writer locks).
 
     TTL: ``expires_at`` is stored with the value and expired entries read as absent; a keep-alive thread
     rewrites its entries every ttl/3. TTLs across machines assume synchronised clocks.
@@ -96,16 +105,30 @@ class DirectoryNameResolve(NameResolve):
             if replace:
                 os.replace(tmp, final)
                 return
-            try:
-                os.link(tmp, final)  # atomic create-if-absent, also on NFS
-            except FileExistsError:
-                if self._live(self._read(final)):
-                    raise self._exists(key) from None
-                os.replace(tmp, final)  # the old entry had expired
+            with self._exclusive():  # create-if-absent-or-expired is one step for every process
+                try:
+                    os.link(tmp, final)  # atomic create-if-absent, also on NFS
+                except FileExistsError:
+                    if self._live(self._read(final)):
+                        raise self._exists(key) from None
+                    os.replace(tmp, final)  # the old entry had expired
         except OSError as e:
             raise NameResolveError(f"cannot write {key!r} to {self.url}: {e}") from e
         finally:
             _unlink(tmp)
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the directory's lock file (``.wsync-lock``, ``flock``): without it, two processes that both
+        found an expired entry would both replace it and both believe they created it (a writer lock taken
+        twice). Released by the kernel when its holder dies."""
+        fd = os.open(os.path.join(self.path, ".wsync-lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
 
     def _put(self, key, value, ttl, keepalive, replace):
         with self._lock:
@@ -126,19 +149,24 @@ class DirectoryNameResolve(NameResolve):
             if self._stop.wait(interval):
                 return
             for key in kept:
-                with self._lock:  # delete() and add() of the same key wait, so a refresh never resurrects
-                    ttl = self._kept.get(key)
-                    if ttl is None:
-                        continue
-                    rec = self._read(self._file(key))
-                    if rec is None or rec.get("owner") != self._owner:
-                        log.info("kept-alive key %s was deleted or replaced by another process; no longer refreshing", key)
-                        del self._kept[key]
-                        continue
-                    try:
-                        self._write(key, rec["value"], ttl, replace=True, written_at=rec["written_at"])
-                    except NameResolveError as e:
-                        log.warning("keep-alive of %s failed: %s", key, e)
+                try:
+                    self._refresh(key)
+                except (OSError, NameResolveError) as e:
+                    log.warning("keep-alive of %s failed: %s", key, e)
+
+    def _refresh(self, key: str) -> None:
+        # delete() and add() of the same key wait, so a refresh never resurrects; and under the lock file,
+        # another process's take of the key (once it expired) and this refresh never interleave.
+        with self._lock, self._exclusive():
+            ttl = self._kept.get(key)
+            if ttl is None:
+                return
+            rec = self._read(self._file(key))
+            if rec is None or rec.get("owner") != self._owner:
+                log.info("kept-alive key %s was deleted or replaced by another process; no longer refreshing", key)
+                del self._kept[key]
+                return
+            self._write(key, rec["value"], ttl, replace=True, written_at=rec["written_at"])
 
     def get(self, name):
         rec = self._read(self._file(check_key(name)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "check_dir",
     "check_version",
     "list_snapshots",
+    "open_entry",
     "parse_manifest",
     "read_manifest",
     "read_manifest_bytes",
@@ -149,15 +151,51 @@ def check_dir(path: str) -> None:
 
 
 def read_manifest_bytes(path: str) -> bytes:
-    """The manifest file's raw bytes (what its announced sha256 is taken of); SnapshotError when missing."""
+    """The manifest file's raw bytes (what its announced sha256 is taken of); SnapshotError when missing,
+    or when it is not a regular file inside ``path`` (:func:`open_entry`)."""
     check_dir(path)
     try:
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            return f.read()
+        fd = open_entry(path, MANIFEST_NAME)
     except FileNotFoundError:
         raise SnapshotError(
             f"snapshot {path} has no {MANIFEST_NAME}: it was not written by wsync, or not completely"
         ) from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def open_entry(path: str, name: str) -> int:
+    """Open the file ``name`` of the snapshot directory ``path`` for reading, as every file of a snapshot is
+    opened (weights, index, manifest, and any other file its manifest lists); a file descriptor.
+
+    ``name`` must be a plain file name that resolves, symlinks included, to a file directly inside ``path``,
+    and that file must be a regular file: it is opened with ``O_NONBLOCK`` and checked with ``fstat``, so a
+    FIFO (or a device) is refused at once instead of blocking the reader until someone writes to it. A
+    refusal never says anything about where a symlink leads, or about the file there.
+
+    Raises:
+        FileNotFoundError: there is no such file (the caller says what that means).
+        SnapshotError: the name or its target leaves the directory, or it is not a regular file.
+    """
+    where = os.path.realpath(path)
+    if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
+        raise SnapshotError(f"snapshot {path}: the entry {str(name)[:80]!r} leaves the snapshot directory; entries "
+                            "must be plain file names inside it")
+    real = os.path.realpath(os.path.join(where, name))
+    if os.path.dirname(real) != where:
+        raise SnapshotError(f"snapshot {path}: {name} leaves the snapshot directory (a symlink to somewhere else); "
+                            "every file of a snapshot must lie inside it")
+    try:  # O_NOFOLLOW: a name swapped for a symlink since it was resolved fails here
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise SnapshotError(f"snapshot {path}: {name} cannot be opened ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SnapshotError(f"snapshot {path}: {name} is not a regular file (a FIFO, device or directory would "
+                            "block or mislead the reader)")
+    return fd
 
 
 def parse_manifest(path: str, data: bytes) -> dict:

@@ -24,6 +24,7 @@ from bridge.snapshot.manifest import (
     SINGLE_NAME,
     SnapshotInfo,
     check_dir,
+    open_entry,
     parse_manifest,
     read_manifest_bytes,
 )
@@ -106,6 +107,7 @@ def read_snapshot(path: str | os.PathLike, *, verify: bool = True,
     out: dict[str, torch.Tensor] = {}
     for fname in _weight_files(path):
         try:
+            os.close(open_entry(path, fname))  # inside the directory, a regular file (never a FIFO)
             tensors = load_file(os.path.join(path, fname))
         except (SafetensorError, OSError, ValueError) as e:
             raise SnapshotError(f"snapshot {path}: cannot read {fname}: {e}") from e
@@ -178,8 +180,8 @@ def _tensor_at(data: torch.Tensor, begin: int, end: int, dtype: torch.dtype, sha
 class _Stream:
     """Byte ranges of an open file, read in chunks (verifying without keeping the bytes)."""
 
-    def __init__(self, f):
-        self.f, self.buf = f, bytearray(_CHUNK)
+    def __init__(self, f, name: str):
+        self.f, self.name, self.buf = f, name, bytearray(_CHUNK)
 
     def read(self, pos: int, n: int) -> bytes:
         self.f.seek(pos)
@@ -192,7 +194,7 @@ class _Stream:
         while pos < end:
             got = self.f.readinto(view[: min(len(self.buf), end - pos)])
             if not got:
-                raise SnapshotError(f"unexpected end of file in {self.f.name} at byte {pos}")
+                raise SnapshotError(f"unexpected end of file in {self.name} at byte {pos}")
             crcs = [zlib.crc32(view[:got], c) for c in crcs]
             pos += got
         return crcs
@@ -220,19 +222,19 @@ class _Whole:
 def _verify_file(path: str, fname: str, fentry: dict, tensors: dict[str, dict], keep: bool = False):
     """Check one file against its manifest entry. Returns the safetensors tensors' (name, begin, end,
     dtype, shape), sorted by offset, and with ``keep`` the file's bytes as a uint8 tensor (else None)."""
-    full = os.path.join(path, fname)
     try:
-        size = os.path.getsize(full)
+        fd = open_entry(path, fname)  # inside the snapshot, a regular file, opened without blocking
     except FileNotFoundError:
         raise SnapshotError(f"snapshot {path}: file {fname} is missing") from None
-    if size != fentry["bytes"]:
-        raise SnapshotError(
-            f"snapshot {path}: file {fname} has {size} bytes, the manifest says {fentry['bytes']} "
-            f"({'truncated' if size < fentry['bytes'] else 'grown'})"
-        )
-    ranges = []
-    with open(full, "rb") as f:
-        src = _Whole(f, size) if keep else _Stream(f)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size != fentry["bytes"]:
+            raise SnapshotError(
+                f"snapshot {path}: file {fname} has {size} bytes, the manifest says {fentry['bytes']} "
+                f"({'truncated' if size < fentry['bytes'] else 'grown'})"
+            )
+        ranges = []
+        src = _Whole(f, size) if keep else _Stream(f, fname)
         if fname.endswith(".safetensors"):
             ranges, head = _check_header(path, fname, src, size, tensors)
             file_crc = zlib.crc32(head)
@@ -307,7 +309,7 @@ def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, INDEX_NAME)
     if os.path.exists(index):
         try:
-            with open(index) as f:
+            with os.fdopen(open_entry(path, INDEX_NAME), "rb") as f:
                 weight_map = json.load(f)["weight_map"]
         except (ValueError, KeyError) as e:
             raise SnapshotError(f"snapshot {path}: {INDEX_NAME} is unreadable ({e})") from None

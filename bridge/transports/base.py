@@ -8,8 +8,9 @@ all raise the same error. A transport only says how bytes move. Which process ru
 ============  ========  ==================================================================================
 method        who       what
 ============  ========  ==================================================================================
-``begin``     rank 0    open the sync: check the version, connect (process group), pause generation, open
-                        update sessions. Nothing has moved yet. What it returns reaches every rank's part.
+``begin``     rank 0    open the sync: check the version, take the servers (one writer at a time,
+                        :class:`ServerSessions`), connect (process group), pause generation, open update
+                        sessions. Nothing has moved yet. What it returns reaches every rank's part.
 ``buffer``    rank 0    the uint8 tensor bucket ``k`` is gathered into (every rank then gathers into it).
 ``send``      rank 0    put bucket ``k`` on its way; may return before it arrived (the gather of bucket
                         ``k+1`` overlaps it). The last bucket carries the version.
@@ -18,8 +19,8 @@ method        who       what
 ``commit``    rank 0    make the version live on every server (end the session, or announce a snapshot),
                         given what every rank's part reported at settle.
 ``abort``     rank 0    after a failure on any rank, at any step: leave every server serving its previous
-                        version, unpaused, with no open session. Bounded in time, never raises; returns
-                        a line saying what the servers serve now.
+                        version, unpaused, with no open session, and let go of it. Bounded in time, never
+                        raises; returns a line saying what the servers serve now.
 ``close``     rank 0    release connections (the publisher is closed).
 ============  ========  ==================================================================================
 
@@ -50,10 +51,7 @@ idempotent. Adding a transport is one new module (README, "Adding a transport"):
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -61,12 +59,18 @@ from urllib.parse import urlparse
 import torch
 
 from bridge.buckets import Bucket
-from bridge.errors import BridgeError, ConfigError, DeltaBaseMismatch, ServerError, SyncError, VersionError
-from bridge.failpoints import armed, failpoint
+from bridge.errors import ConfigError
 from bridge.log import get_logger
-from bridge.protocol import DELTA_BASE_MISMATCH
+from bridge.transports.sessions import (  # noqa: F401 (re-exported: a transport of one file imports them from here)
+    ServerSessions,
+    bucket_answers,
+    deadline_left,
+    discard_session,
+    pause_mode_for,
+)
 
-__all__ = ["NoOptions", "Plan", "RankPart", "ServerSessions", "SessionOptions", "Transport", "is_local", "option"]
+__all__ = ["NoOptions", "Plan", "RankPart", "ServerSessions", "SessionOptions", "Transport", "is_local", "option",
+           "pause_mode_for"]
 
 logger = get_logger(__name__)
 
@@ -108,16 +112,29 @@ class NoOptions:
 class SessionOptions:
     """Options of the transports that pause the servers and update them in sessions (broadcast, colocated)."""
 
-    pause_mode: str = option("abort", "how servers pause during a sync (SGLang's /pause_generation mode): "
-                                      "abort, retract, in_place, or none to not pause")
+    pause_mode: str = option("auto", "how servers pause during a sync (SGLang's /pause_generation mode): auto "
+                                     "(per server, a mode that keeps the requests in flight where its SGLang "
+                                     "version has a safe one: retract or in_place; else abort), abort (ends them), "
+                                     "retract, in_place, or none to not pause")
     load_format: str = option("auto", "auto (flattened buckets when every server takes them), flattened_bucket "
                                       "or per_tensor")
+    writer_lease: float = option(10.0, "seconds a server stays reserved for this publisher after its last word: "
+                                       "renewed while a sync runs, so a dead publisher blocks others that long")
+    writer_lock: str | None = option(None, "name resolution (etcd://host:port or file:///dir) holding a lock per "
+                                           "server for servers without the reference server's writer lease (real "
+                                           "SGLang), so that two trainers never write into one at once")
 
     def __post_init__(self) -> None:
-        if self.pause_mode not in ("abort", "retract", "in_place", "none"):
-            raise ConfigError(f"pause_mode must be abort, retract, in_place or none, got {self.pause_mode!r}")
+        if self.pause_mode not in ("auto", "abort", "retract", "in_place", "none"):
+            raise ConfigError(f"pause_mode must be auto, abort, retract, in_place or none, got {self.pause_mode!r}")
         if self.load_format not in ("auto", "flattened_bucket", "per_tensor"):
             raise ConfigError(f"load_format must be auto, flattened_bucket or per_tensor, got {self.load_format!r}")
+        if isinstance(self.writer_lease, bool) or not isinstance(self.writer_lease, (int, float)) or \
+                not 0.5 <= self.writer_lease <= 3600:
+            raise ConfigError(f"writer_lease must be 0.5-3600 seconds, got {self.writer_lease!r}")
+        if self.writer_lock is not None and urlparse(str(self.writer_lock)).scheme not in ("etcd", "etcd3", "file", "memory"):
+            raise ConfigError(f"writer_lock must be a name resolution URL (etcd://host:port or file:///dir), got "
+                              f"{self.writer_lock!r}")
 
 
 class Transport:
@@ -143,12 +160,14 @@ class Transport:
         self.config = config
         self.servers = servers
         """A :class:`bridge.client.ServerGroup` of ``config.servers``, or None without servers."""
+        self._writer_lease = None
 
     @classmethod
     def check_config(cls, config) -> None:
         """Checks across the shared settings and the options (the options check themselves alone)."""
-        if cls.needs_servers and not config.servers:
-            raise ConfigError(f"the {cls.name} transport needs at least one server URL (servers=[...])")
+        if cls.needs_servers and not config.servers and not config.server_registry:
+            raise ConfigError(f"the {cls.name} transport needs at least one server: their URLs (servers=[...]) or where "
+                              "to find them (server_registry=...)")
 
     @classmethod
     def rank_part(cls, config, transport: Transport | None, rank: int, world: int) -> RankPart:
@@ -187,6 +206,32 @@ class Transport:
 
     def close(self) -> None:
         """Rank 0: release connections."""
+
+    def use_servers(self, servers) -> None:
+        """Rank 0, before ``begin``: the servers of the next sync (the fleet found them at this publish;
+        :mod:`bridge.fleet`). A transport that keeps state per server set (a process group) overrides it and
+        calls this one; the writer lease follows the new set."""
+        self.servers = servers
+        if self._writer_lease is not None and servers is not None:
+            self._writer_lease.use_servers(servers)
+
+    def held(self) -> dict[str, str]:
+        """Rank 0, after a sync: the servers it left paused on purpose, url -> ``torn: why`` or ``failed:
+        why`` (their weights may be partly changed, or they did not take the version beside the others)."""
+        sessions = getattr(self, "sessions", None)
+        return dict(sessions.held) if isinstance(sessions, ServerSessions) else {}
+
+    def writer_lease(self):
+        """This publisher's hold on its servers, one writer at a time (:class:`bridge.transports.lease.WriterLease`),
+        made once: hand it to :class:`ServerSessions`, which takes it before pausing and releases it after."""
+        if self._writer_lease is None:
+            from bridge.transports.lease import WriterLease
+
+            cfg = self.config
+            self._writer_lease = WriterLease(self.servers, run_id=f"{cfg.experiment}/{cfg.trial}",
+                                             seconds=getattr(cfg, "writer_lease", 10.0),
+                                             lock_url=getattr(cfg, "writer_lock", None))
+        return self._writer_lease
 
 
 class RankPart:
@@ -227,192 +272,10 @@ class RankPart:
         """The publisher is closed."""
 
 
-class ServerSessions:
-    """Pause, update sessions and resume on a :class:`bridge.client.ServerGroup`, server by server.
-
-    Each server's state is tracked on its own, so a failure on one server (it refuses to pause, say)
-    still resumes the others that were paused, and a failed sync discards the sessions that were opened.
-    """
-
-    def __init__(self, servers, pause_mode: str):
-        self.servers, self.pause_mode = servers, pause_mode
-        self.paused: list = []
-        self.in_session: list = []
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(servers.clients)), thread_name_prefix="wsync-session")
-
-    def open(self) -> None:
-        """Pause every server (unless ``pause_mode`` is none), then open a session where one is needed."""
-        if self.pause_mode != "none":
-            done, errors = self._each(lambda c: c.pause_generation(mode=self.pause_mode), self.servers.clients)
-            self.paused += done
-            _raise_first(errors, "pause generation")
-        done, errors = self._each(self._begin, [c for c in self.servers.clients if c.features.needs_session])
-        self.in_session += done
-        _raise_first(errors, "open an update session")
-
-    @staticmethod
-    def _begin(c) -> None:
-        try:
-            c.begin_weight_update()
-        except ServerError as e:
-            if "already" not in e.message and "end_weight_update" not in e.message:
-                raise
-            # A session left open by a trainer that died mid-sync: discard it (never commit it), then
-            # open ours.
-            logger.warning("%s had an update session open (a previous sync died); discarding it", c.url)
-            discard_session(c)
-            c.begin_weight_update()
-
-    def commit(self, version: int | None = None) -> dict[str, str]:
-        """Make ``version`` live on every server, then resume: end every session (the reference server
-        swaps weights and version there). Real SGLang loaded every bucket as it arrived, so its label is
-        set here, only now that every bucket arrived everywhere (``/update_weight_version``, inside the
-        session): a sync that failed earlier never labels what it loaded.
-
-        Servers commit concurrently. Failpoint ``commit:<i>`` fires before server ``i`` commits, once
-        servers 0..i-1 have (so a test can fail a commit half-way)."""
-        clients, in_session = self.servers.clients, set(self.in_session)
-        futures: list[cf.Future] = []
-        for i, c in enumerate(clients):
-            futures.append(self._pool.submit(self._end, i, c, c in in_session, version, list(futures)))
-        errors = [(c, f.exception()) for c, f in zip(clients, futures) if f.exception() is not None]
-        failed = {c for c, _ in errors}
-        self.in_session = [c for c in self.in_session if c in failed]
-        _raise_first(errors, "commit the update")
-        return self.resume()
-
-    @staticmethod
-    def _end(i: int, c, in_session: bool, version: int | None, earlier: list[cf.Future]) -> None:
-        if armed(f"commit:{i}", 0):
-            cf.wait(earlier)
-            failpoint(f"commit:{i}", 0)
-        if version is not None and not c.stages_updates and c.features.weight_version:
-            c.update_weight_version(str(version))
-        if in_session:
-            c.end_weight_update()
-
-    def resume(self) -> dict[str, str]:
-        """Resume every paused server; url -> "ok" or why it could not be resumed (logged, not raised)."""
-        status = {c.url: "ok" for c in self.servers.clients}
-        done, errors = self._each(lambda c: c.continue_generation(), self.paused)
-        for c, e in errors:
-            status[c.url] = f"could not resume generation: {e}"
-            logger.warning("%s: continue_generation failed: %s", c.url, e)
-        self.paused = [c for c in self.paused if c not in done]
-        return status
-
-    def abort(self, first=None, seconds: float = 5.0) -> None:
-        """Discard every open session and resume every paused server; never raises.
-
-        Each server on its own thread (``first(client)``, then discard, then resume), so a server that
-        does not answer never delays the others: they are resumed within milliseconds. Returns after at
-        most ``seconds``; a server still not answered is left to its thread."""
-        in_session, paused = set(self.in_session), set(self.paused)
-        self.in_session, self.paused = [], []
-
-        def one(c) -> None:
-            for what, call, needed in (("clean up", first, first is not None), ("discard the update session",
-                                       discard_session, c in in_session), ("resume generation",
-                                       lambda c: c.continue_generation(), c in paused)):
-                if not needed:
-                    continue
-                try:
-                    call(c)
-                except Exception as e:  # best effort, per server and per call
-                    logger.warning("%s: could not %s: %s", c.url, what, e)
-
-        threads = [threading.Thread(target=one, args=(c,), name="wsync-abort-server", daemon=True)
-                   for c in self.servers.clients]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + seconds
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-    def serving(self) -> str:
-        """What every server serves now, in one line (for error messages)."""
-        futures = [(c, self._pool.submit(lambda c=c: c.model_info().get("weight_version"))) for c in self.servers.clients]
-        deadline = time.monotonic() + 2.0
-        seen = []
-        for c, f in futures:
-            try:
-                seen.append(f"{c.url}: version {f.result(timeout=deadline_left(deadline))}")
-            except (BridgeError, cf.TimeoutError):
-                seen.append(f"{c.url}: no answer")
-        return "servers now serve " + ", ".join(seen)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def _each(self, fn, clients: list) -> tuple[list, list[tuple]]:
-        """Run ``fn(client)`` on each client concurrently: (clients that succeeded, [(client, error)])."""
-        futures = [(c, self._pool.submit(fn, c)) for c in clients]
-        done, errors = [], []
-        for c, f in futures:
-            e = f.exception()  # each call is bounded by the client's own HTTP timeout
-            if e is None:
-                done.append(c)
-            else:
-                errors.append((c, e))
-        return done, errors
-
-
-def _raise_first(errors: list[tuple], what: str) -> None:
-    if errors:
-        for c, e in errors[1:]:
-            logger.warning("%s: also could not %s: %s", c.url, what, e)
-        raise errors[0][1]
-
-
-def discard_session(c) -> None:
-    """Close a failed sync's session without applying it.
-
-    The reference server discards what it staged (``/wsync/abort_weight_update``, a project
-    extension). Real SGLang has no such route: it loads buckets as they arrive, so there is nothing
-    to discard; its session is only closed, and the next publish re-sends every tensor.
-    """
-    try:
-        c.abort_weight_update()
-    except ServerError as e:
-        if e.status == 400 and "no weight update session" in e.message.lower():
-            return  # already discarded (the reference server does when its group is destroyed)
-        if e.status != 404:
-            raise
-        c.end_weight_update()
-
-
-def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting: str) -> None:
-    """Wait, against one deadline of ``seconds``, for every server's answer to bucket ``k``.
-
-    Raises:
-        VersionError: every server that failed refused the bucket's version (nothing was applied).
-        SyncError: the failures, one per server (a server that did not answer in time names ``setting``).
-    """
-    deadline = time.monotonic() + seconds
-    errors: list[BridgeError | str] = []
-    for c, f in zip(clients, futures):
-        try:
-            f.result(timeout=deadline_left(deadline))
-        except cf.TimeoutError:
-            errors.append(f"{c.url}: no answer to bucket {k} within {seconds:g} s ({setting})")
-        except BridgeError as e:
-            errors.append(e)
-    if errors:
-        if any(getattr(e, "reason", None) == DELTA_BASE_MISMATCH for e in errors):
-            raise DeltaBaseMismatch("; ".join(map(str, errors)))
-        refused = all(isinstance(e, VersionError) for e in errors)
-        raise (VersionError if refused else SyncError)("; ".join(map(str, errors)))
-
-
 def is_local(url: str) -> bool:
     """True for a loopback URL (the server runs on this host)."""
     host = urlparse(url if "://" in url else "http://" + url).hostname or ""
     return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def deadline_left(deadline: float) -> float:
-    """Seconds left until ``deadline`` (time.monotonic), at least 0.1."""
-    return max(0.1, deadline - time.monotonic())
 
 
 def remove_file(path: str, what: str) -> None:

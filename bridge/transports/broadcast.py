@@ -37,6 +37,7 @@ from bridge.process_group import (
     init_custom_process_group,
     route_source,
 )
+from bridge.tensors import host_buffer
 from bridge.transports.base import (
     Plan,
     ServerSessions,
@@ -85,7 +86,13 @@ class BroadcastTransport(Transport):
     @classmethod
     def check_config(cls, config) -> None:
         super().check_config(config)
-        remote = [u for u in config.servers if not is_local(u)]
+        cls.check_servers(config, config.servers)
+
+    @staticmethod
+    def check_servers(config, urls) -> None:
+        """A loopback master_address only with local servers (also the ones found in a registry, checked at
+        each sync's begin)."""
+        remote = [u for u in urls if not is_local(u)]
         if remote and config.master_address and is_loopback(config.master_address):
             raise ConfigError(
                 f"master_address={config.master_address} is a loopback address, which the servers on other hosts "
@@ -107,14 +114,17 @@ class BroadcastTransport(Transport):
     # ------------------------------------------------------------------ lifecycle
 
     def begin(self, plan: Plan) -> None:
+        self.check_servers(self.config, self.servers.urls)
         self.load_format = self._pick_load_format()
-        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
         self.sessions.open()
         t = time.perf_counter()
         self._ensure_group()
         plan.phases["group_init"] = time.perf_counter() - t
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        if self.device.type == "cpu":  # gloo: a CUDA trainer's bucket lands in pinned host memory
+            return host_buffer(bucket.nbytes)
         return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
@@ -167,6 +177,13 @@ class BroadcastTransport(Transport):
         # Per server: drop its group (the reference server drops what it staged), discard, resume.
         self.sessions.abort(first=(lambda c: self._destroy_on(c, name)) if pg is not None else None)
         return self.sessions.serving()
+
+    def use_servers(self, servers) -> None:
+        """A group is made for one set of servers: another set (a server died, or joined) gets a new one. The
+        old one is dropped here and on the servers that stay (a dead one is not waited for)."""
+        if self.pg is not None and (servers is None or servers.urls != self.servers.urls):
+            self._teardown_group(keep=set(servers.urls) if servers is not None else set())
+        super().use_servers(servers)
 
     def close(self) -> None:
         self._teardown_group()
@@ -223,13 +240,16 @@ class BroadcastTransport(Transport):
                 raise SyncTimeout(f"{c.url}: no answer to init_weights_update_group within "
                                   f"{cfg.group_timeout + cfg.http_timeout:.0f} s (group_timeout + http_timeout)") from None
 
-    def _teardown_group(self) -> None:
-        """Destroy the group here and ask the servers to drop theirs (best effort, bounded)."""
+    def _teardown_group(self, keep: set[str] | None = None) -> None:
+        """Destroy the group here and ask the servers (those in ``keep`` only, when given) to drop theirs
+        (best effort, bounded)."""
         pg, name, self.pg, self.group_name = self.pg, self.group_name, None, None
         if pg is None:
             return
         destroy_custom_process_group(pg)
         for c in self.servers.clients:
+            if keep is not None and c.url not in keep:
+                continue
             try:
                 self._destroy_on(c, name)
             except BridgeError as e:

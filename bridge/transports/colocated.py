@@ -79,7 +79,12 @@ class ColocatedTransport(Transport):
     @classmethod
     def check_config(cls, config) -> None:
         super().check_config(config)
-        remote = [s for s in config.servers if not is_local(s)]
+        cls.check_servers(config, config.servers)
+
+    @staticmethod
+    def check_servers(config, urls) -> None:
+        """Every server local (also the ones found in a registry, checked at each sync's begin)."""
+        remote = [s for s in urls if not is_local(s)]
         if remote:
             raise ConfigError(
                 f"the colocated transport hands weights over in this host's shared memory, so every server must "
@@ -88,8 +93,9 @@ class ColocatedTransport(Transport):
             )
 
     def begin(self, plan: Plan) -> None:
+        self.check_servers(self.config, self.servers.urls)
         self.device = self._choose_device()
-        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
         self.sessions.open()
 
     def _choose_device(self) -> torch.device | None:

@@ -31,9 +31,13 @@ have (one more exchange) rank 0 removes the temporary directory: nothing is anno
 
 ``commit`` (rank 0) finishes the snapshot (index, manifest with checksums, fsync, rename into
 ``<root>/v<version>``), then announces it under ``<root>/<experiment>/<trial>/update_weights_from_disk/<version>``,
-optionally waits until every server reports the version, and garbage-collects old snapshots. ``abort``
-removes the temporary directory: a version that was not complete is never announced, and one that was
-announced can be loaded. Both ways give the same files on disk, byte for byte the same format.
+optionally waits until every server reports the version, and garbage-collects old snapshots, withdrawing
+each one's announcement first. ``abort`` removes the temporary directory: a version that was not complete is
+never announced, and one that was announced can be loaded. Nothing of a failed publish blocks its retry: a
+failed announce removes the snapshot it had renamed into place, and ``begin`` removes a final directory of
+the version that was never announced (a publish that died between rename and announce).
+
+Both ways of writing give the same files on disk, byte for byte the same format.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from bridge.buckets import Bucket, unflatten_bucket
 from bridge.errors import BridgeError, ConfigError, ServerError, SnapshotError, SyncError, SyncTimeout, VersionError
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger
-from bridge.tensors import dtype_from_str
+from bridge.tensors import dtype_from_str, host_buffer
 from bridge.transports.base import Plan, RankPart, Transport, option, remove_file
 from bridge.transports.registry import register
 
@@ -145,6 +149,17 @@ class DiskTransport(Transport):
         versions = (self.names.version_of(k) for k in self.nr.find_subtree(prefix))
         return sorted(v for v in versions if v is not None)
 
+    def newest_snapshot(self):
+        """The :class:`bridge.name_resolve.Announcement` of the newest version announced for this trial, or
+        None: the fleet repairs a server that is behind (or torn) from it at once (:mod:`bridge.fleet`)."""
+        from bridge.name_resolve import Announcement
+
+        versions = self.announced_versions()
+        if not versions:
+            return None
+        key = self.names.update_weights_from_disk(self.config.experiment, self.config.trial, versions[-1])
+        return Announcement.from_json(self.nr.get(key))
+
     # ------------------------------------------------------------------ lifecycle
 
     def begin(self, plan: Plan) -> str:
@@ -161,12 +176,24 @@ class DiskTransport(Transport):
         if self.config.wait_loaded and self.servers is not None:
             self.servers.model_info()  # a server that is down fails the publish before anything is written
             self._check_disk_roots()
+        self._clear_unannounced(plan.version, versions)
         self.writer = SnapshotWriter(
             self.root, plan.version, config=plan.source.model_config, tokenizer=plan.source.tokenizer,
             dtype=dtype_from_str(self.config.serving_dtype), max_shard_bytes=max(1, self.config.bucket_bytes),
         )
         self._t_write = time.perf_counter()
         return self.writer.tmp_dir
+
+    def _clear_unannounced(self, version: int, announced: list[int]) -> None:
+        """A final directory of ``version`` that was never announced is what a publish that died between its
+        rename and its announce left (a failed announce removes it itself): it must not block the retry."""
+        from bridge.snapshot import snapshot_dir
+        from bridge.snapshot.gc import discard_version
+
+        if version not in announced and os.path.isdir(snapshot_dir(self.root, version)):
+            logger.warning("removing %s: version %d was written there but never announced (a failed publish)",
+                           snapshot_dir(self.root, version), version)
+            discard_version(self.root, version)
 
     def _check_disk_roots(self) -> None:
         """A reference server loads only from its ``--disk-root`` directories: a snapshot root outside them
@@ -212,7 +239,15 @@ class DiskTransport(Transport):
                            total_bytes=info.total_bytes, created_at=time.time())
         key = self.names.update_weights_from_disk(self.config.experiment, self.config.trial, plan.version)
         ttl = self.config.announce_ttl
-        self.nr.add(key, ann.to_json(), ttl=ttl, keepalive=ttl is not None, replace=True)
+        try:
+            failpoint("announce", 0)
+            self.nr.add(key, ann.to_json(), ttl=ttl, keepalive=ttl is not None, replace=True)
+        except BaseException:
+            if not info.existed:  # nothing points at it: the retry of this version must find the name free
+                from bridge.snapshot.gc import discard_version
+
+                discard_version(self.root, plan.version)
+            raise
         plan.phases["announce"] = time.perf_counter() - t
         logger.info("announced version %d at %s (%s)", plan.version, key, info.path)
         servers = {}
@@ -221,7 +256,8 @@ class DiskTransport(Transport):
             servers = self._wait_loaded(plan.version)
             plan.phases["load"] = time.perf_counter() - t
         try:
-            gc_snapshots(self.root, keep=self.config.keep_snapshots, protect=[plan.version])
+            gc_snapshots(self.root, keep=self.config.keep_snapshots, protect=[plan.version],
+                         before_remove=self._withdraw)
         except (OSError, BridgeError) as e:
             logger.warning("garbage collection of old snapshots failed: %s", e)
         failed = {u: s for u, s in servers.items() if s != "ok"}
@@ -230,6 +266,24 @@ class DiskTransport(Transport):
             raise SyncError(f"version {plan.version} is announced at {info.path}, but servers did not load it: {failed}")
         return {"servers": servers, "path": info.path, "retried": bool(getattr(info, "existed", False)),
                 "bytes": info.total_bytes}
+
+    def _withdraw(self, version: int) -> None:
+        """Before garbage collection removes snapshot ``version``: delete its announcement, if it points at
+        that snapshot (the newest announced version is never collected: it is the one just published)."""
+        from bridge.errors import NameEntryNotFound
+        from bridge.name_resolve import Announcement
+        from bridge.snapshot import snapshot_dir
+
+        key = self.names.update_weights_from_disk(self.config.experiment, self.config.trial, version)
+        try:
+            ann = Announcement.from_json(self.nr.get(key))
+        except (NameEntryNotFound, ConfigError):
+            return  # not announced, or not ours to judge
+        if os.path.realpath(ann.path) == os.path.realpath(snapshot_dir(self.root, version)):
+            try:
+                self.nr.delete(key)
+            except NameEntryNotFound:
+                pass
 
     def abort(self, reason: str) -> str:
         writer, self.writer = self.writer, None
@@ -324,7 +378,7 @@ class ShardWriter(RankPart):
                 "disk_writers='all' every trainer rank writes into snapshot_root, so it must be one filesystem "
                 "for all of them (one host, or a shared filesystem at the same path); or use disk_writers='rank0'"
             )
-        return torch.empty(bucket.nbytes, dtype=torch.uint8)
+        return host_buffer(bucket.nbytes)
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None = None) -> None:
         """Write bucket ``k`` (in ``buf``) as shard ``k + 1`` in the background."""

@@ -7,8 +7,9 @@ They extend :mod:`bridge.protocol`'s mirrors of SGLang's structs in two ways:
   server's :class:`~bridge.protocol.ProtocolFeatures`): a field that version's struct lacks is dropped, as
   SGLang's parsing drops it, and SGLang <= 0.4.8's one-tensor form of a broadcast becomes the lists;
 * the project's fields, declared here and checked, with their own wording, once SGLang's fields are valid:
-  ``wsync_run_id``/``wsync_new_run`` (:class:`~inference_adapter.checks.RunClaim`) on every
-  weight-changing request, ``wsync_manifest_sha256`` on disk updates. Real SGLang ignores them.
+  ``wsync_run_id``/``wsync_new_run``/``wsync_writer`` (:class:`~inference_adapter.checks.RunClaim`) on every
+  weight-changing request, ``wsync_manifest_sha256`` on disk updates. Real SGLang ignores them. The project's
+  own ``/wsync/writer_lease`` takes :class:`LeaseBody`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, PrivateAttr, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, model_validator
 
 from bridge.protocol import (
     BeginWeightUpdateReq,
@@ -30,7 +31,8 @@ from bridge.protocol import (
 from inference_adapter.checks import RunClaim
 from inference_adapter.errors import RequestError
 
-__all__ = ["BeginBody", "DiskBody", "DistributedBody", "PauseBody", "TensorBody", "VersionBody"]
+__all__ = ["BeginBody", "DiskBody", "DistributedBody", "LeaseBody", "PauseBody", "TensorBody", "VersionBody",
+           "WriterBody"]
 
 
 def _features(info: ValidationInfo) -> ProtocolFeatures | None:
@@ -64,11 +66,12 @@ class _RunFields(BaseModel):
 
     wsync_run_id: Any = None
     wsync_new_run: Any = False
+    wsync_writer: Any = None
     _run: RunClaim = PrivateAttr(default_factory=RunClaim)
 
     @model_validator(mode="after")
     def _check_run(self) -> _RunFields:
-        self._run = RunClaim.from_fields(self.wsync_run_id, self.wsync_new_run)
+        self._run = RunClaim.from_fields(self.wsync_run_id, self.wsync_new_run, self.wsync_writer)
         return self
 
     @property
@@ -116,6 +119,43 @@ class BeginBody(BeginWeightUpdateReq, _RunFields):
 
 class VersionBody(UpdateWeightVersionReq, _RunFields):
     """``/update_weight_version``."""
+
+
+class WriterBody(_RunFields):
+    """``/end_weight_update`` and ``/wsync/abort_weight_update``: who asks (SGLang sends no body here)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class LeaseBody(BaseModel):
+    """``/wsync/writer_lease``: take (or renew) the server for ``lease_s`` seconds, or ``release`` it;
+    ``starts_sync``: the take opens a sync (a session this writer left open before is discarded);
+    ``renew_only``: renew this writer's lease, never take one."""
+
+    model_config = ConfigDict(extra="ignore")
+    wsync_writer: Any = None
+    wsync_run_id: Any = None
+    lease_s: Any = 10.0
+    release: Any = False
+    starts_sync: Any = False
+    renew_only: Any = False
+    _run: RunClaim = PrivateAttr(default_factory=RunClaim)
+
+    @model_validator(mode="after")
+    def _check(self) -> LeaseBody:
+        if self.wsync_writer is None:
+            raise RequestError("wsync_writer is required: the writer (publisher) that takes or releases the lease")
+        self._run = RunClaim.from_fields(self.wsync_run_id, False, self.wsync_writer)
+        for name in ("release", "starts_sync", "renew_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.lease_s, bool) or not isinstance(self.lease_s, (int, float)) or not self.lease_s == self.lease_s:
+            raise RequestError(f"lease_s must be a number of seconds, got {self.lease_s!r}")
+        return self
+
+    @property
+    def run(self) -> RunClaim:
+        return self._run
 
 
 class PauseBody(PauseGenerationReq):

@@ -2,8 +2,10 @@
 
 ``/wsync/weights_checksum`` (GET or POST ``{"names": [...] | null}``): the sha256 of every (or each
 named) served tensor and the weight version, read under one lock. ``/wsync/abort_weight_update``
-(POST): discard the open update session without applying anything. The bench's raw-transport route
-lives in :mod:`inference_adapter.bench_routes`.
+(POST): discard the open update session without applying anything. ``/wsync/writer_lease`` (POST
+``{"wsync_writer", "wsync_run_id", "lease_s", "release", "starts_sync", "renew_only"}``): take, renew or release the writer lease (one
+writer at a time, :mod:`inference_adapter.writers`). The bench's raw-transport route lives in
+:mod:`inference_adapter.bench_routes`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from bridge.protocol import WeightsChecksumReq
+from inference_adapter.routes.bodies import LeaseBody, WriterBody
 from inference_adapter.routes.common import Served, ok, parse
 
 __all__ = ["router"]
@@ -26,5 +29,17 @@ async def weights_checksum(request: Request, state: Served):
 
 
 @router.post("/wsync/abort_weight_update")
-async def abort_weight_update(state: Served):
-    return ok(await run_in_threadpool(state.updates.abort_session))
+async def abort_weight_update(request: Request, state: Served):
+    req = await parse(request, WriterBody)
+    return ok(await run_in_threadpool(state.updates.abort_session, req.run))
+
+
+@router.post("/wsync/writer_lease")
+async def writer_lease(request: Request, state: Served):
+    req = await parse(request, LeaseBody)
+    u, run = state.updates, req.run
+    if req.release:
+        return ok(await run_in_threadpool(u.release_lease, run.writer))
+    return ok(await run_in_threadpool(u.take_lease, run.writer, run.run_id, float(req.lease_s), req.starts_sync,
+                                      req.renew_only),
+              **{"writer_lease": u.writers.state()})

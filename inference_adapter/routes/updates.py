@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from bridge.protocol import DestroyWeightsUpdateGroupReq, InitWeightsUpdateGroupReq
-from inference_adapter.routes.bodies import BeginBody, DiskBody, DistributedBody, TensorBody, VersionBody
+from inference_adapter.routes.bodies import BeginBody, DiskBody, DistributedBody, TensorBody, VersionBody, WriterBody
 from inference_adapter.routes.common import Served, absent, ok, parse
 
 __all__ = ["router"]
@@ -84,10 +84,11 @@ async def begin_weight_update(request: Request, state: Served):
 
 
 @router.post("/end_weight_update")
-async def end_weight_update(state: Served):
+async def end_weight_update(request: Request, state: Served):
     if not state.features.needs_session:
         return absent()
-    return ok(await run_in_threadpool(state.updates.end_session))
+    req = await parse(request, WriterBody)
+    return ok(await run_in_threadpool(state.updates.end_session, req.run))
 
 
 @router.post("/update_weight_version")

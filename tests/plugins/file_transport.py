@@ -54,7 +54,7 @@ class FileTransport(Transport):
     def begin(self, plan) -> None:
         for c in self.servers.clients:
             c.require_reference_server("buckets in files (the file transport)")
-        self.sessions = ServerSessions(self.servers, self.config.pause_mode)
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
         self.sessions.open()
 
     def send(self, k, bucket, buf, version) -> None:

@@ -23,15 +23,18 @@ def release_of(sglang_dir: str) -> tuple[int, int, int]:
     return tuple(int(x) for x in m.groups())  # type: ignore[return-value]
 
 
-def setup(sglang_dir: str) -> tuple[int, int, int]:
-    """Make ``import sglang`` load the copy in ``sglang_dir``; returns its release tuple."""
+def setup(sglang_dir: str, cuda: bool = False) -> tuple[int, int, int]:
+    """Make ``import sglang`` load the copy in ``sglang_dir``; returns its release tuple.
+
+    ``cuda``: this process keeps the host's GPUs (the CUDA IPC check of ``ipc_payload cuda``), so SGLang's
+    import-time probes see CUDA and its CUDA-only imports need the kernel stand-ins on every release."""
     rel = release_of(sglang_dir)
-    paths = [sglang_dir, STUBS] + ([STUBS_KERNEL] if rel < (0, 5, 23) else [])
+    paths = [sglang_dir, STUBS] + ([STUBS_KERNEL] if rel < (0, 5, 23) or cuda else [])
     for p in reversed(paths):
         if p not in sys.path:
             sys.path.insert(0, p)
-    # The harness runs on CPU: SGLang must not look for a GPU.
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    if not cuda:  # the harness runs on CPU: SGLang must not look for a GPU
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     if rel < (0, 5, 0):
         _shim_old_sglang()
     if rel < (0, 5, 2):

@@ -15,24 +15,42 @@ server (SGLang's own receive code, see :mod:`tests.sglang_harness.serve`) inside
 prints one JSON line: the sha256 of every tensor sent. CPU tensors cross processes here through torch's
 ``file_system`` sharing strategy (shared-memory files named in the pickle); on a GPU the same payload
 carries CUDA IPC handles instead.
+
+``python -m tests.sglang_harness.ipc_payload cuda --sglang-dir DIR --model MODEL_DIR [--imports cuda|cpu]`` (a GPU
+host): the same kinds of tensors, and one of a real layer's size, on the GPU; the trainer side builds flattened
+and per-tensor payloads of them with :func:`bridge.transports.cuda_ipc.serialize_bucket`, so each entry carries
+real CUDA IPC handles (device named by UUID), and keeps the buffers alive while a SEPARATE process
+(``cuda-receive``) hands every TP rank's entry to SGLang's own receive code (as ``decode``, with the model
+runner on ``cuda``), which opens the handles on the same GPU. Prints one JSON line: what was sent and what
+SGLang loaded (names, dtypes, shapes, sha256 of the bytes, devices), per bucket and rank. ``--imports cpu``:
+SGLang's modules import with CUDA hidden from their import-time probes (as in the CPU harness; the receive
+itself still runs on the GPU), for a host where a CUDA-only import of a release fails; a failed import
+prints ``SGLANG_IMPORT_FAILED`` and exits 3, so the caller can try the other way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import subprocess
 import sys
+import tempfile
+import traceback
 
 _release = None
 
 
-def _setup(sglang_dir: str) -> None:
+IMPORT_FAILED = 3  # exit status of a run whose SGLang imports failed (``cuda`` modes)
+
+
+def _setup(sglang_dir: str, cuda: bool = False) -> None:
     global _release
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from tests.sglang_harness.bootstrap import setup
 
-    _release = setup(sglang_dir)
+    _release = setup(sglang_dir, cuda=cuda)
 
 
 def _specs():
@@ -180,17 +198,159 @@ def send(args) -> dict:
     return {"buckets": len(buckets), "checksums": {n: tensor_checksum(t) for n, t in sglang_layout(weights).items()}}
 
 
+# ---------------------------------------------------------------------------------------------- CUDA IPC
+
+
+@contextlib.contextmanager
+def _sglang_imports(mode: str):
+    """SGLang's modules import here. ``cuda``: as on any GPU host (their probes see CUDA). ``cpu``: as in the CPU
+    harness -- ``torch.cuda.is_available`` answers False while they import, then the real one is back, so what
+    runs afterwards (the receive) uses the GPU. Any failure prints ``SGLANG_IMPORT_FAILED`` and exits."""
+    import torch
+
+    real = torch.cuda.is_available
+    if mode == "cpu":
+        torch.cuda.is_available = lambda: False
+    try:
+        yield
+    except Exception:  # any import-time failure: the caller may try the other mode
+        traceback.print_exc()
+        print(f"SGLANG_IMPORT_FAILED (imports={mode})", flush=True)
+        sys.exit(IMPORT_FAILED)
+    finally:
+        torch.cuda.is_available = real
+
+
+def _cuda_tensors() -> dict:
+    """:func:`_specs` on the GPU, plus a layer-sized bf16 weight (3 MiB, a bucket of its own) and an fp16 bias."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    tensors = dict(_specs())
+    tensors["layers.1.mlp.down_proj.weight"] = torch.randn(1024, 1536, generator=g).to(torch.bfloat16)
+    tensors["layers.1.mlp.down_proj.bias"] = torch.randn(1031, generator=g).to(torch.float16)
+    return {n: t.cuda() for n, t in tensors.items()}
+
+
+def cuda(args) -> dict:
+    """The trainer side: CUDA payloads built with the project's serializer, received by ``cuda-receive``."""
+    import torch
+
+    from bridge.buckets import flatten_tensors, plan_buckets
+    from bridge.tensors import ParamSpec
+    from bridge.transports.cuda_ipc import serialize_bucket, sglang_code
+
+    with _sglang_imports(args.imports):
+        sglang_code()
+    tensors = _cuda_tensors()
+    specs = [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    bufs, payloads = [], []  # the buffers stay alive until the receiver is done with their handles
+    for bucket in plan_buckets(specs, bucket_bytes=96):
+        buf = flatten_tensors(bucket, tensors, out=torch.empty(bucket.nbytes, dtype=torch.uint8, device="cuda"))
+        bufs.append(buf)
+        sent = _describe((n, tensors[n]) for n in bucket.names)
+        for flattened in (True, False):
+            entries = serialize_bucket(bucket, buf, tp_size=args.tp_size, flattened=flattened)
+            payloads.append({"flattened": flattened, "sent": sent, "entries": entries})
+    with tempfile.TemporaryDirectory(prefix="wsync-ipc-") as d:
+        path = os.path.join(d, "payloads.json")
+        with open(path, "w") as f:
+            json.dump(payloads, f)
+        received, log = _receive_elsewhere(args, path)
+    if received is None:
+        print(log[-6000:], file=sys.stderr, flush=True)
+        if "SGLANG_IMPORT_FAILED" in log:
+            print(f"SGLANG_IMPORT_FAILED (receiver, imports={args.imports})", flush=True)
+            sys.exit(IMPORT_FAILED)
+        raise RuntimeError("the receiving process gave no answer (its output is above)")
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    buckets = []
+    for p, r in zip(payloads, received["buckets"], strict=True):
+        pickles = _disassembled(p["entries"])
+        buckets.append({"flattened": p["flattened"], "sent": p["sent"], **r,
+                        "entry_types": sorted({type(e).__name__ for e in p["entries"]}),
+                        # every entry names torch's CUDA rebuild (an IPC handle, not a shared-memory file; SGLang's
+                        # patched one) and this GPU's UUID
+                        "cuda_rebuild": all("rebuild_cuda_tensor" in d for d in pickles),
+                        "device_uuid": all(uuid in d for d in pickles)})
+    del bufs
+    return {"imports": args.imports, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "sender_pid": os.getpid(), "receiver_pid": received["pid"], "buckets": buckets}
+
+
+def _disassembled(entries) -> list[str]:
+    """Each entry's pickle as text (``pickletools``): the functions and strings it names."""
+    import base64
+    import io
+    import pickletools
+
+    out = []
+    for e in entries:
+        buf = io.StringIO()
+        pickletools.dis(base64.b64decode(e), out=buf)
+        out.append(buf.getvalue())
+    return out
+
+
+def _receive_elsewhere(args, path: str):
+    """Run ``cuda-receive`` in a process of its own on ``path``; its JSON answer (or None) and its output."""
+    cmd = [sys.executable, "-m", "tests.sglang_harness.ipc_payload", "cuda-receive", "--sglang-dir", args.sglang_dir,
+           "--model", args.model, "--payloads", path, "--imports", args.imports]
+    with tempfile.TemporaryFile("w+") as out:
+        try:
+            subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            pass
+        out.seek(0)
+        log = out.read()
+    lines = [ln for ln in log.splitlines() if ln.startswith("IPC_PAYLOAD ")]
+    return (json.loads(lines[-1].removeprefix("IPC_PAYLOAD ")) if lines else None), log
+
+
+def cuda_receive(args) -> dict:
+    """The server side, in its own process: SGLang's receive code (model runner on ``cuda``) opens each entry."""
+    from tests.sglang_harness import serve
+
+    with _sglang_imports(args.imports):
+        recv = serve.Harness.receiver(serve._parse(["--sglang-dir", args.sglang_dir, "--model", args.model,
+                                                    "--port", "0", "--device", "cuda"]), _release, _recorder())
+    with open(args.payloads) as f:
+        payloads = json.load(f)
+    buckets = []
+    for p in payloads:
+        ranks, devices = [], set()
+        for rank in range(len(p["entries"])):
+            recv.model.loaded.clear()
+            ok, message = recv.load_tensor_entries(p["entries"], "flattened_bucket" if p["flattened"] else None, rank)
+            assert ok, message
+            devices |= {str(t.device) for _, t in recv.model.loaded}
+            ranks.append(_describe(recv.model.loaded))
+        buckets.append({"ranks": ranks, "devices": sorted(devices)})
+    return {"pid": os.getpid(), "buckets": buckets}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("decode", "send"))
+    p.add_argument("what", choices=("decode", "send", "cuda", "cuda-receive"))
     p.add_argument("--sglang-dir", required=True)
     p.add_argument("--tp-size", type=int, default=3)
     p.add_argument("--url")
     p.add_argument("--model")
     p.add_argument("--load-format", default="flattened_bucket")
+    p.add_argument("--imports", choices=("cuda", "cpu"), default="cuda", help="cuda modes: how SGLang imports")
+    p.add_argument("--payloads", help="cuda-receive: the JSON file of payloads the cuda mode wrote")
+    p.add_argument("--timeout", type=float, default=300, help="cuda: seconds the receiving process may take")
     args = p.parse_args(argv)
-    _setup(args.sglang_dir)
-    out = decode(args) if args.what == "decode" else send(args)
+    on_gpu = args.what in ("cuda", "cuda-receive")
+    if on_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"ipc_payload {args.what}: needs a CUDA device (torch {torch.__version__} sees none)", file=sys.stderr)
+            return 2
+    _setup(args.sglang_dir, cuda=on_gpu)
+    modes = {"decode": decode, "send": send, "cuda": cuda, "cuda-receive": cuda_receive}
+    out = modes[args.what](args)
     print("IPC_PAYLOAD " + json.dumps(out), flush=True)
     return 0
 

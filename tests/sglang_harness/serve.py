@@ -91,6 +91,7 @@ def _parse(argv):
     p.add_argument("--weight-version", default="default")
     p.add_argument("--custom-weight-loader", action="append", default=[],
                    help="SGLang's --custom-weight-loader (dotted path of a loader; repeat for several)")
+    p.add_argument("--device", default="cpu", help="the model runner's device (cuda: the CUDA IPC receive check)")
     return p.parse_args(argv)
 
 
@@ -315,18 +316,19 @@ class Harness:
         if WeightUpdater is not None:
             # As SGLang's ModelRunner builds it: the loaders the server was started with (--custom-weight-loader).
             self.weight_updater = WeightUpdater(
-                tp_rank=0, device="cpu", gpu_id=0, model_config=self.model_config,
+                tp_rank=0, device=self.args.device, gpu_id=0, model_config=self.model_config,
                 custom_weight_loaders=list(self.server_args.custom_weight_loader or []),
                 get_model=lambda: model, update_model_fields=lambda *a, **k: None,
                 recapture_cuda_graph=lambda: None, get_model_runner=lambda: self.model_runner,
             )
-            self.model_runner = types.SimpleNamespace(model=model, weight_updater=self.weight_updater, device="cpu")
+            self.model_runner = types.SimpleNamespace(model=model, weight_updater=self.weight_updater,
+                                                      device=self.args.device)
             return
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.model_executor.model_runner import ModelRunner
 
         mr = object.__new__(ModelRunner)
-        mr.model, mr.device, mr.gpu_id, mr.tp_rank, mr.tp_size = model, "cpu", 0, 0, 1
+        mr.model, mr.device, mr.gpu_id, mr.tp_rank, mr.tp_size = model, self.args.device, 0, 0, 1
         mr._model_update_group = {}
         mr.model_config = self.model_config
         mr.load_config = LoadConfig(load_format="auto")

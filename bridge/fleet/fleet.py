@@ -1,0 +1,316 @@
+""":class:`Fleet`: the servers of one publisher, found and probed at the start of every publish, and kept in
+rotation only while they serve the fleet's version.
+
+Rank 0 of a :class:`bridge.WeightPublisher` drives it:
+
+1. ``prepare`` (before anything moves): list the servers of every source (:mod:`bridge.fleet.sources`),
+   probe each with a short timeout (``probe_timeout``), and exclude the ones that do not answer: each
+   exclusion is logged once at WARNING, and a dead server is taken out of the router. A server that
+   answers but whose weights may be torn (a failed sync on a server that does not stage, a failed
+   commit) or that serves another version than the fleet (restarted, newly joined) is taken out of
+   rotation and paused before the sync, and the sync brings it to the new version (every sync sends every
+   tensor); when the transport has a complete snapshot of the fleet's version it is loaded at once
+   instead. Fewer servers answering than ``min_servers`` fails the publish here, before anything moves.
+2. ``committed`` (after the transport's commit): every server that took the version is put (back) into
+   rotation; one whose commit failed stays paused and out of rotation, so no two servers in rotation
+   serve different versions once the publish returns. Below ``min_servers`` the publish fails.
+3. ``failed`` (after a failed sync): the servers the transport left paused (torn, or not known to be
+   clean) are taken out of rotation until a publish repairs them.
+
+"In rotation" means: listed by the router (``router+http://``), not marked under ``out_of_rotation/`` in a
+registry, and not paused. A server taken out is remembered, so it is probed again at every publish even
+once no source lists it (a router from which it was removed) until it is back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable
+
+from bridge.client import ServerClient, ServerGroup
+from bridge.errors import BridgeError, SyncError, SyncTimeout
+from bridge.fleet.sources import RouterServers, ServerSource, open_sources
+from bridge.log import get_logger
+
+__all__ = ["Fleet", "list_servers", "registries_of"]
+
+logger = get_logger(__name__)
+
+
+def registries_of(config) -> list[str]:
+    """The registry URLs of a :class:`bridge.PublisherConfig` (``server_registry``: one URL or several)."""
+    reg = config.server_registry
+    if not reg:
+        return []
+    return [reg] if isinstance(reg, str) else list(reg)
+
+
+class Fleet:
+    """The servers one publisher syncs (rank 0 only); see the module docstring."""
+
+    def __init__(self, config, run_id: str):
+        self.config = config
+        self.run_id = run_id
+        self.probe_timeout = min(config.probe_timeout, config.http_timeout)
+        self.sources: list[ServerSource] = open_sources(config.servers, registries_of(config), config.experiment,
+                                                        config.trial, timeout=self.probe_timeout)
+        self.clients: dict[str, ServerClient] = {}
+        self.out: dict[str, str] = {}
+        """url -> why, for every server this fleet took out of rotation (until it takes a version)."""
+        self.torn: dict[str, str] = {}
+        """url -> why, for every server whose weights may be partly changed."""
+        self.excluded: dict[str, str] = {}
+        """url -> why, for every server that did not answer the last probe."""
+        self.version: str | None = None
+        """The version every server in rotation serves (None before the first publish found one)."""
+        self.group: ServerGroup | None = None
+        self.status: dict[str, str] = {}
+        self._listed: dict[int, list[str]] = {}  # source index -> what it listed at the last publish
+        self._new_run = config.new_run
+        self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="wsync-fleet")
+
+    # ------------------------------------------------------------------ before the sync
+
+    def prepare(self, snapshot: Callable[[], object] | None = None) -> ServerGroup:
+        """The servers of this sync: every one that answers the probe (see the module docstring).
+
+        Raises:
+            SyncError: fewer than ``min_servers`` answer (nothing has moved).
+        """
+        urls = self._discover()
+        found = self._probe(urls)
+        live = [u for u in urls if not isinstance(found[u], _Down)]
+        self.status = {}
+        for u in urls:
+            if u not in live:
+                self._exclude(u, found[u])
+            elif self.excluded.pop(u, None) is not None:
+                logger.warning("server %s answers again (serves version %s)", u, found[u])
+        fleet = self.version if self.version is not None else _newest(found[u] for u in live)
+        for u in live:
+            why = self.torn.get(u)
+            tracked = self.clients[u].features.weight_version  # SGLang < 0.5.1 has no version to compare
+            if why is None and fleet is not None and tracked and found[u] != fleet:
+                why = f"serves version {found[u]}, not the fleet's {fleet}"
+            if why is None and u in self.out:
+                why = self.out[u]
+            if why is not None:
+                self._take_out(u, why, pause=True)
+        if snapshot is not None and fleet is not None:
+            self._repair_from_snapshot([u for u in live if u in self.out], snapshot, fleet)
+        if len(live) < self.config.min_servers:
+            raise SyncError(self._too_few(urls, len(live)))
+        self.group = self._group(live)
+        self.group.out_of_rotation = {u: self.out[u] for u in live if u in self.out}
+        return self.group
+
+    def _discover(self) -> list[str]:
+        """Every server some source lists now, then every one this fleet took out, in first-seen order."""
+        urls: list[str] = []
+        for i, src in enumerate(self.sources):
+            try:
+                self._listed[i] = src.urls()
+            except BridgeError as e:  # a registry or router that is down: go on with what it listed last
+                logger.warning("cannot list the servers of %s (%s); using its last list", src.url, e)
+            urls += self._listed.get(i, [])
+        urls += list(self.out) + list(self.excluded)
+        return list(dict.fromkeys(urls))
+
+    def _probe(self, urls: list[str]) -> dict[str, str | _Down]:
+        """url -> the version it serves, or why it does not count (a ``_Down``)."""
+        def one(url: str):
+            try:
+                return self._client(url).probe(self.probe_timeout)
+            except SyncTimeout:
+                return _Down(f"no answer within {self.probe_timeout:g} s (probe_timeout)")
+            except BridgeError as e:
+                return _Down(str(e))
+
+        futures = {u: self._pool.submit(one, u) for u in urls}
+        return {u: f.result() for u, f in futures.items()}
+
+    def _exclude(self, url: str, down) -> None:
+        why = str(down)
+        self.status[url] = f"excluded: {why}"
+        c = self.clients.pop(url, None)  # a server that comes back is asked its info again (it may differ)
+        if c is not None:
+            c.close()
+        if url not in self.excluded:
+            logger.warning("server %s is excluded from this publish and out of rotation: %s", url, why)
+            self.excluded[url] = why
+            if url not in self.out:
+                self._take_out(url, f"excluded: {why}", pause=False)
+
+    def _repair_from_snapshot(self, urls: list[str], snapshot, fleet: str) -> None:
+        """Load the newest complete snapshot into servers out of rotation, when it is the fleet's version."""
+        try:
+            ann = snapshot()
+        except BridgeError as e:
+            logger.warning("cannot read the newest snapshot to repair %s: %s", urls, e)
+            return
+        if ann is None or str(ann.version) != fleet:
+            return
+        for u in urls:
+            c = self.clients[u]
+            try:
+                c.update_weights_from_disk(ann.path, weight_version=str(ann.version),
+                                           manifest_sha256=ann.manifest_sha256, timeout=self.config.http_timeout)
+                if c.probe(self.probe_timeout) != fleet:
+                    continue
+                c.continue_generation()
+            except BridgeError as e:
+                logger.warning("could not repair %s from the snapshot of version %s: %s", u, fleet, e)
+                continue
+            logger.warning("server %s repaired from the snapshot of version %s (%s)", u, fleet, ann.path)
+            self.torn.pop(u, None)
+            self._put_back(u)
+
+    # ------------------------------------------------------------------ after the sync
+
+    def committed(self, version: int, statuses: dict[str, str]) -> dict[str, str]:
+        """The transport committed ``version``: ``statuses`` says how each server of the sync ended. Puts
+        the ones that took it (back) into rotation, takes the others out; returns the status of every
+        server found (the excluded ones too).
+
+        Raises:
+            SyncError: fewer than ``min_servers`` took the version (the ones that did serve it).
+        """
+        ok = [u for u, s in statuses.items() if s == "ok"]
+        if ok:
+            self.version = str(version)
+        for u, s in statuses.items():
+            if s == "ok":
+                self.torn.pop(u, None)
+                self._put_back(u)
+            else:
+                if s.startswith("torn"):
+                    self.torn[u] = s
+                self._take_out(u, s, pause=False)  # the transport left it paused
+        if ok:
+            if self._new_run:  # the run is started; later versions only go up
+                self._new_run = False
+                for c in self.clients.values():
+                    c.claim_run(self.run_id)
+        status = {**self.status, **statuses}
+        if statuses and len(ok) < self.config.min_servers:  # (a disk publish that waits for none has none)
+            raise SyncError(f"version {version} reached {len(ok)} server(s), fewer than min_servers="
+                            f"{self.config.min_servers}: " + "; ".join(f"{u}: {s}" for u, s in status.items()))
+        return status
+
+    def failed(self, held: dict[str, str]) -> str:
+        """A sync failed; ``held`` are the servers the transport left paused (url -> ``torn: ...`` or
+        ``failed: ...``). Takes them out of rotation; a line for the error message."""
+        for u, s in held.items():
+            if s.startswith("torn"):
+                self.torn[u] = s
+            self._take_out(u, s, pause=False)
+        if not held:
+            return ""
+        return ("out of rotation until a publish repairs them: "
+                + ", ".join(f"{u} ({s})" for u, s in held.items()))
+
+    # ------------------------------------------------------------------ rotation
+
+    def _take_out(self, url: str, why: str, pause: bool) -> None:
+        self.out[url] = why
+        for src in self.sources:
+            try:
+                src.take_out(url, why)
+            except BridgeError as e:
+                logger.warning("could not take %s out of rotation in %s: %s", url, src.url, e)
+        if pause and url in self.clients:
+            try:
+                self.clients[url].pause_generation("abort")
+            except BridgeError as e:
+                logger.warning("could not pause %s, which is out of rotation (%s): %s", url, why, e)
+
+    def _put_back(self, url: str) -> None:
+        why = self.out.pop(url, None)
+        was_out = why is not None
+        for i, src in enumerate(self.sources):
+            if not was_out and not (isinstance(src, RouterServers) and url not in self._listed.get(i, [])):
+                continue
+            try:
+                src.put_back(url)
+            except BridgeError as e:
+                logger.warning("could not put %s back into rotation in %s: %s", url, src.url, e)
+        if was_out:
+            logger.warning("server %s is in rotation at version %s (it was out: %s)", url, self.version, why)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _client(self, url: str) -> ServerClient:
+        c = self.clients.get(url)
+        if c is None:
+            cfg = self.config
+            c = ServerClient(url, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key, timeout=cfg.http_timeout)
+            c.claim_run(self.run_id, new_run=self._new_run)
+            self.clients[url] = c
+        return c
+
+    def _group(self, live: list[str]) -> ServerGroup | None:
+        if not live:
+            return None
+        if self.group is not None and self.group.urls == live:
+            return self.group
+        old, self.group = self.group, ServerGroup([self.clients[u] for u in live])
+        if old is not None:
+            old.close(clients=False)
+        return self.group
+
+    def _too_few(self, urls: list[str], n: int) -> str:
+        where = ", ".join(s.url for s in self.sources)
+        if not urls:
+            return f"no server found in {where}; start servers (or register them), or wait until they registered"
+        return (f"only {n} of {len(urls)} server(s) answer, fewer than min_servers={self.config.min_servers}: "
+                + "; ".join(f"{u}: {s}" for u, s in self.status.items())
+                + "; start or repair servers, or lower min_servers")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.group is not None:
+            self.group.close(clients=False)
+        for c in self.clients.values():
+            c.close()
+        for src in self.sources:
+            try:
+                src.close()
+            except BridgeError as e:
+                logger.debug("closing %s: %s", src.url, e)
+
+
+def list_servers(registries, experiment: str, trial: str, timeout: float = 5.0) -> dict[str, str | None]:
+    """url -> the version it serves (None: no answer), for every server the registries list now."""
+    sources = open_sources([], list(registries), experiment, trial, timeout=timeout)
+    try:
+        urls = list(dict.fromkeys(u for src in sources for u in src.urls()))
+    finally:
+        for src in sources:
+            src.close()
+
+    def one(url: str) -> str | None:
+        c = ServerClient(url, timeout=timeout)
+        try:
+            return c.probe(timeout)
+        except BridgeError:
+            return None
+        finally:
+            c.close()
+
+    with cf.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
+        return dict(zip(urls, pool.map(one, urls)))
+
+
+class _Down:
+    """Why a probed server does not count."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
+
+
+def _newest(versions) -> str | None:
+    numeric = [int(v) for v in versions if isinstance(v, str) and v.isdigit()]
+    return str(max(numeric)) if numeric else None

@@ -1,0 +1,190 @@
+"""One writer at a time on each server: the publisher's side of the writer lease.
+
+A publisher (rank 0) is one writer, named by its run (``experiment/trial``) and an id of its own
+(``host:pid:random``). Before a sync pauses anything it takes every server for itself, renews that while the
+sync runs (a thread, every third of the lease), and releases it when the sync ended, committed or not:
+
+* **the reference server** has a lease of its own (``/wsync/writer_lease``, :mod:`inference_adapter.writers`):
+  while it is live the server refuses weight changes from anyone else (HTTP 409, ``wsync_reason``
+  :data:`~bridge.protocol.ANOTHER_WRITER`, naming the holder's run and writer);
+* **real SGLang** has none, so the same is done, when ``writer_lock`` names a name resolution
+  (``etcd://host:port`` or ``file:///dir``), by a lock with a lease there, one key per server
+  (``wsync/writer_lock/<url>``): an etcd lease, or an entry of the directory backend written under its lock
+  file. Without ``writer_lock`` nothing stops two trainers from writing into one real SGLang server at once;
+  they must not share one (README, "One writer at a time").
+
+Either way a writer that dies holds its servers for at most its lease (``writer_lease``, 10 s by default)
+after its last renewal; a live one keeps them as long as it works, so another trainer (a zombie's
+replacement, say) is refused, told which run holds the server, and never takes a live sync over.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from urllib.parse import quote
+
+from bridge.errors import BridgeError, NameEntryExists, NameEntryNotFound, ServerError
+from bridge.log import get_logger
+from bridge.protocol import ANOTHER_WRITER
+
+__all__ = ["WriterLease", "lock_key"]
+
+logger = get_logger(__name__)
+
+
+def lock_key(url: str) -> str:
+    """The name-resolution key of the writer lock of the server at ``url``."""
+    return f"wsync/writer_lock/{quote(url, safe='')}"
+
+
+class WriterLease:
+    """Takes, renews and releases one publisher's hold on its servers (see the module docstring).
+
+    Args:
+        servers: the :class:`bridge.client.ServerGroup`; every client is told this writer's name.
+        run_id: ``experiment/trial``.
+        seconds: the lease (``writer_lease``).
+        lock_url: ``writer_lock``: the name resolution for servers without a lease of their own, or None.
+    """
+
+    def __init__(self, servers, *, run_id: str, seconds: float, lock_url: str | None = None):
+        self.servers, self.run_id, self.seconds, self.lock_url = servers, run_id, float(seconds), lock_url
+        self.writer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        for c in servers.clients:
+            c.name_writer(self.writer)
+        self._nr = None  # the lock's name resolution, made at the first take
+        self._held: dict[str, str] = {}  # url -> "lease" (the server's own) or "lock" (name resolution)
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def use_servers(self, servers) -> None:
+        """The servers of the next sync (the fleet found another set): each new client is told this writer's name."""
+        self.servers = servers
+        for c in servers.clients:
+            c.name_writer(self.writer)
+
+    def guards(self, client) -> bool:
+        """True when this sync holds ``client``'s server through a lease or a lock, so that no other wsync writer
+        can be writing there: an update session found open there was left by a writer that is gone."""
+        return client.url in self._held
+
+    def take(self) -> None:
+        """Take every server, all or none (what was taken is released again when one is refused).
+
+        Raises:
+            ServerError: ``reason`` ANOTHER_WRITER, naming the run and writer that hold a server.
+        """
+        clients = self.servers.clients
+        with cf.ThreadPoolExecutor(max(1, len(clients)), thread_name_prefix="wsync-lease") as pool:
+            outcomes = list(pool.map(self._take_one, clients))
+        errors = [e for e in outcomes if e is not None]
+        if errors:
+            self.release()
+            raise errors[0]
+        self._stop.set()  # a renewer of an earlier sync ends on its own event
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew, args=(self._stop,), name="wsync-lease-renewer",
+                                         daemon=True)
+        self._renewer.start()
+
+    def held(self) -> dict[str, str]:
+        """What is held (url -> "lease" or "lock"), now forgotten: the caller releases each with
+        :meth:`release_one` (a second caller finds nothing left to release)."""
+        with self._mutex:
+            held, self._held = self._held, {}
+        return held
+
+    def release_one(self, client, kind: str | None = None) -> None:
+        """Release ``client``'s server, held as ``kind`` (default: as this lease holds it). Never raises; a lease
+        left behind runs out on its own."""
+        if kind is None:
+            with self._mutex:
+                kind = self._held.pop(client.url, None)
+        try:
+            if kind == "lease":
+                client.release_writer_lease()
+            elif kind == "lock":
+                self._nr.delete(lock_key(client.url))
+        except (BridgeError, OSError) as e:
+            logger.warning("%s: could not release the writer %s (it runs out within %g s): %s", client.url, kind,
+                           self.seconds, e)
+
+    def release(self, seconds: float = 5.0) -> None:
+        """Release every server still held and stop renewing; never raises, and returns within ``seconds``
+        (a server that does not answer is left to its thread; its lease runs out on its own)."""
+        self._stop.set()
+        threads = [threading.Thread(target=self.release_one, args=(c,), name="wsync-lease-release", daemon=True)
+                   for c in self.servers.clients if c.url in self._held]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + seconds
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def stop_renewing(self) -> None:
+        """Renew nothing any more (what is still held runs out within the lease)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        self.release()
+        if self._nr is not None:
+            self._nr.close()
+            self._nr = None
+
+    # ------------------------------------------------------------------ per server
+
+    def _take_one(self, c) -> BaseException | None:
+        try:
+            if c.is_reference_server:
+                c.take_writer_lease(self.seconds, starts_sync=True)
+                kind = "lease"
+            elif self.lock_url is not None:
+                self._lock(c)
+                kind = "lock"
+            else:
+                return None  # real SGLang without a lock: nothing to take (README: do not share such a server)
+        except BaseException as e:  # reported by take(), after the others were tried
+            return e
+        with self._mutex:
+            self._held[c.url] = kind
+        return None
+
+    def _lock(self, c) -> None:
+        from bridge.name_resolve import make_name_resolve
+
+        with self._mutex:  # the servers are taken concurrently
+            if self._nr is None:
+                self._nr = make_name_resolve(self.lock_url)
+        value = json.dumps({"writer": self.writer, "run_id": self.run_id})
+        try:
+            self._nr.add(lock_key(c.url), value, ttl=self.seconds, keepalive=True, replace=False)
+        except NameEntryExists:
+            try:
+                other = json.loads(self._nr.get(lock_key(c.url)))
+                who = f"run {other.get('run_id')!r}, writer {other.get('writer')!r}"
+            except (NameEntryNotFound, ValueError, AttributeError):
+                who = "a writer that just let go of it; retry"
+            raise ServerError(
+                c.url, f"another writer holds this server ({ANOTHER_WRITER}): {who}, by its lock in {self.lock_url} "
+                f"(a lease of at most the holder's writer_lease after its last renewal). A server takes weight changes "
+                "from one writer at a time; retry once that writer ended its sync, or stop the other trainer",
+                None, "writer lock", reason=ANOTHER_WRITER) from None
+
+    def _renew(self, stop: threading.Event) -> None:
+        """Renew the servers' own leases every third of the lease while held (name resolution keeps its
+        locks alive itself)."""
+        while not stop.wait(self.seconds / 3):
+            with self._mutex:
+                leased = [c for c in self.servers.clients if self._held.get(c.url) == "lease"]
+            for c in leased:
+                try:
+                    c.take_writer_lease(self.seconds, renew_only=True)  # one arriving after the release takes nothing
+                except BridgeError as e:  # the sync's next request to it fails too, naming the cause
+                    logger.warning("%s: could not renew the writer lease: %s", c.url, e)
