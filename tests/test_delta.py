@@ -235,6 +235,49 @@ def test_restarted_server_refused_delta_and_failed_delta_sync(server_factory, ti
         assert now["generate_s"] < 1, (point, now)
 
 
+def _held_then_repaired(urls: list[str]):
+    """Every rank: v1 (anchor), v2 (delta); v3 commits on the first server and fails on the second, which the
+    fleet holds paused and out of rotation on v2; v4 must repair it: an anchor to both; v5 a delta again."""
+    import os
+
+    from bridge.failpoints import ENV
+    from tests import sync_bodies as sb
+
+    engine = _engine(1e-5)
+    pub = _publisher("broadcast", urls)
+    rows, held = [], None
+    try:
+        for v in range(1, 6):
+            sb.train_step(engine, v)
+            if v == 3:
+                os.environ[ENV] = "commit:1@0=RuntimeError"
+            try:
+                res = pub.publish(engine, version=v)
+            finally:
+                os.environ.pop(ENV, None)
+            if v == 3:
+                held = res.servers
+            rows.append(_row(engine, urls, res))
+    finally:
+        pub.close()
+        engine.destroy()
+    return rows, held
+
+
+def test_a_server_held_after_a_failed_commit_is_repaired_by_an_anchor(server_factory, tiny_model_dir):
+    """The publish after a commit that failed on one of two servers sends every tensor (an anchor naming the
+    held server), not a delta against the version that server never took; both then serve the trainer's bytes."""
+    a, b = server_factory.many([dict(model=tiny_model_dir)] * 2)
+    [(rows, held)] = run_ranks(_held_then_repaired, 1, args=([a.url, b.url],), timeout=300)
+    got = [(r["version"], r["encoding"]) for r in rows]
+    assert got == [(1, "anchor"), (2, "delta"), (3, "delta"), (4, "anchor"), (5, "delta")], rows
+    assert held[a.url] == "ok" and held[b.url].startswith("failed: commit failed"), held
+    assert rows[2]["equal"] == {a.url: True, b.url: False}, rows[2]  # b stayed on v2, paused
+    # Decided before anything moved (no delta sent to b first, refused, then retried as an anchor).
+    assert rows[3]["reason"].startswith("out of rotation until a full sync repairs it: " + b.url), rows[3]
+    assert all(r["equal"] == {a.url: True, b.url: True} for r in rows[3:]), rows
+
+
 def test_wsync_train_encoding_delta(server):
     import subprocess
     import sys
