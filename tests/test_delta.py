@@ -182,8 +182,8 @@ def _restart_tamper_fail(url: str, pid: int, model_dir: str):
     from tests import sync_bodies as sb
 
     engine = _engine(1e-5)
-    # Colocated: a restarted server has lost a broadcast transport's weight-update group, which the fleet
-    # code rebuilds (not the encoding's business); the encoding's choices are the same on both.
+    # Colocated (broadcast's delta syncs are tested above; a restarted server's new group under broadcast is
+    # tests/test_broadcast.py's): the encoding's choices are the same on both.
     pub = _publisher("colocated", [url])
     restarted, rows, failures = None, [], []
     try:
