@@ -13,7 +13,7 @@ import os
 import pstats
 import time
 
-__all__ = ["profile_method"]
+__all__ = ["fixed_work", "profile_method"]
 
 
 def profile_method(bench, method: str, repeats: int = 5, top: int = 30) -> dict | None:
@@ -46,7 +46,8 @@ def profile_method(bench, method: str, repeats: int = 5, top: int = 30) -> dict 
             last = fn()
             if prof is not None:
                 prof.disable()
-            seconds.append(time.perf_counter() - t0)
+            # The publish alone (a delta item's record leaves out its optimizer step).
+            seconds.append(last["seconds"] if last and "seconds" in last else time.perf_counter() - t0)
             if gather_alone is not None:
                 dist.barrier()
                 r = gather_alone()
@@ -95,10 +96,27 @@ def _snapshot_costs(path: str) -> dict:
     return {"verify_seconds": verify, "read_seconds": read, "verified_read_seconds": time.perf_counter() - t, "bytes": nbytes}
 
 
+def _kind(step: str) -> str:
+    """A step's name without its bucket number (``bucket 3`` -> ``bucket``)."""
+    return step.rstrip("0123456789").strip()
+
+
+FIXED_STEPS = ("begin", "settle", "commit")
+
+
+def fixed_work(per_sync: dict) -> float:
+    """The fixed work of one sync, from its pieces: the steps ``begin`` (pause, open the sessions, the group),
+    ``settle`` (the wait for the last bucket) and ``commit`` (end the sessions, resume), each with its
+    cross-rank agreement, and the agreement of every other step (prepare, each bucket)."""
+    steps = sum(per_sync.get(f"step {s}", 0.0) for s in FIXED_STEPS)
+    others = sum(v for k, v in per_sync.items() if k.startswith("agreement ") and k[len("agreement "):] not in FIXED_STEPS)
+    return steps + others
+
+
 def _instrument(bench, totals, counts) -> list:
     """Clock wrappers around the real calls on rank 0; returns the undo functions."""
     from bridge.agreement import Agreement
-    from bridge.client import ServerClient
+    from bridge.client.connection import Connection
     from bridge.sources import CheckedSource
 
     undo = []
@@ -119,8 +137,9 @@ def _instrument(bench, totals, counts) -> list:
         undo.append(lambda: setattr(owner, attr, real))
 
     timed(CheckedSource, "gather", "gather")
-    timed(Agreement, "exchange", "agreement")
-    timed(ServerClient, "_call", lambda args: f"http {args[2]}")
+    timed(Agreement, "exchange", lambda args: f"agreement {_kind(args[1])}")
+    timed(Agreement, "step", lambda args: f"step {_kind(args[1])}")
+    timed(Connection, "call", lambda args: f"http {args[2]}")  # (self, method, route, ...)
     for pub in [bench.broadcast, bench.colocated, *bench.disks.values()]:
         transport = getattr(pub, "_transport", None) if pub is not None else None
         if transport is not None:  # built at the warm-up publish

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="many", help="preset (default many)")
-    p.add_argument("--method", default="flat-32MiB", help="flat-<N>MiB, per-tensor, colocated-<N>MiB or disk-dir")
+    p.add_argument("--method", default="flat-32MiB", help="flat-<N>MiB, per-tensor, colocated-<N>MiB, disk-dir or "
+                                                          "delta-lr<LR> (e.g. delta-lr1e-06)")
     p.add_argument("--bucket-mb", type=float, default=32.0, help="the flat/colocated bucket size (default 32)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2)
@@ -48,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the breakdown here")
     args = p.parse_args(argv)
     kw = {"workdir": args.workdir} if args.workdir else {}
+    # delta-lr<LR>: the delta rows' publisher (bench.delta), one optimizer step at LR before each timed sync.
+    lrs = [float(args.method[len("delta-lr"):])] if args.method.startswith("delta-lr") else []
     cfg = BenchConfig(sizes=[args.size], bucket_mb=[args.bucket_mb], repeats=args.repeats, nproc=args.nproc, etcd=False,
-                      **kw)
+                      delta_lrs=lrs, **kw)
     place = placement(cfg.device, cfg.nproc)
     run_dir = tempfile.mkdtemp(prefix="profile-", dir=ensure_dir(cfg.workdir, "runs"))
     try:
@@ -74,6 +77,10 @@ def format_breakdown(out: dict) -> str:
              "(pieces overlap: http calls happen inside send/settle/commit/begin):"]
     for k, v in out["per_sync"].items():
         lines.append(f"  {k:<44} {v:8.4f} s  {out['calls_per_sync'].get(k, 0):7.1f} calls")
+    from bench.phase_timer import fixed_work
+
+    lines.append(f"  {'fixed work (steps begin+settle+commit, agreement)':<44} {fixed_work(out['per_sync']):8.4f} s  "
+                 "(pause, sessions, the wait for the last bucket, end, resume, every cross-rank agreement)")
     if out.get("gather_alone_seconds"):
         alone = out["gather_alone_seconds"]
         lines.append(f"  {out['gather_item'] + ' alone, between the syncs':<44} {sum(alone) / len(alone):8.4f} s  "

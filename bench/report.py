@@ -30,6 +30,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from bench.delta import delta_fields, delta_notes, delta_targets
+
 __all__ = ["TARGETS", "build_rows", "build_warmups", "check_targets", "format_table", "plot", "stats"]
 
 FLOOR_GATHER = "floor: gather"
@@ -80,6 +82,8 @@ def _kind(name: str) -> str:
         return "disk"
     if name.startswith("gather-"):
         return "gather"
+    if name.startswith("delta-"):
+        return "delta"
     return "floor"
 
 
@@ -143,6 +147,8 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
                            ratio_min=_over(floor_stats[FLOOR_GATHER]["min"], s["min"]))
             if kind == "disk":
                 row["phases"] = {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]}
+            if kind == "delta":  # its time against the full flattened sync and the floor (bench.delta)
+                row.update(delta_fields(rec, items, FLOOR_BROADCAST, floor_stats.get(FLOOR_BROADCAST, {}).get("median")))
             if name == "raw-broadcast":
                 row["server_seconds"] = stats([r["server_seconds"] for r in runs])
             if name in ("raw-disk", "raw-shm"):
@@ -161,7 +167,7 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
             rows.append({**base, "method": floor, "kind": "floor", "bytes": size["bytes"], "seconds": s,
                          "first_seconds": floor_first[floor],
                          "gbps": size["bytes"] / s["median"] / 1e9 if s["median"] else None})
-    order = {"floor": 0, "gather": 1, "flattened": 2, "per-tensor": 3, "colocated": 4, "disk": 5}
+    order = {"floor": 0, "gather": 1, "flattened": 2, "delta": 3, "per-tensor": 4, "colocated": 5, "disk": 6}
     floor_order = ["raw-gather", "raw-gather-chunked", FLOOR_GATHER, "raw-broadcast", FLOOR_BROADCAST, "raw-shm", FLOOR_SHM,
                    "raw-disk", FLOOR_DISK]
     sizes_order = [s["label"] for s in sizes]
@@ -287,7 +293,7 @@ def check_targets(rows: Sequence[dict]) -> list[dict]:
     out.append({"target": f"rank-0 peak extra memory <= {TARGETS['peak_ratio']} x bucket size, every transport "
                           "(broadcast, colocated, disk)",
                 "measured": "; ".join(measured), "met": _verdict(checks)})
-    return out
+    return out + (delta_targets(rows) if any(r["kind"] == "delta" for r in rows) else [])
 
 
 def _f(x, fmt: str, dash: str = "-") -> str:
@@ -342,6 +348,7 @@ def format_table(rows: Sequence[dict], targets: Sequence[dict], warmups: dict | 
             p = r["phases"]
             lines.append(f"{r['size']} {r['method']}: gather+write+fsync {p.get('write', 0):.3f} s, announce "
                          f"{p.get('announce', 0):.3f} s, load (announced -> served) {p.get('load', 0):.3f} s (medians)")
+    lines += delta_notes(rows)
     for label, w in (warmups or {}).items():
         lines.append(f"{label}: first broadcast sync {w['first_seconds']:.3f} s, of which weight-update group "
                      f"creation {w['group_init_seconds']:.3f} s")
@@ -355,7 +362,7 @@ def format_table(rows: Sequence[dict], targets: Sequence[dict], warmups: dict | 
 
 # One colour family per kind, used by the method lines and by that kind's target line, so the legend reads
 # the same in every panel.
-_FAMILY = {"floor": "Greys", "flattened": "Blues", "per-tensor": "Oranges", "colocated": "Purples", "disk": "Greens"}
+_FAMILY = {"floor": "Greys", "flattened": "Blues", "delta": "Reds", "per-tensor": "Oranges", "colocated": "Purples", "disk": "Greens"}
 _TARGET_OF = {"flattened": "flat_ratio", "disk": "disk_ratio"}
 
 

@@ -81,6 +81,11 @@ class BenchConfig:
     See :func:`placement` for which GPU each process gets."""
     colocated: bool = True
     """Also measure the colocated transport (/dev/shm), at the first bucket size, against its shm floor."""
+    delta_lrs: list[float] = field(default_factory=lambda: [1e-6, 1e-5])
+    """The delta rows (:mod:`bench.delta`): one optimizer step at each of these learning rates, then a delta
+    sync (broadcast, first bucket size) into a server of its own. Empty: no delta rows."""
+    delta_warmup: int = 5
+    """Optimizer steps (at the first delta learning rate, each published) before the delta rows are timed."""
 
     def __post_init__(self) -> None:
         from bridge.presets import PRESETS
@@ -104,6 +109,9 @@ class BenchConfig:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
         if not self.timeout > 0:
             raise ConfigError(f"timeout must be positive seconds, got {self.timeout}")
+        if any(not lr > 0 for lr in self.delta_lrs) or self.delta_warmup < 0:
+            raise ConfigError(f"delta learning rates must be positive and delta_warmup >= 0, got {self.delta_lrs}, "
+                              f"{self.delta_warmup}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         dtype_from_str(self.serving_dtype)
@@ -223,8 +231,15 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
     backends = {"dir": f"file://{ensure_dir(run_dir, 'name_resolve')}"}
     if etcd is not None:
         backends["etcd"] = etcd.url
-    server = watchers = trainer = None
+    server = watchers = trainer = delta_server = None
     try:
+        if cfg.delta_lrs:  # the delta rows' own server (bench.delta)
+            delta_server = launch_server(
+                model=model_dir, log_path=os.path.join(size_dir, "delta-server.log"), dtype=cfg.serving_dtype,
+                use_sglang=False, extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)],
+                env={**quiet, **place["server_env"]}, ready_timeout=300)
+            extra = {"delta_server": delta_server.url, "delta_lrs": cfg.delta_lrs, "delta_warmup": cfg.delta_warmup,
+                     **(extra or {})}
         server = launch_server(
             model=model_dir, log_path=os.path.join(size_dir, "server.log"), dtype=cfg.serving_dtype, use_sglang=False,
             extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)],
@@ -257,8 +272,9 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
             trainer.close()
         for w in watchers or ():
             w.stop()
-        if server is not None:
-            server.stop()
+        for s in (server, delta_server):
+            if s is not None:
+                s.stop()
 
 
 def _has_disk_writers() -> bool:

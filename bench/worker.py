@@ -144,6 +144,11 @@ class _Bench:
                 **({"disk_writers": d["disk_writers"]} if "disk_writers" in d else {}), **common))
             for d in spec["disk"]
         }
+        self.delta = None  # the delta rows (bench.delta), into a server of their own
+        if spec.get("delta_server"):
+            from bench.delta import DeltaRows
+
+            self.delta = DeltaRows(self, spec, common)
         # The device the broadcast transport gathers into (BroadcastTransport.buffer): CUDA only under NCCL.
         self.wire_device = self.device if (self.backend or _default_backend()) == "nccl" else torch.device("cpu")
         # The bench's own gathers run on a group of their own, as the publisher's do.
@@ -169,6 +174,7 @@ class _Bench:
             out.append((name, lambda b=budget, d=device: self._gather_only(b, d)))
         for mb in spec["buckets_mb"]:
             out.append((f"flat-{mb:g}MiB", lambda mb=mb: self._publish_broadcast("flattened_bucket", mb)))
+        out += self.delta.items() if self.delta is not None else []
         out.append(("per-tensor", lambda: self._publish_broadcast("per_tensor", spec["per_tensor_bucket_mb"])))
         if self.colocated is not None:
             out.append((f"colocated-{self.colocated.config.bucket_mb:g}MiB", self._publish_colocated))
@@ -238,6 +244,8 @@ class _Bench:
 
     def close(self) -> None:
         self.broadcast.close()
+        if self.delta is not None:
+            self.delta.close()
         if self.colocated is not None:
             self.colocated.close()
         for pub in self.disks.values():

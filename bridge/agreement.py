@@ -41,6 +41,7 @@ import torch.distributed as dist
 from bridge.errors import (
     BridgeError,
     ConfigError,
+    DeltaBaseMismatch,
     NameResolveError,
     SnapshotError,
     SyncError,
@@ -59,7 +60,8 @@ _instances = itertools.count()
 # Errors that keep their class when they cross ranks: the caller may handle them differently (a
 # VersionError means "publish a higher version", a ConfigError "fix the setting"). Anything else,
 # the project's ServerError included, arrives as a SyncError that names the rank, the step and the cause.
-_KEEP_CLASS = {c.__name__: c for c in (ConfigError, VersionError, SyncTimeout, SnapshotError, NameResolveError, SyncError)}
+_KEEP_CLASS = {c.__name__: c for c in (ConfigError, VersionError, SyncTimeout, SnapshotError, NameResolveError, SyncError,
+                                        DeltaBaseMismatch)}
 # Not errors but interrupts: the message says the rank was interrupted, not that it failed.
 _INTERRUPTS = ("Interrupted", "KeyboardInterrupt", "SystemExit")
 
@@ -208,7 +210,9 @@ class Agreement:
                 # Every rank has read step seq-2 (they all wrote seq-1 after it): drop this rank's old key.
                 self._store.delete_key(self._key(self._seq - 2, self.rank))
             self._store.wait(keys, timedelta(seconds=timeout))
-            return [pickle.loads(self._store.get(k)) for k in keys]
+            # One round trip for the other ranks' values; this rank's own is not read back.
+            others = iter(self._store.multi_get([k for r, k in enumerate(keys) if r != self.rank]))
+            return [value if r == self.rank else pickle.loads(next(others)) for r in range(self.world)]
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, dist.DistNetworkError):  # the store itself is gone, with the rank that hosts it
                 error = SyncTimeout(

@@ -36,6 +36,8 @@ class Bucket:
     """The wire layout of one bucket: tensors in ``names`` order at byte ``offsets``."""
 
     specs: list[ParamSpec]
+    extra: dict | None = None
+    """Further fields of the bucket's request (the delta encoding's table, ``wsync_delta``)."""
     offsets: list[int] = field(init=False)
     nbytes: int = field(init=False)
 
@@ -66,6 +68,7 @@ class Bucket:
             "names": self.names,
             "dtypes": [str(s.dtype).removeprefix("torch.") for s in self.specs],
             "shapes": [list(s.shape) for s in self.specs],
+            **(self.extra or {}),
         }
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from bridge.encodings import encoding_class
 from bridge.errors import ConfigError
 from bridge.tensors import dtype_from_str
 from bridge.transports.registry import option_fields, transport_class
@@ -78,6 +79,19 @@ class PublisherConfig:
     """This publisher starts a new run: its first publish may go below the version the servers serve (a
     restarted trainer counting from 1 again). Without it the reference server refuses a version older
     than the served one unless ``experiment``/``trial`` (the run id it is sent) changed."""
+    encoding: str = "full"
+    """How each sync's bytes are formed (:mod:`bridge.encodings`): ``full``, every tensor; ``delta`` (broadcast
+    and colocated), what changed since the version the servers serve, with a full sync (an anchor) when
+    there is no base, a server is on another version, the delta is too large, or every
+    ``delta_anchor_every`` versions."""
+    delta_anchor_every: int = 50
+    """With ``encoding="delta"``: at least every this many versions, a full sync. At 2-10 % delta bytes an
+    anchor every 50 versions adds about 2 % to the bytes moved on average."""
+    delta_max_fraction: float = 0.1
+    """With ``encoding="delta"``: a delta larger than this fraction of the full bytes is sent as a full sync.
+    Measured on CPU (medium preset, 2 ranks): a delta of 4 % of the bytes took 0.29 of the full sync's time,
+    one of 15 % took 1.26 of it; they cross near 12 %. Each rank estimates it from a sample first, so a sync
+    that will be full skips the diff."""
     options: Any = None
     """The transport's options (an instance of ``transport_class(transport).Options``); built from the
     flat keywords when not given."""
@@ -94,6 +108,7 @@ class PublisherConfig:
         self.options = _options(cls, options, keywords)
         self._check()
         cls.check_config(self)
+        encoding_class(self.encoding).check_config(self, cls)
 
     @classmethod
     def keywords(cls) -> set[str]:

@@ -8,6 +8,7 @@ boundary where they happen, so callers handle one small family:
     ├── ServerError          an inference server answered with an error, or could not be reached
     ├── SyncTimeout          something did not finish within its configured timeout (also a TimeoutError)
     ├── SyncError            a weight sync failed; servers keep serving their previous version
+    │   └── DeltaBaseMismatch    a server refused a delta: it does not serve the delta's base
     ├── VersionError         a version was refused (not strictly increasing, unknown, ...)
     ├── SnapshotError        a snapshot on disk is missing, incomplete or corrupt
     └── NameResolveError     the name-resolution backend failed
@@ -19,6 +20,7 @@ from __future__ import annotations
 __all__ = [
     "BridgeError",
     "ConfigError",
+    "DeltaBaseMismatch",
     "NameEntryExists",
     "NameEntryNotFound",
     "NameResolveError",
@@ -67,6 +69,11 @@ class SyncTimeout(BridgeError, TimeoutError):
 
 class SyncError(BridgeError):
     """A weight sync failed part-way; the servers keep serving the last complete version."""
+
+
+class DeltaBaseMismatch(SyncError):
+    """A server refused a delta because it does not serve the delta's base (``wsync_reason:
+    delta_base_mismatch``), before any weight changed; the publisher answers with an anchor."""
 
 
 class VersionError(BridgeError, ValueError):

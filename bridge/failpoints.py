@@ -8,7 +8,8 @@ lifecycle (see :mod:`bridge.transports.base`): ``prepare``, ``begin``, ``bucket:
 rank's vote on the commit), ``commit`` (rank 0, before anything is made live) and ``commit:<i>`` (rank 0,
 inside the commit: after servers 0..i-1 ended their update sessions, before server ``i`` does);
 ``gather``: inside a bucket's flat gather, after this rank packed its shards and before it joins the
-collective the other ranks are already waiting in; ``write:<k>``: inside the disk transport's
+collective the other ranks are already waiting in; ``delta:<j>``: delta bucket ``j`` of the delta encoding, on
+each rank before it encodes its records; ``write:<k>``: inside the disk transport's
 write of shard ``k`` by the rank that owns it, after the file was created; and ``announce`` (rank 0,
 disk): after the snapshot was renamed into place, before it is announced.
 

@@ -72,7 +72,7 @@ class _NoBar:
 
 
 def progress_bar(enabled: bool, total: int, desc: str):
-    """A byte progress bar (tqdm) that appears only for work longer than a second; a no-op when not enabled."""
+    """A tqdm bar of ``total`` bytes that appears only after a second (a no-op when not ``enabled``)."""
     if not enabled:
         return _NoBar()
     from tqdm import tqdm

@@ -38,6 +38,7 @@ __all__ = [
     "SESSION_REQUIRED_MESSAGE",
     "SHM_LOAD_FORMAT",
     "SNAPSHOT_INVALID",
+    "DELTA_BASE_MISMATCH",
     "VERSION_GOES_BACK",
     "BeginWeightUpdateReq",
     "ContinueGenerationReq",
@@ -82,6 +83,10 @@ SNAPSHOT_INVALID = "snapshot_invalid"
 """``wsync_reason`` of the reference server's 400 for a snapshot that fails verification against its
 manifest (or whose manifest is not the announced one, ``wsync_manifest_sha256``); the disk watcher then
 falls back to the newest older announced version, as when it verifies a snapshot itself."""
+
+DELTA_BASE_MISMATCH = "delta_base_mismatch"
+"""``wsync_reason`` of the reference server's 400 for a delta whose base (version and digest) is not what it
+serves; nothing was applied, and the publisher answers with an anchor (a full sync)."""
 
 _VERSION_RE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?")
 

@@ -47,9 +47,7 @@ import logging
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,12 +55,14 @@ import torch.distributed as dist
 from bridge.agreement import Agreement, describe, note_failure_time
 from bridge.buckets import Bucket, plan_buckets
 from bridge.config import PublisherConfig
+from bridge.encodings import encoding_class
 from bridge.errors import BridgeError, ConfigError, VersionError
 from bridge.failpoints import failpoint
 from bridge.interrupts import held
 from bridge.log import fmt_bytes, get_logger, progress_bar
 from bridge.memory import PeakMemory
 from bridge.process_group import default_backend
+from bridge.result import PublishResult
 from bridge.sources import CheckedSource, WeightSource, check_source
 from bridge.tensors import ParamSpec, dtype_from_str
 from bridge.transports import Plan, RankPart, Transport, transport_class
@@ -81,33 +81,6 @@ SLACK_S = 10.0
 """Added to a step's own bound before the other ranks give up waiting for a rank (it died or hangs)."""
 
 
-@dataclass
-class PublishResult:
-    """What one publish did. ``servers`` maps each server URL to ``"ok"`` or its error message."""
-
-    version: int
-    transport: str
-    bytes: int
-    seconds: float
-    buckets: int = 0
-    servers: dict[str, str] = field(default_factory=dict)
-    path: str | None = None
-    retried: bool = False
-    peak_extra_bytes: int = 0
-    """Rank 0's peak extra host (or device) memory during the transfer, measured."""
-    phases: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def gbps(self) -> float:
-        """Throughput in GB/s (10^9 bytes per second) of the bytes on the wire."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["gbps"] = self.gbps
-        return d
-
-
 class WeightPublisher:
     """Publishes versioned weights to a set of servers. See the module docstring for the steps."""
 
@@ -123,6 +96,7 @@ class WeightPublisher:
         self._rank = self._agree.rank
         self._fleet = None  # rank 0: where the servers are found, which answer, which are in rotation
         self._kind = transport_class(config.transport)
+        self._encoding = encoding_class(config.encoding)(config, self._rank, self._agree.world)
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
         self._part: RankPart | None = None  # this rank's part of every sync (every rank), built with it
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
@@ -158,8 +132,9 @@ class WeightPublisher:
                 f"version {version} is older than the last published version {self.last_version}; "
                 "versions must strictly increase"
             )
+        checked = check_source(source)
         with held(self._rank):  # Ctrl-C / SIGTERM: finish the step, clean up on every rank, then take effect
-            return self._publish(check_source(source), version)
+            return self._encoding.run(lambda: self._publish(checked, version))
 
     def _publish(self, source: CheckedSource, version: int) -> PublishResult:
         t0 = time.perf_counter()
@@ -170,14 +145,15 @@ class WeightPublisher:
             box: list = [None]  # what rank 0's transport opened, for every rank's part
 
             def begin() -> None:
-                box[0] = self._transport.begin(plan)
+                box[0] = (self._transport.begin(plan), self._encoding.begin(plan, self._transport))
 
-            opened = self._step("begin", begin, self._begin_bound(), collect=lambda: box[0])[0]
+            opened, decision = self._step("begin", begin, self._begin_bound(), collect=lambda: box[0])[0]
+            self._encoding.decided(plan, decision)
             self._part.begin(opened, plan)
             with PeakMemory() as memory:
                 self._transfer(plan)
             # Every rank votes on the commit here (failpoint "settle"): once rank 0 commits, it is live.
-            settled = self._step("settle", lambda: self._transport.settle(), self._bucket_bound(),
+            settled = self._step("settle", lambda: (self._encoding.settle(), self._transport.settle()), self._bucket_bound(),
                                  collect=lambda: (plan.local_digest.result() if plan.local_digest else None,
                                                   self._part.settle()))
             if not plan.retried:
@@ -195,25 +171,29 @@ class WeightPublisher:
 
             outcome = self._agreed("commit", commit, self._commit_bound() + SLACK_S)[0]
         except BridgeError as e:
+            self._encoding.failed(plan)
             failed = self._failed(version, e, began)
             interrupt = getattr(e, "interrupt", None)
             if interrupt is not None:  # raised in a step on this rank: it ends the program, after the clean-up
                 raise interrupt from failed
             raise failed from None
         except BaseException as e:  # outside every step (a second Ctrl-C, a bug): leave, and clean up alone
+            self._encoding.failed(plan)
             self._leave(e, began)
             raise
+        self._encoding.committed(plan)
         self.last_version, self._last_digest = version, plan.digest
+        encoded = self._encoding.result(plan)
         result = PublishResult(
-            version=version, transport=self.config.transport, bytes=outcome.get("bytes", plan.nbytes),
+            version=version, transport=self.config.transport, bytes=encoded.pop("bytes", outcome.get("bytes", plan.nbytes)),
             seconds=time.perf_counter() - t0, buckets=len(plan.buckets), servers=outcome["servers"],
             path=outcome.get("path"), retried=plan.retried or outcome.get("retried", False),
-            peak_extra_bytes=outcome["peak"], phases=plan.phases,
+            peak_extra_bytes=outcome["peak"], phases=plan.phases, **encoded,
         )
         logger.log(
             logging.INFO if self._rank == 0 else logging.DEBUG,
-            "published version %d by %s: %s in %d buckets in %.2f s, %.2f GB/s, peak extra memory %s%s",
-            version, self.config.transport, fmt_bytes(result.bytes), result.buckets, result.seconds, result.gbps,
+            "published version %d by %s (%s): %s in %d buckets in %.2f s, %.2f GB/s, peak extra memory %s%s",
+            version, self.config.transport, result.encoding, fmt_bytes(result.bytes), result.buckets, result.seconds, result.gbps,
             fmt_bytes(result.peak_extra_bytes), " (retry of identical weights)" if result.retried else "",
         )
         return result
@@ -226,6 +206,7 @@ class WeightPublisher:
             _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
         transport, part, servers = self._transport, self._part, self._fleet
         self._transport = self._part = self._fleet = None
+        self._encoding.close()
 
         def release() -> None:
             for piece in (transport, part, servers):
@@ -293,20 +274,22 @@ class WeightPublisher:
                 self._open_servers()
             if self._part is None:
                 self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
+            summary, mine = self._encoding.prepare(source, specs), specs if self._rank == 0 else None  # rank 0's are used
             if retry:  # only a retry needs the digests before anything moves
-                return specs, source.digest()
+                return mine, source.digest(), summary
             # Otherwise the digest is taken while the buckets travel and collected at settle, for the
             # next retry.
             background.append(source.digest_in_background())
-            return specs, None
+            return mine, None, summary
 
         results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
         specs = results[0][0]
         plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source)
+        self._encoding.plan(plan, [r[2] for r in results])
         if not retry:
             plan.local_digest = background[0]
             return self._with_gather_group(plan)
-        plan.digest = _combine([d for _, d in results])
+        plan.digest = _combine([d for _, d, _ in results])
         if plan.digest is None or plan.digest != self._last_digest:
             raise VersionError(
                 f"version {version} was already published with different weights"
@@ -371,6 +354,10 @@ class WeightPublisher:
                 bar.update(plan.buckets[k - 1].nbytes)
 
         try:
+            if self._encoding.sends(plan):
+                return self._encoding.transfer(plan, dict(
+                    agreed=lambda name, fn: self._agreed(name, fn, self._bucket_bound() + SLACK_S), part=part,
+                    group=lambda: self._gather_group, leave_group=self._drop_gather_group, servers=self.servers))
             for k, bucket in enumerate(plan.buckets):
                 self._agreed(f"bucket {k}", lambda k=k, b=bucket: one(k, b), self._bucket_bound() + SLACK_S)
         finally:

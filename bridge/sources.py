@@ -19,6 +19,8 @@ the source):
   A ``gather_bucket`` that takes no ``dst`` gathers to rank 0 only.
 - ``local_digest()`` (:class:`Digests`): a checksum of this rank's own shards, which tells a retry of a
   version (same weights) from new weights under the same version.
+- ``local_shards(specs)`` (:class:`LocalShards`): this rank's own part of each parameter, with no
+  communication (:func:`local_shards_of`); the delta encoding diffs it against the base it keeps.
 - ``model_config`` / ``tokenizer`` attributes (the module's ``config`` also counts): written into disk
   snapshots, so that a snapshot is a loadable HF model folder.
 """
@@ -26,11 +28,10 @@ the source):
 from __future__ import annotations
 
 import inspect
-import threading
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,9 @@ from bridge.failpoints import failpoint
 from bridge.tensors import ParamSpec
 
 __all__ = [
-    "CAPABILITIES", "CheckedSource", "Digests", "GathersBuckets", "ModuleSource", "WeightSource", "as_source",
-    "check_source", "gather_bucket_into", "local_digest", "tied_embedding_names",
+    "CAPABILITIES", "CheckedSource", "Digests", "GathersBuckets", "LocalShard", "LocalShards", "ModuleSource",
+    "WeightSource", "as_source", "check_source", "gather_bucket_into", "local_digest", "local_shards_of",
+    "tied_embedding_names",
 ]
 
 
@@ -72,7 +74,26 @@ class Digests(Protocol):
         """The same number on a rank exactly when its shards hold the same bytes."""
 
 
-CAPABILITIES = ("gather_bucket", "gather_to_any_rank", "local_digest", "model_config", "tokenizer")
+class LocalShard(NamedTuple):
+    """One parameter as this rank holds it: ``local`` (its rows, or the whole tensor; None when this rank
+    holds none of it or another rank owns the whole tensor), the flat element offset of ``local`` in the
+    full tensor, and ``whole``: the parameter is not row-sharded, so one rank (rank 0) owns all of it."""
+
+    spec: ParamSpec
+    local: torch.Tensor | None
+    start: int
+    whole: bool
+
+
+@runtime_checkable
+class LocalShards(Protocol):
+    """Optional capability ``local_shards``: each parameter's part on this rank, no communication."""
+
+    def local_shards(self, specs: Sequence[ParamSpec]) -> list[LocalShard]:
+        """One :class:`LocalShard` per spec, in order (see :func:`local_shards_of`)."""
+
+
+CAPABILITIES = ("gather_bucket", "gather_to_any_rank", "local_digest", "local_shards", "model_config", "tokenizer")
 """The optional capabilities a weight source may have, as a transport names them in ``source_needs``."""
 
 
@@ -133,6 +154,9 @@ class ModuleSource:
 
     def local_digest(self) -> int:
         return local_digest(self._params.items())
+
+    def local_shards(self, specs: Sequence[ParamSpec]) -> list[LocalShard]:
+        return local_shards_of([(s, self._params[s.name]) for s in specs])
 
     def iter_full_tensors(self, specs: Sequence[ParamSpec] | None = None) -> Iterator[tuple[ParamSpec, torch.Tensor | None]]:
         rank = _rank()
@@ -273,6 +297,35 @@ def local_digest(named: Iterable[tuple[str, torch.Tensor]]) -> int:
     return crc
 
 
+@torch.no_grad()
+def local_shards_of(items: Sequence[tuple[ParamSpec, torch.Tensor]]) -> list[LocalShard]:
+    """This rank's own part of each (spec, parameter), flattened, without communication.
+
+    An FSDP2 parameter (a DTensor sharded on dim 0 over every rank) gives this rank's rows, which start
+    at flat element ``rank * ceil(rows / world) * row`` (``torch.chunk``); a replicated DTensor or a plain
+    tensor is whole, and rank 0 owns it. The local tensors are views: nothing is copied or gathered.
+
+    Raises:
+        ConfigError: a DTensor placed otherwise (sharded on another dim, or over a part of the ranks).
+    """
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    out = []
+    for spec, p in items:
+        if _row_sharded(p, world):
+            local = p.to_local().reshape(-1)
+            rows = -(-spec.shape[0] // world)
+            out.append(LocalShard(spec, local if local.numel() else None, rank * rows * (spec.numel // spec.shape[0]),
+                                  False))
+            continue
+        if isinstance(p, DTensor):
+            if not all(pl.is_replicate() for pl in p.placements):
+                raise ConfigError(f"{spec.name}: a DTensor placed {tuple(p.placements)}; the delta encoding reads "
+                                  "FSDP2 shards (Shard(0) over every rank) or replicated tensors")
+            p = p.to_local()
+        out.append(LocalShard(spec, p.reshape(-1) if rank == 0 and p.numel() else None, 0, True))
+    return out
+
+
 def as_source(obj) -> WeightSource:
     """Return ``obj`` if it already is a WeightSource, else wrap an ``nn.Module``."""
     if isinstance(obj, WeightSource) and not isinstance(obj, torch.nn.Module):
@@ -294,13 +347,16 @@ class CheckedSource:
         self.source = source
         self._gather = source.gather_bucket if isinstance(source, GathersBuckets) else None
         self._digest = source.local_digest if isinstance(source, Digests) else None
+        self.local_shards = source.local_shards if isinstance(source, LocalShards) else None
+        """``local_shards(specs)`` when the source has it (capability ``local_shards``), else None."""
         self.gathers_to_any_rank = self._gather is not None and _takes_dst(self._gather)
         """Buckets can be gathered to any rank (else to rank 0 only)."""
         self.model_config = _model_config(source)
         self.tokenizer = getattr(source, "tokenizer", None)
         self.capabilities = frozenset(name for name, present in (
             ("gather_bucket", self._gather is not None), ("gather_to_any_rank", self.gathers_to_any_rank),
-            ("local_digest", self._digest is not None), ("model_config", self.model_config is not None),
+            ("local_digest", self._digest is not None), ("local_shards", self.local_shards is not None),
+            ("model_config", self.model_config is not None),
             ("tokenizer", self.tokenizer is not None),
         ) if present)
 
@@ -338,16 +394,13 @@ class CheckedSource:
         """The digest, computed on a thread while the buckets travel (crc32 releases the GIL)."""
         if self._digest is None:
             return None
-        future: Future = Future()
+        global _digest_thread
+        if _digest_thread is None:  # one thread for the life of the process: starting one per sync cost ms
+            _digest_thread = ThreadPoolExecutor(1, thread_name_prefix="wsync-digest")
+        return _digest_thread.submit(self._digest)  # an error surfaces at settle, through the agreement
 
-        def run() -> None:
-            try:
-                future.set_result(self._digest())
-            except Exception as e:  # surfaces at settle, through the agreement
-                future.set_exception(e)
 
-        threading.Thread(target=run, name="wsync-digest", daemon=True).start()
-        return future
+_digest_thread: ThreadPoolExecutor | None = None
 
 
 def _takes_dst(gather) -> bool:

@@ -133,6 +133,16 @@ class GenerationMixin:
                 self._cv.wait(timeout=1.0)
         self.log.info("generation paused (mode %s)", mode)
 
+    def pause_if_idle(self, mode: str) -> bool:
+        """Pause at once when no generation is under way (no wait, so the route need not leave the event
+        loop for a thread: that hand-off was most of an idle pause); False when :meth:`pause` must wait."""
+        with self._cv:
+            if self._gens:
+                return False
+            self._paused, self._pause_mode = True, mode
+        self.log.info("generation paused (mode %s)", mode)
+        return True
+
     def resume(self) -> None:
         with self._cv:
             self._paused = False

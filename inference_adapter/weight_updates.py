@@ -54,6 +54,7 @@ from inference_adapter.checks import (
     version_number,
     version_problem,
 )
+from inference_adapter.delta import DeltaRefused, Deltas, delta_specs
 from inference_adapter.errors import RequestError
 from inference_adapter.groups import TrainerGroups
 from inference_adapter.session import Session, session_owner
@@ -121,6 +122,7 @@ class WeightUpdates(SessionControl):
         self.session: Session | None = None
         self.last_session_error: str | None = None  # why the last session was aborted, for end_weight_update
         self.run_id: str | None = None  # the run (RunClaim.run_id) the served version came from
+        self.deltas = Deltas(weights)  # the delta encoding's buckets (inference_adapter.delta)
         self.writers = WriterLeases()  # who may change the weights now
 
     # ------------------------------------------------------------------ refusals
@@ -192,6 +194,7 @@ class WeightUpdates(SessionControl):
         """Caller holds the lock: serve ``staged`` (and ``version``), remembering the run it came from."""
         self._claim(version, run)
         self.weights.swap(staged, version, model_path=model_path)
+        self.deltas.after_swap()
         self.log.info("swapped in %d tensors", len(staged))
 
     def set_version(self, new_version: str, abort_all_requests: bool, run: RunClaim) -> None:
@@ -211,14 +214,15 @@ class WeightUpdates(SessionControl):
         self.log.info("weight version set")
 
     def _stage(self, received: list[tuple[str, torch.Tensor]], weight_version: str | None, nbytes: int, t0: float,
-               group_name: str | None, run: RunClaim) -> str:
-        """Caller holds the lock: stage a validated request in the session, or swap it in without one."""
+               group_name: str | None, run: RunClaim, check: dict | None = None) -> str:
+        """Caller holds the lock: stage a validated request (``check``: its new values, if not all) or swap it in."""
         staged = {n: t for n, t in received if n not in self.weights.aliases}
+        check = staged if check is None else check
         run = self.session.run if self.session is not None else run  # a session claims its run at begin
         problem = self._rollback_problem(weight_version, run)
         reason = VERSION_GOES_BACK if problem else None
         if self.session is None:
-            problem = problem or non_finite_problem(staged)
+            problem = problem or non_finite_problem(check)
         if problem:
             raise self._refuse(_DISTRIBUTED, problem, reason=reason)
         if self.session is None:
@@ -229,7 +233,7 @@ class WeightUpdates(SessionControl):
             return msg
         s = self.session
         s.last_request = time.monotonic()
-        s.finite_checks.append(finite_checker.submit(non_finite_problem, staged))
+        s.finite_checks.append(finite_checker.submit(non_finite_problem, check))
         s.staged.update(staged)
         if group_name is not None:
             s.groups.add(group_name)
@@ -286,7 +290,7 @@ class WeightUpdates(SessionControl):
 
     def update_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
                            load_format: str | None, weight_version: str | None, abort_all_requests: bool,
-                           run: RunClaim) -> str:
+                           run: RunClaim, wsync_delta: dict | None = None) -> str:
         """Receive one broadcast request (see the module docstring); returns SGLang's success message."""
         if abort_all_requests and self.writers.may(run.writer):  # a refused writer ends nobody's requests
             self.generation.abort_all("Abort by update_weights_from_distributed(abort_all_requests=True).")
@@ -299,7 +303,9 @@ class WeightUpdates(SessionControl):
                 raise self.groups.missing(group_name)
             flattened = load_format == "flattened_bucket"
             specs = self._announced_specs(names, dtypes, shapes, group_name, load_format)
-            problems = self._request_problems(weight_version, specs, flattened, "update_weights_from_distributed")
+            table, problems = delta_specs(wsync_delta, specs) if wsync_delta is not None else (None, [])
+            problems += self._request_problems(weight_version, table or specs, flattened and table is None,
+                                               "update_weights_from_distributed")
             nbytes = sum(s.nbytes for s in specs)
             if problems and nbytes > max(2 * self.weights.nbytes, 64 << 20):
                 self.groups.drop(group_name, "it was sent an invalid request too large to receive and discard")
@@ -315,7 +321,15 @@ class WeightUpdates(SessionControl):
             if problems:
                 raise self._refuse(_DISTRIBUTED, join_problems(problems), abort_why=problems[0],
                                    tail=" (The broadcast was received and discarded; the group is still usable.)")
-            return self._stage(received, weight_version, nbytes, t0, group_name, run)
+            received, check = self._from_delta(_DISTRIBUTED, wsync_delta, received, table)
+            return self._stage(received, weight_version, nbytes, t0, group_name, run, check)
+
+    def _from_delta(self, action: str, wsync_delta, received: list, table) -> tuple[list, dict | None]:
+        """Caller holds the lock: a delta bucket's whole new tensors and new values (``received``, None: no delta)."""
+        try:
+            return (received, None) if wsync_delta is None else self.deltas.staged(wsync_delta, received[0][1], table)
+        except (DeltaRefused, WireError) as e:  # a refused base names its reason (delta_base_mismatch)
+            raise self._refuse(action, str(e), reason=getattr(e, "reason", None)) from None
 
     def _announced_specs(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
                          load_format: str | None) -> list[ParamSpec]:
@@ -391,7 +405,8 @@ class WeightUpdates(SessionControl):
                 owner = session_owner(desc.get("pid"), self.session)
             except WireError as e:
                 raise self._refuse(_TENSOR, str(e)) from None
-            problems = self._request_problems(weight_version, specs, True, "update_weights_from_tensor")
+            table, problems = delta_specs(desc["wsync_delta"], specs) if "wsync_delta" in desc else (None, [])
+            problems += self._request_problems(weight_version, table or specs, table is None, "update_weights_from_tensor")
             nbytes = sum(sp.nbytes for sp in specs)
             if desc["nbytes"] != nbytes:
                 problems.append(f"nbytes is {desc['nbytes']} but names/dtypes/shapes describe {nbytes} bytes")
@@ -403,7 +418,8 @@ class WeightUpdates(SessionControl):
                 raise self._refuse(_TENSOR, str(e)) from None
             if self.session is not None and owner is not None:
                 self.session.owner = owner
-            return self._stage(unflatten_bucket(buf, specs), weight_version, nbytes, t0, None, run)
+            received, check = self._from_delta(_TENSOR, desc.get("wsync_delta"), unflatten_bucket(buf, specs), table)
+            return self._stage(received, weight_version, nbytes, t0, None, run, check)
 
     # ------------------------------------------------------------------ disk
 

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from inference_adapter.errors import RequestError
+
 __all__ = ["RWLock", "ServedWeights"]
 
 
@@ -90,10 +92,28 @@ class ServedWeights:
         return self.params.get(self.aliases.get(name, name))
 
     def swap(self, staged: dict[str, torch.Tensor], version: str | None, model_path: str | None = None) -> None:
-        """The only place weights change: all tensors and the version, under the writer lock."""
+        """The only place weights change: all tensors and the version, under the writer lock.
+
+        A delta's :class:`~inference_adapter.delta.Patch` is applied in place (refused, before anything
+        changes, when the tensor changed since the delta's base was checked). What an update received
+        (broadcast buckets, shared-memory copies: memory of this process that nothing else writes) is served
+        as it is, not copied again: the copy was most of the time ``end_weight_update`` took. A bucket's memory is then freed once every tensor in it
+        has been replaced, so a delta that replaces part of a full sync's tensors keeps that sync's buckets
+        (at most one model's worth). What a disk load read (``model_path``, possibly a mapped file) is copied.
+        """
+        stale = [n for n, t in staged.items() if hasattr(t, "apply_to") and t.stale(self.params[n])]
+        if stale:
+            raise RequestError(f"Weight update aborted, nothing applied: the served tensors {stale[:3]} changed after "
+                               "the delta's base was checked (an update outside the session); send the full weights")
         with self.rw.write(), torch.no_grad():
             for n, t in staged.items():
-                self.params[n].copy_(t)
+                p = self.params[n]
+                if hasattr(t, "apply_to"):  # a delta's records (inference_adapter.delta.Patch): in place
+                    t.apply_to(p)
+                elif model_path is None and t.is_contiguous() and (t.dtype, t.shape, t.device) == (p.dtype, p.shape, p.device):
+                    p.data = t
+                else:
+                    p.copy_(t)
             if version is not None:
                 self.version = str(version)
             if model_path is not None:
@@ -104,3 +124,4 @@ class ServedWeights:
         """Relabel the served weights (``/update_weight_version``), under the writer lock."""
         with self.rw.write():
             self.version = str(version)
+

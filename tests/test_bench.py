@@ -35,11 +35,20 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
                 "disk-dir-rank0"}  # the rank-0 writer beside every-rank writers (2 ranks by default)
     if shutil.which("etcd"):
         expected.add("disk-etcd")
+    expected |= {"delta-lr1e-06", "delta-lr1e-05"}
     assert expected <= methods, f"missing rows: {expected - methods}"
     for r in report["rows"]:
         assert r["bytes"] > 0 and r["seconds"]["n"] == 1, r
         assert r["seconds"]["median"] > 0, r
-        if r["kind"] not in ("floor", "gather"):
+        if r["kind"] == "delta":
+            # A real optimizer step before each delta: part of the elements changed; sent as a delta, or as an
+            # anchor when it is over delta_max_fraction (the tiny model's elements change more than a real
+            # one's); timed against the full flattened sync and the floor of the same run.
+            assert 0 < r["changed_fraction"] < 1, r
+            assert r["full_method"] in methods and r["speedup_vs_full"] > 0 and r["ratio"] > 0, r
+            assert all(s == "delta" or "delta_max_fraction" in s for s in r["sent"]), r
+            assert r["bytes"] < r["full_bytes"] / 2 if r["sent"] == ["delta"] else r["bytes"] == r["full_bytes"], r
+        elif r["kind"] not in ("floor", "gather"):
             # Every method is reported end to end and transfer only, against floors of the same run.
             assert r["ratio"] > 0 and r["first_seconds"] > 0, r
             assert r["gather_item"] in methods and r["transfer_seconds"]["n"] == 1, r
@@ -171,3 +180,29 @@ def test_report_ratios_are_floor_over_method_per_round():
     assert [t["met"] for t in targets] == [False, False, None, None, True, False, False]
     text = format_table(rows, targets)
     assert "MISSED" in text and "[    MET     ]" in text and "not measured" in text
+
+
+def test_delta_rows_in_the_report():
+    """Delta rows: against the full flattened sync and the broadcast floor of the same run, with the targets."""
+    from bench.report import build_rows, check_targets, format_table
+
+    def runs(values, **extra):
+        extra = {"bytes": 400, **extra}
+        return {"first": {"seconds": values[0], **extra}, "runs": [{"seconds": v, **extra} for v in values]}
+
+    flat = dict(bytes=400, buckets=2, peak_extra_bytes=10, bucket_bytes=2**25, largest_bucket_bytes=200, phases={},
+                gather_item="gather-32MiB")
+    delta = dict(bytes=20, full_bytes=400, encoding="delta", anchor_reason=None, changed_fraction=0.01, lr=1e-6,
+                 peak_extra_bytes=5, bucket_bytes=2**25, base_bytes=200, buckets=2)
+    items = {"raw-gather": runs([1.0, 1.0]), "raw-broadcast": runs([0.5, 0.5], server_seconds=0.4),
+             "gather-32MiB": runs([1.0, 1.0]),
+             "flat-32MiB": runs([2.0, 2.0], **flat), "delta-lr1e-06": runs([0.5, 0.5], **delta),
+             "delta-lr1e-05": runs([1.0, 1.0], **{**delta, "lr": 1e-5, "bytes": 80, "changed_fraction": 0.1})}
+    rows = build_rows([{"label": "medium", "params": 200, "bytes": 400, "tensors": 3, "items": items}])
+    by = {r["method"]: r for r in rows}
+    d = by["delta-lr1e-06"]
+    assert d["kind"] == "delta" and d["bytes_fraction"] == pytest.approx(0.05) and d["speedup_vs_full"] == pytest.approx(4.0)
+    assert d["ratio"] == pytest.approx(1.5 / 0.5) and d["sent"] == ["delta", "delta"]
+    targets = [t for t in check_targets(rows) if t["target"].startswith("delta")]
+    assert [t["met"] for t in targets] == [True, True]
+    assert "delta-lr1e-06: 1.00% of the elements changed" in format_table(rows, check_targets(rows))

@@ -207,6 +207,47 @@ def test_a_server_that_answers_nothing_is_excluded(server_factory, tiny_model_di
     assert _versions([good.url, frozen.url]) == {good.url: "1", frozen.url: "default"}
 
 
+def _publish_around_a_restart(url: str, pid: int, model_dir: str):
+    """Every rank: v1; the server is SIGKILLed and started again at the same URL (no publish in between);
+    v2 must reach it. Rank 0: v2's outcome and what the server serves then."""
+    from urllib.parse import urlparse
+
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+    from inference_adapter.launcher import launch_server
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(servers=[url], group_timeout=20, http_timeout=20, progress=False))
+    restarted = None
+    try:
+        pub.publish(engine, version=1)
+        if engine.rank == 0:
+            os.kill(pid, signal.SIGKILL)
+            restarted = launch_server(model=model_dir, port=urlparse(url).port, env={"OMP_NUM_THREADS": "1"})
+        sb.train_step(engine, 2)
+        try:
+            outcome = pub.publish(engine, version=2).servers
+        except BridgeError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        return outcome, sb.check_served(engine, [url], 2) if isinstance(outcome, dict) else None
+    finally:
+        pub.close()
+        engine.destroy()
+        if restarted is not None:
+            restarted.stop()
+
+
+def test_a_server_restarted_between_two_publishes_gets_a_new_group(server_factory, tiny_model_dir):
+    """A server restarted at the same URL has lost the weight-update group: the fleet finds it on another
+    version (out of rotation), and the publish that repairs it builds a new group instead of broadcasting
+    on the one the server no longer has."""
+    srv = server_factory(model=tiny_model_dir)
+    (outcome, served), _ = run_ranks(_publish_around_a_restart, 2, args=(srv.url, srv.process.pid, tiny_model_dir),
+                                     timeout=240)
+    assert outcome == {srv.url: "ok"}, outcome
+    assert served[srv.url]["tensors_equal"] and served[srv.url]["answer_equal"], served
+
+
 # ------------------------------------------------------------------ memory
 
 

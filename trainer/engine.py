@@ -420,6 +420,15 @@ class FSDPEngine:
         params = self._params_by_name()
         return local_digest((s.name, params[s.name]) for s in self.param_specs())
 
+    def local_shards(self, specs):
+        """This rank's own rows of each parameter in ``specs``, no communication (the delta encoding's
+        input; see :func:`bridge.sources.local_shards_of`)."""
+        from bridge.sources import local_shards_of
+
+        self._check_initialized()
+        params = self._params_by_name()
+        return local_shards_of([(s, params[s.name]) for s in specs])
+
     def _gather(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not isinstance(param, DTensor):
             return param.to(dtype).contiguous()

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-colocated", dest="colocated", action="store_false",
                    help="skip the colocated (/dev/shm) transport")
     p.add_argument("--serving-dtype", default="bfloat16", help="dtype the server serves")
+    p.add_argument("--delta-lrs", nargs="*", type=float, default=[1e-6, 1e-5], metavar="LR",
+                   help="delta rows: one optimizer step at each learning rate, then a delta sync into a server of "
+                        "its own (default: 1e-6 1e-5; none: no delta rows)")
+    p.add_argument("--delta-warmup", type=int, default=5, help="optimizer steps before the delta rows are timed")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one transfer or load may take")
     p.add_argument("--keep-run", action="store_true", help="keep the run folder (snapshots, logs)")
     p.add_argument("--log-level", default="WARNING", help="log level of every process")
@@ -73,7 +77,8 @@ def config_from_args(args: argparse.Namespace):
         kw["workdir"] = args.workdir
     return BenchConfig(models=list(args.model), nproc=args.nproc, etcd=args.etcd, serving_dtype=args.serving_dtype,
                        timeout=args.timeout, keep_run=args.keep_run, log_level=args.log_level.upper(),
-                       device=args.device, colocated=args.colocated, **kw)
+                       device=args.device, colocated=args.colocated, delta_lrs=list(args.delta_lrs),
+                       delta_warmup=args.delta_warmup, **kw)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -74,6 +74,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "announcements still only go up per --experiment/--trial")
     p.add_argument("--bucket-mb", type=float, help="bucket size in MiB (default: 32 on CPU, 512 on GPU)")
     p.add_argument("--serving-dtype", default="bfloat16", help="dtype the servers serve; weights are cast on the way")
+    from bridge.encodings import encoding_names
+
+    p.add_argument("--encoding", default="full", choices=encoding_names(),
+                   help="full: every tensor each sync; delta (broadcast, colocated): what changed since the version "
+                        "the servers serve, with a full sync (an anchor) when needed")
+    p.add_argument("--delta-anchor-every", type=int, default=None, metavar="N",
+                   help="--encoding delta: a full sync at least every N versions (default: 50)")
+    p.add_argument("--delta-max-fraction", type=float, default=None, metavar="F",
+                   help="--encoding delta: send a full sync when the delta is over this fraction of the full bytes "
+                        "(default: 0.1)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO; env WSYNC_LOG_LEVEL)")
     add_transport_options(p)
 
@@ -262,10 +272,12 @@ def publisher_config(args: argparse.Namespace, servers: list[str]):
     kw = dict(
         transport=args.publish, servers=servers, experiment=args.experiment, trial=args.trial,
         serving_dtype=args.serving_dtype, api_key=args.api_key, admin_api_key=args.admin_api_key,
-        new_run=args.new_run, server_registry=args.server_registry or None, min_servers=args.min_servers,
+        new_run=args.new_run, encoding=args.encoding, server_registry=args.server_registry or None,
+        min_servers=args.min_servers,
     )
-    if args.bucket_mb is not None:
-        kw["bucket_mb"] = args.bucket_mb
+    for name in ("bucket_mb", "delta_anchor_every", "delta_max_fraction"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
     # Every transport option given on the command line (another transport's has no effect).
     kw.update({o.name: getattr(args, o.name) for o in option_fields() if getattr(args, o.name, None) is not None})
     return PublisherConfig(**kw)
@@ -292,6 +304,8 @@ def _rank_main(args: argparse.Namespace) -> int:
             if publisher is not None:
                 res = publisher.publish(engine, version=(args.start_version or 1) + step - 1)
                 line += f"  | published v{res.version}: {res.bytes / 2**20:.1f} MiB in {res.seconds:.2f} s ({res.gbps:.2f} GB/s)"
+                if res.encoding != "full":
+                    line += f" {res.encoding}" + (f" ({res.anchor_reason})" if res.anchor_reason else "")
             if engine.rank == 0:
                 print(line, flush=True)
         if args.save:

@@ -19,8 +19,9 @@ Errors are the project's own (:mod:`bridge.errors`): an HTTP error or ``success:
 ``SyncTimeout`` naming the server and route; the reference server's refusal of a weight version older
 than the one it serves raises ``VersionError``.
 
-Modules: ``connection`` (HTTP, keys, errors), ``server`` (:class:`ServerClient`, one server's dialect) and
-``group`` (:class:`ServerGroup`, the fan-out); this one re-exports both classes.
+Modules: ``connection`` (HTTP, keys, errors), ``server`` (:class:`ServerClient`, one server's dialect),
+``updates`` (its weight-update routes) and ``group`` (:class:`ServerGroup`, the fan-out); this one re-exports
+both classes.
 
 Example:
     >>> c = ServerClient("http://127.0.0.1:30000")                      # doctest: +SKIP

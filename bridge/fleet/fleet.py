@@ -9,7 +9,7 @@ Rank 0 of a :class:`bridge.WeightPublisher` drives it:
    answers but whose weights may be torn (a failed sync on a server that does not stage, a failed
    commit) or that serves another version than the fleet (restarted, newly joined) is taken out of
    rotation and paused before the sync, and the sync brings it to the new version (every sync sends every
-   tensor); when the transport has a complete snapshot of the fleet's version it is loaded at once
+   tensor: the delta encoding sends an anchor while a server is out of rotation); when the transport has a complete snapshot of the fleet's version it is loaded at once
    instead. Fewer servers answering than ``min_servers`` fails the publish here, before anything moves.
 2. ``committed`` (after the transport's commit): every server that took the version is put (back) into
    rotation; one whose commit failed stays paused and out of rotation, so no two servers in rotation

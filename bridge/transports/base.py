@@ -90,6 +90,8 @@ class Plan:
     retried: bool = False
     """True when this republishes the last version with identical weights (a safe retry)."""
     phases: dict[str, float] = field(default_factory=dict)
+    encoded: Any = None
+    """What the encoding (:mod:`bridge.encodings`) planned for this sync; None for ``full``."""
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +148,9 @@ class Transport:
     source_needs: tuple[str, ...] = ()
     """Optional capabilities of the weight source this transport cannot do without (checked before
     anything moves): any of :data:`bridge.sources.CAPABILITIES`."""
+
+    encodings: tuple[str, ...] = ("full",)
+    """The encodings (:mod:`bridge.encodings`) this transport can carry."""
 
     gives_back_early = True
     """``abort`` may run on rank 0 as soon as rank 0's own step failed, before the other ranks answered

@@ -81,6 +81,7 @@ class BroadcastTransport(Transport):
     name = "broadcast"
     aliases = ("nccl", "xccl", "distributed")
     Options = BroadcastOptions
+    encodings = ("full", "delta")
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -178,9 +179,12 @@ class BroadcastTransport(Transport):
         return self.sessions.serving()
 
     def use_servers(self, servers) -> None:
-        """A group is made for one set of servers: another set (a server died, or joined) gets a new one. The
-        old one is dropped here and on the servers that stay (a dead one is not waited for)."""
-        if self.pg is not None and (servers is None or servers.urls != self.servers.urls):
+        """A group is made for one set of servers: another set (a server died, or joined) gets a new one, and
+        so does a set with a server out of rotation (:mod:`bridge.fleet`): one restarted at the same URL has
+        lost the group, and this publish repairs it. The old one is dropped here and on the servers that stay
+        (a dead one is not waited for)."""
+        changed = servers is None or servers.urls != self.servers.urls
+        if self.pg is not None and (changed or getattr(servers, "out_of_rotation", None)):
             self._teardown_group(keep=set(servers.urls) if servers is not None else set())
         super().use_servers(servers)
 

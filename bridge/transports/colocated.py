@@ -66,6 +66,7 @@ PREFIX = "wsync-"
 class ColocatedTransport(Transport):
     name = "colocated"
     Options = SessionOptions
+    encodings = ("full", "delta")
 
     def __init__(self, config, servers):
         super().__init__(config, servers)

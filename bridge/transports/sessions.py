@@ -12,9 +12,10 @@ import concurrent.futures as cf
 import threading
 import time
 
-from bridge.errors import BridgeError, ServerError, SyncError, VersionError
+from bridge.errors import BridgeError, DeltaBaseMismatch, ServerError, SyncError, VersionError
 from bridge.failpoints import armed, failpoint
 from bridge.log import get_logger
+from bridge.protocol import DELTA_BASE_MISMATCH
 
 __all__ = ["ServerSessions", "bucket_answers", "deadline_left", "discard_session", "pause_mode_for"]
 
@@ -259,6 +260,8 @@ def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting
     """Wait, against one deadline of ``seconds``, for every server's answer to bucket ``k``.
 
     Raises:
+        DeltaBaseMismatch: a server refused a delta bucket: it does not serve the delta's base (nothing was
+            applied there; the publisher answers with an anchor).
         VersionError: every server that failed refused the bucket's version (nothing was applied).
         SyncError: the failures, one per server (a server that did not answer in time names ``setting``).
     """
@@ -272,6 +275,8 @@ def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting
         except BridgeError as e:
             errors.append(e)
     if errors:
+        if any(getattr(e, "reason", None) == DELTA_BASE_MISMATCH for e in errors):
+            raise DeltaBaseMismatch("; ".join(map(str, errors)))
         refused = all(isinstance(e, VersionError) for e in errors)
         raise (VersionError if refused else SyncError)("; ".join(map(str, errors)))
 

@@ -80,7 +80,10 @@ class _RunFields(BaseModel):
 
 
 class DistributedBody(UpdateWeightsFromDistributedReq, _RunFields, _VersionedFields):
-    """``/update_weights_from_distributed``."""
+    """``/update_weights_from_distributed``; ``wsync_delta``: the buffer is a delta bucket and this its table
+    (checked by :mod:`inference_adapter.delta`)."""
+
+    wsync_delta: Any = None
 
     @model_validator(mode="before")
     @classmethod

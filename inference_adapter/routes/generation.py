@@ -78,7 +78,8 @@ async def pause_generation(request: Request, state: Served):
     if state.features.release < (0, 4, 9):
         return absent()
     req = await parse(request, PauseBody)
-    await run_in_threadpool(state.pause, req.mode)
+    if not state.pause_if_idle(req.mode):
+        await run_in_threadpool(state.pause, req.mode)
     return {"message": "Generation paused successfully.", "status": "ok"}
 
 

@@ -46,7 +46,7 @@ async def update_weights_from_distributed(request: Request, state: Served):
         lambda: state.updates.update_distributed(
             names=req.names, dtypes=req.dtypes, shapes=req.shapes, group_name=req.group_name,
             load_format=req.load_format, weight_version=req.weight_version,
-            abort_all_requests=req.abort_all_requests, run=req.run,
+            abort_all_requests=req.abort_all_requests, run=req.run, wsync_delta=req.wsync_delta,
         )
     )
     return ok(msg)

@@ -89,6 +89,8 @@ def _parse(argv):
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-api-key", default=None)
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--custom-weight-loader", action="append", default=[],
+                   help="SGLang's --custom-weight-loader (dotted path of a loader; repeat for several)")
     p.add_argument("--device", default="cpu", help="the model runner's device (cuda: the CUDA IPC receive check)")
     return p.parse_args(argv)
 
@@ -312,8 +314,10 @@ class Harness:
         except ImportError:
             WeightUpdater = None
         if WeightUpdater is not None:
+            # As SGLang's ModelRunner builds it: the loaders the server was started with (--custom-weight-loader).
             self.weight_updater = WeightUpdater(
-                tp_rank=0, device=self.args.device, gpu_id=0, model_config=self.model_config, custom_weight_loaders={},
+                tp_rank=0, device=self.args.device, gpu_id=0, model_config=self.model_config,
+                custom_weight_loaders=list(self.server_args.custom_weight_loader or []),
                 get_model=lambda: model, update_model_fields=lambda *a, **k: None,
                 recapture_cuda_graph=lambda: None, get_model_runner=lambda: self.model_runner,
             )
@@ -337,7 +341,8 @@ class Harness:
         from sglang.srt.server_args import ServerArgs
 
         if not dataclasses.is_dataclass(ServerArgs):  # 0.5.23: a plain record, resolved on demand
-            sa = ServerArgs(model_path=self.args.model, device="cpu", dtype=self.args.dtype)
+            sa = ServerArgs(model_path=self.args.model, device="cpu", dtype=self.args.dtype,
+                            custom_weight_loader=list(self.args.custom_weight_loader))
             sa.api_key = self.args.api_key
             sa.admin_api_key = self.args.admin_api_key
             return sa
@@ -360,8 +365,8 @@ class Harness:
         sa.load_format = "auto"
         if getattr(sa, "page_size", 1) is None:
             sa.page_size = 1  # as ServerArgs.__post_init__ normalizes it
-        if hasattr(sa, "custom_weight_loader") and sa.custom_weight_loader is None:
-            sa.custom_weight_loader = []  # as ServerArgs.__post_init__ (skipped here) normalizes it
+        if hasattr(sa, "custom_weight_loader"):  # as ServerArgs.__post_init__ (skipped here) normalizes it
+            sa.custom_weight_loader = list(self.args.custom_weight_loader)
         return sa
 
     def _scheduler_state(self, sched) -> None:

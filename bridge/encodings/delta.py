@@ -1,0 +1,396 @@
+"""The delta encoding: each sync sends what changed since the base the servers serve.
+
+Every trainer rank keeps the serving-dtype bytes of its own shard as last committed, *the base*: 2 bytes
+per parameter of its shard in bf16, on the parameters' device (``base_bytes``). At each publish, in the
+prepare step, a rank casts its shard, compares it bit for bit with the base, and for each tensor it holds
+picks the smallest of indices + values, bitmask + values, or the dense piece (:mod:`bridge.delta_codec`);
+it writes the new bytes into the base at once and keeps what it overwrote (an undo log: the changed
+positions and old values of each tensor, or a copy of a tensor that changed almost entirely), so a failed
+sync puts the base back exactly and a committed one only drops the log. The base therefore moves only when
+a publish commits. During a sync a rank also holds the new values at the changed positions (what its records
+carry) and two scratch buffers as large as its largest piece (the cast piece and its change mask).
+
+Every rank learns every rank's encoded sizes, so all of them plan the same *delta buckets* (whole tensors,
+up to ``bucket_mb`` of encoded bytes each) and decide alike whether this sync must be an *anchor*, a full
+sync: there is no base yet; every ``delta_anchor_every`` versions; the delta is over ``delta_max_fraction``
+of the full bytes. Rank 0, once the servers are paused, also sends an anchor when a server is out of
+rotation (:mod:`bridge.fleet`: restarted, newly joined, on another version, torn or held paused; the anchor
+repairs it), when the servers are of two kinds (reference server and real SGLang), when real SGLang was not
+started with the loader (``--custom-weight-loader``) or does not report the base version, and after a failed
+sync into real SGLang (which loads buckets as they arrive, so it may hold part of it). The reason is logged
+and reported (``PublishResult.encoding``, ``.anchor_reason``).
+
+Each delta bucket names the base version and a digest of the base of its tensors (the CRC32 of each rank's
+piece, :func:`bridge.delta_codec.combine_digest`); a server that does not serve exactly that base refuses
+it before any weight changes (``wsync_reason: delta_base_mismatch``), and the publisher sends an anchor
+instead, in the same ``publish()`` call. How the bytes move: :mod:`bridge.encodings.delta_send`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bridge.delta_codec import (
+    BITMASK,
+    DENSE,
+    SPARSE32,
+    SPARSE64,
+    changed_positions,
+    choose,
+    combine_digest,
+    pack_bits,
+    piece_crc,
+    record_nbytes,
+)
+from bridge.encodings.base import Encoding
+from bridge.encodings.registry import register_encoding
+from bridge.errors import ConfigError, DeltaBaseMismatch
+from bridge.log import fmt_bytes, get_logger
+from bridge.tensors import ParamSpec
+
+__all__ = ["DeltaBucket", "DeltaEncoding", "DeltaPlan"]
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class DeltaBucket:
+    """Whole tensors whose encoded bytes travel together; ``sizes[r]``: rank r's bytes of them."""
+
+    specs: list[ParamSpec]
+    sizes: list[int]
+    whole: list[str]
+    digest: int | None = None
+    """Digest of the base of these tensors (every rank's pieces)."""
+
+    @property
+    def nbytes(self) -> int:
+        return max(8, sum(self.sizes))  # never an empty broadcast
+
+
+@dataclass
+class DeltaPlan:
+    """What the delta encoding decided for one sync (the same on every rank)."""
+
+    buckets: list[DeltaBucket]
+    nbytes: int
+    full_bytes: int
+    changed: int
+    numel: int
+    base_version: int | None
+    world: int
+    reason: str | None = None
+    """Why this sync is an anchor (a full sync); None for a delta."""
+    via: str | None = None
+    """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
+    probes: dict = field(default_factory=dict)
+    """name -> {"shape", "items": [(flat position, base bits)]}: base values the SGLang loader checks."""
+
+    @property
+    def mode(self) -> str:
+        return "anchor" if self.reason is not None else "delta"
+
+
+@dataclass
+class _Change:
+    """One tensor this rank changed in its base during the current sync (the undo log and the record)."""
+
+    kind: int
+    count: int
+    nbytes: int
+    positions: torch.Tensor | None = None  # the changed positions (None: dense)
+    old: torch.Tensor | None = None  # what was overwritten: at the positions, or all (dense); None: new tensor
+    values: torch.Tensor | None = None  # the new values at the positions (None: dense, they are the base)
+    bits: torch.Tensor | None = None  # a bitmask record's packed bits
+
+
+@dataclass
+class _Held:
+    start: int
+    base: torch.Tensor  # flat, serving dtype
+
+
+@register_encoding
+class DeltaEncoding(Encoding):
+    name = "delta"
+
+    def __init__(self, config, rank: int, world: int):
+        super().__init__(config, rank, world)
+        self.base: dict[str, _Held] = {}
+        self.base_version: int | None = None
+        self.since_anchor = 0
+        self.changes: dict[str, _Change] = {}
+        self.probes: dict[str, list] = {}  # name -> [(flat position, base bits)]: for the SGLang loader's check
+        self.force_reason: str | None = None  # rank 0: the next sync is an anchor, for this reason
+        self._crcs: cf.Future | None = None
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync-base-crc")
+        self._sender = None
+        self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
+        self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
+        self._refresh: cf.Future | None = None  # an anchor decided early: the copy of the weights into the base
+
+    @classmethod
+    def check_config(cls, config, transport_cls) -> None:
+        super().check_config(config, transport_cls)
+        if not (isinstance(config.delta_anchor_every, int) and config.delta_anchor_every >= 1):
+            raise ConfigError(f"delta_anchor_every must be an integer >= 1, got {config.delta_anchor_every!r}")
+        if not 0 < config.delta_max_fraction <= 1:
+            raise ConfigError(f"delta_max_fraction must be in (0, 1], got {config.delta_max_fraction!r}")
+
+    @property
+    def base_bytes(self) -> int:
+        """This rank's memory for its base: its shard in the serving dtype (2 bytes per parameter in bf16)."""
+        return sum(h.base.numel() * h.base.element_size() for h in self.base.values())
+
+    def run(self, publish):
+        try:
+            return publish()
+        except DeltaBaseMismatch as e:  # nothing was applied: send the whole model instead, as the same version
+            self.force_reason = f"a server refused the delta: {e}"
+            return publish()
+
+    # ------------------------------------------------------------------ prepare: diff against the base
+
+    @torch.no_grad()
+    def prepare(self, source, specs: list[ParamSpec]) -> dict:
+        source.require(("local_shards",), "the delta encoding")
+        crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
+        self.changes, self.probes, self._refresh = {}, {}, None
+        shards = source.local_shards(specs)
+        whole = [sh.spec.name for sh in shards if sh.whole]
+        skip = self._anchor_ahead([sh for sh in shards if sh.local is not None])
+        if skip is not None:  # an anchor for sure: no diff; the base becomes the weights while the buckets travel
+            reason, changed, numel = skip
+            owned = [sh for sh in shards if sh.local is not None]
+            self._refresh = self._pool.submit(self._copy_into_base, owned)  # (copy_ releases the GIL)
+            return {"skip": reason, "sizes": {}, "whole": whole, "changed": changed, "numel": numel, "fresh": False,
+                    "crcs": crcs, "probes": {}}
+        sizes, changed, numel, fresh = {}, 0, 0, False
+        for sh in shards:
+            if sh.local is None:
+                continue
+            ch = self._diff(sh.spec, sh.local, sh.start)
+            numel += sh.local.numel()
+            if ch is None:
+                continue
+            self.changes[sh.spec.name] = ch
+            sizes[sh.spec.name] = ch.nbytes
+            changed += ch.count
+            fresh |= ch.old is None
+        return {"skip": None, "sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh,
+                "crcs": crcs, "probes": self.probes}
+
+    def _anchor_ahead(self, owned: list) -> tuple[str, int, int] | None:
+        """(why, estimated changed elements, elements) when this rank knows before diffing that the sync will be
+        an anchor: every ``delta_anchor_every`` versions, or when a sample (1 element in 64) says the delta
+        would be over ``delta_max_fraction`` of this rank's bytes. Then the sync costs a full one and little
+        more: no diff, only the base refreshed at commit. None: diff (also when there is no base to sample)."""
+        cfg = self.config
+        numel = sum(sh.local.numel() for sh in owned)
+        if self.base_version is None or any(self._fresh(sh) for sh in owned):
+            return None
+        if self.since_anchor + 1 >= cfg.delta_anchor_every:
+            return f"an anchor every {cfg.delta_anchor_every} versions (delta_anchor_every)", 0, numel
+        est = changed = full = 0
+        for sh in owned:
+            n, itemsize = sh.local.numel(), sh.spec.dtype.itemsize
+            stride = 64 if n >= 4096 else 1
+            ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+            sample = sh.local.detach().reshape(-1)[::stride].to(sh.spec.dtype)
+            hits = int(torch.count_nonzero(sample.view(ints) != self.base[sh.spec.name].base[::stride].view(ints)))
+            count = min(n, round(hits * n / max(1, sample.numel())))
+            est, changed, full = est + (choose(n, count, itemsize)[1] if count else 0), changed + count, full + n * itemsize
+        if est > cfg.delta_max_fraction * full:
+            return (f"the delta would be about {est / max(1, full):.0%} of the full bytes (from a sample of 1 element "
+                    f"in 64), over delta_max_fraction={cfg.delta_max_fraction:g}"), changed, numel
+        return None
+
+    @torch.no_grad()
+    def _copy_into_base(self, owned: list) -> None:
+        for sh in owned:
+            self.base[sh.spec.name].base.copy_(sh.local.detach().reshape(-1))
+
+    def _fresh(self, sh) -> bool:
+        held = self.base.get(sh.spec.name)
+        return held is None or held.start != sh.start or held.base.numel() != sh.local.numel() or \
+            held.base.dtype != sh.spec.dtype
+
+    def _diff(self, spec: ParamSpec, local: torch.Tensor, start: int) -> _Change | None:
+        n = local.numel()
+        new = self._scratch("new", n, spec.dtype, local.device)
+        new.copy_(local.detach().reshape(-1))  # the cast, into memory reused from tensor to tensor and sync to sync
+        itemsize = new.element_size()
+        held = self.base.get(spec.name)
+        if held is None or held.start != start or held.base.shape != new.shape or held.base.dtype != new.dtype:
+            self.base[spec.name] = _Held(start, new.clone())
+            return _Change(DENSE, n, record_nbytes(DENSE, n, n, itemsize))
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+        mask = self._scratch("mask", n, torch.bool, local.device)
+        torch.ne(new.view(ints), held.base.view(ints), out=mask)
+        count = int(torch.count_nonzero(mask))
+        if not count:
+            return None
+        kind, nbytes = choose(n, count, itemsize)
+        bits = held.base.view(ints)
+        if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
+            first = int(mask.view(torch.uint8).argmax())
+            self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
+            old = held.base.clone()
+            held.base.copy_(new)
+            return _Change(kind, count, nbytes, old=old)
+        # Positions once (numpy's flatnonzero), then every gather by position: a boolean index scans the whole
+        # mask again, each time.
+        positions = changed_positions(new, held.base, SPARSE64 if n >= 2**31 else SPARSE32, mask)
+        first = int(positions[0])
+        self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
+        old = held.base.index_select(0, positions)
+        values = new.index_select(0, positions)
+        held.base.copy_(new)
+        return _Change(kind, count, nbytes, positions, old, values, pack_bits(mask) if kind == BITMASK else None)
+
+    def _scratch(self, key: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``n`` elements of a buffer kept across tensors and syncs (as large as this rank's largest piece):
+        a fresh tensor per piece spent more time faulting its pages in than casting or comparing."""
+        buf = self._buffers.get((key, dtype, device))
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[(key, dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
+    # ------------------------------------------------------------------ plan: the same on every rank
+
+    def plan(self, plan, summaries: list[dict]) -> None:
+        cfg = self.config
+        world = len(summaries)
+        changed, numel = sum(s["changed"] for s in summaries), sum(s["numel"] for s in summaries)
+        whole = set(summaries[0]["whole"])
+        crcs: dict[str, list] = {}
+        for s in summaries:
+            for name, start, length, crc in s["crcs"]:
+                crcs.setdefault(name, []).append((name, start, length, crc))
+        buckets = self._buckets([spec for b in plan.buckets for spec in b.specs], summaries, whole, crcs)
+        total = sum(sum(b.sizes) for b in buckets)
+        enc = DeltaPlan(buckets, total, plan.nbytes, changed, numel, self.base_version, world)
+        shapes = {s.name: list(s.shape) for b in plan.buckets for s in b.specs}
+        for s in summaries:
+            for name, items in s["probes"].items():
+                enc.probes.setdefault(name, {"shape": shapes[name], "items": []})["items"] += items
+        if self.base_version is None or any(s["fresh"] for s in summaries):
+            enc.reason = "no base yet" if self.base_version is None else "the trainer's tensors changed shape"
+        elif any(s["skip"] for s in summaries):
+            enc.reason = next(s["skip"] for s in summaries if s["skip"])
+        elif self.since_anchor + 1 >= cfg.delta_anchor_every:
+            enc.reason = f"an anchor every {cfg.delta_anchor_every} versions (delta_anchor_every)"
+        elif total > cfg.delta_max_fraction * plan.nbytes:
+            enc.reason = (f"the delta ({fmt_bytes(total)}) is {total / max(1, plan.nbytes):.0%} of the full "
+                          f"{fmt_bytes(plan.nbytes)}, over delta_max_fraction={cfg.delta_max_fraction:g}")
+        plan.encoded = enc
+
+    def _buckets(self, specs: list[ParamSpec], summaries: list[dict], whole: set, crcs: dict) -> list[DeltaBucket]:
+        budget, out, cur, size = self.config.bucket_bytes, [], [], 0
+
+        def close() -> None:
+            sizes = [sum(s["sizes"].get(sp.name, 0) for sp in cur) for s in summaries]
+            entries = [e for sp in cur for e in crcs.get(sp.name, [])]
+            out.append(DeltaBucket(list(cur), sizes, [sp.name for sp in cur if sp.name in whole],
+                                   combine_digest(entries) if entries else None))
+
+        for spec in specs:
+            n = sum(s["sizes"].get(spec.name, 0) for s in summaries)
+            if cur and size + n > budget:
+                close()
+                cur, size = [], 0
+            cur.append(spec)
+            size += n
+        if cur:
+            close()
+        return out
+
+    # ------------------------------------------------------------------ begin (rank 0) and the decision
+
+    def begin(self, plan, transport) -> dict:
+        from bridge.encodings.delta_send import delta_route
+
+        enc = plan.encoded
+        self._into_real_sglang = not all(c.stages_updates for c in transport.servers.clients)
+        reason, via = enc.reason or self.force_reason, None
+        if reason is None:
+            reason, via = delta_route(transport.servers, self.base_version)
+        return {"reason": reason, "via": via}
+
+    def decided(self, plan, decision: dict) -> None:
+        enc = plan.encoded
+        enc.reason, enc.via = decision["reason"], decision["via"]
+        if self.rank == 0:
+            if enc.reason is not None:
+                logger.info("version %d: an anchor (full sync): %s", plan.version, enc.reason)
+            else:
+                logger.info("version %d: a delta against version %s: %s in %d buckets (%.1f%% of the full %s), "
+                            "%.2f%% of the elements changed", plan.version, enc.base_version, fmt_bytes(enc.nbytes),
+                            len(enc.buckets), 100 * enc.nbytes / max(1, enc.full_bytes), fmt_bytes(enc.full_bytes),
+                            100 * enc.changed / max(1, enc.numel))
+
+    def sends(self, plan) -> bool:
+        return plan.encoded is not None and plan.encoded.mode == "delta"
+
+    def transfer(self, plan, steps) -> None:
+        from bridge.encodings.delta_send import transfer
+
+        self._sender = transfer(self, plan, steps)
+
+    def settle(self) -> None:
+        if self._sender is not None:
+            self._sender.settle()
+
+    # ------------------------------------------------------------------ the end of a sync
+
+    @torch.no_grad()
+    def committed(self, plan) -> None:
+        enc = plan.encoded
+        if self._refresh is not None:  # an anchor decided before diffing: its base copy ran beside the transfer
+            self._refresh.result()
+        self.changes, self._sender, self.force_reason, self._into_real_sglang = {}, None, None, False
+        self._refresh = None
+        self.base_version = plan.version
+        self.since_anchor = 0 if enc.mode == "anchor" else self.since_anchor + 1
+        pieces = [(name, h.start, h.base) for name, h in self.base.items()]
+        self._crcs = self._pool.submit(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
+
+    @torch.no_grad()
+    def failed(self, plan) -> None:
+        self._sender = None  # (plan is None when the sync failed before it was planned)
+        if self._refresh is not None:  # the base was being overwritten with weights no server holds: drop it
+            self._refresh.exception()
+            self._refresh, self.base, self.base_version = None, {}, None
+        for name, ch in self.changes.items():
+            held = self.base.get(name)
+            if held is None:
+                continue
+            if ch.old is None:  # new in this sync: there is no base of it
+                del self.base[name]
+                self.base_version = None
+            elif ch.positions is None:
+                held.base.copy_(ch.old)
+            else:
+                held.base[ch.positions.to(held.base.device, torch.int64)] = ch.old
+        self.changes = {}
+        if self._into_real_sglang:  # it loads buckets as they arrive: it may hold part of the failed sync
+            self.force_reason = self.force_reason or "the last sync failed, and real SGLang may hold part of it"
+        self._into_real_sglang = False
+
+    def result(self, plan) -> dict:
+        enc = getattr(plan, "encoded", None)
+        if enc is None:
+            return {"encoding": "full"}
+        out: dict[str, Any] = {"encoding": enc.mode, "anchor_reason": enc.reason,
+                               "changed_fraction": enc.changed / max(1, enc.numel), "base_bytes": self.base_bytes}
+        if enc.mode == "delta":
+            out["bytes"] = sum(b.nbytes for b in enc.buckets)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+

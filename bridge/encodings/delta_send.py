@@ -1,0 +1,202 @@
+"""How a delta moves: each rank encodes its own pieces, rank 0 receives them and sends each delta bucket.
+
+Per delta bucket (:class:`bridge.encodings.delta.DeltaBucket`), in one agreed step: every rank writes the
+records of its own pieces (its sizes are known to every rank since prepare); rank 0 writes its own at the
+start of the bucket's wire buffer and receives each other rank's straight after them (one point-to-point
+receive per rank on the gather group, no padding, no full tensor anywhere), then sends the buffer:
+
+* to the project's reference servers (``via="native"``), through the transport itself, as a bucket of one
+  uint8 tensor named :data:`DELTA_TENSOR` whose request carries the delta's table (``wsync_delta``: base
+  version and digest, the layout of the trainer's pieces, names, dtypes, shapes). The broadcast transport
+  broadcasts it on its group, the colocated one hands it over in a shared-memory file;
+* to real SGLang (``via="loader"``), started with ``--custom-weight-loader`` :data:`LOADER`, as
+  ``/update_weights_from_tensor`` with ``load_format=LOADER``: a pickle of plain tensors (the table as JSON
+  bytes, and the records), which SGLang's ``SafeUnpickler`` accepts; SGLang calls the loader
+  (:mod:`bridge.sglang_delta_loader`) in every TP rank's scheduler process.
+
+A delta to real SGLang travels over HTTP whatever the transport (it has no route that takes a
+``load_format`` and bytes from the group), so the group of the broadcast transport carries only anchors.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bridge.agreement import note_failure_time
+from bridge.buckets import Bucket
+from bridge.delta_codec import BITMASK, DELTA_TENSOR, write_record
+from bridge.failpoints import failpoint
+from bridge.tensors import ParamSpec, dtype_to_str
+from bridge.transports.sessions import bucket_answers
+
+__all__ = ["LOADER", "LoaderSender", "delta_route", "table", "transfer"]
+
+LOADER = "bridge.sglang_delta_loader.load_delta"
+"""The loader real SGLang calls for a delta: ``--custom-weight-loader`` and ``load_format`` name it."""
+
+
+def delta_route(servers, base_version: int | None) -> tuple[str | None, str | None]:
+    """Rank 0, servers paused: (why this sync must be an anchor, None) or (None, ``native``/``loader``).
+
+    A server the fleet (:mod:`bridge.fleet`) took out of rotation gets an anchor: it restarted, joined, serves
+    another version, or may be torn or was left paused by a failed sync or commit, and this sync is what
+    repairs it, with every tensor. Otherwise reference servers check the base version and digest of every
+    delta bucket themselves; real SGLang's loader cannot answer a refusal, so before a delta to it every
+    server must report the base version."""
+    out = getattr(servers, "out_of_rotation", None) or {}
+    if out:
+        return ("out of rotation until a full sync repairs it: "
+                + "; ".join(f"{u} ({why})" for u, why in out.items())), None
+    clients = servers.clients
+    reference = [c.is_reference_server for c in clients]
+    if any(reference) and not all(reference):
+        return ("the servers are of two kinds (reference server and real SGLang), and a delta goes to each kind "
+                "another way; publish to each kind with a publisher of its own"), None
+    if all(reference):  # each checks the base itself, refusing before it stages anything: no round trip here
+        return None, "native"
+    missing = [c.url for c in clients if LOADER not in c.custom_weight_loaders]
+    if missing:
+        return (f"{', '.join(missing)} was not started with --custom-weight-loader {LOADER}, so it cannot "
+                "apply a delta"), None
+    off = {u: v for u, v in servers.weight_versions().items() if v != str(base_version)}
+    if off:
+        return ("a server does not serve the base version " + str(base_version) + ": "
+                + ", ".join(f"{u} serves {v}" for u, v in off.items())), None
+    return None, "loader"
+
+
+def table(db, enc, version: int, first: bool) -> dict:
+    """The delta bucket's table: what a server needs besides the bytes (``wsync_delta``). For the SGLang
+    loader, the first bucket also carries the base values to check (``probes``)."""
+    out = {"base_version": str(enc.base_version), "base_digest": db.digest, "world": enc.world, "whole": db.whole,
+           "names": [s.name for s in db.specs], "dtypes": [dtype_to_str(s.dtype) for s in db.specs],
+           "shapes": [list(s.shape) for s in db.specs], "version": str(version)}
+    if first and enc.via == "loader":
+        out["probes"] = enc.probes
+    return out
+
+
+def transfer(encoding, plan, steps) -> Any:
+    """Every rank: send ``plan``'s delta buckets, each in one agreed step; rank 0's sender (for ``settle``)."""
+    enc = plan.encoded
+    sender = None
+    if encoding.rank == 0:
+        sender = NativeSender(steps["part"]) if enc.via == "native" else LoaderSender(steps["servers"], encoding.config)
+    last = len(enc.buckets) - 1
+    for j, db in enumerate(enc.buckets):
+        version = plan.version if j == last else None
+        steps["agreed"](f"delta {j}", lambda j=j, db=db, v=version: _one(encoding, plan, j, db, sender, v, steps))
+    return sender
+
+
+def _one(encoding, plan, j: int, db, sender, version: int | None, steps) -> None:
+    rank = encoding.rank
+    own = db.sizes[rank]
+    group = steps["group"]()
+    try:
+        failpoint(f"delta:{j}", rank)
+        if rank != 0:
+            if own:
+                out = torch.empty(own, dtype=torch.uint8, device=_p2p_device(group))
+                _encode(encoding, db, out)
+                dist.send(out, dst=0, group=group)
+            return
+        bucket = Bucket([ParamSpec(DELTA_TENSOR, (db.nbytes,), torch.uint8)],
+                        extra={"wsync_delta": table(db, plan.encoded, plan.version, j == 0)})
+        buf = sender.buffer(j, bucket)
+        _encode(encoding, db, buf[:own])
+        buf[sum(db.sizes):].zero_()
+        _receive(buf, db.sizes, group)
+        sender.send(j, bucket, buf, version)
+    except BaseException as e:
+        # Leave the gather group, so that a rank waiting in a send or receive with this one fails at once.
+        note_failure_time(e)
+        steps["leave_group"]()
+        raise
+
+
+def _p2p_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _receive(buf: torch.Tensor, sizes: list[int], group) -> None:
+    """Rank 0: every other rank's records, straight after the ones before them in ``buf``."""
+    device = _p2p_device(group) if len(sizes) > 1 else buf.device
+    at, works = sizes[0], []
+    for r in range(1, len(sizes)):
+        if sizes[r]:
+            dst = buf[at : at + sizes[r]]
+            tmp = dst if dst.device == device else torch.empty(sizes[r], dtype=torch.uint8, device=device)
+            works.append((dist.irecv(tmp, src=r, group=group), dst, tmp))
+        at += sizes[r]
+    for work, dst, tmp in works:
+        work.wait()
+        if tmp is not dst:
+            dst.copy_(tmp)
+
+
+def _encode(encoding, db, out: torch.Tensor) -> None:
+    """This rank's records of the bucket's tensors into ``out`` (exactly its planned size)."""
+    at = 0
+    for i, spec in enumerate(db.specs):
+        ch = encoding.changes.get(spec.name)
+        if ch is None:
+            continue
+        held = encoding.base[spec.name]
+        at += write_record(out[at:], i, ch.kind, held.start, held.base, ch.bits if ch.kind == BITMASK else ch.positions,
+                           ch.count, ch.values)
+    if at != out.numel():
+        raise RuntimeError(f"encoded {at} bytes of a delta bucket, planned {out.numel()}")
+
+
+class NativeSender:
+    """Rank 0: a delta bucket goes through the transport's own part, as any bucket (reference servers)."""
+
+    def __init__(self, part):
+        self.part = part
+
+    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        return self.part.buffer(k, bucket)
+
+    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
+        self.part.send(k, bucket, buf, version)
+
+    def settle(self) -> None:
+        """(The publisher's settle step settles the transport.)"""
+
+
+class LoaderSender:
+    """Rank 0: each delta bucket as ``/update_weights_from_tensor`` to every server, for SGLang's loader."""
+
+    def __init__(self, servers, config):
+        self.servers, self.config = servers, config
+        self._inflight = None  # (k, futures)
+
+    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
+        return torch.empty(bucket.nbytes, dtype=torch.uint8)
+
+    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
+        self.settle()  # one bucket in flight at most
+        head = json.dumps(bucket.extra["wsync_delta"]).encode()
+        payload = [(DELTA_TENSOR + ".table", torch.frombuffer(bytearray(head), dtype=torch.uint8)),
+                   (DELTA_TENSOR + ".records", buf.cpu())]
+        entry = base64.b64encode(pickle.dumps(payload, protocol=4)).decode()
+        last = version is not None
+        futures = self.servers.submit(lambda c: c.update_weights_from_tensor(
+            [entry] * c.tp_size, load_format=LOADER, flush_cache=last, timeout=self.config.http_timeout))
+        self._inflight = (k, futures)
+
+    def settle(self) -> None:
+        if self._inflight is None:
+            return
+        (k, futures), self._inflight = self._inflight, None
+        bucket_answers(self.servers.clients, futures, k, self.config.http_timeout, "http_timeout")
+
