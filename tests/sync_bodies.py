@@ -264,3 +264,15 @@ def assert_left_on(now: dict, version: int, was: dict, own_before: dict, own_aft
     assert now["checksums"] == was["checksums"], f"{where}: the served weights changed"
     assert holds(now["checksums"], own_before), f"{where}: not the trainer's v{version}"
     assert not holds(now["checksums"], own_after), f"{where}: the new weights are served"
+
+
+def answers_within(url: str, seconds: float) -> bool:
+    """True when the server answers a 1-token generation within ``seconds`` (a paused one holds it)."""
+    from bridge.client import ServerClient
+    from bridge.errors import BridgeError
+
+    try:
+        ServerClient(url, timeout=seconds).generate(input_ids=[1, 4, 5], sampling_params={"max_new_tokens": 1})
+        return True
+    except BridgeError:
+        return False

@@ -402,24 +402,13 @@ def _commit_fails_half_way(urls: list[str]):
             b = ServerClient(urls[1], timeout=10)
             after = dict(a=sb.serving_now(urls[0]), b_version=b.model_info()["weight_version"],
                          b_checksums=b.weights_checksum()["checksums"], b_state=b.server_info()["internal_states"][0],
-                         b_answers=_answers_within(urls[1], 2.0))
+                         b_answers=sb.answers_within(urls[1], 2.0))
         pub.publish(engine, version=2)  # the trainer goes on: the same version again repairs the second
         final = sb.check_served(engine, urls, 2)
         return dict(got=got, seconds=seconds, after=after, own1=own1, own2=own2, final=final)
     finally:
         pub.close()
         engine.destroy()
-
-
-def _answers_within(url: str, seconds: float) -> bool:
-    from bridge.client import ServerClient
-    from bridge.errors import BridgeError
-
-    try:
-        ServerClient(url, timeout=seconds).generate(input_ids=[1, 4, 5], sampling_params={"max_new_tokens": 1})
-        return True
-    except BridgeError:
-        return False
 
 
 def test_a_commit_that_fails_after_one_of_two_servers(server_factory, tiny_model_dir):

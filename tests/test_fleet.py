@@ -20,6 +20,7 @@ import torch
 from bridge import PublisherConfig, SyncError, WeightPublisher
 from bridge.client import ServerClient
 from bridge.fleet.sources import Registry
+from tests.sync_bodies import answers_within
 
 EXP = "fleet"
 
@@ -61,17 +62,6 @@ def _changed(url: str, before: dict[str, str]) -> int:
 
 def _version(url: str) -> str:
     return ServerClient(url, timeout=10).model_info()["weight_version"]
-
-
-def _answers_within(url: str, seconds: float) -> bool:
-    """True when the server answers a 1-token generation within ``seconds`` (a paused one holds it)."""
-    from bridge.errors import BridgeError
-
-    try:
-        ServerClient(url, timeout=seconds).generate(input_ids=[1, 4, 5], sampling_params={"max_new_tokens": 1})
-        return True
-    except BridgeError:
-        return False
 
 
 def _register(etcd, trial: str) -> list[str]:
@@ -286,11 +276,11 @@ def test_a_torn_server_never_answers_until_the_next_publish_repairs_it(pair, rou
             del os.environ[ENV]
         assert "torn" in str(e.value) and loading.url in str(e.value), str(e.value)
         assert _version(loading.url) == "1" and _changed(loading.url, old) > 0  # torn: new and old weights
-        assert not _answers_within(loading.url, 2.0)  # ... so it answers nothing
+        assert not answers_within(loading.url, 2.0)  # ... so it answers nothing
         assert router.workers() == [staging.url]
-        assert _version(staging.url) == "1" and _serves(staging.url, old) and _answers_within(staging.url, 1.0)
+        assert _version(staging.url) == "1" and _serves(staging.url, old) and answers_within(staging.url, 1.0)
         assert pub.publish(model, version=2).servers == {staging.url: "ok", loading.url: "ok"}
-        assert _serves(loading.url, _own(model)) and _version(loading.url) == "2" and _answers_within(loading.url, 1.0)
+        assert _serves(loading.url, _own(model)) and _version(loading.url) == "2" and answers_within(loading.url, 1.0)
         assert router.workers() == sorted([staging.url, loading.url])
 
 
@@ -313,7 +303,7 @@ def test_a_commit_that_fails_on_one_of_two_servers_takes_it_out_of_rotation(pair
             del os.environ[ENV]
         assert servers[a.url] == "ok" and servers[b.url].startswith("failed: commit failed") and "injected" in servers[b.url]
         assert router.workers() == [a.url] and {_version(u) for u in router.workers()} == {"2"}
-        assert _serves(a.url, _own(model)) and _version(b.url) == "1" and not _answers_within(b.url, 2.0)
+        assert _serves(a.url, _own(model)) and _version(b.url) == "1" and not answers_within(b.url, 2.0)
         _train(model, 3)
         assert pub.publish(model, version=3).servers == {a.url: "ok", b.url: "ok"}
         assert router.workers() == sorted([a.url, b.url]) and _serves(b.url, _own(model))

@@ -172,17 +172,23 @@ def _client_keeps_paused_version(url: str, model_dir: str) -> bool:
     return c.model_info()["weight_version"] == CLIENT_VERSION
 
 
-def _flush_kills(url: str, model_dir: str) -> bool:
-    """Paused in place with a generation in flight, an update asks for a flush: does the server die?"""
-    call = functools.partial(_call, url)
+def _hold_a_generation(call) -> threading.Thread:
+    """Start a generation SGLang's scheduler holds for 6 s, and wait until its running batch has it."""
     gen = threading.Thread(target=lambda: _quiet(lambda: call("POST", "/generate", {
         "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "custom_params": {"harness_hold_s": 6}}},
         timeout=60)), daemon=True)
     gen.start()
     deadline = time.monotonic() + 30
-    while call("GET", "/wsync_harness/scheduler").json()["running"] == 0:  # until SGLang's scheduler holds it
+    while call("GET", "/wsync_harness/scheduler").json()["running"] == 0:
         assert time.monotonic() < deadline, "the held generation never reached SGLang's running batch"
         time.sleep(0.1)
+    return gen
+
+
+def _flush_kills(url: str, model_dir: str) -> bool:
+    """Paused in place with a generation in flight, an update asks for a flush: does the server die?"""
+    call = functools.partial(_call, url)
+    _hold_a_generation(call)
     assert call("POST", "/pause_generation", {"mode": "in_place"}).status_code == 200
     try:
         r = call("POST", "/update_weights_from_disk", {"model_path": model_dir, "flush_cache": True}, timeout=60)
@@ -198,14 +204,7 @@ def _retracted_flush_refused(url: str, model_dir: str) -> bool:
     """Paused by ``retract`` with a generation in flight (now in the waiting queue), an update asks for a flush:
     is it refused (the server dies of it where the flush is asserted, or fails the update)?"""
     call = functools.partial(_call, url)
-    gen = threading.Thread(target=lambda: _quiet(lambda: call("POST", "/generate", {
-        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "custom_params": {"harness_hold_s": 6}}},
-        timeout=60)), daemon=True)
-    gen.start()
-    deadline = time.monotonic() + 30
-    while call("GET", "/wsync_harness/scheduler").json()["running"] == 0:  # until SGLang's scheduler holds it
-        assert time.monotonic() < deadline, "the held generation never reached SGLang's running batch"
-        time.sleep(0.1)
+    gen = _hold_a_generation(call)
     assert call("POST", "/pause_generation", {"mode": "retract"}).status_code == 200
     assert call("GET", "/wsync_harness/scheduler").json()["waiting"] == 1, "retract did not re-queue the request"
     try:

@@ -168,6 +168,11 @@ class Transport:
         if cls.needs_servers and not config.servers and not config.server_registry:
             raise ConfigError(f"the {cls.name} transport needs at least one server: their URLs (servers=[...]) or where "
                               "to find them (server_registry=...)")
+        cls.check_servers(config, config.servers)
+
+    @staticmethod
+    def check_servers(config, urls) -> None:
+        """Checks of the server URLs themselves: the listed ones here, the ones a registry finds at each begin."""
 
     @classmethod
     def rank_part(cls, config, transport: Transport | None, rank: int, world: int) -> RankPart:

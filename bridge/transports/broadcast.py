@@ -83,11 +83,6 @@ class BroadcastTransport(Transport):
     Options = BroadcastOptions
     encodings = ("full", "delta")
 
-    @classmethod
-    def check_config(cls, config) -> None:
-        super().check_config(config)
-        cls.check_servers(config, config.servers)
-
     @staticmethod
     def check_servers(config, urls) -> None:
         """A loopback master_address only with local servers (also the ones found in a registry, checked at

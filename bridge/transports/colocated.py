@@ -76,11 +76,6 @@ class ColocatedTransport(Transport):
         self._paths: list[str] = []
         sweep_stale_files()
 
-    @classmethod
-    def check_config(cls, config) -> None:
-        super().check_config(config)
-        cls.check_servers(config, config.servers)
-
     @staticmethod
     def check_servers(config, urls) -> None:
         """Every server local (also the ones found in a registry, checked at each sync's begin)."""
