@@ -224,7 +224,7 @@ def test_restarted_server_refused_delta_and_failed_delta_sync(server_factory, ti
     assert got == [(1, "anchor"), (2, "delta"), (3, "anchor"), (4, "delta"), (5, "anchor"), (6, "delta")], rows
     # The fleet finds the restarted server on another version before anything moves (it is out of rotation
     # until this anchor repairs it), so no delta is sent to it first.
-    assert "out of rotation" in rows[2]["reason"] and "not the fleet's 2" in rows[2]["reason"], rows[2]
+    assert "out of rotation" in rows[2]["reason"] and "behind the fleet's 2" in rows[2]["reason"], rows[2]
     assert "refused the delta" in rows[4]["reason"] and "not the delta's base" in rows[4]["reason"], rows[4]
     assert all(r["equal"] == {srv.url: True} for r in rows), rows
     # Each failed v6 raised on both ranks and left the server on v5, unpaused, with no session open, serving

@@ -54,7 +54,10 @@ def register(cls: type[Transport]) -> type[Transport]:
 def transport_names() -> list[str]:
     """Every registered transport: the project's own first, then the plugins in the order they registered."""
     _load()
-    return list(_classes)
+    builtin = {module: i for i, module in enumerate(BUILTIN)}
+    # sorted is stable: plugins keep their registration order after the project's own, whichever module
+    # happened to import a built-in transport first
+    return sorted(_classes, key=lambda name: builtin.get(_classes[name].__module__, len(BUILTIN)))
 
 
 def transport_class(name: str) -> type[Transport]:
@@ -64,7 +67,7 @@ def transport_class(name: str) -> type[Transport]:
     if cls is None:
         aliases = ", ".join(f"{a!r} for {n!r}" for a, n in _aliases.items())
         raise ConfigError(
-            f"unknown transport {name!r}: the transports are {', '.join(map(repr, _classes))}"
+            f"unknown transport {name!r}: the transports are {', '.join(map(repr, transport_names()))}"
             + (f" (aliases: {aliases})" if aliases else "")
             + f"; a transport of your own registers itself when its module is imported ({PLUGINS_ENV}=module)"
         )
