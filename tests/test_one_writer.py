@@ -145,6 +145,27 @@ def test_the_lease_route_checks_its_fields(server):
     assert _state(server.url)["writer_lease"] is None
 
 
+def test_a_resume_can_release_the_lease_in_the_same_request(server):
+    """The publisher's last step of a sync is one request: ``/continue_generation`` with
+    ``wsync_release_lease`` resumes, then lets go of this writer's lease (another writer takes it at once);
+    a bad field is refused, and a writer that holds nothing releases nothing."""
+    a, b = _writer(server.url, "writer-a", "one/A"), _writer(server.url, "writer-b", "one/B")
+    for body, field in (({"wsync_release_lease": "yes", "wsync_writer": "w"}, "wsync_release_lease"),
+                        ({"wsync_release_lease": True}, "wsync_writer")):
+        r = requests.post(server.url + "/continue_generation", json=body, timeout=10)
+        assert r.status_code == 400 and field in r.text, (body, r.text)
+    a.take_writer_lease(30)
+    a.pause_generation(mode="retract")
+    b.continue_generation(release_lease=True)  # not b's lease: resumed, a keeps the server
+    assert _state(server.url)["writer_lease"]["writer"] == "writer-a", _state(server.url)
+    a.pause_generation(mode="retract")
+    out = a.continue_generation(release_lease=True)
+    assert out["writer_lease"] == "Writer lease released." and _state(server.url)["writer_lease"] is None, out
+    assert _state(server.url)["paused"] is False
+    b.take_writer_lease(30)
+    b.release_writer_lease()
+
+
 # ---------------------------------------------------------------------------------------------- two trainers at once
 
 

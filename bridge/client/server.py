@@ -265,8 +265,11 @@ class ServerClient(WeightUpdateRoutes):
         self._paused_mode = mode if self.features.pause_mode else "abort"
         return out
 
-    def continue_generation(self) -> dict:
-        out = self._http.call("POST", "/continue_generation", {})
+    def continue_generation(self, release_lease: bool = False) -> dict:
+        """``/continue_generation``. ``release_lease`` (reference server only, ignored elsewhere): release this
+        writer's lease in the same request, once resumed."""
+        body = {"wsync_writer": self._writer, "wsync_release_lease": True} if release_lease and self._writer and self.is_reference_server else {}
+        out = self._http.call("POST", "/continue_generation", body)
         self._paused_mode = None
         return out
 

@@ -82,8 +82,11 @@ class WriterLease:
             ServerError: ``reason`` ANOTHER_WRITER, naming the run and writer that hold a server.
         """
         clients = self.servers.clients
-        with cf.ThreadPoolExecutor(max(1, len(clients)), thread_name_prefix="wsync-lease") as pool:
-            outcomes = list(pool.map(self._take_one, clients))
+        if len(clients) == 1:  # no thread hand-off for one server
+            outcomes = [self._take_one(clients[0])]
+        else:
+            with cf.ThreadPoolExecutor(len(clients), thread_name_prefix="wsync-lease") as pool:
+                outcomes = list(pool.map(self._take_one, clients))
         errors = [e for e in outcomes if e is not None]
         if errors:
             self.release()
@@ -93,6 +96,17 @@ class WriterLease:
         self._renewer = threading.Thread(target=self._renew, args=(self._stop,), name="wsync-lease-renewer",
                                          daemon=True)
         self._renewer.start()
+
+    def releases_on_resume(self, client) -> bool:
+        """True when ``client``'s server is held by its own lease, which its resume can release in the same
+        request (:meth:`forget` it once that succeeded)."""
+        with self._mutex:
+            return self._held.get(client.url) == "lease"
+
+    def forget(self, client) -> None:
+        """``client``'s server was let go of otherwise (its resume released the lease)."""
+        with self._mutex:
+            self._held.pop(client.url, None)
 
     def held(self) -> dict[str, str]:
         """What is held (url -> "lease" or "lock"), now forgotten: the caller releases each with

@@ -49,8 +49,12 @@ class ServerSessions:
         if self.lease is not None:
             self.lease.take()
         if self.pause_mode != "none":
-            done, errors = self._each(lambda c: c.pause_generation(mode=pause_mode_for(c, self.pause_mode)),
-                                      self.servers.clients)
+            try:
+                done, errors = self._each(lambda c: c.pause_generation(mode=pause_mode_for(c, self.pause_mode)),
+                                          self.servers.clients)
+            except BaseException:  # interrupted (Ctrl-C) mid-pause: any may be paused; resuming one that is not is harmless
+                self.paused += self.servers.clients
+                raise
             self.paused += done
             _raise_first(errors, "pause generation")
         done, errors = self._each(self._begin, [c for c in self.servers.clients if c.features.needs_session])
@@ -97,8 +101,8 @@ class ServerSessions:
             logger.warning("%s: commit failed: %s", c.url, e)
             self.hold(c, f"commit failed: {e}")
         self._sent = {}  # done: an abort after this (a later step failed) finds nothing half-loaded
-        status = {**self.resume(), **self.held}
-        if self.lease is not None:
+        status = {**self.resume(release=True), **self.held}
+        if self.lease is not None:  # what the resumes did not release (locks, servers not paused or held)
             self.lease.release()
         return status
 
@@ -135,10 +139,19 @@ class ServerSessions:
         if in_session:
             c.end_weight_update()
 
-    def resume(self) -> dict[str, str]:
-        """Resume every paused server; url -> "ok" or why it could not be resumed (logged, not raised)."""
+    def resume(self, release: bool = False) -> dict[str, str]:
+        """Resume every paused server; url -> "ok" or why it could not be resumed (logged, not raised).
+        ``release``: a server held by its own writer lease lets go of it in the same request."""
         status = {c.url: "ok" for c in self.servers.clients}
-        done, errors = self._each(lambda c: c.continue_generation(), self.paused)
+        lease = self.lease if release else None
+
+        def one(c) -> None:
+            with_lease = lease is not None and lease.releases_on_resume(c)
+            c.continue_generation(release_lease=with_lease)
+            if with_lease:
+                lease.forget(c)
+
+        done, errors = self._each(one, self.paused)
         for c, e in errors:
             status[c.url] = f"could not resume generation: {e}"
             logger.warning("%s: continue_generation failed: %s", c.url, e)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, model_v
 
 from bridge.protocol import (
     BeginWeightUpdateReq,
+    ContinueGenerationReq,
     PauseGenerationReq,
     ProtocolFeatures,
     UpdateWeightFromDiskReq,
@@ -156,6 +157,22 @@ class LeaseBody(BaseModel):
     @property
     def run(self) -> RunClaim:
         return self._run
+
+
+class ContinueBody(ContinueGenerationReq):
+    """``/continue_generation``; ``wsync_release_lease``: also release ``wsync_writer``'s writer lease once
+    resumed (the publisher's last step of a sync in one request instead of two)."""
+
+    wsync_writer: Any = None
+    wsync_release_lease: Any = False
+
+    @model_validator(mode="after")
+    def _check_release(self) -> ContinueBody:
+        if not isinstance(self.wsync_release_lease, bool):
+            raise RequestError(f"wsync_release_lease must be true or false, got {self.wsync_release_lease!r}")
+        if self.wsync_release_lease and not (isinstance(self.wsync_writer, str) and self.wsync_writer):
+            raise RequestError("wsync_release_lease needs wsync_writer: the writer whose lease to release")
+        return self
 
 
 class PauseBody(PauseGenerationReq):

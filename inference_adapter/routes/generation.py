@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from bridge.protocol import ContinueGenerationReq, GenerateReq, SamplingParams, describe_validation_error
+from bridge.protocol import GenerateReq, SamplingParams, describe_validation_error
 from inference_adapter.errors import RequestError
 from inference_adapter.model_state import ModelState
-from inference_adapter.routes.bodies import PauseBody
+from inference_adapter.routes.bodies import ContinueBody, PauseBody
 from inference_adapter.routes.common import Served, absent, parse
 
 __all__ = ["router"]
@@ -87,6 +87,9 @@ async def pause_generation(request: Request, state: Served):
 async def continue_generation(request: Request, state: Served):
     if state.features.release < (0, 4, 9):
         return absent()
-    await parse(request, ContinueGenerationReq)
+    req = await parse(request, ContinueBody)
     state.resume()
-    return {"message": "Generation continued successfully.", "status": "ok"}
+    out = {"message": "Generation continued successfully.", "status": "ok"}
+    if req.wsync_release_lease:  # after the resume, as a separate /wsync/writer_lease release would come
+        out["writer_lease"] = await run_in_threadpool(state.updates.release_lease, req.wsync_writer)
+    return out
