@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
+
+# A shell starts a script's background job with SIGINT ignored, and every process inherits that: the
+# interrupt tests (real SIGINTs) would then test nothing. Python's own handler again, here and (reset to the
+# default on exec) in every process a test starts.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
