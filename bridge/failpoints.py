@@ -23,6 +23,7 @@ from __future__ import annotations
 import builtins
 import os
 import signal
+import sys
 import time
 
 __all__ = ["armed", "failpoint"]
@@ -51,6 +52,7 @@ def failpoint(name: str, rank: int) -> None:
             os.kill(os.getpid(), getattr(signal, kind))
             continue
         if kind.startswith("sleep:"):
+            print(f"failpoint {name} on rank {rank}: sleeping {kind[len('sleep:'):]} s", file=sys.stderr, flush=True)
             time.sleep(float(kind[len("sleep:"):]))
             continue
         cls = getattr(builtins, kind or "RuntimeError", None)

@@ -315,3 +315,15 @@ def _bf16_checksums(weights: dict) -> dict:
     from bridge.protocol import tensor_checksum
 
     return {n: tensor_checksum(t) for n, t in weights.items()}
+
+
+def test_a_lock_released_after_close_is_left_to_run_out(tmp_path):
+    """An abort's per-server thread that outlived its wait may let go of a lock after the publisher closed the
+    lease (and its name resolution): nothing is raised in that thread; the lock runs out on its own."""
+    from bridge.client import ServerGroup
+    from bridge.transports.lease import WriterLease
+
+    group = ServerGroup(["http://127.0.0.1:9"])
+    lease = WriterLease(group, run_id="x/y", seconds=2, lock_url=f"file://{tmp_path}")
+    lease.close()
+    lease.release_one(group.clients[0], "lock")  # raised AttributeError ('NoneType' has no 'delete') before

@@ -380,6 +380,7 @@ def test_two_trainers_share_real_sglang_through_the_writer_lock(server, tmp_path
     import signal
     import subprocess
     import sys
+    import threading
 
     from bridge import PublisherConfig, WeightPublisher
     from bridge.errors import BridgeError
@@ -395,11 +396,17 @@ def test_two_trainers_share_real_sglang_through_the_writer_lock(server, tmp_path
 
     def holder(trial: str, version: int) -> subprocess.Popen:
         env = {**os.environ, "WSYNC_FAILPOINTS": "bucket:1@0=sleep:6" if trial == "A" else "bucket:1@0=sleep:60"}
-        p = subprocess.Popen([sys.executable, "-c", _HOLDER, server.url, trial, lock, str(version)], env=env)
-        deadline = time.monotonic() + 60
-        while not nr.find_subtree("wsync/writer_lock") or not _scheduler(server)["paused"]:
-            assert time.monotonic() < deadline and p.poll() is None, "the holder never took the server"
-            time.sleep(0.05)
+        p = subprocess.Popen([sys.executable, "-c", _HOLDER, server.url, trial, lock, str(version)], env=env,
+                             stderr=subprocess.PIPE, text=True)
+        # Until its sync sleeps at bucket 1 (bucket 0 sent): a kill earlier, while SGLang's scheduler waits in a
+        # receive or a group's rendezvous from it, would block SGLang itself until that times out.
+        for line in p.stderr:
+            sys.stderr.write(line)
+            if "failpoint bucket:1 on rank 0: sleeping" in line:
+                break
+        assert p.poll() is None and nr.find_subtree("wsync/writer_lock") and _scheduler(server)["paused"], \
+            "the holder never took the server"
+        threading.Thread(target=lambda: [sys.stderr.write(line) for line in p.stderr], daemon=True).start()
         return p
 
     def publish_b(version: int, seed: int) -> list[str]:

@@ -121,11 +121,12 @@ class WriterLease:
         if kind is None:
             with self._mutex:
                 kind = self._held.pop(client.url, None)
+        nr = self._nr
         try:
             if kind == "lease":
                 client.release_writer_lease()
-            elif kind == "lock":
-                self._nr.delete(lock_key(client.url))
+            elif kind == "lock" and nr is not None:  # None: closed meanwhile (an abort's late thread)
+                nr.delete(lock_key(client.url))
         except (BridgeError, OSError) as e:
             logger.warning("%s: could not release the writer %s (it runs out within %g s): %s", client.url, kind,
                            self.seconds, e)
