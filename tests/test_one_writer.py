@@ -166,6 +166,43 @@ def test_a_resume_can_release_the_lease_in_the_same_request(server):
     b.release_writer_lease()
 
 
+def test_a_pause_can_take_the_lease_in_the_same_request(server):
+    """The publisher's first step of a sync on one server is one request: ``/pause_generation`` with
+    ``wsync_lease_s`` takes this writer's lease, then pauses, and with ``wsync_begin_session`` opens the update
+    session; while another writer holds the server it is refused (409, naming the holder) with nothing paused,
+    and a refused session lifts the pause again; a bad field is refused before anything happens."""
+    a, b = _writer(server.url, "writer-a", "four/A"), _writer(server.url, "writer-b", "four/B")
+    for body, field in (({"wsync_lease_s": 5}, "wsync_writer"), ({"wsync_lease_s": "5", "wsync_writer": "w"},
+                        "wsync_lease_s"), ({"wsync_lease_s": 0, "wsync_writer": "w"}, "lease_s"),
+                        ({"wsync_lease_s": 5, "wsync_writer": 7}, "wsync_writer"),
+                        ({"wsync_begin_session": "yes"}, "wsync_begin_session")):
+        r = requests.post(server.url + "/pause_generation", json=body, timeout=10)
+        assert r.status_code == 400 and field in r.text, (body, r.text)
+        assert _state(server.url)["paused"] is False and _state(server.url)["writer_lease"] is None
+    a.pause_generation(mode="retract", take_lease=30)
+    try:
+        assert _state(server.url)["paused"] is True and _state(server.url)["writer_lease"]["writer"] == "writer-a"
+        a.continue_generation()
+        with pytest.raises(ServerError, match="four/A") as e:
+            b.pause_generation(mode="retract", take_lease=30)
+        assert e.value.status == 409 and e.value.reason == ANOTHER_WRITER, e.value
+        assert _state(server.url)["paused"] is False, "a refused take paused the server"
+    finally:
+        a.release_writer_lease()
+    anonymous = ServerClient(server.url)
+    anonymous.begin_weight_update()  # a session of a client that names no writer: B's session is refused
+    with pytest.raises(ServerError, match="already open"):
+        b.pause_generation(mode="retract", take_lease=30, begin_session=True)
+    assert _state(server.url)["paused"] is False, "a refused session left the server paused"
+    b.release_writer_lease()  # the lease was taken before the refusal: held, as after a separate take
+    anonymous.end_weight_update()
+    out = b.pause_generation(mode="retract", take_lease=30, begin_session=True)
+    assert "session started" in out["session"] and _state(server.url)["update_session_open"], out
+    b.end_weight_update()
+    b.continue_generation(release_lease=True)
+    assert _state(server.url)["writer_lease"] is None and _state(server.url)["paused"] is False
+
+
 # ---------------------------------------------------------------------------------------------- two trainers at once
 
 

@@ -49,6 +49,12 @@ class ServerGroup:
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)), thread_name_prefix="wsync-http")
 
     @property
+    def pool(self) -> cf.ThreadPoolExecutor:
+        """The fan-out threads (at least two per server), kept from sync to sync: each thread keeps its HTTP
+        connections open, so a sync's requests do not open new ones."""
+        return self._pool
+
+    @property
     def urls(self) -> list[str]:
         return [c.url for c in self.clients]
 

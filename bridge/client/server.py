@@ -249,8 +249,13 @@ class ServerClient(WeightUpdateRoutes):
         body.update(extra)
         return self._http.call("POST", "/generate", body, timeout=timeout)
 
-    def pause_generation(self, mode: str = "abort") -> dict:
+    def pause_generation(self, mode: str = "abort", take_lease: float | None = None, begin_session: bool = False) -> dict:
         """``/pause_generation``; the mode is sent only to servers that know it (>= 0.5.6).
+
+        Reference server only, each in the same request: ``take_lease`` takes this writer's lease for that
+        many seconds first (:meth:`take_writer_lease` with ``starts_sync``; refused the same way, with nothing
+        paused); ``begin_session`` opens the update session once paused (:meth:`begin_weight_update`; refused
+        with the pause lifted again).
 
         While paused ``in_place`` the requests keep their KV cache, so this client sends every update
         with ``flush_cache=False`` until :meth:`continue_generation` (SGLang < 0.5.22 asserts on the
@@ -259,6 +264,14 @@ class ServerClient(WeightUpdateRoutes):
         if mode not in _PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {_PAUSE_MODES}, got {mode!r}")
         body = {"mode": mode} if self.features.pause_mode else {}
+        if take_lease is not None or begin_session:
+            if not self.is_reference_server:
+                raise ConfigError(f"{self.url} is not the reference server: its pause takes no lease and opens no session")
+            self._with_run(body)
+            if take_lease is not None:
+                body["wsync_lease_s"] = float(take_lease)
+            if begin_session:
+                body["wsync_begin_session"] = True
         if mode != "abort" and not self.features.pause_mode:
             logger.warning("%s (SGLang %s) has no pause modes; it pauses in abort mode", self.url, self.version)
         out = self._http.call("POST", "/pause_generation", body)

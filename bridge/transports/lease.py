@@ -75,13 +75,29 @@ class WriterLease:
         can be writing there: an update session found open there was left by a writer that is gone."""
         return client.url in self._held
 
-    def take(self) -> None:
+    def take(self, pause=None) -> bool:
         """Take every server, all or none (what was taken is released again when one is refused).
+
+        ``pause(client, seconds)``, when given, pauses a server taking its own lease in the same request
+        (``pause_generation(take_lease=seconds)``): used when the sync has one server and it has a lease of its
+        own, as nothing else could have been paused before it. Returns True when that pause was done here.
 
         Raises:
             ServerError: ``reason`` ANOTHER_WRITER, naming the run and writer that hold a server.
         """
         clients = self.servers.clients
+        if pause is not None and len(clients) == 1 and clients[0].is_reference_server:
+            c = clients[0]
+            with self._mutex:  # held before asking: an interrupted request is released by the abort
+                self._held[c.url] = "lease"
+            try:
+                pause(c, self.seconds)
+            except ServerError as e:
+                if e.reason == ANOTHER_WRITER:
+                    self.forget(c)
+                raise
+            self._start_renewing()
+            return True
         if len(clients) == 1:  # no thread hand-off for one server
             outcomes = [self._take_one(clients[0])]
         else:
@@ -91,6 +107,10 @@ class WriterLease:
         if errors:
             self.release()
             raise errors[0]
+        self._start_renewing()
+        return False
+
+    def _start_renewing(self) -> None:
         self._stop.set()  # a renewer of an earlier sync ends on its own event
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew, args=(self._stop,), name="wsync-lease-renewer",

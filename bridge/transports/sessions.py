@@ -40,15 +40,16 @@ class ServerSessions:
         """url -> ``torn: why`` or ``failed: why``: servers left paused on purpose after this sync (their
         weights may be partly changed, or they did not take the version beside the others)."""
         self._sent: dict[str, int] = {}  # each client's updates_sent when the sync opened
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(servers.clients)), thread_name_prefix="wsync-session")
+        self._pool = servers.pool  # the group's threads: their connections are open from the last sync
 
     def open(self) -> None:
         """Take every server (one writer at a time), pause it (unless ``pause_mode`` is none), then open a
         session where one is needed."""
         self._sent = {c.url: c.updates_sent for c in self.servers.clients}
+        paused = False
         if self.lease is not None:
-            self.lease.take()
-        if self.pause_mode != "none":
+            paused = self.lease.take(self._pause_taking if self.pause_mode != "none" else None)
+        if self.pause_mode != "none" and not paused:
             try:
                 done, errors = self._each(lambda c: c.pause_generation(mode=pause_mode_for(c, self.pause_mode)),
                                           self.servers.clients)
@@ -57,9 +58,23 @@ class ServerSessions:
                 raise
             self.paused += done
             _raise_first(errors, "pause generation")
-        done, errors = self._each(self._begin, [c for c in self.servers.clients if c.features.needs_session])
+        done, errors = self._each(self._begin, [c for c in self.servers.clients
+                                                if c.features.needs_session and c not in self.in_session])
         self.in_session += done
         _raise_first(errors, "open an update session")
+
+    def _pause_taking(self, c, lease_s: float) -> None:
+        """Pause ``c`` (one server: :meth:`WriterLease.take`), taking its writer lease and opening its session
+        in the same request."""
+        begin = c.features.needs_session
+        try:
+            c.pause_generation(mode=pause_mode_for(c, self.pause_mode), take_lease=lease_s, begin_session=begin)
+        except BaseException as e:
+            if not isinstance(e, Exception):  # interrupted (Ctrl-C) mid-request: it may be paused (resuming is
+                self.paused.append(c)         # harmless); a session it may have opened goes with the lease
+            raise
+        self.paused.append(c)
+        self.in_session += [c] if begin else []
 
     def _begin(self, c) -> None:
         try:
@@ -222,7 +237,6 @@ class ServerSessions:
         return "servers now serve " + ", ".join(seen)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.lease is not None:
             self.lease.close()
 

@@ -150,13 +150,17 @@ class LeaseBody(BaseModel):
         for name in ("release", "starts_sync", "renew_only"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if isinstance(self.lease_s, bool) or not isinstance(self.lease_s, (int, float)) or not self.lease_s == self.lease_s:
-            raise RequestError(f"lease_s must be a number of seconds, got {self.lease_s!r}")
+        _check_seconds("lease_s", self.lease_s)
         return self
 
     @property
     def run(self) -> RunClaim:
         return self._run
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value == value:
+        raise RequestError(f"{name} must be a number of seconds, got {value!r}")
 
 
 class ContinueBody(ContinueGenerationReq):
@@ -175,9 +179,28 @@ class ContinueBody(ContinueGenerationReq):
         return self
 
 
-class PauseBody(PauseGenerationReq):
+class PauseBody(PauseGenerationReq, _RunFields):
     """``/pause_generation``: before 0.5.6 SGLang's route reads no mode; a mode (even a bad one) is ignored
-    and it pauses, aborting."""
+    and it pauses, aborting.
+
+    The project's fields make it a publisher's whole first step of a sync on its one server, in one request
+    instead of three: ``wsync_lease_s`` takes ``wsync_writer``'s writer lease for that many seconds first (as
+    ``/wsync/writer_lease`` with ``starts_sync``; refused with nothing paused while another writer holds it);
+    ``wsync_begin_session`` then opens the update session once paused (as ``/begin_weight_update``; refused
+    with the pause lifted again)."""
+
+    wsync_lease_s: Any = None
+    wsync_begin_session: Any = False
+
+    @model_validator(mode="after")
+    def _check_lease(self) -> PauseBody:
+        if not isinstance(self.wsync_begin_session, bool):
+            raise RequestError(f"wsync_begin_session must be true or false, got {self.wsync_begin_session!r}")
+        if self.wsync_lease_s is not None:
+            if self.wsync_writer is None:
+                raise RequestError("wsync_lease_s needs wsync_writer: the writer (publisher) that takes the lease")
+            _check_seconds("wsync_lease_s", self.wsync_lease_s)
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -78,9 +78,19 @@ async def pause_generation(request: Request, state: Served):
     if state.features.release < (0, 4, 9):
         return absent()
     req = await parse(request, PauseBody)
+    if req.wsync_lease_s is not None:  # as /wsync/writer_lease would, before anything is paused
+        await run_in_threadpool(state.updates.take_lease, req.run.writer, req.run.run_id, float(req.wsync_lease_s),
+                                True)
     if not state.pause_if_idle(req.mode):
         await run_in_threadpool(state.pause, req.mode)
-    return {"message": "Generation paused successfully.", "status": "ok"}
+    out = {"message": "Generation paused successfully.", "status": "ok"}
+    if req.wsync_begin_session and state.features.needs_session:  # as /begin_weight_update would, once paused
+        try:
+            out["session"] = await run_in_threadpool(state.updates.begin_session, req.run)
+        except BaseException:
+            state.resume()  # refused: as if nothing was asked (the writer's lease, if taken, stays)
+            raise
+    return out
 
 
 @router.post("/continue_generation")
