@@ -21,7 +21,10 @@ Routes beyond SGLang's (project extensions, safe to ignore):
     ``/wsync/writer_lease`` (POST ``{"wsync_writer", "wsync_run_id", "lease_s", "release", ...}``) and field
     ``wsync_writer`` on every weight-changing request: one writer at a time (:mod:`inference_adapter.writers`);
     while a writer holds the lease, weight changes from anyone else answer 409 with
-    ``wsync_reason: another_writer``, naming the holder's run and writer.
+    ``wsync_reason: another_writer``, naming the holder's run and writer. A publisher's first and last
+    steps of a sync each take one request: ``/pause_generation`` with ``wsync_lease_s`` (take the lease
+    first) and ``wsync_begin_session`` (then open the update session), ``/continue_generation`` with
+    ``wsync_release_lease`` (let go of it once resumed).
     The ``wsync_shm`` descriptor may carry ``"pid"``: the trainer's rank-0 process id; if it dies, the open
     session is discarded and the pause lifted within ~1-2 s.
     Fields ``wsync_run_id`` (str) and ``wsync_new_run`` (bool) on ``/begin_weight_update``, the update

@@ -4,7 +4,8 @@ A publisher (rank 0) is one writer, named by its run (``experiment/trial``) and 
 (``host:pid:random``). Before a sync pauses anything it takes every server for itself, renews that while the
 sync runs (a thread, every third of the lease), and releases it when the sync ended, committed or not:
 
-* **the reference server** has a lease of its own (``/wsync/writer_lease``, :mod:`inference_adapter.writers`):
+* **the reference server** has a lease of its own (``/wsync/writer_lease``, :mod:`inference_adapter.writers`;
+  with one server it is taken by the pause's request):
   while it is live the server refuses weight changes from anyone else (HTTP 409, ``wsync_reason``
   :data:`~bridge.protocol.ANOTHER_WRITER`, naming the holder's run and writer);
 * **real SGLang** has none, so the same is done, when ``writer_lock`` names a name resolution
