@@ -76,6 +76,36 @@ def _shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in m.named_parameters()}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
+def test_the_diff_finds_exactly_the_elements_whose_bits_changed(dtype):
+    """The encoder compares a word (8 bytes) at a time, then the elements of the words that differ: it must find
+    exactly the elements whose bits differ (-0.0 against 0.0 and a NaN's payload included, at both ends, in a
+    length the words do not cover, in a view that does not start on a word)."""
+    from bridge.encodings.delta import DeltaEncoding
+
+    enc = DeltaEncoding.__new__(DeltaEncoding)
+    enc._buffers = {}
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 3, 4, 8, 4099, 10_000):
+        base = torch.randint(0, 120, (n + 1,), generator=g, dtype=torch.int32).to(torch.uint8 if dtype == torch.uint8
+                                                                                   else torch.int8).to(dtype)
+        for offset in (0, 1):
+            old = base[offset:offset + n] if offset + n <= base.numel() else base[:n]
+            new = old.clone()
+            flip = torch.rand(n, generator=g) < 0.05
+            flip[0] = flip[-1] = True
+            bits = new.view(ints)
+            bits[flip] ^= 1  # the lowest bit: a value a float compare may call equal (0.0 / -0.0 is the sign bit)
+            if dtype.is_floating_point and n > 4:
+                new[1], old[1] = 0.0, -0.0  # equal as floats, different bits
+                new[2], old[2] = float("nan"), float("nan")
+                flip[1], flip[2] = True, False  # two NaNs of the same bits are no change
+            want = torch.nonzero(new.view(ints) != old.view(ints)).squeeze(1)
+            got = enc._changed(new, old, dtype.itemsize)
+            assert torch.equal(got, want), (dtype, n, offset, got[:10], want[:10])
+
+
 def test_a_delta_to_a_server_on_another_base_is_refused_before_any_weight_changes(server, tiny_model_dir):
     c = ServerClient(server.url)
     name = "model.layers.0.mlp.down_proj.weight"

@@ -37,9 +37,7 @@ import torch
 from bridge.delta_codec import (
     BITMASK,
     DENSE,
-    SPARSE32,
     SPARSE64,
-    changed_positions,
     choose,
     combine_digest,
     pack_bits,
@@ -93,6 +91,18 @@ class DeltaPlan:
     @property
     def mode(self) -> str:
         return "anchor" if self.reason is not None else "delta"
+
+
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+    """int64 positions of the true elements of a flat bool tensor (numpy's flatnonzero on CPU: one pass)."""
+    if mask.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
+    return mask.nonzero().squeeze(1)
 
 
 @dataclass
@@ -228,29 +238,50 @@ class DeltaEncoding(Encoding):
         if held is None or held.start != start or held.base.shape != new.shape or held.base.dtype != new.dtype:
             self.base[spec.name] = _Held(start, new.clone())
             return _Change(DENSE, n, record_nbytes(DENSE, n, n, itemsize))
-        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
-        mask = self._scratch("mask", n, torch.bool, local.device)
-        torch.ne(new.view(ints), held.base.view(ints), out=mask)
-        count = int(torch.count_nonzero(mask))
+        positions = self._changed(new, held.base, itemsize)
+        count = positions.numel()
         if not count:
             return None
         kind, nbytes = choose(n, count, itemsize)
-        bits = held.base.view(ints)
+        bits = held.base.view(_INTS[itemsize])
+        first = int(positions[0])
+        self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
-            first = int(mask.view(torch.uint8).argmax())
-            self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
             old = held.base.clone()
             held.base.copy_(new)
             return _Change(kind, count, nbytes, old=old)
-        # Positions once (numpy's flatnonzero), then every gather by position: a boolean index scans the whole
-        # mask again, each time.
-        positions = changed_positions(new, held.base, SPARSE64 if n >= 2**31 else SPARSE32, mask)
-        first = int(positions[0])
-        self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
         old = held.base.index_select(0, positions)
         values = new.index_select(0, positions)
-        held.base.copy_(new)
-        return _Change(kind, count, nbytes, positions, old, values, pack_bits(mask) if kind == BITMASK else None)
+        bits.index_copy_(0, positions, values.view(bits.dtype))  # the base moves where it changed (the rest is equal)
+        packed = None
+        if kind == BITMASK:
+            mask = self._scratch("mask", n, torch.bool, new.device)
+            mask.zero_()
+            mask[positions] = True
+            packed = pack_bits(mask)
+        if kind != SPARSE64:  # (kept for the undo: half the bytes)
+            positions = positions.to(torch.int32)
+        return _Change(kind, count, nbytes, positions, old, values, packed)
+
+    def _changed(self, new: torch.Tensor, base: torch.Tensor, itemsize: int) -> torch.Tensor:
+        """The int64 positions where ``new`` and ``base`` (flat, same dtype) differ bit for bit, increasing.
+
+        Compared 8 bytes at a time (4 bf16 elements to a word), then element by element only inside the words
+        that differ: with about 1 % of the elements changed, the full-length passes (compare, count, positions)
+        read and write a quarter of what an element-wise mask takes."""
+        n = new.numel()
+        per = 8 // itemsize if itemsize < 8 else 1
+        if n % per or (new.storage_offset() | base.storage_offset()) % per:  # words do not cover it: element-wise
+            per = 1
+        ints = _INTS[itemsize * per]
+        wmask = self._scratch("mask", n // per, torch.bool, new.device)
+        torch.ne(new.view(ints), base.view(ints), out=wmask)
+        words = _flatnonzero(wmask)
+        if per == 1 or not words.numel():
+            return words
+        flips = new.view(ints).index_select(0, words) ^ base.view(ints).index_select(0, words)
+        lanes = flips.view(_INTS[itemsize]).view(-1, per) != 0  # which elements of each differing word differ
+        return (words.unsqueeze(1) * per + torch.arange(per, device=words.device))[lanes]
 
     def _scratch(self, key: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``n`` elements of a buffer kept across tensors and syncs (as large as this rank's largest piece):
