@@ -143,6 +143,10 @@ class GenerationMixin:
         self.log.info("generation paused (mode %s)", mode)
         return True
 
+    def is_paused(self) -> bool:
+        with self._cv:
+            return self._paused
+
     def resume(self) -> None:
         with self._cv:
             self._paused = False

@@ -195,6 +195,12 @@ def test_a_pause_can_take_the_lease_in_the_same_request(server):
         b.pause_generation(mode="retract", take_lease=30, begin_session=True)
     assert _state(server.url)["paused"] is False, "a refused session left the server paused"
     b.release_writer_lease()  # the lease was taken before the refusal: held, as after a separate take
+    anonymous.pause_generation(mode="retract")  # paused before the request (out of rotation, say): stays paused
+    with pytest.raises(ServerError, match="already open"):
+        b.pause_generation(mode="retract", take_lease=30, begin_session=True)
+    assert _state(server.url)["paused"] is True, "a refused session lifted a pause it did not make"
+    b.release_writer_lease()
+    anonymous.continue_generation()
     anonymous.end_weight_update()
     out = b.pause_generation(mode="retract", take_lease=30, begin_session=True)
     assert "session started" in out["session"] and _state(server.url)["update_session_open"], out

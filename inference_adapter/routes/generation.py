@@ -81,6 +81,7 @@ async def pause_generation(request: Request, state: Served):
     if req.wsync_lease_s is not None:  # as /wsync/writer_lease would, before anything is paused
         await run_in_threadpool(state.updates.take_lease, req.run.writer, req.run.run_id, float(req.wsync_lease_s),
                                 True)
+    was_paused = state.is_paused()
     if not state.pause_if_idle(req.mode):
         await run_in_threadpool(state.pause, req.mode)
     out = {"message": "Generation paused successfully.", "status": "ok"}
@@ -88,7 +89,8 @@ async def pause_generation(request: Request, state: Served):
         try:
             out["session"] = await run_in_threadpool(state.updates.begin_session, req.run)
         except BaseException:
-            state.resume()  # refused: as if nothing was asked (the writer's lease, if taken, stays)
+            if not was_paused:  # refused: as if nothing was asked (the writer's lease, if taken, stays); a server
+                state.resume()  # paused before (out of rotation, say) stays paused
             raise
     return out
 
