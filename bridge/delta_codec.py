@@ -45,7 +45,7 @@ import torch
 
 __all__ = [
     "BITMASK", "DELTA_TENSOR", "DENSE", "HEADER_BYTES", "KIND_NAMES", "SPARSE32", "SPARSE64", "DeltaFormatError", "Record",
-    "apply_record", "changed_positions", "choose", "combine_digest", "iter_records", "pack_bits", "pieces_of",
+    "INTS", "apply_record", "changed_positions", "choose", "combine_digest", "flatnonzero", "iter_records", "pack_bits", "pieces_of",
     "piece_crc", "record_nbytes", "unpack_bits", "write_record",
 ]
 
@@ -116,9 +116,25 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return bits.reshape(-1)[:n].bool()
 
 
+INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype of each element size: views that compare bytes exactly (NaN, -0.0)."""
+
+
 def _as_ints(t: torch.Tensor) -> torch.Tensor:
     """A same-size integer view of ``t``, so that comparing bytes is exact (NaN, -0.0)."""
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.view(INTS[t.element_size()])
+
+
+def flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+    """int64 positions of the true elements of a flat bool tensor, increasing (numpy's one pass on CPU)."""
+    if mask.device.type == "cpu":
+        try:
+            import numpy as np
+
+            return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
+        except ImportError:  # the loader needs only torch
+            pass
+    return mask.nonzero().squeeze(1)
 
 
 def changed_positions(new: torch.Tensor, old: torch.Tensor, kind: int, mask: torch.Tensor | None = None):
@@ -126,15 +142,7 @@ def changed_positions(new: torch.Tensor, old: torch.Tensor, kind: int, mask: tor
     if mask is None:
         mask = _as_ints(new) != _as_ints(old)
     if kind in (SPARSE32, SPARSE64):
-        width = torch.int32 if kind == SPARSE32 else torch.int64
-        if mask.device.type == "cpu":
-            try:
-                import numpy as np
-
-                return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int32 if kind == SPARSE32 else np.int64))
-            except ImportError:
-                pass
-        return mask.nonzero().squeeze(1).to(width)
+        return flatnonzero(mask).to(torch.int32 if kind == SPARSE32 else torch.int64)
     return pack_bits(mask)
 
 

@@ -37,7 +37,7 @@ import weakref
 
 import torch
 
-from bridge.delta_codec import DELTA_TENSOR, iter_records
+from bridge.delta_codec import DELTA_TENSOR, INTS, iter_records
 
 __all__ = ["load_delta"]
 
@@ -103,7 +103,7 @@ def _check_probes(model, maps: dict, probes: dict) -> str | None:
         pos = torch.tensor([p for p, _ in items], dtype=torch.int64)
         want = torch.tensor([b for _, b in items], dtype=torch.int64)
         for param, dst, keep in _targets(model, maps, name, shape, pos):
-            ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[param.element_size()]
+            ints = INTS[param.element_size()]
             held = param.data.view(-1)[dst].view(ints).to(torch.int64).cpu()
             if not torch.equal(held, want[keep]):
                 problem = f"{name}: the served values differ from the base's"

@@ -37,9 +37,11 @@ import torch
 from bridge.delta_codec import (
     BITMASK,
     DENSE,
+    INTS,
     SPARSE64,
     choose,
     combine_digest,
+    flatnonzero,
     pack_bits,
     piece_crc,
     record_nbytes,
@@ -91,18 +93,6 @@ class DeltaPlan:
     @property
     def mode(self) -> str:
         return "anchor" if self.reason is not None else "delta"
-
-
-_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
-    """int64 positions of the true elements of a flat bool tensor (numpy's flatnonzero on CPU: one pass)."""
-    if mask.device.type == "cpu":
-        import numpy as np
-
-        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
-    return mask.nonzero().squeeze(1)
 
 
 @dataclass
@@ -209,7 +199,7 @@ class DeltaEncoding(Encoding):
         for sh in owned:
             n, itemsize = sh.local.numel(), sh.spec.dtype.itemsize
             stride = 64 if n >= 4096 else 1
-            ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+            ints = INTS[itemsize]
             sample = sh.local.detach().reshape(-1)[::stride].to(sh.spec.dtype)
             hits = int(torch.count_nonzero(sample.view(ints) != self.base[sh.spec.name].base[::stride].view(ints)))
             count = min(n, round(hits * n / max(1, sample.numel())))
@@ -243,7 +233,7 @@ class DeltaEncoding(Encoding):
         if not count:
             return None
         kind, nbytes = choose(n, count, itemsize)
-        bits = held.base.view(_INTS[itemsize])
+        bits = held.base.view(INTS[itemsize])
         first = int(positions[0])
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
@@ -273,14 +263,14 @@ class DeltaEncoding(Encoding):
         per = 8 // itemsize if itemsize < 8 else 1
         if n % per or (new.storage_offset() | base.storage_offset()) % per:  # words do not cover it: element-wise
             per = 1
-        ints = _INTS[itemsize * per]
+        ints = INTS[itemsize * per]
         wmask = self._scratch("mask", n // per, torch.bool, new.device)
         torch.ne(new.view(ints), base.view(ints), out=wmask)
-        words = _flatnonzero(wmask)
+        words = flatnonzero(wmask)
         if per == 1 or not words.numel():
             return words
         flips = new.view(ints).index_select(0, words) ^ base.view(ints).index_select(0, words)
-        lanes = flips.view(_INTS[itemsize]).view(-1, per) != 0  # which elements of each differing word differ
+        lanes = flips.view(INTS[itemsize]).view(-1, per) != 0  # which elements of each differing word differ
         return (words.unsqueeze(1) * per + torch.arange(per, device=words.device))[lanes]
 
     def _scratch(self, key: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
