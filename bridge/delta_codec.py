@@ -45,8 +45,8 @@ import torch
 
 __all__ = [
     "BITMASK", "DELTA_TENSOR", "DENSE", "HEADER_BYTES", "KIND_NAMES", "SPARSE32", "SPARSE64", "DeltaFormatError", "Record",
-    "INTS", "apply_record", "changed_positions", "choose", "combine_digest", "flatnonzero", "iter_records", "pack_bits", "pieces_of",
-    "piece_crc", "record_nbytes", "unpack_bits", "write_record",
+    "INTS", "apply_record", "changed_positions", "choose", "combine_digest", "differing_lanes", "flatnonzero",
+    "iter_records", "pack_bits", "pieces_of", "piece_crc", "record_nbytes", "unpack_bits", "write_record",
 ]
 
 DELTA_TENSOR = "wsync.delta"
@@ -60,6 +60,17 @@ _SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 class DeltaFormatError(ValueError):
     """A delta buffer or its tensor table is malformed; the message names the record and what is wrong."""
+
+
+def _numpy(wanted: bool = True):
+    """numpy, for tensors on the CPU (``wanted``), or None: not wanted, or missing (the loader needs only torch)."""
+    if not wanted:
+        return None
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
 
 
 def _pad8(n: int) -> int:
@@ -90,13 +101,9 @@ def choose(length: int, count: int, itemsize: int) -> tuple[int, int]:
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A bool vector as ``ceil(n / 8)`` bytes, little-endian bit order (numpy's ``packbits`` on CPU)."""
     mask = mask.reshape(-1)
-    if mask.device.type == "cpu":
-        try:
-            import numpy as np
-
-            return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
-        except ImportError:  # the loader needs only torch
-            pass
+    np = _numpy(mask.device.type == "cpu")
+    if np is not None:
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     n = mask.numel()
     padded = torch.zeros(_pad8(n) if n % 8 else n, dtype=torch.uint8, device=mask.device)
     padded[:n] = mask
@@ -105,13 +112,9 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The bool vector of ``n`` elements that :func:`pack_bits` packed."""
-    if packed.device.type == "cpu":
-        try:
-            import numpy as np
-
-            return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little").view(np.bool_))
-        except ImportError:
-            pass
+    np = _numpy(packed.device.type == "cpu")
+    if np is not None:
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little").view(np.bool_))
     bits = (packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1
     return bits.reshape(-1)[:n].bool()
 
@@ -127,14 +130,31 @@ def _as_ints(t: torch.Tensor) -> torch.Tensor:
 
 def flatnonzero(mask: torch.Tensor) -> torch.Tensor:
     """int64 positions of the true elements of a flat bool tensor, increasing (numpy's one pass on CPU)."""
-    if mask.device.type == "cpu":
-        try:
-            import numpy as np
-
-            return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
-        except ImportError:  # the loader needs only torch
-            pass
+    np = _numpy(mask.device.type == "cpu")
+    if np is not None:
+        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     return mask.nonzero().squeeze(1)
+
+
+def differing_lanes(new_words: torch.Tensor, base_words: torch.Tensor, words: torch.Tensor,
+                    itemsize: int) -> torch.Tensor:
+    """int64 positions of the elements (``itemsize`` bytes each) that differ inside the given differing words.
+
+    ``new_words``/``base_words`` are two flat tensors seen as 8-byte words, ``words`` the increasing int64
+    indices of the words that differ. Each differing word holds ``8 // itemsize`` elements; the positions come
+    out increasing. On the CPU numpy does it in a few passes over the differing words alone (torch's gathers and
+    boolean indexing took three times as long)."""
+    per = 8 // itemsize
+    shift = per.bit_length() - 1
+    np = _numpy(words.device.type == "cpu")
+    if np is not None:
+        w = words.numpy()
+        flips = np.take(new_words.numpy(), w) ^ np.take(base_words.numpy(), w)
+        lanes = np.flatnonzero(flips.view(f"i{itemsize}") != 0)
+        return torch.from_numpy(w[lanes >> shift] * per + (lanes & (per - 1)))
+    flips = torch.take(new_words, words) ^ torch.take(base_words, words)
+    lanes = flatnonzero(flips.view(INTS[itemsize]) != 0)
+    return torch.take(words, lanes >> shift) * per + (lanes & (per - 1))
 
 
 def changed_positions(new: torch.Tensor, old: torch.Tensor, kind: int, mask: torch.Tensor | None = None):
@@ -260,8 +280,8 @@ def apply_record(flat: torch.Tensor, rec: Record) -> None:
         piece.copy_(values)
     elif rec.kind == BITMASK:
         piece.masked_scatter_(unpack_bits(rec.positions, rec.length).to(flat.device), values)
-    else:
-        piece[rec.positions.to(flat.device, torch.int64)] = values
+    else:  # (index_copy_: a third less time than assigning through an index, on 1 % of a tensor)
+        piece.index_copy_(0, rec.positions.to(flat.device, torch.int64), values)
 
 
 def pieces_of(shape: Sequence[int], world: int, whole: bool) -> list[tuple[int, int]]:

@@ -5,10 +5,12 @@ A :class:`WeightPublisher` is created once by the training script (on every rank
 one sync through the same steps whatever the transport (:mod:`bridge.transports`, registered by name);
 after each step every rank learns every rank's outcome (:mod:`bridge.agreement`):
 
-1. **prepare** (every rank): the wire specs and bucket plan, and a digest of this rank's own shards.
-   With the digests of all ranks, every rank decides the same thing: an older version, or the last
-   version with other weights, is a :class:`VersionError` before any byte moves; the last version with
-   the same weights is a safe retry.
+1. **prepare** (every rank): the wire specs and bucket plan, and the encoding's summary. On a retry of the
+   last version each rank tells whether its shards still hold the weights it published then (the
+   encoding's ``differs``: the full encoding compares digests, the delta encoding its base); with every
+   rank's answer, every rank decides the same thing: an older version, or the last version with other
+   weights, is a :class:`VersionError` before any byte moves; the last version with the same weights is a
+   safe retry.
 2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot).
 3. **bucket k** (every rank): gather the bucket's shards into one rank's buffer, in a few flat gathers on
    a group whose timeout is ``group_timeout``. Which rank, and what it does with the bucket, is that
@@ -46,7 +48,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from datetime import timedelta
 
 import torch
@@ -91,7 +92,6 @@ class WeightPublisher:
             raise ConfigError("pass either a PublisherConfig or keyword arguments, not both")
         self.config = config
         self.last_version: int | None = None
-        self._last_digest: int | None = None
         self._agree = Agreement.of_default_group()
         self._rank = self._agree.rank
         self._fleet = None  # rank 0: where the servers are found, which answer, which are in rotation
@@ -154,10 +154,7 @@ class WeightPublisher:
                 self._transfer(plan)
             # Every rank votes on the commit here (failpoint "settle"): once rank 0 commits, it is live.
             settled = self._step("settle", lambda: (self._encoding.settle(), self._transport.settle()), self._bucket_bound(),
-                                 collect=lambda: (plan.local_digest.result() if plan.local_digest else None,
-                                                  self._part.settle()))
-            if not plan.retried:
-                plan.digest = _combine([d for d, _ in settled])
+                                 collect=lambda: (self._encoding.fingerprinted(), self._part.settle()))
             peak = max(memory.extra_bytes, memory.device_extra_bytes)
 
             def commit() -> dict | None:
@@ -182,7 +179,7 @@ class WeightPublisher:
             self._leave(e, began)
             raise
         self._encoding.committed(plan)
-        self.last_version, self._last_digest = version, plan.digest
+        self.last_version = version
         encoded = self._encoding.result(plan)
         result = PublishResult(
             version=version, transport=self.config.transport, bytes=encoded.pop("bytes", outcome.get("bytes", plan.nbytes)),
@@ -264,7 +261,6 @@ class WeightPublisher:
         cfg = self.config
 
         retry = version == self.last_version
-        background = []
 
         def prepare():
             failpoint("prepare", self._rank)
@@ -274,29 +270,25 @@ class WeightPublisher:
                 self._open_servers()
             if self._part is None:
                 self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
+            # A retry is safe only with the weights of the last version: each rank tells for its own shards, before
+            # the encoding's prepare moves anything. A new version's fingerprint is taken for the next retry.
+            differs = self._encoding.differs(source, specs) if retry else None
             summary, mine = self._encoding.prepare(source, specs), specs if self._rank == 0 else None  # rank 0's are used
-            if retry:  # only a retry needs the digests before anything moves
-                return mine, source.digest(), summary
-            # Otherwise the digest is taken while the buckets travel and collected at settle, for the
-            # next retry.
-            background.append(source.digest_in_background())
-            return mine, None, summary
+            if not retry:
+                self._encoding.fingerprint(source)
+            return mine, differs, summary
 
         results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
         specs = results[0][0]
         plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source)
         self._encoding.plan(plan, [r[2] for r in results])
-        if not retry:
-            plan.local_digest = background[0]
-            return self._with_gather_group(plan)
-        plan.digest = _combine([d for _, d, _ in results])
-        if plan.digest is None or plan.digest != self._last_digest:
-            raise VersionError(
-                f"version {version} was already published with different weights"
-                + ("" if plan.digest is not None else " (or this source cannot tell: it has no local_digest())")
-                + "; publish the new weights under a higher version"
-            )
-        plan.retried = True
+        if retry:
+            why = [f"rank {r}: {d}" for r, (_, d, _) in enumerate(results) if d]
+            if why:
+                raise VersionError(f"version {version} was already published with different weights, or with weights "
+                                   f"that cannot be compared ({'; '.join(why)}); publish the new weights under a higher "
+                                   "version")
+            plan.retried = True
         return self._with_gather_group(plan)
 
     def _open_servers(self) -> None:
@@ -448,11 +440,6 @@ def dead_rank_bound(config: PublisherConfig) -> float:
     + 15 s (README, "Bounded time"). The servers are given back at once when rank 0's own step fails
     (a gather with the dead rank does), without waiting that long."""
     return bucket_bound(config) + SLACK_S + ABORT_WAIT_S
-
-
-def _combine(digests: list[int | None]) -> int | None:
-    """One digest of every rank's shards (None when a source cannot tell)."""
-    return None if None in digests else zlib.crc32(repr(digests).encode())
 
 
 def _abort_within(transport: Transport, reason: str, seconds: float) -> str:

@@ -20,8 +20,14 @@ method        who       when / what
               rank
 ============  ========  ==================================================================================
 
-``run`` wraps each ``publish()``. The ``full`` encoding (:mod:`bridge.encodings.full`) is this base class: it
-does nothing at any step, and the publisher gathers and sends every tensor.
+``run`` wraps each ``publish()``. A retry of the last version is safe only with the weights it published:
+``differs`` (every rank, on a retry, before ``prepare``) says why not; ``fingerprint`` (every rank, in the
+prepare step of a new version) starts taking what it will compare with, and ``fingerprinted`` (every rank,
+at settle) waits for it, as the weights may change once ``publish()`` returns.
+
+The ``full`` encoding (:mod:`bridge.encodings.full`) is this base class: it fingerprints a version by each
+rank's digest of its shards (taken on a thread while the buckets travel), does nothing at the other steps,
+and the publisher gathers and sends every tensor.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class Encoding:
 
     def __init__(self, config, rank: int, world: int):
         self.config, self.rank, self.world = config, rank, world
+        self._digests: list = [None, None, None]  # this rank's digest: being taken, taken, of the last version
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
@@ -81,6 +88,27 @@ class Encoding:
 
     def committed(self, plan) -> None:
         """Every rank: the sync committed."""
+        self._digests[2] = self._digests[1]
+
+    def differs(self, source, specs) -> str | None:
+        """Every rank, on a retry of the last version (before :meth:`prepare`): why this rank's weights are not the
+        ones it published then, or cannot be shown to be; None when they are (the retry is safe). Here: this
+        rank's digest of its shards (``local_digest``) against the one taken then."""
+        digest = source.digest()
+        if digest is None:
+            return "the weight source has no local_digest(), so a retry cannot be told from new weights"
+        return None if digest == self._digests[2] else "other weights"
+
+    def fingerprint(self, source) -> None:
+        """Every rank, in the prepare step of a new version: start taking what :meth:`differs` compares with at a
+        retry. Here: this rank's digest, on a thread while the buckets travel."""
+        self._digests[:2] = [source.digest_in_background(), None]
+
+    def fingerprinted(self) -> None:
+        """Every rank, at settle: the fingerprint is taken (the weights may change once ``publish`` returns);
+        an error taking it fails the sync."""
+        pending, self._digests[0] = self._digests[0], None
+        self._digests[1] = pending.result() if pending is not None else None
 
     def failed(self, plan) -> None:
         """Every rank: the sync failed; undo what :meth:`prepare` changed. Never raises."""

@@ -41,6 +41,7 @@ from bridge.delta_codec import (
     SPARSE64,
     choose,
     combine_digest,
+    differing_lanes,
     flatnonzero,
     pack_bits,
     piece_crc,
@@ -55,6 +56,18 @@ from bridge.tensors import ParamSpec
 __all__ = ["DeltaBucket", "DeltaEncoding", "DeltaPlan"]
 
 logger = get_logger(__name__)
+
+
+_SAMPLE_BLOCK, _SAMPLE_EVERY = 512, 64
+
+
+def _sample(flat: torch.Tensor) -> torch.Tensor:
+    """A view of one block of :data:`_SAMPLE_BLOCK` elements in every :data:`_SAMPLE_EVERY` (the whole of a
+    tensor shorter than that): contiguous runs, so the sample reads 1/64 of the memory, where one element in
+    64 read every cache line of it."""
+    span = _SAMPLE_BLOCK * _SAMPLE_EVERY
+    m = flat.numel() // span
+    return flat[: m * span].view(m, span)[:, :_SAMPLE_BLOCK] if m else flat
 
 
 @dataclass
@@ -153,6 +166,34 @@ class DeltaEncoding(Encoding):
             self.force_reason = f"a server refused the delta: {e}"
             return publish()
 
+    # ------------------------------------------------------------------ a retry: the base is what was published
+
+    @torch.no_grad()
+    def differs(self, source, specs: list[ParamSpec]) -> str | None:
+        """The base holds this rank's bytes of the last version as servers hold them, so a retry is safe when
+        each of its tensors, cast to the serving dtype, is its base bit for bit (weights that differ only below
+        the serving dtype's precision serve the same model). No digest is taken during a sync."""
+        source.require(("local_shards",), "the delta encoding")
+        if self.base_version is None:
+            return "a failed sync dropped this rank's delta base, so its weights cannot be compared with the last version's"
+        for sh in source.local_shards(specs):
+            if sh.local is None:
+                continue
+            if self._fresh(sh):
+                return f"{sh.spec.name} is not in this rank's delta base"
+            new = self._scratch("new", sh.local.numel(), sh.spec.dtype, sh.local.device)
+            new.copy_(sh.local.detach().reshape(-1))
+            ints = INTS[new.element_size()]
+            if not torch.equal(new.view(ints), self.base[sh.spec.name].base.view(ints)):
+                return f"other weights ({sh.spec.name} changed)"
+        return None
+
+    def fingerprint(self, source) -> None:
+        """(The base is the fingerprint: nothing to take.)"""
+
+    def fingerprinted(self) -> None:
+        """(Nothing to wait for.)"""
+
     # ------------------------------------------------------------------ prepare: diff against the base
 
     @torch.no_grad()
@@ -186,7 +227,7 @@ class DeltaEncoding(Encoding):
 
     def _anchor_ahead(self, owned: list) -> tuple[str, int, int] | None:
         """(why, estimated changed elements, elements) when this rank knows before diffing that the sync will be
-        an anchor: every ``delta_anchor_every`` versions, or when a sample (1 element in 64) says the delta
+        an anchor: every ``delta_anchor_every`` versions, or when a sample (:func:`_sample`) says the delta
         would be over ``delta_max_fraction`` of this rank's bytes. Then the sync costs a full one and little
         more: no diff, only the base refreshed at commit. None: diff (also when there is no base to sample)."""
         cfg = self.config
@@ -198,15 +239,14 @@ class DeltaEncoding(Encoding):
         est = changed = full = 0
         for sh in owned:
             n, itemsize = sh.local.numel(), sh.spec.dtype.itemsize
-            stride = 64 if n >= 4096 else 1
             ints = INTS[itemsize]
-            sample = sh.local.detach().reshape(-1)[::stride].to(sh.spec.dtype)
-            hits = int(torch.count_nonzero(sample.view(ints) != self.base[sh.spec.name].base[::stride].view(ints)))
+            sample = _sample(sh.local.detach().reshape(-1)).to(sh.spec.dtype)
+            hits = int(torch.count_nonzero(sample.view(ints) != _sample(self.base[sh.spec.name].base).view(ints)))
             count = min(n, round(hits * n / max(1, sample.numel())))
             est, changed, full = est + (choose(n, count, itemsize)[1] if count else 0), changed + count, full + n * itemsize
         if est > cfg.delta_max_fraction * full:
-            return (f"the delta would be about {est / max(1, full):.0%} of the full bytes (from a sample of 1 element "
-                    f"in 64), over delta_max_fraction={cfg.delta_max_fraction:g}"), changed, numel
+            return (f"the delta would be about {est / max(1, full):.0%} of the full bytes (from a sample of 1 block "
+                    f"in {_SAMPLE_EVERY}), over delta_max_fraction={cfg.delta_max_fraction:g}"), changed, numel
         return None
 
     @torch.no_grad()
@@ -269,9 +309,7 @@ class DeltaEncoding(Encoding):
         words = flatnonzero(wmask)
         if per == 1 or not words.numel():
             return words
-        flips = new.view(ints).index_select(0, words) ^ base.view(ints).index_select(0, words)
-        lanes = flips.view(INTS[itemsize]).view(-1, per) != 0  # which elements of each differing word differ
-        return (words.unsqueeze(1) * per + torch.arange(per, device=words.device))[lanes]
+        return differing_lanes(new.view(ints), base.view(ints), words, itemsize)
 
     def _scratch(self, key: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``n`` elements of a buffer kept across tensors and syncs (as large as this rank's largest piece):

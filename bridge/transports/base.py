@@ -83,10 +83,6 @@ class Plan:
     buckets: list[Bucket]
     source: Any = None
     """The :class:`bridge.sources.WeightSource` being published."""
-    digest: int | None = None
-    """The combined digest of every rank's shards (None when the source cannot tell)."""
-    local_digest: Any = None
-    """This rank's digest while it is computed in the background (a Future), for a new version."""
     retried: bool = False
     """True when this republishes the last version with identical weights (a safe retry)."""
     phases: dict[str, float] = field(default_factory=dict)
