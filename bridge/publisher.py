@@ -154,6 +154,7 @@ class WeightPublisher:
                 self._transfer(plan)
             # Every rank votes on the commit here (failpoint "settle"): once rank 0 commits, it is live.
             settled = self._step("settle", lambda: (self._encoding.settle(), self._transport.settle()), self._bucket_bound(),
+                                 on_every_rank=self._encoding.transferred,
                                  collect=lambda: (self._encoding.fingerprinted(), self._part.settle()))
             peak = max(memory.extra_bytes, memory.device_extra_bytes)
 

@@ -20,7 +20,8 @@ method        who       when / what
               rank
 ============  ========  ==================================================================================
 
-``run`` wraps each ``publish()``. A retry of the last version is safe only with the weights it published:
+``transferred`` (every rank, as the settle step begins) says this rank's part of the transfer is done. ``run``
+wraps each ``publish()``. A retry of the last version is safe only with the weights it published:
 ``differs`` (every rank, on a retry, before ``prepare``) says why not; ``fingerprint`` (every rank, in the
 prepare step of a new version) starts taking what it will compare with, and ``fingerprinted`` (every rank,
 at settle) waits for it, as the weights may change once ``publish()`` returns.
@@ -85,6 +86,9 @@ class Encoding:
 
     def settle(self) -> None:
         """Rank 0: wait for what :meth:`transfer` left in flight."""
+
+    def transferred(self) -> None:
+        """Every rank, as the settle step begins: this rank's part of the transfer is done."""
 
     def committed(self, plan) -> None:
         """Every rank: the sync committed."""

@@ -144,7 +144,8 @@ class DeltaEncoding(Encoding):
         self._sender = None
         self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
-        self._refresh: cf.Future | None = None  # an anchor decided early: the copy of the weights into the base
+        self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
+        self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
@@ -200,14 +201,13 @@ class DeltaEncoding(Encoding):
     def prepare(self, source, specs: list[ParamSpec]) -> dict:
         source.require(("local_shards",), "the delta encoding")
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
-        self.changes, self.probes, self._refresh = {}, {}, None
+        self.changes, self.probes, self._refresh, self._stale = {}, {}, None, None
         shards = source.local_shards(specs)
         whole = [sh.spec.name for sh in shards if sh.whole]
         skip = self._anchor_ahead([sh for sh in shards if sh.local is not None])
-        if skip is not None:  # an anchor for sure: no diff; the base becomes the weights while the buckets travel
+        if skip is not None:  # an anchor for sure: no diff; the base becomes the weights once they are sent
             reason, changed, numel = skip
-            owned = [sh for sh in shards if sh.local is not None]
-            self._refresh = self._pool.submit(self._copy_into_base, owned)  # (copy_ releases the GIL)
+            self._stale = [sh for sh in shards if sh.local is not None]
             return {"skip": reason, "sizes": {}, "whole": whole, "changed": changed, "numel": numel, "fresh": False,
                     "crcs": crcs, "probes": {}}
         sizes, changed, numel, fresh = {}, 0, 0, False
@@ -404,12 +404,18 @@ class DeltaEncoding(Encoding):
         if self._sender is not None:
             self._sender.settle()
 
+    def transferred(self) -> None:
+        """An anchor decided before diffing: the base takes the weights now, on a thread, while the servers take
+        the last bucket and the commit (the transfer's gathers are not slowed by it); ``committed`` waits."""
+        if self._stale is not None:
+            self._refresh, self._stale = self._pool.submit(self._copy_into_base, self._stale), None  # (copy_ frees the GIL)
+
     # ------------------------------------------------------------------ the end of a sync
 
     @torch.no_grad()
     def committed(self, plan) -> None:
         enc = plan.encoded
-        if self._refresh is not None:  # an anchor decided before diffing: its base copy ran beside the transfer
+        if self._refresh is not None:  # an anchor decided before diffing: its base copy ran beside the settle step
             self._refresh.result()
         self.changes, self._sender, self.force_reason, self._into_real_sglang = {}, None, None, False
         self._refresh = None
@@ -421,6 +427,7 @@ class DeltaEncoding(Encoding):
     @torch.no_grad()
     def failed(self, plan) -> None:
         self._sender = None  # (plan is None when the sync failed before it was planned)
+        self._stale = None
         if self._refresh is not None:  # the base was being overwritten with weights no server holds: drop it
             self._refresh.exception()
             self._refresh, self.base, self.base_version = None, {}, None
