@@ -258,7 +258,7 @@ class WeightPublisher:
             logger.debug("servers given back before the agreement: %s", status)
 
     def _prepare(self, source: CheckedSource, version: int) -> Plan:
-        """Step "prepare" (every rank): plan, digests, the gather group; decide retry vs new weights."""
+        """Step "prepare" (every rank): plan, the encoding's summaries, the gather group; decide retry vs new weights."""
         cfg = self.config
 
         retry = version == self.last_version
