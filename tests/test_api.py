@@ -47,7 +47,8 @@ def test_broadcast_versions_retries_and_result(server, model):
         assert r1.seconds > 0 and r1.gbps > 0 and r1.buckets >= 2 and not r1.retried
         assert r1.to_json()["gbps"] == r1.gbps
         assert server.client.model_info()["weight_version"] == "5"
-        # A retry of the same version with the same weights is safe, and says it was a retry.
+        # A retry of the same version with the same weights is safe, and says it was a retry (again too).
+        assert pub.publish(model, version=5).retried
         assert pub.publish(model, version=5).retried
         # An older version is refused before anything is sent.
         with pytest.raises(VersionError, match="older"):

@@ -48,7 +48,11 @@ class Encoding:
 
     def __init__(self, config, rank: int, world: int):
         self.config, self.rank, self.world = config, rank, world
-        self._digests: list = [None, None, None]  # this rank's digest: being taken, taken, of the last version
+        # This rank's digest of its shards: being taken during this sync (a 1-tuple of a Future or None), taken
+        # (a 1-tuple), and of the last version published (a retry takes none: the weights are the same).
+        self._pending: tuple | None = None
+        self._taken: tuple | None = None
+        self._published: int | None = None
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
@@ -92,7 +96,8 @@ class Encoding:
 
     def committed(self, plan) -> None:
         """Every rank: the sync committed."""
-        self._digests[2] = self._digests[1]
+        if self._taken is not None:
+            (self._published,), self._taken = self._taken, None
 
     def differs(self, source, specs) -> str | None:
         """Every rank, on a retry of the last version (before :meth:`prepare`): why this rank's weights are not the
@@ -101,21 +106,23 @@ class Encoding:
         digest = source.digest()
         if digest is None:
             return "the weight source has no local_digest(), so a retry cannot be told from new weights"
-        return None if digest == self._digests[2] else "other weights"
+        return None if digest == self._published else "other weights"
 
     def fingerprint(self, source) -> None:
         """Every rank, in the prepare step of a new version: start taking what :meth:`differs` compares with at a
         retry. Here: this rank's digest, on a thread while the buckets travel."""
-        self._digests[:2] = [source.digest_in_background(), None]
+        self._pending, self._taken = (source.digest_in_background(),), None
 
     def fingerprinted(self) -> None:
         """Every rank, at settle: the fingerprint is taken (the weights may change once ``publish`` returns);
         an error taking it fails the sync."""
-        pending, self._digests[0] = self._digests[0], None
-        self._digests[1] = pending.result() if pending is not None else None
+        if self._pending is not None:
+            (future,), self._pending = self._pending, None
+            self._taken = (future.result() if future is not None else None,)
 
     def failed(self, plan) -> None:
         """Every rank: the sync failed; undo what :meth:`prepare` changed. Never raises."""
+        self._pending = self._taken = None  # (the last version's digest stays)
 
     def result(self, plan) -> dict:
         """What :class:`bridge.publisher.PublishResult` reports of the encoding."""
