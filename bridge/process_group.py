@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Collection
 from datetime import timedelta
 
 import torch
@@ -38,11 +39,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def find_free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A TCP port that is free on ``host`` right now, and not one of ``avoid`` (ports picked for something
+    that has not bound them yet: the kernel may hand out a port again as soon as its probe is closed)."""
+    while True:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def route_source(host: str, port: int = 9) -> str:

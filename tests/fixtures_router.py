@@ -71,7 +71,8 @@ def _command(kind: str, port: int, metrics: int, workers: list[str]) -> list[str
 
 
 def start_router(kind: str, workers: list[str], timeout: float = 60.0) -> RunningRouter:
-    port, metrics = find_free_port(), find_free_port()
+    port = find_free_port()
+    metrics = find_free_port(avoid=(port,))
     fd, log_path = tempfile.mkstemp(prefix=f"wsync-{kind}-{port}-", suffix=".log")
     os.close(fd)
     with open(log_path, "ab") as log:

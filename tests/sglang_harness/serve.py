@@ -111,7 +111,9 @@ def main(argv=None) -> int:
     # SGLang asserts a default process group exists; a gloo group of one, on a port of its own.
     from bridge.process_group import find_free_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
+    # (Not the HTTP port: it is free until the server binds it, and the kernel once handed it out here again.)
+    group_port = find_free_port(avoid=(args.port,))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=0, world_size=1)
     h = Harness(args, rel)
     h.serve()
     return 0
