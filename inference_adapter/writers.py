@@ -4,8 +4,8 @@ A publisher names itself on every weight-changing request (``wsync_writer``, bes
 ``wsync_run_id``) and takes the server's lease before it pauses anything (``/wsync/writer_lease``, or in the
 pause's own request: ``/pause_generation`` with ``wsync_lease_s``). It renews the lease while it works (every
 request of the holder renews it too) and releases it when its sync ended. While the lease is live, a weight
-change from anyone else -- another writer, or a client that names no writer -- is refused with HTTP 409 and ``wsync_reason`` :data:`~bridge.protocol.ANOTHER_WRITER`, naming
-the holder's run and writer. A lease that expired can be taken over: the update session its holder left
+change from anyone else -- another writer, or a client that names no writer -- is refused with HTTP 409 and
+``wsync_reason`` :data:`~bridge.protocol.ANOTHER_WRITER`, naming the holder's run and writer. A lease that expired can be taken over: the update session its holder left
 open is discarded first (and the server's watchdog discards it anyway once the lease expired, lifting the
 pause). A holder that dies therefore blocks other writers for at most its lease.
 """

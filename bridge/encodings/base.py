@@ -48,10 +48,10 @@ class Encoding:
 
     def __init__(self, config, rank: int, world: int):
         self.config, self.rank, self.world = config, rank, world
-        # This rank's digest of its shards: being taken during this sync (a 1-tuple of a Future or None), taken
-        # (a 1-tuple), and of the last version published (a retry takes none: the weights are the same).
+        # This rank's digest of its shards: the one this sync takes (a 1-tuple of its Future, or of None when the
+        # source has no digest; None when the sync takes none: a retry, the weights are the same) and the last
+        # version's.
         self._pending: tuple | None = None
-        self._taken: tuple | None = None
         self._published: int | None = None
 
     @classmethod
@@ -96,8 +96,9 @@ class Encoding:
 
     def committed(self, plan) -> None:
         """Every rank: the sync committed."""
-        if self._taken is not None:
-            (self._published,), self._taken = self._taken, None
+        if self._pending is not None:  # (taken: fingerprinted waited for it)
+            (future,), self._pending = self._pending, None
+            self._published = future.result() if future is not None else None
 
     def differs(self, source, specs) -> str | None:
         """Every rank, on a retry of the last version (before :meth:`prepare`): why this rank's weights are not the
@@ -111,18 +112,17 @@ class Encoding:
     def fingerprint(self, source) -> None:
         """Every rank, in the prepare step of a new version: start taking what :meth:`differs` compares with at a
         retry. Here: this rank's digest, on a thread while the buckets travel."""
-        self._pending, self._taken = (source.digest_in_background(),), None
+        self._pending = (source.digest_in_background(),)
 
     def fingerprinted(self) -> None:
         """Every rank, at settle: the fingerprint is taken (the weights may change once ``publish`` returns);
         an error taking it fails the sync."""
-        if self._pending is not None:
-            (future,), self._pending = self._pending, None
-            self._taken = (future.result() if future is not None else None,)
+        if self._pending is not None and self._pending[0] is not None:
+            self._pending[0].result()
 
     def failed(self, plan) -> None:
         """Every rank: the sync failed; undo what :meth:`prepare` changed. Never raises."""
-        self._pending = self._taken = None  # (the last version's digest stays)
+        self._pending = None  # (the last version's digest stays)
 
     def result(self, plan) -> dict:
         """What :class:`bridge.publisher.PublishResult` reports of the encoding."""

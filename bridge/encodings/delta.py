@@ -182,8 +182,7 @@ class DeltaEncoding(Encoding):
                 continue
             if self._fresh(sh):
                 return f"{sh.spec.name} is not in this rank's delta base"
-            new = self._scratch("new", sh.local.numel(), sh.spec.dtype, sh.local.device)
-            new.copy_(sh.local.detach().reshape(-1))
+            new = self._cast(sh.spec, sh.local)
             ints = INTS[new.element_size()]
             if not torch.equal(new.view(ints), self.base[sh.spec.name].base.view(ints)):
                 return f"other weights ({sh.spec.name} changed)"
@@ -261,8 +260,7 @@ class DeltaEncoding(Encoding):
 
     def _diff(self, spec: ParamSpec, local: torch.Tensor, start: int) -> _Change | None:
         n = local.numel()
-        new = self._scratch("new", n, spec.dtype, local.device)
-        new.copy_(local.detach().reshape(-1))  # the cast, into memory reused from tensor to tensor and sync to sync
+        new = self._cast(spec, local)
         itemsize = new.element_size()
         held = self.base.get(spec.name)
         if held is None or held.start != start or held.base.shape != new.shape or held.base.dtype != new.dtype:
@@ -310,6 +308,10 @@ class DeltaEncoding(Encoding):
         if per == 1 or not words.numel():
             return words
         return differing_lanes(new.view(ints), base.view(ints), words, itemsize)
+
+    def _cast(self, spec: ParamSpec, local: torch.Tensor) -> torch.Tensor:
+        """``local`` flat in the serving dtype, in memory reused from tensor to tensor and sync to sync."""
+        return self._scratch("new", local.numel(), spec.dtype, local.device).copy_(local.detach().reshape(-1))
 
     def _scratch(self, key: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``n`` elements of a buffer kept across tensors and syncs (as large as this rank's largest piece):
