@@ -6,13 +6,14 @@ Each transport declares its own options as a small dataclass (``Transport.Option
 ``PublisherConfig`` takes them either as that object (``options=DiskOptions(disk_writers="rank0")``) or
 as flat keywords, as it always has (``PublisherConfig(transport="disk", disk_writers="rank0")``), and
 reads them back as attributes (``config.disk_writers``). A keyword that is an option of another
-transport is accepted and has no effect, as before options were per transport, so that one set of
-keywords can build every transport's config in a loop; a keyword no transport knows is a ConfigError.
+transport is a ConfigError naming the transport it belongs to (it would have no effect), and so is a
+keyword no transport knows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = ["PublisherConfig"]
 
 
 def _default_bucket_mb() -> float:
+    """512 with CUDA, else 32"""
     # Enough bytes per HTTP round trip, and several buckets per model so the gather of one overlaps the
     # send of the previous one. On 2 CPU cores 32 MiB measured fastest on both bench presets
     # (wsync bench); NCCL links want larger buckets.
@@ -37,7 +39,13 @@ def _default_bucket_mb() -> float:
 @dataclass(kw_only=True, init=False)
 class PublisherConfig:
     """How and where to publish: the settings every transport shares, and ``options``, the chosen
-    transport's own (see the module docstring). Checked when built."""
+    transport's own (see the module docstring). Checked when built.
+
+    Every argument is a keyword: the shared settings (the signature lists them with their defaults; each is
+    documented where it is declared, in ``bridge/config.py``), then ``options``, or the chosen transport's
+    options as flat keywords (``bridge.transports.option_fields()`` lists them with the transports that take
+    them; another transport's option is a ConfigError).
+    """
 
     transport: str = "broadcast"
     """A registered transport (``bridge.transports.transport_names()``): ``broadcast`` (alias ``nccl``), a
@@ -111,9 +119,13 @@ class PublisherConfig:
         encoding_class(self.encoding).check_config(self, cls)
 
     @classmethod
-    def keywords(cls) -> set[str]:
-        """Every keyword the constructor takes: the shared settings and every registered transport's options."""
-        return {f.name for f in dataclasses.fields(cls)} | {o.name for o in option_fields()}
+    def keywords(cls, transport: str | None = None) -> set[str]:
+        """The keywords the constructor takes for ``transport``: the shared settings and that transport's
+        options; without ``transport``, for some transport (every registered transport's options)."""
+        shared = {f.name for f in dataclasses.fields(cls)}
+        if transport is None:
+            return shared | {o.name for o in option_fields()}
+        return shared | {f.name for f in dataclasses.fields(transport_class(transport).Options)}
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names that are not attributes: the options read as the config's own.
@@ -162,9 +174,51 @@ def _options(cls, options: Any, keywords: dict[str, Any]) -> Any:
         clash = sorted(own & set(keywords))
         if clash:
             raise ConfigError(f"{clash} given both as keywords and in options=; give each once")
-    unknown = sorted(set(keywords) - own - {o.name for o in option_fields()})
+    others = {o.name: o.transports for o in option_fields()}
+    unknown = sorted(set(keywords) - own - set(others))
     if unknown:
         raise ConfigError(f"PublisherConfig got unknown keyword(s) {unknown}; known: {sorted(PublisherConfig.keywords())}")
+    foreign = sorted(set(keywords) - own)
+    if foreign:
+        raise ConfigError("; ".join(f"{name} is an option of the {_names(others[name])}, not of {cls.name}"
+                                    for name in foreign)
+                          + f" (the {cls.name} transport's options: {sorted(own) or 'none'})")
     if options is not None:
         return options
     return cls.Options(**{k: v for k, v in keywords.items() if k in own})
+
+
+def _names(transports: tuple[str, ...]) -> str:
+    """``disk transport``, ``broadcast and colocated transports``, ``a, b and c transports``."""
+    if len(transports) == 1:
+        return f"{transports[0]} transport"
+    return f"{', '.join(transports[:-1])} and {transports[-1]} transports"
+
+
+class _Described:
+    """A default shown by its description (one computed when the config is built)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _signature() -> inspect.Signature:
+    """The constructor as ``help()`` and editors should show it: each shared setting, ``options``, then
+    the chosen transport's options as ``**transport_options``."""
+    params = []
+    for f in dataclasses.fields(PublisherConfig):
+        if f.name == "options":
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else _Described(f.default_factory.__doc__)
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.type))
+    params.append(inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Any"))
+    params.append(inspect.Parameter("transport_options", inspect.Parameter.VAR_KEYWORD, annotation="Any"))
+    return inspect.Signature(params)
+
+
+PublisherConfig.__signature__ = _signature()
+PublisherConfig.__init__.__signature__ = inspect.Signature(
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *PublisherConfig.__signature__.parameters.values()])

@@ -221,9 +221,11 @@ def matrix_publisher(transport: str, urls: list[str], nr_url: str, root: str):
     bounds; a transport that announces waits for no server."""
     from bridge import PublisherConfig, WeightPublisher
 
+    disk = {k: v for k, v in dict(name_resolve=nr_url, snapshot_root=root).items()
+            if k in PublisherConfig.keywords(transport)}  # only a transport that announces takes them
     return WeightPublisher(PublisherConfig(
-        transport=transport, servers=[] if announces(transport) else urls, name_resolve=nr_url, snapshot_root=root,
-        bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False,
+        transport=transport, servers=[] if announces(transport) else urls,
+        bucket_mb=0.05, group_timeout=20, http_timeout=20, progress=False, **disk,
     ))
 
 

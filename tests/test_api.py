@@ -128,6 +128,28 @@ def test_config_errors_name_the_field(kwargs, match):
         PublisherConfig(**kwargs)
 
 
+def test_an_option_of_another_transport_is_refused_naming_its_transport():
+    from bridge.transports.disk import DiskOptions
+
+    with pytest.raises(ConfigError, match="keep_snapshots is an option of the disk transport, not of broadcast"):
+        PublisherConfig(transport="broadcast", servers=["x"], keep_snapshots=5)
+    with pytest.raises(ConfigError, match="name_resolve is an option of the disk transport, not of broadcast"):
+        PublisherConfig(transport="nccl", servers=["x"], name_resolve="memory://")  # an alias: its own name
+    with pytest.raises(ConfigError, match="pause_mode is an option of the broadcast(,| and) colocated.* transports, not of disk"):
+        PublisherConfig(transport="disk", pause_mode="abort")
+    with pytest.raises(ConfigError, match="pause_mode is an option of .*, not of disk"):
+        PublisherConfig(transport="disk", options=DiskOptions(), pause_mode="abort")
+    assert "keep_snapshots" in PublisherConfig.keywords("disk") and "keep_snapshots" not in PublisherConfig.keywords("nccl")
+
+
+def test_help_shows_the_shared_settings():
+    import inspect
+
+    params = inspect.signature(PublisherConfig).parameters
+    assert {"transport", "servers", "bucket_mb", "encoding", "options", "transport_options"} <= set(params)
+    assert params["transport"].default == "broadcast" and params["transport"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
 def test_bad_version_values():
     pub = WeightPublisher(servers=["http://127.0.0.1:1"], progress=False)
     for bad in (-1, 1.5, "3", True):

@@ -260,9 +260,10 @@ def _medium_sync(url: str, bucket_mb: float, root: str):
     peaks = {}
     try:
         for transport, servers in (("broadcast", [url]), ("colocated", [url]), ("disk", [])):
+            disk = dict(name_resolve=f"file://{root}/nr", snapshot_root=f"{root}/snap-{transport}")
             pub = WeightPublisher(PublisherConfig(
                 transport=transport, servers=servers, bucket_mb=bucket_mb, group_timeout=60, progress=False,
-                name_resolve=f"file://{root}/nr", snapshot_root=f"{root}/snap-{transport}"))
+                **(disk if transport == "disk" else {})))
             try:
                 first = len(peaks) * 3 + 1
                 pub.publish(engine, version=first)  # warm-up: group creation, connections, page cache

@@ -152,12 +152,18 @@ def _trainer_main(spec: dict) -> int:
     from bridge.transports import transport_names
 
     transports = {"both": ["broadcast", "disk"], "all": transport_names()}.get(spec["transport"], [spec["transport"]])
-    # One set of keywords for every transport: an option of another transport has no effect.
     common = dict(servers=spec["servers"], serving_dtype=spec["serving_dtype"], progress=False, experiment="demo",
-                  trial="trial0", name_resolve=spec["name_resolve"], snapshot_root=spec["snapshot_root"])
+                  trial="trial0")
     if spec["bucket_mb"]:
         common["bucket_mb"] = spec["bucket_mb"]
-    pubs = {t: WeightPublisher(PublisherConfig(transport=t, **common)) for t in transports}
+    # Where snapshots go and are announced, for each transport that takes those options (disk).
+    disk = dict(name_resolve=spec["name_resolve"], snapshot_root=spec["snapshot_root"])
+
+    def config(transport: str):
+        own = PublisherConfig.keywords(transport)
+        return PublisherConfig(transport=transport, **common, **{k: v for k, v in disk.items() if k in own})
+
+    pubs = {t: WeightPublisher(config(t)) for t in transports}
     table = _Table(spec["servers"]) if engine.rank == 0 else None
     records, ok = [], True
     per_rank = max(1, spec["batch_size"] // engine.world_size)

@@ -267,7 +267,7 @@ def build_engine(args: argparse.Namespace):
 def publisher_config(args: argparse.Namespace, servers: list[str]):
     """The :class:`bridge.PublisherConfig` the flags describe (its checks raise ``ConfigError``)."""
     from bridge import PublisherConfig
-    from bridge.transports import option_fields
+    from bridge.transports import option_fields, transport_class
 
     kw = dict(
         transport=args.publish, servers=servers, experiment=args.experiment, trial=args.trial,
@@ -278,8 +278,11 @@ def publisher_config(args: argparse.Namespace, servers: list[str]):
     for name in ("bucket_mb", "delta_anchor_every", "delta_max_fraction"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    # Every transport option given on the command line (another transport's has no effect).
-    kw.update({o.name: getattr(args, o.name) for o in option_fields() if getattr(args, o.name, None) is not None})
+    # The chosen transport's options given on the command line (a flag of another transport has no
+    # effect; --name-resolve always has a value).
+    chosen = transport_class(args.publish).name  # aliases resolved
+    kw.update({o.name: getattr(args, o.name) for o in option_fields()
+               if chosen in o.transports and getattr(args, o.name, None) is not None})
     return PublisherConfig(**kw)
 
 
