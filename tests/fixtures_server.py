@@ -17,6 +17,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import os
+import signal
+import subprocess
 import tempfile
 from collections.abc import Sequence
 
@@ -27,7 +29,9 @@ import torch.distributed as dist
 from bridge.client import ServerClient
 from bridge.process_group import destroy_custom_process_group, find_free_port, init_custom_process_group
 from bridge.tensors import dtype_to_str
+from inference_adapter import launcher
 from inference_adapter.launcher import LaunchedServer, launch_server
+from tests.dist_utils import forked_context
 
 __all__ = ["Trainer", "greedy", "local_model", "random_weights"]
 
@@ -50,7 +54,78 @@ def _launch(**kw) -> LaunchedServer:
     if not kw.pop("default_disk_roots", False) and "--disk-root" not in extra:
         extra += ["--disk-root", tempfile.gettempdir()]
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **kw.pop("env", {})}
-    return launch_server(extra_args=extra, env=env, ready_timeout=kw.pop("ready_timeout", 240.0), **kw)
+    if kw.get("use_sglang"):
+        return launch_server(extra_args=extra, env=env, ready_timeout=kw.pop("ready_timeout", 240.0), **kw)
+    return launch_forked(extra_args=extra, env=env, ready_timeout=kw.pop("ready_timeout", 240.0), **kw)
+
+
+class ForkedProcess:
+    """What a test reads of a server's ``subprocess.Popen`` (``pid``, ``poll``, ``wait``, ``returncode``,
+    signals), for a server forked from the preloaded forkserver instead of started with ``python -m``."""
+
+    def __init__(self, process) -> None:
+        self._process, self.pid = process, process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"reference server pid {self.pid}", timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _serve(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
+    """The forked server's body: what ``launch_server``'s ``Popen`` gives the child (a session of its own,
+    stdout and stderr into the log, the environment, the working directory), then the server's ``main``."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    from inference_adapter.server import main
+
+    raise SystemExit(main(argv))
+
+
+def launch_forked(*, model: str | None = None, preset: str | None = None, port: int | None = None,
+                  host: str = "127.0.0.1", dtype: str = "bfloat16", extra_args: Sequence[str] = (),
+                  ready_timeout: float = 240.0, api_key: str | None = None, env: dict[str, str] | None = None,
+                  disk_roots: Sequence[str] = (), use_sglang: bool | None = False) -> LaunchedServer:
+    """``launch_server`` for the reference server, forked from the preloaded forkserver: the same command
+    line, environment and log, without importing torch, transformers and the server again (about 2.5 s a
+    server). The server's command-line entry point itself is tested by ``wsync serve`` tests."""
+    port = port or find_free_port(host)
+    argv = launcher._command(False, model, preset or ("tiny" if model is None else None), host, port, dtype,
+                             disk_roots)[3:] + [str(a) for a in extra_args]
+    fd, log_path = tempfile.mkstemp(prefix=f"wsync-reference-{port}-", suffix=".log")
+    os.close(fd)
+    child_env = {**os.environ, **(env or {})}
+    process = forked_context().Process(target=_serve, args=(argv, child_env, log_path, launcher._ROOT), daemon=True,
+                                       name=f"reference-server-{port}")
+    process.start()
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    server = LaunchedServer(ForkedProcess(process), url, ServerClient(url, api_key=api_key, timeout=60.0), log_path,
+                            "reference", None)
+    launcher._wait_ready(server, ready_timeout)
+    return server
 
 
 class _Factory:
