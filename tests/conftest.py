@@ -34,3 +34,74 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from bridge.presets import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("tiny-model"), "tiny", seed=0)
+
+
+# ------------------------------------------------------------------ strict mode: a skip is a failure
+# A tier that skips because its machine lacks something (etcd, a router, SGLang's code, root) keeps a run
+# green while testing nothing of that tier. In strict mode (CI sets CI=true; scripts/test.sh sets
+# WSYNC_STRICT=1) the run checks the machine first and stops at once naming what to install, and a test
+# that skips for a reason not listed here fails.
+STRICT_ENV = "WSYNC_STRICT"
+
+ALLOWED_SKIPS = (
+    "needs CUDA",                   # the gpu tier and the CUDA-only paths of CPU tests (bench, client, cuda_ipc)
+    "needs a CUDA device",
+    "needs two CUDA devices",
+    "needs sglang and CUDA",
+    "this host has CUDA",           # the CPU-only error path, on a GPU host
+    "one version is enough",        # a check of the server info, run on one SGLang release only
+    "one release with sessions is enough",
+)
+"""Substrings of the skip reasons strict mode accepts: the tests that are meant to run elsewhere (a GPU
+host) or once (one SGLang release stands for all)."""
+
+
+def strict() -> bool:
+    """True when a skip is a failure: ``CI`` or ``WSYNC_STRICT`` set to anything but empty, 0 or false."""
+    return any(os.environ.get(name, "").lower() not in ("", "0", "false") for name in ("CI", STRICT_ENV))
+
+
+def missing_prerequisites() -> list[str]:
+    """What this machine lacks for some tier of the suite, each with what to install or change."""
+    import importlib.util
+    import shutil
+
+    from tests.sglang_harness import ALL_VERSIONS, installed
+
+    missing = []
+    if shutil.which("etcd") is None:
+        missing.append("etcd is not on PATH: apt-get install etcd-server (the name-resolution tier)")
+    if shutil.which("ip") is None:
+        missing.append("ip is not on PATH: apt-get install iproute2 (the multi-host tier)")
+    if os.geteuid() != 0:
+        missing.append("not root: the multi-host tier builds network namespaces and the disk-full tests mount a "
+                       "tmpfs; run the suite as root")
+    if importlib.util.find_spec("sglang_router") is None or shutil.which("smg") is None:
+        missing.append("sglang-router or smg is not installed: pip install 'sglang-router==0.3.2' 'smg==1.13.0' "
+                       "(the fleet tier)")
+    absent = [v for v in ALL_VERSIONS if not installed(v)]
+    if absent:
+        missing.append(f"SGLang {', '.join(absent)} not unpacked: bash scripts/install_sglang.sh (the sglang_code tier)")
+    return missing
+
+
+def pytest_sessionstart(session) -> None:
+    if not strict() or session.config.option.collectonly:
+        return
+    missing = missing_prerequisites()
+    if missing:
+        pytest.exit("strict mode (CI or WSYNC_STRICT set): this machine cannot run the whole suite:\n  "
+                    + "\n  ".join(missing) + "\n(bash scripts/test.sh installs all of it)", returncode=4)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and strict()) or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not any(allowed in reason for allowed in ALLOWED_SKIPS):
+        report.outcome = "failed"
+        report.longrepr = (f"strict mode (CI or {STRICT_ENV} set): skipped for a reason not in "
+                           f"tests/conftest.py ALLOWED_SKIPS: {reason}")
