@@ -16,7 +16,6 @@ import inspect
 import logging
 import os
 import socket
-import threading
 from collections.abc import Collection
 from datetime import timedelta
 
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from bridge.bounded import call_within
 from bridge.errors import ConfigError, SyncTimeout
 
 __all__ = ["default_backend", "destroy_custom_process_group", "find_free_port", "init_custom_process_group",
@@ -140,34 +140,13 @@ def init_custom_process_group(
     # The rendezvous and gloo's connection set-up each wait up to the timeout, and the store client
     # retries: left alone, they add up to 2-3x ``timeout``. The caller gets its answer within
     # ``timeout``; a rendezvous that completes later anyway is torn down by its own thread.
-    box: list = []
-    abandoned = threading.Event()
-
-    def join() -> None:
-        try:
-            pg = _join(master_address, master_port, world_size, rank, group_name, backend, timeout)
-        except BaseException as e:  # handed to the caller's thread
-            box.append(("error", e))
-            return
-        if abandoned.is_set():
-            destroy_custom_process_group(pg)
-        else:
-            box.append(("ok", pg))
-
-    worker = threading.Thread(target=join, name=f"wsync-rendezvous-{group_name}", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if not box:
-        abandoned.set()
-        raise SyncTimeout(
-            f"weight-update group {group_name!r}: not all {world_size} ranks joined "
-            f"{_tcp_url(master_address, master_port)} within group_timeout={timeout:g} s"
-        )
-    kind, value = box[0]
-    if kind == "error":
-        raise value
+    pg = call_within(
+        lambda: _join(master_address, master_port, world_size, rank, group_name, backend, timeout), timeout,
+        f"weight-update group {group_name!r}: not all {world_size} ranks joined {_tcp_url(master_address, master_port)}",
+        bound_name="group_timeout", late=destroy_custom_process_group, thread_name=f"wsync-rendezvous-{group_name}",
+    )
     logger.info("joined weight-update group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
-    return value
+    return pg
 
 
 def _join(master_address: str, master_port: int, world_size: int, rank: int, group_name: str, backend: str,

@@ -54,10 +54,11 @@ import torch
 import torch.distributed as dist
 
 from bridge.agreement import Agreement, describe, note_failure_time
+from bridge.bounded import call_within
 from bridge.buckets import Bucket, plan_buckets
 from bridge.config import PublisherConfig
 from bridge.encodings import encoding_class
-from bridge.errors import BridgeError, ConfigError, VersionError
+from bridge.errors import BridgeError, ConfigError, SyncTimeout, VersionError
 from bridge.failpoints import failpoint
 from bridge.interrupts import held
 from bridge.log import fmt_bytes, get_logger, progress_bar
@@ -446,22 +447,18 @@ def dead_rank_bound(config: PublisherConfig) -> float:
 def _abort_within(transport: Transport, reason: str, seconds: float) -> str:
     """Run ``transport.abort`` for at most ``seconds``; a server that does not answer (stopped, say)
     must not delay the error. Whatever is left goes on in the background (it is idempotent cleanup)."""
-    box: list[str] = []
 
-    def run() -> None:
+    def run() -> str:
         try:
-            box.append(transport.abort(reason))
+            return transport.abort(reason)
         except Exception as e:  # best effort by contract; never hide the cause behind it
             logger.warning("aborting the sync failed: %s", e)
-            box.append("")
+            return ""
 
-    worker = threading.Thread(target=run, name="wsync-abort", daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        _pending_aborts.append(worker)
+    try:
+        return call_within(run, seconds, "aborting the sync", background=_pending_aborts, thread_name="wsync-abort")
+    except SyncTimeout:  # (run itself never raises)
         return f"cleanup goes on in the background: a server did not answer within {seconds:g} s"
-    return box[0]
 
 
 _pending_aborts: list[threading.Thread] = []

@@ -26,10 +26,10 @@ import json
 import os
 import socket
 import threading
-import time
 import uuid
 from urllib.parse import quote
 
+from bridge.bounded import each_within
 from bridge.errors import BridgeError, NameEntryExists, NameEntryNotFound, ServerError
 from bridge.log import get_logger
 from bridge.protocol import ANOTHER_WRITER
@@ -156,13 +156,8 @@ class WriterLease:
         """Release every server still held and stop renewing; never raises, and returns within ``seconds``
         (a server that does not answer is left to its thread; its lease runs out on its own)."""
         self._stop.set()
-        threads = [threading.Thread(target=self.release_one, args=(c,), name="wsync-lease-release", daemon=True)
-                   for c in self.servers.clients if c.url in self._held]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + seconds
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        each_within(self.release_one, [c for c in self.servers.clients if c.url in self._held], seconds,
+                    thread_name="wsync-lease-release")
 
     def stop_renewing(self) -> None:
         """Renew nothing any more (what is still held runs out within the lease)."""

@@ -9,9 +9,9 @@ every other publisher off the servers for the sync.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import threading
 import time
 
+from bridge.bounded import each_within
 from bridge.errors import BridgeError, DeltaBaseMismatch, ServerError, SyncError, VersionError
 from bridge.failpoints import armed, failpoint
 from bridge.log import get_logger
@@ -214,13 +214,7 @@ class ServerSessions:
             if c.url in taken:  # let go of the server, once it is resumed (or held paused)
                 lease.release_one(c, taken[c.url])
 
-        threads = [threading.Thread(target=one, args=(c,), name="wsync-abort-server", daemon=True)
-                   for c in self.servers.clients]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + seconds
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        each_within(one, self.servers.clients, seconds, thread_name="wsync-abort-server")
         if lease is not None:
             lease.stop_renewing()  # a server whose thread is still stuck: its lease runs out on its own
 
