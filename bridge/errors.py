@@ -6,11 +6,13 @@ boundary where they happen, so callers handle one small family:
     BridgeError
     ├── ConfigError          a flag, config field or argument is wrong (also a ValueError)
     ├── ServerError          an inference server answered with an error, or could not be reached
+    │   └── SessionAlreadyOpen   a server refused to open an update session: one is open already
     ├── SyncTimeout          something did not finish within its configured timeout (also a TimeoutError)
     ├── SyncError            a weight sync failed; servers keep serving their previous version
     │   └── DeltaBaseMismatch    a server refused a delta: it does not serve the delta's base
     ├── VersionError         a version was refused (not strictly increasing, unknown, ...)
     ├── SnapshotError        a snapshot on disk is missing, incomplete or corrupt
+    │   └── SnapshotConflict     the version's snapshot exists already, with other content
     └── NameResolveError     the name-resolution backend failed
         └── NameEntryNotFound
 """
@@ -25,6 +27,8 @@ __all__ = [
     "NameEntryNotFound",
     "NameResolveError",
     "ServerError",
+    "SessionAlreadyOpen",
+    "SnapshotConflict",
     "SnapshotError",
     "SyncError",
     "SyncTimeout",
@@ -33,7 +37,16 @@ __all__ = [
 
 
 class BridgeError(Exception):
-    """Base of every error this project raises on purpose."""
+    """Base of every error this project raises on purpose.
+
+    Attributes (set by :mod:`bridge.agreement` on the error a failed step raises on every rank):
+        interrupt: the KeyboardInterrupt or SystemExit this rank caught in the step, for the caller to
+            raise again after the clean-up; None otherwise.
+        agreement_broken: True when a rank left (died): it takes part in no further exchange.
+    """
+
+    interrupt: BaseException | None = None
+    agreement_broken: bool = False
 
 
 class ConfigError(BridgeError, ValueError):
@@ -63,6 +76,11 @@ class ServerError(BridgeError):
         super().__init__(f"{where}{code}: {message}")
 
 
+class SessionAlreadyOpen(ServerError):
+    """A server refused to open a weight-update session (``/begin_weight_update``) because one is open
+    already: this client's, or one another writer left (:class:`bridge.transports.ServerSessions` tells)."""
+
+
 class SyncTimeout(BridgeError, TimeoutError):
     """A step of a sync (HTTP call, rendezvous, broadcast) exceeded its timeout."""
 
@@ -82,6 +100,10 @@ class VersionError(BridgeError, ValueError):
 
 class SnapshotError(BridgeError):
     """A snapshot directory is missing, incomplete, or fails verification against its manifest."""
+
+
+class SnapshotConflict(SnapshotError):
+    """A snapshot of this version exists already with other content: versions are immutable."""
 
 
 class NameResolveError(BridgeError):

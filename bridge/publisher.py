@@ -172,9 +172,8 @@ class WeightPublisher:
         except BridgeError as e:
             self._encoding.failed(plan)
             failed = self._failed(version, e, began)
-            interrupt = getattr(e, "interrupt", None)
-            if interrupt is not None:  # raised in a step on this rank: it ends the program, after the clean-up
-                raise interrupt from failed
+            if e.interrupt is not None:  # raised in a step on this rank: it ends the program, after the clean-up
+                raise e.interrupt from failed
             raise failed from None
         except BaseException as e:  # outside every step (a second Ctrl-C, a bug): leave, and clean up alone
             self._encoding.failed(plan)
@@ -301,7 +300,7 @@ class WeightPublisher:
             from bridge.fleet import Fleet
 
             self._fleet = Fleet(cfg, self.run_id)
-        snapshot = getattr(self._transport, "newest_snapshot", None)
+        snapshot = self._transport.newest_snapshot if self._transport is not None else None
         servers = self._fleet.prepare(snapshot) if self._fleet is not None else None
         if self._transport is None:
             self._transport = self._kind(cfg, servers)
@@ -360,7 +359,7 @@ class WeightPublisher:
     def _failed(self, version: int, error: BridgeError, began: bool) -> BridgeError:
         """After an agreed failure: rank 0 aborts the transport; the error every rank raises."""
         status = ""
-        broken = getattr(error, "agreement_broken", False)
+        broken = error.agreement_broken
         if began and self._part is not None:
             self._part.abort(ABORT_WAIT_S)
             if self._part.stops_before_abort and not broken:

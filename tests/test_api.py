@@ -183,3 +183,17 @@ def test_two_trials_on_the_default_snapshot_root_do_not_collide(model, tmp_path)
             default_snapshot_root(experiment, "..")
     finally:
         shutil.rmtree(os.path.join(default_snapshot_root(), experiment), ignore_errors=True)
+
+
+def test_a_second_update_session_is_refused_as_already_open(server):
+    """The refusal is its own error type (the publisher branches on it, never on the message's text)."""
+    from bridge.errors import ServerError, SessionAlreadyOpen
+
+    c = server.client
+    c.begin_weight_update()
+    try:
+        with pytest.raises(SessionAlreadyOpen) as e:
+            c.begin_weight_update()
+        assert isinstance(e.value, ServerError) and e.value.status == 400 and e.value.server == server.url
+    finally:
+        c.abort_weight_update()

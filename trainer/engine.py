@@ -75,6 +75,8 @@ class FSDPEngine:
         self._tied_output_name: str | None = None  # e.g. "lm_head.weight" when it shares the embedding
         self._tied_input_name: str | None = None
         self._pad_token_id = 0
+        self._publisher = None  # upload_weights' publisher, kept while its settings (_publisher_key) stay
+        self._publisher_key: tuple | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -132,8 +134,8 @@ class FSDPEngine:
         from bridge.publisher import WeightPublisher
 
         key = meta.config_key()
-        if getattr(self, "_publisher_key", None) != key:
-            if getattr(self, "_publisher", None) is not None:
+        if self._publisher_key != key:
+            if self._publisher is not None:
                 self._publisher.close()
             self._publisher, self._publisher_key = WeightPublisher(meta.publisher_config()), key
         result = self._publisher.publish(self, meta.version)
@@ -142,9 +144,9 @@ class FSDPEngine:
 
     def destroy(self) -> None:
         """Drop the model and optimizer; destroy the default process group if this engine created it."""
-        if getattr(self, "_publisher", None) is not None:
+        if self._publisher is not None:
             self._publisher.close()
-            self._publisher = None
+            self._publisher = self._publisher_key = None
         self._model = self._optimizer = self._scheduler = self._param_index = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

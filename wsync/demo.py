@@ -165,12 +165,12 @@ def _trainer_main(spec: dict) -> int:
 
     pubs = {t: WeightPublisher(config(t)) for t in transports}
     table = _Table(spec["servers"]) if engine.rank == 0 else None
-    records, ok = [], True
+    records, ok, answerer = [], True, {}
     per_rank = max(1, spec["batch_size"] // engine.world_size)
     try:
         for step in range(1, spec["steps"] + 1):
             stats = engine.train_batch(make_batch(engine.tokenizer, per_rank, seed=step * 1009 + engine.rank))
-            reference = _trainer_answer(engine, spec)  # collective gather; rank 0 gets the answer
+            reference = _trainer_answer(engine, spec, answerer)  # collective gather; rank 0 gets the answer
             for transport, pub in pubs.items():
                 res = pub.publish(engine, version=step)
                 if engine.rank != 0:
@@ -204,8 +204,9 @@ def _trainer_main(spec: dict) -> int:
     return 0
 
 
-def _trainer_answer(engine, spec: dict) -> str | None:
-    """The trainer's own greedy answer for its current weights cast to the serving dtype (rank 0)."""
+def _trainer_answer(engine, spec: dict, cache: dict) -> str | None:
+    """The trainer's own greedy answer for its current weights cast to the serving dtype (rank 0); the
+    model that answers is made once, kept in ``cache``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -219,11 +220,10 @@ def _trainer_answer(engine, spec: dict) -> str | None:
             state[s.name] = full.to(dtype)
     if engine.rank != 0:
         return None
-    model = getattr(engine, "_demo_reference_model", None)
+    model = cache.get("model")
     if model is None:
-        model = AutoModelForCausalLM.from_config(engine.model_config, dtype=dtype)
+        model = cache["model"] = AutoModelForCausalLM.from_config(engine.model_config, dtype=dtype)
         model.eval()
-        engine._demo_reference_model = model
     model.load_state_dict(state, strict=False)
     if getattr(engine.model_config, "tie_word_embeddings", False):
         model.tie_weights()

@@ -11,7 +11,7 @@ from typing import Any
 
 from bridge.client.connection import Connection
 from bridge.client.updates import WeightUpdateRoutes
-from bridge.errors import BridgeError, ConfigError, ServerError, SyncTimeout
+from bridge.errors import BridgeError, ConfigError, ServerError, SessionAlreadyOpen, SyncTimeout
 from bridge.log import get_logger
 from bridge.protocol import ProtocolFeatures
 
@@ -322,8 +322,18 @@ class ServerClient(WeightUpdateRoutes):
     # ------------------------------------------------------------------ sessions and versions
 
     def begin_weight_update(self) -> dict:
-        """Open an update session (SGLang >= 0.5.21); elsewhere a no-op that reports success."""
-        return self._session("/begin_weight_update")
+        """Open an update session (SGLang >= 0.5.21); elsewhere a no-op that reports success.
+
+        Raises:
+            SessionAlreadyOpen: a session is open already (the server's message says so; neither SGLang nor
+                the reference server gives a machine-readable reason for it).
+        """
+        try:
+            return self._session("/begin_weight_update")
+        except ServerError as e:
+            if "already" in e.message or "end_weight_update" in e.message:
+                raise SessionAlreadyOpen(e.server, e.message, e.status, e.route, e.reason) from None
+            raise
 
     def end_weight_update(self) -> dict:
         """Close the update session (SGLang >= 0.5.21; the reference server swaps weights here)."""

@@ -450,7 +450,7 @@ class DeltaEncoding(Encoding):
         self._into_real_sglang = False
 
     def result(self, plan) -> dict:
-        enc = getattr(plan, "encoded", None)
+        enc = plan.encoded
         if enc is None:
             return {"encoding": "full"}
         out: dict[str, Any] = {"encoding": enc.mode, "anchor_reason": enc.reason,

@@ -49,7 +49,7 @@ def delta_route(servers, base_version: int | None) -> tuple[str | None, str | No
     repairs it, with every tensor. Otherwise reference servers check the base version and digest of every
     delta bucket themselves; real SGLang's loader cannot answer a refusal, so before a delta to it every
     server must report the base version."""
-    out = getattr(servers, "out_of_rotation", None) or {}
+    out = servers.out_of_rotation
     if out:
         return ("out of rotation until a full sync repairs it: "
                 + "; ".join(f"{u} ({why})" for u, why in out.items())), None

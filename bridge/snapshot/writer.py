@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bridge.errors import BridgeError, ConfigError, SnapshotError
+from bridge.errors import BridgeError, ConfigError, SnapshotConflict, SnapshotError
 from bridge.log import fmt_bytes, get_logger
 from bridge.snapshot.checksums import crc_extend, crc_hex
 from bridge.snapshot.manifest import (
@@ -344,7 +344,7 @@ class SnapshotWriter:
                 f"remove it or write a new version"
             ) from None
         if {k: old.get(k) for k in CONTENT_KEYS} != {k: new[k] for k in CONTENT_KEYS}:
-            raise SnapshotError(
+            raise SnapshotConflict(
                 f"{self.final_dir} already exists with different content; versions are immutable: "
                 f"write version {self.version} only once, or use a new version number"
             )

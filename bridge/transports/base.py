@@ -156,6 +156,9 @@ class Transport:
         self.config = config
         self.servers = servers
         """A :class:`bridge.client.ServerGroup` of ``config.servers``, or None without servers."""
+        self.sessions: ServerSessions | None = None
+        """The servers' update sessions of the sync in progress, for a transport that pauses the servers and
+        updates them in sessions (broadcast, colocated); None otherwise."""
         self._writer_lease = None
 
     @classmethod
@@ -208,6 +211,11 @@ class Transport:
     def close(self) -> None:
         """Rank 0: release connections."""
 
+    def newest_snapshot(self):
+        """Rank 0: the newest complete snapshot a server out of rotation can be repaired from (a
+        :class:`bridge.name_resolve.Announcement`), or None; only a transport that writes snapshots (disk) has one."""
+        return None
+
     def use_servers(self, servers) -> None:
         """Rank 0, before ``begin``: the servers of the next sync (the fleet found them at this publish;
         :mod:`bridge.fleet`). A transport that keeps state per server set (a process group) overrides it and
@@ -219,8 +227,7 @@ class Transport:
     def held(self) -> dict[str, str]:
         """Rank 0, after a sync: the servers it left paused on purpose, url -> ``torn: why`` or ``failed:
         why`` (their weights may be partly changed, or they did not take the version beside the others)."""
-        sessions = getattr(self, "sessions", None)
-        return dict(sessions.held) if isinstance(sessions, ServerSessions) else {}
+        return dict(self.sessions.held) if self.sessions is not None else {}
 
     def writer_lease(self):
         """This publisher's hold on its servers, one writer at a time (:class:`bridge.transports.lease.WriterLease`),

@@ -102,7 +102,6 @@ class BroadcastTransport(Transport):
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.pg: dist.ProcessGroup | None = None
         self.group_name: str | None = None
-        self.sessions: ServerSessions | None = None
         self.load_format = "flattened_bucket"
         self._inflight = None  # (k, broadcast works, HTTP futures, buffer)
 
@@ -179,7 +178,7 @@ class BroadcastTransport(Transport):
         lost the group, and this publish repairs it. The old one is dropped here and on the servers that stay
         (a dead one is not waited for)."""
         changed = servers is None or servers.urls != self.servers.urls
-        if self.pg is not None and (changed or getattr(servers, "out_of_rotation", None)):
+        if self.pg is not None and (changed or servers.out_of_rotation):
             self._teardown_group(keep=set(servers.urls) if servers is not None else set())
         super().use_servers(servers)
 

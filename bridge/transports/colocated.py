@@ -70,7 +70,6 @@ class ColocatedTransport(Transport):
 
     def __init__(self, config, servers):
         super().__init__(config, servers)
-        self.sessions: ServerSessions | None = None
         self.device: torch.device | None = None  # the buckets' CUDA device for real SGLang; None: shm files
         self._inflight = None  # (k, futures, path or CUDA buffer)
         self._paths: list[str] = []

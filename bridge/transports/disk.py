@@ -53,7 +53,16 @@ from dataclasses import dataclass
 import torch
 
 from bridge.buckets import Bucket, unflatten_bucket
-from bridge.errors import BridgeError, ConfigError, ServerError, SnapshotError, SyncError, SyncTimeout, VersionError
+from bridge.errors import (
+    BridgeError,
+    ConfigError,
+    ServerError,
+    SnapshotConflict,
+    SnapshotError,
+    SyncError,
+    SyncTimeout,
+    VersionError,
+)
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger
 from bridge.tensors import dtype_from_str, host_buffer
@@ -228,11 +237,9 @@ class DiskTransport(Transport):
             writer.add_shard(fname, shards[fname])
         try:
             info = writer.finish()
-        except SnapshotError as e:
-            if "different content" in str(e):
-                raise VersionError(f"version {plan.version} was already published with different weights; "
-                                   f"publish them under a higher version ({e})") from e
-            raise
+        except SnapshotConflict as e:
+            raise VersionError(f"version {plan.version} was already published with different weights; "
+                               f"publish them under a higher version ({e})") from e
         plan.phases["write"] = time.perf_counter() - self._t_write
         t = time.perf_counter()
         ann = Announcement(version=plan.version, path=info.path, manifest_sha256=info.manifest_sha256,
@@ -264,7 +271,7 @@ class DiskTransport(Transport):
         if failed:
             # The version is announced and complete: a watcher will still load it. Say so.
             raise SyncError(f"version {plan.version} is announced at {info.path}, but servers did not load it: {failed}")
-        return {"servers": servers, "path": info.path, "retried": bool(getattr(info, "existed", False)),
+        return {"servers": servers, "path": info.path, "retried": info.existed,
                 "bytes": info.total_bytes}
 
     def _withdraw(self, version: int) -> None:

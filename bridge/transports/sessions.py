@@ -12,7 +12,7 @@ import concurrent.futures as cf
 import time
 
 from bridge.bounded import each_within
-from bridge.errors import BridgeError, DeltaBaseMismatch, ServerError, SyncError, VersionError
+from bridge.errors import BridgeError, DeltaBaseMismatch, ServerError, SessionAlreadyOpen, SyncError, VersionError
 from bridge.failpoints import armed, failpoint
 from bridge.log import get_logger
 from bridge.protocol import DELTA_BASE_MISMATCH
@@ -79,8 +79,8 @@ class ServerSessions:
     def _begin(self, c) -> None:
         try:
             c.begin_weight_update()
-        except ServerError as e:
-            if "already" not in e.message and "end_weight_update" not in e.message or c.is_reference_server:
+        except SessionAlreadyOpen:
+            if c.is_reference_server:
                 # The reference server discarded, when this writer took it, any session of a writer that no
                 # longer holds it; one still open belongs to a client that named no writer, or is live.
                 raise
@@ -182,7 +182,7 @@ class ServerSessions:
         milliseconds. Returns after at most ``seconds``; a server still not answered is left to its thread."""
         in_session, paused = set(self.in_session), set(self.paused)
         self.in_session, self.paused = [], []
-        out = getattr(self.servers, "out_of_rotation", {})
+        out = self.servers.out_of_rotation
 
         lease = self.lease
         taken = lease.held() if lease is not None else {}  # released once, by this abort
@@ -296,7 +296,7 @@ def bucket_answers(clients: list, futures: list, k: int, seconds: float, setting
         except BridgeError as e:
             errors.append(e)
     if errors:
-        if any(getattr(e, "reason", None) == DELTA_BASE_MISMATCH for e in errors):
+        if any(isinstance(e, ServerError) and e.reason == DELTA_BASE_MISMATCH for e in errors):
             raise DeltaBaseMismatch("; ".join(map(str, errors)))
         refused = all(isinstance(e, VersionError) for e in errors)
         raise (VersionError if refused else SyncError)("; ".join(map(str, errors)))
