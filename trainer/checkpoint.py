@@ -51,31 +51,32 @@ def save(engine, path: str | os.PathLike, weight_format: str = "hf", with_optim:
     _check_format(weight_format)
     path = Path(path)
     if weight_format == "dcp":
-        state = {"model": get_model_state_dict(engine._model)}
+        state = {"model": get_model_state_dict(engine.model)}
         if with_optim:
-            state["optim"] = get_optimizer_state_dict(engine._model, engine._optimizer)
-            state["extra"] = {"scheduler": engine._scheduler.state_dict(), "step": engine._step}
+            state["optim"] = get_optimizer_state_dict(engine.model, engine.optimizer)
+            state["extra"] = {"scheduler": engine.lr_scheduler.state_dict(), "step": engine.global_step}
         dcp.save(state, checkpoint_id=str(path))
         dist.barrier()
         return
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(engine._model, options=full)  # {} on ranks other than 0
-    optim = get_optimizer_state_dict(engine._model, engine._optimizer, options=full) if with_optim else None
+    weights = get_model_state_dict(engine.model, options=full)  # {} on ranks other than 0
+    optim = get_optimizer_state_dict(engine.model, engine.optimizer, options=full) if with_optim else None
 
     def write() -> None:
         path.mkdir(parents=True, exist_ok=True)
-        if engine._tied_output_name is not None:
-            weights.pop(engine._tied_output_name, None)
+        tied = engine.tied_names  # (input, output): the head is the embedding, stored once
+        if tied is not None:
+            weights.pop(tied[1], None)
         _write_safetensors(weights, path)
-        engine._model_config.save_pretrained(path)
-        if engine._generation_config is not None:
-            engine._generation_config.save_pretrained(path)
-        if engine._tokenizer is not None:
-            engine._tokenizer.save_pretrained(path)
+        engine.model_config.save_pretrained(path)
+        if engine.generation_config is not None:
+            engine.generation_config.save_pretrained(path)
+        if engine.tokenizer is not None:
+            engine.tokenizer.save_pretrained(path)
         if with_optim:
             torch.save(
-                {"optimizer": optim, "scheduler": engine._scheduler.state_dict(), "step": engine._step},
+                {"optimizer": optim, "scheduler": engine.lr_scheduler.state_dict(), "step": engine.global_step},
                 path / _OPTIM_FILE,
             )
 
@@ -95,15 +96,16 @@ def load(engine, path: str | os.PathLike, weight_format: str = "hf", with_optim:
         _load_dcp(engine, path, with_optim)
         return
 
-    expected = {n: tuple(p.shape) for n, p in engine._model.named_parameters()}
+    expected = {n: tuple(p.shape) for n, p in engine.model.named_parameters()}
     loaded: dict = {}
 
     def read() -> None:
         if not path.is_dir():
             raise ConfigError(f"checkpoint {str(path)!r} does not exist (or is not a directory)")
         weights = _read_safetensors(path)
-        if engine._tied_output_name is not None and engine._tied_output_name not in weights:
-            weights[engine._tied_output_name] = weights.get(engine._tied_input_name)
+        tied = engine.tied_names  # (input, output): the head was left out; it is the embedding
+        if tied is not None and tied[1] not in weights:
+            weights[tied[1]] = weights.get(tied[0])
         _check_weights(weights, expected, path)
         loaded["weights"] = weights
         if with_optim:
@@ -113,36 +115,36 @@ def load(engine, path: str | os.PathLike, weight_format: str = "hf", with_optim:
 
     _on_rank0(engine, read, what=f"reading {path}")
     from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(engine._model, loaded.get("weights", {}), options=from_rank0)
+    set_model_state_dict(engine.model, loaded.get("weights", {}), options=from_rank0)
     if with_optim:
         _set_optim_state(engine, loaded.get("optimizer", {}), options=from_rank0)
         extra = [{"scheduler": loaded.get("scheduler"), "step": loaded.get("step")}]
         dist.broadcast_object_list(extra, src=0)
-        engine._scheduler.load_state_dict(extra[0]["scheduler"])
-        engine._step = int(extra[0]["step"])
+        engine.lr_scheduler.load_state_dict(extra[0]["scheduler"])
+        engine.global_step = extra[0]["step"]
     if engine.rank == 0:
         logger.info("loaded hf checkpoint from %s (optimizer: %s)", path, with_optim)
 
 def _load_dcp(engine, path: Path, with_optim: bool) -> None:
-    missing = torch.tensor([0 if (path / ".metadata").is_file() else 1], device=engine._device)
+    missing = torch.tensor([0 if (path / ".metadata").is_file() else 1], device=engine.device)
     dist.all_reduce(missing)  # every rank reads DCP files: agree before the collective load
     if int(missing):
         raise ConfigError(f"DCP checkpoint {str(path)!r} does not exist on every rank (no .metadata)")
-    state = {"model": get_model_state_dict(engine._model)}
+    state = {"model": get_model_state_dict(engine.model)}
     if with_optim:
-        state["optim"] = get_optimizer_state_dict(engine._model, engine._optimizer)
-        state["extra"] = {"scheduler": engine._scheduler.state_dict(), "step": engine._step}
+        state["optim"] = get_optimizer_state_dict(engine.model, engine.optimizer)
+        state["extra"] = {"scheduler": engine.lr_scheduler.state_dict(), "step": engine.global_step}
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(engine._model, state["model"])
+    set_model_state_dict(engine.model, state["model"])
     if with_optim:
         _set_optim_state(engine, state["optim"])
-        engine._scheduler.load_state_dict(state["extra"]["scheduler"])
-        engine._step = int(state["extra"]["step"])
+        engine.lr_scheduler.load_state_dict(state["extra"]["scheduler"])
+        engine.global_step = state["extra"]["step"]
 
 def _set_optim_state(engine, state: dict, options: StateDictOptions | None = None) -> None:
-    set_optimizer_state_dict(engine._model, engine._optimizer, state, options=options)
+    set_optimizer_state_dict(engine.model, engine.optimizer, state, options=options)
     # Serialisation turns the betas tuple into a list; keep param_groups exactly as AdamW builds them.
-    for group in engine._optimizer.param_groups:
+    for group in engine.optimizer.param_groups:
         group["betas"] = tuple(group["betas"])
 
 

@@ -176,9 +176,22 @@ class FSDPEngine:
         return self._model_config
 
     @property
+    def generation_config(self):
+        """The model's HF generation config (None when it has none); a checkpoint saves it."""
+        return self._generation_config
+
+    @property
     def tie_word_embeddings(self) -> bool:
         """Whether the output head shares the input embedding (SGLang then skips ``lm_head.weight``)."""
         return self._tied_output_name is not None
+
+    @property
+    def tied_names(self) -> tuple[str, str] | None:
+        """(input embedding, output head) parameter names when the head shares the embedding (e.g.
+        ``model.embed_tokens.weight``, ``lm_head.weight``), else None. A checkpoint leaves the head out."""
+        if self._tied_output_name is None:
+            return None
+        return self._tied_input_name, self._tied_output_name
 
     @property
     def device(self) -> torch.device:
@@ -205,8 +218,12 @@ class FSDPEngine:
 
     @property
     def global_step(self) -> int:
-        """Successful optimizer steps so far (skipped steps do not count)."""
+        """Successful optimizer steps so far (skipped steps do not count); set by loading a checkpoint."""
         return self._step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self._step = int(value)
 
     def _check_initialized(self) -> None:
         if self._model is None:
