@@ -479,14 +479,17 @@ def test_an_older_version_is_refused_unless_a_new_run_starts(client, roots):
                                                    "wsync_run_id": "run-a"})
     assert r.status_code == 400 and "older than the served version 3" in message(r)
     assert served(client) == before
-    # A session: the run is claimed at begin; the bucket carrying the older version is refused.
+    # A session: the run is claimed at begin; the bucket carrying the older version is refused. It carries
+    # other bytes than the served ones, so that applying it anyway would show.
     client.begin_weight_update()
     path, entry = bucket_entry(before_norm(client))
+    other_path, other = bucket_entry(torch.full((128,), 9.0, dtype=torch.bfloat16))
     try:
-        r = post(client, "/update_weights_from_tensor", {"serialized_named_tensors": [entry], "load_format": "wsync_shm",
+        r = post(client, "/update_weights_from_tensor", {"serialized_named_tensors": [other], "load_format": "wsync_shm",
                                                          "weight_version": "2"})
         assert r.status_code == 400 and "older than the served version 3" in message(r), r.text
         assert not client.server_info()["internal_states"][0]["update_session_open"]
+        assert served(client) == before, "the refused bucket changed the served weights"
         assert post(client, "/begin_weight_update", {"wsync_run_id": "run-b"}).status_code == 200
         r = post(client, "/update_weights_from_tensor", {"serialized_named_tensors": [entry], "load_format": "wsync_shm",
                                                          "weight_version": "1"})
@@ -494,7 +497,8 @@ def test_an_older_version_is_refused_unless_a_new_run_starts(client, roots):
         client.end_weight_update()
     finally:
         os.remove(path)
-    assert served(client)["version"] == "1"
+        os.remove(other_path)
+    assert served(client) == {**before, "version": "1"}  # the accepted bucket carried the served bytes
     r = post(client, "/update_weight_version", {"new_version": "x", "wsync_run_id": 5})
     assert r.status_code == 400 and "wsync_run_id" in message(r)
 
