@@ -238,12 +238,13 @@ def _restart_tamper_fail(url: str, pid: int, model_dir: str):
                 shape = {s.name: s.shape for s in engine.param_specs()}[name]
                 _put(c, {name: torch.zeros(shape, dtype=torch.bfloat16)}, "4")
             if v == 6:
+                was = ServerClient(url).weights_checksum()["checksums"] if engine.rank == 0 else None  # v5's
                 for point in ("delta:0@1", "settle@1"):
                     os.environ["WSYNC_FAILPOINTS"] = point
                     try:
                         pub.publish(engine, version=6)
                     except SyncError as e:
-                        failures.append((point, str(e), sb.serving_now(url) if engine.rank == 0 else None))
+                        failures.append((point, str(e), sb.serving_now(url) if engine.rank == 0 else None, was))
                     finally:
                         del os.environ["WSYNC_FAILPOINTS"]
             rows.append(_row(engine, [url], pub.publish(engine, version=v)))
@@ -259,6 +260,14 @@ def test_restarted_server_refused_delta_and_failed_delta_sync(server_factory, ti
     srv = server_factory(model=tiny_model_dir)
     (rows, failures), (rows1, failures1) = run_ranks(_restart_tamper_fail, 2, args=(srv.url, srv.process.pid, tiny_model_dir),
                                                      timeout=400)
+    # Each failed v6 raised on both ranks and left the server on v5, unpaused, with no session open, serving
+    # exactly what it served (checked first: otherwise it shows only later, as the next delta refused for its
+    # base); the base stayed at v5, so the next publish was a delta, bit-exact.
+    assert [f[0] for f in failures] == [f[0] for f in failures1] == ["delta:0@1", "settle@1"]
+    for point, _, now, was in failures:
+        assert now["version"] == "5" and now["paused"] is False and now["session_open"] is False, (point, now)
+        assert now["checksums"] == was, f"{point}: the failed sync changed the served weights"
+        assert now["generate_s"] < 1, (point, now)
     got = [(r["version"], r["encoding"]) for r in rows]
     assert got == [(1, "anchor"), (2, "delta"), (3, "anchor"), (4, "delta"), (5, "anchor"), (6, "delta")], rows
     # The fleet finds the restarted server on another version before anything moves (it is out of rotation
@@ -266,12 +275,6 @@ def test_restarted_server_refused_delta_and_failed_delta_sync(server_factory, ti
     assert "out of rotation" in rows[2]["reason"] and "behind the fleet's 2" in rows[2]["reason"], rows[2]
     assert "refused the delta" in rows[4]["reason"] and "not the delta's base" in rows[4]["reason"], rows[4]
     assert all(r["equal"] == {srv.url: True} for r in rows), rows
-    # Each failed v6 raised on both ranks and left the server on v5, unpaused, with no session open, serving
-    # exactly what it served; the base stayed at v5, so the next publish was a delta, bit-exact.
-    assert [f[0] for f in failures] == [f[0] for f in failures1] == ["delta:0@1", "settle@1"]
-    for point, _, now in failures:
-        assert now["version"] == "5" and now["paused"] is False and now["session_open"] is False, (point, now)
-        assert now["generate_s"] < 1, (point, now)
 
 
 def _held_then_repaired(urls: list[str]):
