@@ -4,7 +4,9 @@
 transformers imports a model's classes lazily, on first use, so importing ``transformers`` is not enough:
 building the tiny preset and its tokenizer once here imports everything a rank or a server needs (about
 2 s a process on 2 cores). Single-threaded on purpose (``OMP_NUM_THREADS=1``, set by tests/conftest.py
-before the forkserver starts): no thread pool exists to be broken by the forks that follow.
+before the forkserver starts), and ``torch.set_num_threads`` is never called here: it creates torch's
+pthreadpool, which a forked child then finds invalid ("Invalid thread pool!" from a loader thread of a
+server, seen intermittently). Each forked process makes its own.
 """
 
 import torch
@@ -15,7 +17,6 @@ import transformers  # noqa: F401
 
 from bridge.presets import build_model, build_tokenizer
 
-torch.set_num_threads(1)
 with torch.no_grad():
     _model = build_model("tiny", seed=0)
     _model.generate(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 2, dtype=torch.long), do_sample=False,
