@@ -190,6 +190,7 @@ def test_single_process_versions_retries_and_failed_sync(server, tiny_model_dir)
     from transformers import AutoModelForCausalLM
 
     from bridge import PublisherConfig, VersionError, WeightPublisher
+    from bridge.protocol import tensor_checksum
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with WeightPublisher(PublisherConfig(transport="colocated", servers=[server.url], bucket_mb=0.25, progress=False)) as pub:
@@ -208,4 +209,7 @@ def test_single_process_versions_retries_and_failed_sync(server, tiny_model_dir)
         assert not server.client.server_info()["internal_states"][0]["update_session_open"]
         assert pub.publish(model, version=201).servers == {server.url: "ok"}
         assert server.client.model_info()["weight_version"] == "201"
+        # ... with the weights of 201 (the ones refused under 200), not only its label.
+        want = {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in model.state_dict().items()}
+        assert server.client.weights_checksum()["checksums"] == want, "201 is served with other weights"
     assert glob.glob(os.path.join(SHM, f"wsync-{os.getpid()}-*")) == []
