@@ -15,8 +15,8 @@ How the blocks are treated (also said in docs/testing.md):
 
 Blocks run one by one in their own processes, in a temporary working folder with a fresh system temp
 folder (``TMPDIR``: what an earlier run left there does not change what a block prints), page by page
-(README.md first), in each page's order. The pages' relative links, the repository files and the tests they name in
-backticks must exist.
+(README.md first), in each page's order. The pages' relative links, and the repository files and tests
+they name in backticks, must exist.
 """
 
 from __future__ import annotations
