@@ -57,7 +57,7 @@ class PublisherConfig:
     """Where the servers are found, read again at the start of every publish: ``etcd://host:port`` or
     ``file:///dir`` (servers registered under ``wsync/<experiment>/<trial>/servers/``), or
     ``router+http://host:port`` (the workers of an sglang-router or smg); several for a registry and the
-    router that is the rotation (README, "Fleet")."""
+    router that is the rotation (docs/fleet.md)."""
     min_servers: int = 1
     """A publish fails when fewer servers than this answer, or take the version (a dead one is excluded)."""
     probe_timeout: float = 5.0

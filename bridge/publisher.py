@@ -438,7 +438,7 @@ def bucket_bound(config: PublisherConfig) -> float:
 def dead_rank_bound(config: PublisherConfig) -> float:
     """The most the other ranks take to raise when a trainer rank dies in the middle of a transfer: the
     bucket step's bound, the agreement's slack and the clean-up's wait; 2 x group_timeout + http_timeout
-    + 15 s (README, "Bounded time"). The servers are given back at once when rank 0's own step fails
+    + 15 s (docs/guarantees.md, "Bounded time"). The servers are given back at once when rank 0's own step fails
     (a gather with the dead rank does), without waiting that long."""
     return bucket_bound(config) + SLACK_S + ABORT_WAIT_S
 

@@ -50,7 +50,7 @@ def test_protocol_features(version, release, flags):
     ("0.5.21", "retract", True), ("0.5.23", "retract", True),  # a paused flush ignores them again
 ])
 def test_the_default_pause_keeps_requests_where_the_version_can(version, mode, flush_while_retracted):
-    """README, "Pausing": ``pause_mode="auto"`` pauses each server with a mode that loses no generation where
+    """docs/guarantees.md, "A sync loses no generation": ``pause_mode="auto"`` pauses each server with a mode that loses no generation where
     its version has one whose update can still flush the cache; the client never asks a server paused so
     for a flush it would refuse (0.5.6-0.5.21 would die of it)."""
     f = ProtocolFeatures.from_version(version)

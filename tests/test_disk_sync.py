@@ -94,7 +94,7 @@ def test_disk_sync_on_directory_backend(server, tmp_path):
 
 
 def test_disk_sync_on_etcd_survives_an_etcd_restart(server, etcd_server, tmp_path):
-    """README: "an etcd restart between publishes loses nothing": the announcement of v10, made before the
+    """docs/guarantees.md: "an etcd restart between publishes loses nothing": the announcement of v10, made before the
     restart, reads back the same after it (from a client that connects after the restart), and the
     trainer and watcher go on with v11 and v12 (whose publish collects v10, announcement included)."""
     from bridge.name_resolve import Announcement, make_name_resolve, names
@@ -376,7 +376,7 @@ def test_a_failed_write_on_rank_1_fails_every_rank_and_announces_nothing(tmp_pat
     print(f"every rank raised, {s0:.3f} s / {s1:.3f} s after the fault: {got0[0]}: {got0[1]}")
     assert got0 == got1, f"the ranks raised different errors: {got0} vs {got1}"
     assert got0[0] == "SnapshotError" and "rank 1" in got0[1] and "OSError" in got0[1] and "injected fault at write:1" in got0[1], got0
-    # README: "within 1 s of the fault". Measured 0.02-0.07 s on a 2-core machine at load 4-5 and up to
+    # docs/guarantees.md: "within 1 s of the fault". Measured 0.02-0.07 s on a 2-core machine at load 4-5 and up to
     # 0.14 s with two CPU hogs besides (load 8), where 0.1 s failed: 1 s is about 7x the worst seen. (Rank 1 notices the failed background
     # write when it next waits for it, at bucket 3, its next bucket; then every rank aborts and raises.)
     assert 0 <= max(s0, s1) < 1.0, f"rank 0 raised {s0:.3f} s and rank 1 {s1:.3f} s after the fault"

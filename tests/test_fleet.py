@@ -1,5 +1,5 @@
 """The fleet: servers are found at every publish, a dead server never stops training, and no server in
-rotation ever serves a torn, mixed or stale model (README, "Fleet").
+rotation ever serves a torn, mixed or stale model (docs/fleet.md).
 
 Real processes throughout: reference servers (one process each), a real etcd, SGLang's real routers
 (``sglang-router`` 0.3.2 and ``smg`` 1.13.0), and one trainer process publishing a plain HF model of the

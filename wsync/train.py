@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-registry", action="append", default=[], metavar="URL",
                    help="where the servers are found at every publish: etcd://host:port or file:///dir (servers "
                         "registered with `wsync serve --register` or `wsync register`), router+http://host:port (an "
-                        "sglang-router's or smg's workers); repeat for a registry and a router (README, 'Fleet')")
+                        "sglang-router's or smg's workers); repeat for a registry and a router (docs/fleet.md)")
     p.add_argument("--min-servers", type=int, default=1,
                    help="fail a publish when fewer servers answer or take the version (a dead one is excluded)")
     p.add_argument("--api-key", help="the servers' --api-key (bearer key of their routes)")

@@ -40,7 +40,7 @@ Failure handling lives once, in the driver: a transport raises whatever it meets
 it into one agreed error, calls ``abort`` on rank 0 and re-raises on every rank. When rank 0's own step
 failed, it calls ``abort`` at once, before the other ranks answer (unless ``gives_back_early`` is False),
 so that servers are not kept paused while it waits for a rank that died; ``abort`` must therefore be
-idempotent. Adding a transport is one new module (README, "Adding a transport")::
+idempotent. Adding a transport is one new module (docs/architecture.md, "Adding a transport")::
 
     @register
     class FileTransport(Transport):

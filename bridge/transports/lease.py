@@ -12,7 +12,7 @@ sync runs (a thread, every third of the lease), and releases it when the sync en
   (``etcd://host:port`` or ``file:///dir``), by a lock with a lease there, one key per server
   (``wsync/writer_lock/<url>``): an etcd lease, or an entry of the directory backend written under its lock
   file. Without ``writer_lock`` nothing stops two trainers from writing into one real SGLang server at once;
-  they must not share one (README, "One writer at a time").
+  they must not share one (docs/guarantees.md, "One writer at a time").
 
 Either way a writer that dies holds its servers for at most its lease (``writer_lease``, 10 s by default)
 after its last renewal; a live one keeps them as long as it works, so another trainer (a zombie's
@@ -180,7 +180,7 @@ class WriterLease:
                 self._lock(c)
                 kind = "lock"
             else:
-                return None  # real SGLang without a lock: nothing to take (README: do not share such a server)
+                return None  # real SGLang without a lock: nothing to take (docs/guarantees.md, "One writer at a time")
         except BaseException as e:  # reported by take(), after the others were tried
             return e
         with self._mutex:

@@ -86,7 +86,7 @@ class ServerSessions:
                 raise
             # Real SGLang: a session another writer left open. Holding the server's writer lock, it was left
             # by a writer that is gone: discard it (never commit it) and open ours. Without a lock, nothing
-            # tells a dead trainer's session from a live one's (README: do not share such a server).
+            # tells a dead trainer's session from a live one's (docs/guarantees.md, "One writer at a time").
             if self.lease is None or not self.lease.guards(c):
                 logger.warning("%s had an update session open, discarded without knowing whether its writer is "
                                "alive (no writer_lock): two trainers must not share a real SGLang server", c.url)
