@@ -80,10 +80,22 @@ def train_step(engine, seed: int) -> None:
     engine.train_batch(make_batch(engine.tokenizer, 8, seed=seed * 2 + engine.rank))
 
 
+# The publishers' default writer_lease (bridge/transports/base.py), renewed every third of it while a sync runs.
+WRITER_LEASE_S = 10.0
+# How long serving_now's generation probe waits. A server a failed sync resumed answers a 1-token generation
+# in milliseconds; one left paused holds it until something lifts the pause: for SGLang's own code nothing but
+# a publisher, for the reference server its watchdog once the writer lease ran out, at the earliest two thirds
+# of the lease (6.7 s) after publish() raised. So an answer within half the lease was not released by the
+# server's own safety net, and a loaded machine has seconds to produce one token. That the pause was lifted
+# when publish() raised is read from the reference server's state (``paused_at_once``), not timed.
+PROBE_S = WRITER_LEASE_S / 2
+
+
 def serving_now(url: str, lease_wait: float = 0.0) -> dict:
-    """A server right now: how long a 1-token generation takes (None: no answer within 3 s, the server
+    """A server right now: how long a 1-token generation takes (None: no answer within PROBE_S, the server
     holds it paused), its version, that a new update session can be opened (refused while one is left
-    open), and for the reference server its pause and session state, the writer holding it (a failed sync
+    open), and for the reference server whether it was paused when this was called (``paused_at_once``,
+    read before anything waits), its pause and session state, the writer holding it (a failed sync
     releases it; a dead trainer's runs out: ``lease_wait`` seconds are waited for that) and the checksum of
     every served tensor (SGLang's own code has no such route; its weights are torn by a failed sync by
     design, so it is then held paused until a publish repairs it)."""
@@ -93,17 +105,19 @@ def serving_now(url: str, lease_wait: float = 0.0) -> dict:
     from bridge.errors import BridgeError
 
     c = ServerClient(url, timeout=10)
+    reference = c.is_reference_server
+    paused_at_once = c.server_info()["internal_states"][0]["paused"] if reference else None
     t = time.monotonic()
     try:
-        answer = ServerClient(url, timeout=3).generate(input_ids=[1, 4, 5],
-                                                       sampling_params={"temperature": 0, "max_new_tokens": 1})
+        answer = ServerClient(url, timeout=PROBE_S).generate(input_ids=[1, 4, 5],
+                                                             sampling_params={"temperature": 0, "max_new_tokens": 1})
         generate_s, generate_version = time.monotonic() - t, answer["meta_info"]["weight_version"]
     except BridgeError:
         generate_s = generate_version = None
-    out = dict(generate_s=generate_s, generate_version=generate_version,
+    out = dict(generate_s=generate_s, generate_version=generate_version, paused_at_once=paused_at_once,
                version=c.model_info()["weight_version"], paused=None, session_open=None, checksums=None,
                writer_lease=None)
-    if c.is_reference_server:
+    if reference:
         deadline = time.monotonic() + lease_wait
         while (state := c.server_info()["internal_states"][0])["writer_lease"] and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -262,8 +276,8 @@ def assert_left_on(now: dict, version: int, was: dict, own_before: dict, own_aft
     if torn:
         assert now["generate_s"] is None, f"{where}: a server with torn weights answered a generation"
         return
+    assert_resumed(now, where)
     assert now["generate_version"] == str(version), f"{where}: answered from {now['generate_version']}"
-    assert now["generate_s"] is not None and now["generate_s"] < 1, f"{where}: generation still paused"
     if now["checksums"] is None:
         return
     assert now["paused"] is False and now["session_open"] is False, f"{where}: {now}"
@@ -271,6 +285,13 @@ def assert_left_on(now: dict, version: int, was: dict, own_before: dict, own_aft
     assert now["checksums"] == was["checksums"], f"{where}: the served weights changed"
     assert holds(now["checksums"], own_before), f"{where}: not the trainer's v{version}"
     assert not holds(now["checksums"], own_after), f"{where}: the new weights are served"
+
+
+def assert_resumed(now: dict, where: str) -> None:
+    """``now`` (:func:`serving_now`, right after publish() raised): the server was no longer paused then (the
+    reference server's state) and answers a generation (within PROBE_S: not released by its own watchdog)."""
+    assert now["paused_at_once"] is not True, f"{where}: still paused when publish() raised"
+    assert now["generate_s"] is not None, f"{where}: no generation answered within {PROBE_S:g} s: still paused"
 
 
 def answers_within(url: str, seconds: float) -> bool:

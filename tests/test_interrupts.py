@@ -69,7 +69,7 @@ def _interrupt_matrix(urls: list[str], nr_url: str, root: str, transports: list[
                 run = dict(before=_observe(urls, nr_url, root, disk) if rank0 else None, own_before=own_before,
                            own_after=own_after, outcomes=[])
                 for point, _, _ in INTERRUPTS:
-                    torch.distributed.barrier()  # rank 0 may still be observing a held server (3 s)
+                    torch.distributed.barrier()  # rank 0 may still be observing a held server (sb.PROBE_S)
                     os.environ[ENV] = point
                     t = time.monotonic()
                     try:
@@ -112,7 +112,7 @@ def _check_matrix(runs0: dict, runs1: dict, transports: list[tuple[str, int]], u
             if sb.announces(transport):
                 assert after == dict(announced=[v0], temporary=[]), f"{where}: {after}"
                 continue
-            for url in urls:  # generation within 1 s when publish() raised, as the issue asks; SGLang's own
+            for url in urls:  # resumed when publish() raised (sb.assert_resumed), as the issue asks; SGLang's own
                 torn = after[url]["checksums"] is None  # code is torn by then (buckets went out): held paused
                 sb.assert_left_on(after[url], v0, r0["before"][url], r0["own_before"], r0["own_after"], where, torn)
         if sb.announces(transport):
