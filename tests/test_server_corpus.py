@@ -1,8 +1,8 @@
 """A bad-input corpus against the reference server, with and without API keys.
 
 Every control route gets wrong types, sizes, paths, encodings and nesting (and the keyed server wrong
-credentials). After each request: no 5xx, an answer within 10 s, ``/health`` within 1 s, and the served
-weights and version unchanged.
+credentials). After each request: no 5xx, an answer within ANSWER_S, ``/health`` within ROUTE_S, and the
+served weights and version unchanged.
 """
 
 from __future__ import annotations
@@ -25,11 +25,21 @@ DEEP = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 KEYS = {"admin": {"Authorization": "Bearer admin-key"}, "user": {"Authorization": "Bearer user-key"}, "none": {}}
 
 
+RECEIVE_TIMEOUT_S = 2.0  # the servers' --receive-timeout
+# A bad request is refused before any work, and /health does none (routes/info.py), so both answer in
+# milliseconds unless the server waits on what a request sent it; the longest it may wait for that is its
+# own bound for bytes a client announced, --receive-timeout. A frozen or dead server never answers; a
+# loaded machine still answers within the bound. ANSWER_S leaves the request itself a whole group timeout.
+ROUTE_S = RECEIVE_TIMEOUT_S
+ANSWER_S = 10.0
+
+
 @pytest.fixture(scope="module")
 def servers(server_factory):
+    receive = ["--receive-timeout", str(RECEIVE_TIMEOUT_S)]
     plain, keyed = server_factory.many([
-        {},
-        {"extra_args": ["--api-key", "user-key", "--admin-api-key", "admin-key"], "api_key": "user-key"},
+        {"extra_args": receive},
+        {"extra_args": [*receive, "--api-key", "user-key", "--admin-api-key", "admin-key"], "api_key": "user-key"},
     ])
     return {"plain": plain, "keyed": keyed}
 
@@ -122,7 +132,7 @@ def _run(url: str, keyed: bool, cases: list) -> list[str]:
         what = f"{method} {route} {data[:80]!r}"
         headers = KEYS["none" if not keyed else "admin" if route in ADMIN_ROUTES else "user"]
         try:
-            r = requests.request(method, url + route, data=data, timeout=10,
+            r = requests.request(method, url + route, data=data, timeout=ANSWER_S,
                                  headers={"content-type": "application/json", **headers})
             if r.status_code >= 500:
                 problems.append(f"{what}: HTTP {r.status_code} {r.text[:200]}")
@@ -130,12 +140,12 @@ def _run(url: str, keyed: bool, cases: list) -> list[str]:
             problems.append(f"{what}: no answer ({type(e).__name__})")
         t0 = time.monotonic()
         try:
-            requests.get(url + "/health", timeout=1).raise_for_status()
+            requests.get(url + "/health", timeout=ROUTE_S).raise_for_status()
         except requests.RequestException as e:
-            problems.append(f"{what}: /health did not answer within 1 s ({e})")
+            problems.append(f"{what}: /health did not answer within ROUTE_S={ROUTE_S} s ({e})")
             break
-        if time.monotonic() - t0 > 1:
-            problems.append(f"{what}: /health took {time.monotonic() - t0:.2f} s")
+        if time.monotonic() - t0 > ROUTE_S:
+            problems.append(f"{what}: /health took {time.monotonic() - t0:.2f} s (ROUTE_S={ROUTE_S} s)")
         if _served(url, keyed) != before:
             problems.append(f"{what}: the served weights or version changed")
             break
