@@ -19,8 +19,8 @@ import threading
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, metavar="URL", help="the server to register, as publishers reach it")
     p.add_argument("--registry", required=True, metavar="URL",
-                   help="where: etcd://host:port, or file:///dir on one host (a router is not a registry: see docs/fleet.md, "
-                        "'Fleet')")
+                   help="where: etcd://host:port, or file:///dir on one host (a router is not a registry: see "
+                        "docs/fleet.md)")
     p.add_argument("--experiment", default="default", help="the experiment whose publisher the server serves")
     p.add_argument("--trial", default="trial0", help="the trial whose publisher the server serves")
     p.add_argument("--ttl", type=float, default=10.0, help="seconds the entry outlives this sidecar (at most 30)")
