@@ -91,11 +91,20 @@ WRITER_LEASE_S = 10.0
 PROBE_S = WRITER_LEASE_S / 2
 
 
+def _harness_paused(url: str) -> bool | None:
+    """Whether SGLang's own scheduler in the test harness is paused (tests/sglang_harness), None elsewhere."""
+    import requests
+
+    r = requests.get(url + "/wsync_harness/scheduler", timeout=10)
+    return r.json()["paused"] if r.status_code == 200 else None
+
+
 def serving_now(url: str, lease_wait: float = 0.0) -> dict:
     """A server right now: how long a 1-token generation takes (None: no answer within PROBE_S, the server
     holds it paused), its version, that a new update session can be opened (refused while one is left
-    open), and for the reference server whether it was paused when this was called (``paused_at_once``,
-    read before anything waits), its pause and session state, the writer holding it (a failed sync
+    open), whether it was paused when this was called (``paused_at_once``, read before anything waits: the
+    reference server's state, or SGLang's own scheduler in the harness, whose held generation is then not
+    timed out), and for the reference server its pause and session state, the writer holding it (a failed sync
     releases it; a dead trainer's runs out: ``lease_wait`` seconds are waited for that) and the checksum of
     every served tensor (SGLang's own code has no such route; its weights are torn by a failed sync by
     design, so it is then held paused until a publish repairs it)."""
@@ -106,14 +115,16 @@ def serving_now(url: str, lease_wait: float = 0.0) -> dict:
 
     c = ServerClient(url, timeout=10)
     reference = c.is_reference_server
-    paused_at_once = c.server_info()["internal_states"][0]["paused"] if reference else None
-    t = time.monotonic()
-    try:
-        answer = ServerClient(url, timeout=PROBE_S).generate(input_ids=[1, 4, 5],
-                                                             sampling_params={"temperature": 0, "max_new_tokens": 1})
-        generate_s, generate_version = time.monotonic() - t, answer["meta_info"]["weight_version"]
-    except BridgeError:
-        generate_s = generate_version = None
+    paused_at_once = c.server_info()["internal_states"][0]["paused"] if reference else _harness_paused(url)
+    generate_s = generate_version = None
+    if reference or not paused_at_once:  # SGLang's scheduler says it holds generations: no need to time one out
+        t = time.monotonic()
+        try:
+            answer = ServerClient(url, timeout=PROBE_S).generate(input_ids=[1, 4, 5],
+                                                                 sampling_params={"temperature": 0, "max_new_tokens": 1})
+            generate_s, generate_version = time.monotonic() - t, answer["meta_info"]["weight_version"]
+        except BridgeError:
+            pass
     out = dict(generate_s=generate_s, generate_version=generate_version, paused_at_once=paused_at_once,
                version=c.model_info()["weight_version"], paused=None, session_open=None, checksums=None,
                writer_lease=None)
