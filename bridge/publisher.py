@@ -63,6 +63,7 @@ from bridge.failpoints import failpoint
 from bridge.interrupts import held
 from bridge.log import fmt_bytes, get_logger, progress_bar
 from bridge.memory import PeakMemory
+from bridge.preflight import check_servers_serve
 from bridge.process_group import default_backend
 from bridge.result import PublishResult
 from bridge.sources import CheckedSource, WeightSource, check_source
@@ -269,6 +270,8 @@ class WeightPublisher:
             specs = self._wire_specs(source)
             if self._rank == 0:
                 self._open_servers()
+                if self._transport.servers is not None:  # before any server is paused or any byte moves
+                    check_servers_serve(specs, self._transport.servers.clients, cfg.serving_dtype)
             if self._part is None:
                 self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
             # A retry is safe only with the weights of the last version: each rank tells for its own shards, before

@@ -199,6 +199,14 @@ class ModelState(GenerationMixin):
             dtypes = {n: dtype_to_str(w.target(n).dtype) for n in wanted}
             return {"weight_version": w.version, "checksums": sums, "dtypes": dtypes}
 
+    def weights_spec(self) -> dict:
+        """Project extension: what the server serves, for a publisher's check before any byte moves: each
+        tensor's shape and dtype by HF name, the aliases it accepts (a tied head) and the serving dtype."""
+        w = self.weights
+        return {"dtype": dtype_to_str(self.dtype), "model_type": w.model_type,
+                "params": {n: {"shape": list(t.shape), "dtype": dtype_to_str(t.dtype)} for n, t in w.params.items()},
+                "aliases": dict(w.aliases)}
+
     # ------------------------------------------------------------------ the trainer watchdog
 
     def _watch_trainers(self, interval: float = 1.0) -> None:

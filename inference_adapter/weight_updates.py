@@ -266,7 +266,7 @@ class WeightUpdates(SessionControl):
                 continue
             if tuple(target.shape) != s.shape:
                 problems.append(f"tensor {s.name!r} has shape {list(s.shape)} but the served parameter has shape "
-                                f"{list(target.shape)}; send the full (unsharded) tensor")
+                                f"{list(target.shape)}; the trainer's model is not the served one (or it sent a shard: send full tensors)")
             if target.dtype != s.dtype:
                 problems.append(f"tensor {s.name!r} is sent as {dtype_to_str(s.dtype)} but served as "
                                 f"{dtype_to_str(target.dtype)}; cast to {dtype_to_str(target.dtype)} before sending")

@@ -47,6 +47,7 @@ class ServerClient(WeightUpdateRoutes):
         self.url = self._http.url
         self._version = version
         self._info: dict | None = None  # the server info, read once
+        self._spec: dict | None = None  # the reference server's weights spec, read once (weights_spec)
         self._features: ProtocolFeatures | None = None
         self._tp_size: int | None = None
         self._paused_mode: str | None = None  # what this client last paused the server with
@@ -117,6 +118,15 @@ class ServerClient(WeightUpdateRoutes):
             self._load_server_info()
         loaders = (self._info or {}).get("custom_weight_loader")
         return [str(x) for x in loaders] if isinstance(loaders, list) else []
+
+    @property
+    def served_dtype(self) -> str | None:
+        """The dtype the server was started with (``dtype`` in its server info), or None where it does not
+        say (SGLang's ``auto``: the model's own dtype)."""
+        if self._info is None:
+            self._load_server_info()
+        dtype = (self._info or {}).get("dtype")
+        return str(dtype).removeprefix("torch.") if dtype and dtype != "auto" else None
 
     @property
     def disk_roots(self) -> list[str] | None:
@@ -357,6 +367,17 @@ class ServerClient(WeightUpdateRoutes):
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first ``truncate_size`` rows of a served tensor as (nested) float lists (debug route)."""
         return self._http.call("POST", "/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
+
+    def weights_spec(self) -> dict | None:
+        """Project extension: ``/wsync/weights_spec`` of the reference server, ``{"dtype", "model_type",
+        "params": {name: {"shape", "dtype"}}, "aliases": {name: served name}}``, asked once per client (a
+        server that comes back after the fleet excluded it gets a new client); None for real SGLang, which
+        has no route listing its parameters."""
+        if not self.is_reference_server:
+            return None
+        if self._spec is None:
+            self._spec = self._http.call("GET", "/wsync/weights_spec")
+        return self._spec
 
     def weights_checksum(self, names: Sequence[str] | None = None) -> dict:
         """Project extension, reference server only: ``/wsync/weights_checksum``.

@@ -1,7 +1,9 @@
 """The project's own routes (not SGLang's; a client that does not know them can ignore them).
 
 ``/wsync/weights_checksum`` (GET or POST ``{"names": [...] | null}``): the sha256 of every (or each
-named) served tensor and the weight version, read under one lock. ``/wsync/abort_weight_update``
+named) served tensor and the weight version, read under one lock. ``/wsync/weights_spec`` (GET): each
+served tensor's shape and dtype, the aliases accepted and the serving dtype (a publisher's check before any
+byte moves). ``/wsync/abort_weight_update``
 (POST): discard the open update session without applying anything. ``/wsync/writer_lease`` (POST
 ``{"wsync_writer", "wsync_run_id", "lease_s", "release", "starts_sync", "renew_only"}``): take, renew or release the writer lease (one
 writer at a time, :mod:`inference_adapter.writers`). The bench's raw-transport route lives in
@@ -26,6 +28,11 @@ router = APIRouter()
 async def weights_checksum(request: Request, state: Served):
     req = await parse(request, WeightsChecksumReq)
     return await run_in_threadpool(state.checksums, req.names)
+
+
+@router.get("/wsync/weights_spec")
+async def weights_spec(state: Served):
+    return state.weights_spec()
 
 
 @router.post("/wsync/abort_weight_update")

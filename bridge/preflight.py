@@ -1,0 +1,79 @@
+"""The check before any byte moves: do the servers serve the model the trainer is about to send?
+
+Rank 0 runs it in the prepare step, after the fleet found the servers and before any is paused, so a
+mistake costs one request instead of a whole broadcast, a snapshot, or a 120 s wait for a load that never
+comes. The reference server lists what it serves (``/wsync/weights_spec``): every tensor's name, shape and
+dtype is compared, and every difference is named in full, with the fix. Real SGLang lists no parameters
+(its loader stacks q/k/v and gate/up under other names): its serving dtype is compared where its server
+info states one, and its loader checks names and shapes when the first bucket arrives, which is said once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from bridge.errors import ConfigError
+from bridge.log import get_logger
+from bridge.tensors import ParamSpec, dtype_to_str
+
+__all__ = ["check_servers_serve", "mismatch"]
+
+logger = get_logger(__name__)
+_said_sglang = False
+
+
+def check_servers_serve(specs: Sequence[ParamSpec], clients: Sequence, serving_dtype: str) -> None:
+    """Raise one ConfigError naming every server whose model differs from ``specs`` (the tensors as they
+    will travel: HF names, full shapes, wire dtypes), each difference and the fix."""
+    global _said_sglang
+    problems = []
+    for c in clients:
+        spec = c.weights_spec()
+        if spec is None:
+            if not _said_sglang:
+                _said_sglang = True
+                logger.info("%s is real SGLang, which lists no parameters: its serving dtype is checked now, names "
+                            "and shapes by its loader when the first bucket arrives", c.url)
+            served = c.served_dtype
+            if served is not None and served != serving_dtype:
+                problems.append(f"{c.url} serves {served} but serving_dtype={serving_dtype!r}; set "
+                                f"serving_dtype={served!r} (wsync train --serving-dtype {served})")
+            continue
+        why = mismatch(specs, spec, serving_dtype)
+        if why:
+            problems.append(f"{c.url}: {why}")
+    if problems:
+        raise ConfigError("the servers do not serve the trainer's model, nothing was sent: " + "; ".join(problems))
+
+
+def mismatch(specs: Sequence[ParamSpec], spec: dict, serving_dtype: str) -> str | None:
+    """Why a server serving ``spec`` (its ``/wsync/weights_spec``) cannot take ``specs``, or None."""
+    params, aliases = spec["params"], spec.get("aliases", {})
+    sent = {aliases.get(s.name, s.name): s for s in specs}
+    if spec.get("dtype") and spec["dtype"] != serving_dtype and not _shapes_differ(sent, params):
+        return (f"it serves {spec['dtype']} but serving_dtype={serving_dtype!r}; set serving_dtype={spec['dtype']!r} "
+                f"(wsync train --serving-dtype {spec['dtype']})")
+    unknown = [s.name for s in specs if aliases.get(s.name, s.name) not in params]
+    unsent = [n for n in params if n not in sent]
+    shapes = [f"{n!r} is {list(s.shape)} in the trainer, {params[n]['shape']} served"
+              for n, s in sent.items() if n in params and list(s.shape) != params[n]["shape"]]
+    dtypes = [f"{n!r} is sent as {dtype_to_str(s.dtype)}, served as {params[n]['dtype']}"
+              for n, s in sent.items() if n in params and dtype_to_str(s.dtype) != params[n]["dtype"]]
+    parts = []
+    if shapes:
+        parts.append(f"{len(shapes)} tensor(s) differ in shape: " + ", ".join(shapes))
+    if unknown:
+        parts.append(f"the trainer sends {len(unknown)} tensor(s) it does not have: {unknown}")
+    if unsent:
+        parts.append(f"it serves {len(unsent)} tensor(s) the trainer does not send: {unsent}")
+    if parts:
+        return (f"it serves another model ({spec.get('model_type', 'unknown')}): " + "; ".join(parts)
+                + "; start the server with the trainer's model, or publish to servers of this model")
+    if dtypes:
+        return "; ".join(dtypes) + f"; set serving_dtype to the served dtype ({params[next(iter(params))]['dtype']})"
+    return None
+
+
+def _shapes_differ(sent: dict[str, ParamSpec], params: dict) -> bool:
+    return any(n not in params or list(s.shape) != params[n]["shape"] for n, s in sent.items()) or \
+        any(n not in sent for n in params)
