@@ -318,6 +318,10 @@ def test_a_killed_trainer_is_taken_over_only_after_its_lease_expired(server):
 
     _wait_free(server.url)
     lease = 3.0
+    # Built before the kill: the new trainer's first attempt must come while the dead one's lease still runs
+    # (a model built after it took longer than the lease on a busy machine, and no refusal was seen).
+    refusals, weights = [], random_weights(seed=6)
+    model = local_model(weights)
     env = {**os.environ, "WSYNC_FAILPOINTS": "bucket:1@0=sleep:120"}  # it stops mid-sync and waits there
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, server.url, str(lease)], env=env)
     try:
@@ -335,12 +339,11 @@ def test_a_killed_trainer_is_taken_over_only_after_its_lease_expired(server):
     finally:
         holder.kill()
         holder.wait()
-    refusals, weights = [], random_weights(seed=6)
     with WeightPublisher(PublisherConfig(servers=[server.url], experiment="kill", trial="B", bucket_mb=0.1,
                                          progress=False, writer_lease=lease)) as pub:
         while True:
             try:
-                pub.publish(local_model(weights), version=1)
+                pub.publish(model, version=1)
                 break
             except BridgeError as e:
                 assert ANOTHER_WRITER in str(e) and time.monotonic() - killed < 30, e
