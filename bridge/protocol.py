@@ -138,6 +138,14 @@ class ProtocolFeatures:
     info_routes: bool
     """>= 0.5.6: ``/server_info`` and ``/model_info``; older servers have only ``/get_server_info`` and
     ``/get_model_info`` (which 0.5.6+ keep as aliases)."""
+    weight_version_spans: bool
+    """>= 0.5.20: every finished request's ``meta_info`` has ``weight_versions``, the spans of its output tokens
+    generated under each weight version (``[{"version", "start", "end"}, ...]``, recorded for the requests in
+    flight whenever the version label changes), and ``weight_version`` is the version it finished on; older
+    releases report only ``weight_version``, the tokenizer side's label. ``sglang/srt/utils/weight_versions.py``
+    (``record_weight_version_events``, ``compute_weight_version_spans``, ``add_weight_versions_to_meta_info``)
+    is the same file in 0.5.20-0.5.23 and absent from 0.5.8, the release installed before 0.5.20, so the gate
+    starts at the first installed release that has it."""
     flush_asserts: bool
     """v < 0.5.22: the scheduler's update handlers ``assert flush_cache_success`` after an update with
     ``flush_cache``, and the flush is refused while a request is running, so a refused flush kills the
@@ -192,6 +200,7 @@ class ProtocolFeatures:
             batched_distributed=r >= (0, 4, 9),
             get_weight_version_route=(0, 5, 1) <= r < (0, 5, 8),
             info_routes=r >= (0, 5, 6),
+            weight_version_spans=r >= (0, 5, 20),
             flush_asserts=r < (0, 5, 22),
         )
 

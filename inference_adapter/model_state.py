@@ -123,6 +123,7 @@ class ModelState(GenerationMixin):
             raise ConfigError(problem)
         self.weights = ServedWeights(self.model, str(weight_version), model_path)
         self._init_generation()
+        self.weights.on_version_change.append(self._record_version_change)
         self.updates = WeightUpdates(
             weights=self.weights, generation=self, features=self.features, log=self.log,
             group_timeout=float(group_timeout), receive_timeout=float(receive_timeout), disk_roots=self.disk_roots,
