@@ -135,6 +135,9 @@ class ProtocolFeatures:
     get_weight_version_route: bool
     """0.5.1 <= v < 0.5.8: ``/get_weight_version`` answers (an alias of ``/weight_version`` in 0.5.6-0.5.7; from 0.5.8
     both answer 404, "deprecated")."""
+    weight_version_route: bool
+    """0.5.6 <= v < 0.5.8: ``GET /weight_version`` answers ``{"weight_version"}`` (0.5.8-0.5.22 answer 404,
+    "deprecated"; 0.5.23 has no such route)."""
     info_routes: bool
     """>= 0.5.6: ``/server_info`` and ``/model_info``; older servers have only ``/get_server_info`` and
     ``/get_model_info`` (which 0.5.6+ keep as aliases)."""
@@ -199,6 +202,7 @@ class ProtocolFeatures:
             weight_version=r >= (0, 5, 1),
             batched_distributed=r >= (0, 4, 9),
             get_weight_version_route=(0, 5, 1) <= r < (0, 5, 8),
+            weight_version_route=(0, 5, 6) <= r < (0, 5, 8),
             info_routes=r >= (0, 5, 6),
             weight_version_spans=r >= (0, 5, 20),
             flush_asserts=r < (0, 5, 22),
