@@ -34,6 +34,7 @@ from bridge.errors import ConfigError
 __all__ = [
     "ADMIN_ROUTES",
     "ANOTHER_WRITER",
+    "AbortReq",
     "DEFAULT_GROUP_NAME",
     "SESSION_REQUIRED_MESSAGE",
     "SHM_LOAD_FORMAT",
@@ -46,6 +47,7 @@ __all__ = [
     "GenerateReq",
     "GetWeightsByNameReq",
     "InitWeightsUpdateGroupReq",
+    "MemoryOccupationReq",
     "PauseGenerationReq",
     "ProtocolFeatures",
     "SamplingParams",
@@ -223,7 +225,7 @@ ADMIN_ROUTES = frozenset({
     "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
     "/update_weights_from_disk", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
-    "/release_memory_occupation", "/resume_memory_occupation", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
+    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
     "/wsync/abort_weight_update", "/wsync/writer_lease",
 })
 
@@ -330,6 +332,19 @@ class PauseGenerationReq(_Req):
 
 class ContinueGenerationReq(_Req):
     torch_empty_cache: bool = True
+
+
+class MemoryOccupationReq(_Req):
+    """``/release_memory_occupation`` and ``/resume_memory_occupation``: ``tags`` among ``kv_cache``, ``weights``,
+    ``cuda_graph``; none or empty means all three."""
+
+    tags: list[str] | None = None
+
+
+class AbortReq(_Req):
+    """``/abort_request``: the request ``rid``, or every request (``abort_all``)."""
+
+    abort_all: bool = False
 
 
 class BeginWeightUpdateReq(_Req):

@@ -60,6 +60,10 @@ def add_weight_versions(meta: dict, spans: list[dict], n: int) -> None:
     meta["weight_version"] = visible[-1]["version"]
 
 
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""SGLang's ``GPU_MEMORY_ALL_TYPES``: what an empty ``tags`` releases or resumes."""
+
+
 @dataclass(eq=False)
 class _Gen:
     """One generation in flight."""
@@ -85,6 +89,7 @@ class GenerationMixin:
         self._paused = False
         self._pause_mode = "abort"
         self._gens: set[_Gen] = set()
+        self._released: set[str] = set()  # memory tags released (/release_memory_occupation), not yet resumed
 
     def generate(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str | None = None) -> dict:
         """Decode one prompt; SGLang's result shape ``{"text", "output_ids", "meta_info"}``."""
@@ -99,7 +104,7 @@ class GenerationMixin:
         try:
             while True:
                 with self._cv:
-                    while self._paused and gen.abort is None:
+                    while (self._paused or self._released) and gen.abort is None:
                         gen.state = "parked" if st is not None else "waiting"
                         gen.mode = self._pause_mode
                         self._cv.wait()
@@ -209,6 +214,52 @@ class GenerationMixin:
                 self._abort(g, why)
             self._cv.notify_all()
             return len(self._gens)
+
+    def abort_request(self, rid: str | None, abort_all: bool) -> int:
+        """SGLang's ``/abort_request``: every generation (``abort_all``), or those whose rid starts with a ``rid``
+        in flight (SGLang's tokenizer side sends only a rid it knows; its scheduler matches the prefix); an empty
+        or unknown rid aborts nothing. Returns how many were aborted."""
+        with self._cv:
+            if abort_all:
+                victims = set(self._gens)
+            elif rid and any(g.rid == rid for g in self._gens):
+                victims = {g for g in self._gens if g.rid.startswith(rid)}
+            else:
+                victims = set()
+            for g in victims:
+                self._abort(g, "Abort by abort_request.")
+            self._cv.notify_all()
+            return len(victims)
+
+    def release_memory(self, tags: list[str] | None) -> None:
+        """SGLang's ``/release_memory_occupation``: only when idle (SGLang asserts it, and its scheduler dies of a
+        failed assert; here a 400), where generations waiting out a pause that is not ``in_place`` count as idle, as
+        SGLang's ``ignore_waiting`` while paused. Until every released tag is resumed, generations wait."""
+        with self._cv:
+            busy = [g for g in self._gens if g.state == "running" or not self._paused
+                    or (self._pause_mode == "in_place" and g.state == "parked")]
+            if busy:
+                raise RequestError(f"release_memory_occupation should be called only when server is idle: {len(busy)} "
+                                   "requests are running; pause generation (not in_place) or let them finish first")
+            self._released |= set(tags or MEMORY_TAGS)
+        self.log.info("memory released (tags %s)", sorted(self._released))
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        """SGLang's ``/resume_memory_occupation``; a tag that is not released is refused (SGLang's scheduler dies
+        of it, removing it from its set of released tags)."""
+        tags = list(tags or MEMORY_TAGS)
+        with self._cv:
+            missing = [t for t in tags if t not in self._released]
+            if missing:
+                raise RequestError(f"resume_memory_occupation: {missing} not released (released: "
+                                   f"{sorted(self._released)}); release a tag before resuming it")
+            self._released -= set(tags)
+            self._cv.notify_all()
+        self.log.info("memory resumed (tags %s)", tags)
+
+    def released_memory(self) -> list[str]:
+        with self._cv:
+            return sorted(self._released)
 
     def _abort(self, g: _Gen, why: str) -> None:
         """Caller holds ``_cv``."""

@@ -157,6 +157,7 @@ class ModelState(GenerationMixin):
             running = len(self._gens)
         groups = self.updates.groups
         return {"weight_version": self.version, "paused": self._paused, "running_requests": running,
+                "released_memory": self.released_memory(),
                 "update_session_open": self.updates.session is not None, "weight_update_groups": groups.names(),
                 "receiving_on_group": groups.receiving, "writer_lease": self.updates.writers.state()}
 
