@@ -58,6 +58,7 @@ def sglang_meta(wv, events: list[tuple[str, int]], current: str, n: int) -> dict
     return meta
 
 
+@pytest.mark.sglang_code
 def test_spans_are_sglangs_for_any_event_sequence(sglang_wv):
     from inference_adapter.generation import add_weight_versions, weight_version_spans
 
@@ -99,6 +100,7 @@ def _sync(trainer: Trainer, weights: dict, version: str, session: bool) -> None:
         c.end_weight_update()
 
 
+@pytest.mark.sglang_code
 def test_a_generation_held_in_place_across_a_sync_reports_the_tokens_of_each_version(server_factory, sglang_wv):
     server = server_factory()
     c = server.client
@@ -136,6 +138,7 @@ def _relabel_in_place(server) -> dict:
     return box["r"]
 
 
+@pytest.mark.sglang_code
 def test_a_relabel_while_paused_in_place_is_the_version_the_generation_finished_on(server_factory, sglang_wv):
     r = _relabel_in_place(server_factory(extra_args=["--weight-version", "base-v0"]))
     out, meta = r["output_ids"], r["meta_info"]
