@@ -23,7 +23,7 @@ from tests.fixtures_server import Trainer, greedy, local_model, random_weights
 from tests.sglang_harness import installed, sglang_dir
 
 PROMPT = [5, 72, 101, 108, 108, 111, 44, 32]
-N = 300
+N = 160
 GREEDY = {"temperature": 0, "max_new_tokens": N, "ignore_eos": True}
 
 
