@@ -90,9 +90,20 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", model_max_length=2048
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The presets' chat template, plain text (the byte-level vocabulary has no role tokens): what
+``/v1/chat/completions`` renders messages with, on the reference server and on SGLang serving a preset's
+model directory."""
 
 
 def _byte_of(char: str) -> int:

@@ -34,6 +34,7 @@ from bridge.errors import ConfigError
 __all__ = [
     "ADMIN_ROUTES",
     "ANOTHER_WRITER",
+    "AbortReq",
     "DEFAULT_GROUP_NAME",
     "SESSION_REQUIRED_MESSAGE",
     "SHM_LOAD_FORMAT",
@@ -46,6 +47,7 @@ __all__ = [
     "GenerateReq",
     "GetWeightsByNameReq",
     "InitWeightsUpdateGroupReq",
+    "MemoryOccupationReq",
     "PauseGenerationReq",
     "ProtocolFeatures",
     "SamplingParams",
@@ -135,9 +137,20 @@ class ProtocolFeatures:
     get_weight_version_route: bool
     """0.5.1 <= v < 0.5.8: ``/get_weight_version`` answers (an alias of ``/weight_version`` in 0.5.6-0.5.7; from 0.5.8
     both answer 404, "deprecated")."""
+    weight_version_route: bool
+    """0.5.6 <= v < 0.5.8: ``GET /weight_version`` answers ``{"weight_version"}`` (0.5.8-0.5.22 answer 404,
+    "deprecated"; 0.5.23 has no such route)."""
     info_routes: bool
     """>= 0.5.6: ``/server_info`` and ``/model_info``; older servers have only ``/get_server_info`` and
     ``/get_model_info`` (which 0.5.6+ keep as aliases)."""
+    weight_version_spans: bool
+    """>= 0.5.20: every finished request's ``meta_info`` has ``weight_versions``, the spans of its output tokens
+    generated under each weight version (``[{"version", "start", "end"}, ...]``, recorded for the requests in
+    flight whenever the version label changes), and ``weight_version`` is the version it finished on; older
+    releases report only ``weight_version``, the tokenizer side's label. ``sglang/srt/utils/weight_versions.py``
+    (``record_weight_version_events``, ``compute_weight_version_spans``, ``add_weight_versions_to_meta_info``)
+    is the same file in 0.5.20-0.5.23 and absent from 0.5.8, the release installed before 0.5.20, so the gate
+    starts at the first installed release that has it."""
     flush_asserts: bool
     """v < 0.5.22: the scheduler's update handlers ``assert flush_cache_success`` after an update with
     ``flush_cache``, and the flush is refused while a request is running, so a refused flush kills the
@@ -191,7 +204,9 @@ class ProtocolFeatures:
             weight_version=r >= (0, 5, 1),
             batched_distributed=r >= (0, 4, 9),
             get_weight_version_route=(0, 5, 1) <= r < (0, 5, 8),
+            weight_version_route=(0, 5, 6) <= r < (0, 5, 8),
             info_routes=r >= (0, 5, 6),
+            weight_version_spans=r >= (0, 5, 20),
             flush_asserts=r < (0, 5, 22),
         )
 
@@ -210,7 +225,7 @@ ADMIN_ROUTES = frozenset({
     "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
     "/update_weights_from_disk", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
-    "/release_memory_occupation", "/resume_memory_occupation", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
+    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
     "/wsync/abort_weight_update", "/wsync/writer_lease",
 })
 
@@ -317,6 +332,19 @@ class PauseGenerationReq(_Req):
 
 class ContinueGenerationReq(_Req):
     torch_empty_cache: bool = True
+
+
+class MemoryOccupationReq(_Req):
+    """``/release_memory_occupation`` and ``/resume_memory_occupation``: ``tags`` among ``kv_cache``, ``weights``,
+    ``cuda_graph``; none or empty means all three."""
+
+    tags: list[str] | None = None
+
+
+class AbortReq(_Req):
+    """``/abort_request``: the request ``rid``, or every request (``abort_all``)."""
+
+    abort_all: bool = False
 
 
 class BeginWeightUpdateReq(_Req):

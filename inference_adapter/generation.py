@@ -1,12 +1,23 @@
 """Generation on the served model: greedy/sampling decode, stop handling, and pause/abort/retract.
 
 Every generation holds the reader side of the weights lock while it computes and records
-``(weights epoch, version)`` when it starts, so it sees the old weights or the new ones, never a mix.
+``(weights epoch, version)`` when it starts, so each step sees the old weights or the new ones, never a mix;
+a generation's tokens span two weights only where the dialect reports it (below).
 
 Pause: ``abort`` ends in-flight generations with ``finish_reason`` abort; ``retract`` and
 ``in_place`` park them at the next token, outside the lock; after ``/continue_generation`` a parked
 generation continues, or starts again from its prompt if the weights changed meanwhile (no mixed
 outputs; ``meta_info.num_retractions`` counts restarts). New generations wait while paused.
+
+Weight versions (SGLang 0.5.20+, ``ProtocolFeatures.weight_version_spans``): whenever the version label changes
+(a swap with a version, ``/update_weight_version``) each generation in flight that has output tokens records
+``(old version, tokens so far)``, as SGLang's scheduler does (``record_weight_version_events``); a finished
+generation reports ``meta_info.weight_versions``, the spans of its tokens under each version, and
+``weight_version``, the version it finished on (:func:`weight_version_spans`, :func:`add_weight_versions`: SGLang
+0.5.23's ``compute_weight_version_spans`` and ``add_weight_versions_to_meta_info``). There a generation parked
+``in_place`` across a swap keeps its tokens and continues on the new weights, its prefix (prompt and tokens so
+far) computed again by them; older dialects start it again from its prompt, and report the version it started
+on.
 """
 
 from __future__ import annotations
@@ -23,7 +34,34 @@ import torch
 from bridge.protocol import SamplingParams
 from inference_adapter.errors import RequestError
 
-__all__ = ["GenerationMixin"]
+__all__ = ["GenerationMixin", "add_weight_versions", "weight_version_spans"]
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str, n: int) -> list[dict]:
+    """The spans ``[{"version", "start", "end"}, ...]`` of ``n`` output tokens, from the ``(old version, tokens
+    then)`` recorded at each version change and the ``current`` version (SGLang's ``compute_weight_version_spans``)."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, n)]:
+        end = min(end, n)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
+
+
+def add_weight_versions(meta: dict, spans: list[dict], n: int) -> None:
+    """``meta_info``'s ``weight_versions`` and ``weight_version`` (SGLang's ``add_weight_versions_to_meta_info``)."""
+    visible = [sp for sp in spans if sp["start"] < n or sp["start"] == 0]
+    meta["weight_versions"] = [{"version": sp["version"], "start": sp["start"], "end": min(sp["end"], n)}
+                               for sp in visible]
+    meta["weight_version"] = visible[-1]["version"]
+
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""SGLang's ``GPU_MEMORY_ALL_TYPES``: what an empty ``tags`` releases or resumes."""
 
 
 @dataclass(eq=False)
@@ -33,6 +71,9 @@ class _Gen:
     rid: str
     state: str = "waiting"  # waiting | running | parked
     abort: str | None = None  # the abort message once aborted
+    abort_version: str | None = None  # the version served when it was aborted
+    mode: str | None = None  # the pause mode it was last parked under
+    decode: _Decode | None = None
 
 
 class GenerationMixin:
@@ -48,6 +89,7 @@ class GenerationMixin:
         self._paused = False
         self._pause_mode = "abort"
         self._gens: set[_Gen] = set()
+        self._released: set[str] = set()  # memory tags released (/release_memory_occupation), not yet resumed
 
     def generate(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str | None = None) -> dict:
         """Decode one prompt; SGLang's result shape ``{"text", "output_ids", "meta_info"}``."""
@@ -62,8 +104,9 @@ class GenerationMixin:
         try:
             while True:
                 with self._cv:
-                    while self._paused and gen.abort is None:
+                    while (self._paused or self._released) and gen.abort is None:
                         gen.state = "parked" if st is not None else "waiting"
+                        gen.mode = self._pause_mode
                         self._cv.wait()
                 if gen.abort is not None:
                     break
@@ -71,9 +114,12 @@ class GenerationMixin:
                 try:
                     with self._cv:
                         gen.state = "running"
-                    if st is None or st.epoch != self.weights.epoch:
+                    if st is not None and st.epoch != self.weights.epoch and st.out and gen.mode == "in_place" \
+                            and self.features.weight_version_spans:
+                        st.continue_on_new_weights()
+                    elif st is None or st.epoch != self.weights.epoch:
                         restarts += st is not None
-                        st = _Decode(self, prompt, sp, max_new, return_logprob)
+                        st = gen.decode = _Decode(self, prompt, sp, max_new, return_logprob)
                     st.run(gen, lambda: self._paused)
                 finally:
                     with self._cv:
@@ -90,7 +136,16 @@ class GenerationMixin:
             st = _Decode.empty(self, prompt, max_new)
         if st.finish is None:
             st.finish = {"type": "abort", "message": gen.abort, "status_code": None, "err_type": None}
+            st.final_version = gen.abort_version or self.weights.version
         return st.result(gen.rid, restarts, time.perf_counter() - t0)
+
+    def _record_version_change(self, old: str, new: str) -> None:
+        """The version label changed from ``old`` (under the weights' writer lock: nothing computes): every
+        generation in flight with output tokens records how many it had (SGLang's ``record_weight_version_events``)."""
+        with self._cv:
+            for g in self._gens:
+                if g.abort is None and g.decode is not None and g.decode.out:
+                    g.decode.events.append((old, len(g.decode.out)))
 
     def _check_sampling(self, prompt: list[int], sp: SamplingParams) -> None:
         vocab = self.model.config.vocab_size
@@ -127,7 +182,7 @@ class GenerationMixin:
             self._paused, self._pause_mode = True, mode
             victims = set(self._gens) if mode == "abort" else set()
             for g in victims:
-                g.abort = g.abort or "Abort by pause_generation."
+                self._abort(g, "Abort by pause_generation.")
             self._cv.notify_all()
             while any(g.state == "running" for g in self._gens) or (victims & self._gens):
                 self._cv.wait(timeout=1.0)
@@ -156,9 +211,60 @@ class GenerationMixin:
     def abort_all(self, why: str) -> int:
         with self._cv:
             for g in self._gens:
-                g.abort = g.abort or why
+                self._abort(g, why)
             self._cv.notify_all()
             return len(self._gens)
+
+    def abort_request(self, rid: str | None, abort_all: bool) -> int:
+        """SGLang's ``/abort_request``: every generation (``abort_all``), or those whose rid starts with a ``rid``
+        in flight (SGLang's tokenizer side sends only a rid it knows; its scheduler matches the prefix); an empty
+        or unknown rid aborts nothing. Returns how many were aborted."""
+        with self._cv:
+            if abort_all:
+                victims = set(self._gens)
+            elif rid and any(g.rid == rid for g in self._gens):
+                victims = {g for g in self._gens if g.rid.startswith(rid)}
+            else:
+                victims = set()
+            for g in victims:
+                self._abort(g, "Abort by abort_request.")
+            self._cv.notify_all()
+            return len(victims)
+
+    def release_memory(self, tags: list[str] | None) -> None:
+        """SGLang's ``/release_memory_occupation``: only when idle (SGLang asserts it, and its scheduler dies of a
+        failed assert; here a 400), where generations waiting out a pause that is not ``in_place`` count as idle, as
+        SGLang's ``ignore_waiting`` while paused. Until every released tag is resumed, generations wait."""
+        with self._cv:
+            busy = [g for g in self._gens if g.state == "running" or not self._paused
+                    or (self._pause_mode == "in_place" and g.state == "parked")]
+            if busy:
+                raise RequestError(f"release_memory_occupation should be called only when server is idle: {len(busy)} "
+                                   "requests are running; pause generation (not in_place) or let them finish first")
+            self._released |= set(tags or MEMORY_TAGS)
+        self.log.info("memory released (tags %s)", sorted(self._released))
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        """SGLang's ``/resume_memory_occupation``; a tag that is not released is refused (SGLang's scheduler dies
+        of it, removing it from its set of released tags)."""
+        tags = list(tags or MEMORY_TAGS)
+        with self._cv:
+            missing = [t for t in tags if t not in self._released]
+            if missing:
+                raise RequestError(f"resume_memory_occupation: {missing} not released (released: "
+                                   f"{sorted(self._released)}); release a tag before resuming it")
+            self._released -= set(tags)
+            self._cv.notify_all()
+        self.log.info("memory resumed (tags %s)", tags)
+
+    def released_memory(self) -> list[str]:
+        with self._cv:
+            return sorted(self._released)
+
+    def _abort(self, g: _Gen, why: str) -> None:
+        """Caller holds ``_cv``."""
+        if g.abort is None:
+            g.abort, g.abort_version = why, self.weights.version
 
 
 class _Decode:
@@ -173,6 +279,9 @@ class _Decode:
         seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
         self.gen = torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(7), "little"))
         self.cache = DynamicCache(config=state.model.config)
+        self.cached = 0  # tokens of prompt + out the cache holds
+        self.events: list[tuple[str, int]] = []  # (old version, output tokens then) at each version change
+        self.final_version = self.version
         self.out: list[int] = []
         self.logprobs: list[float] = []
         self.finish: dict | None = None
@@ -184,8 +293,16 @@ class _Decode:
     def empty(cls, state: GenerationMixin, prompt: list[int], max_new: int) -> _Decode:
         d = cls.__new__(cls)
         d.s, d.prompt, d.out, d.logprobs, d.finish, d.version = state, prompt, [], [], None, state.weights.version
-        d.want_logprob, d.text_cut, d.sp = False, None, SamplingParams()
+        d.want_logprob, d.text_cut, d.sp, d.events, d.final_version = False, None, SamplingParams(), [], d.version
         return d
+
+    def continue_on_new_weights(self) -> None:
+        """Keep the tokens so far and go on under the weights now served (caller holds the reader lock): the
+        prefix, prompt and output, is computed again by them at the next step."""
+        from transformers import DynamicCache
+
+        self.epoch, self.version = self.s.weights.epoch, self.s.weights.version
+        self.cache, self.cached = DynamicCache(config=self.s.model.config), 0
 
     @torch.no_grad()
     def run(self, gen: _Gen, paused) -> None:
@@ -196,13 +313,13 @@ class _Decode:
         while self.finish is None:
             if gen.abort is not None or paused():
                 return
-            pos = len(self.prompt) + len(self.out)
-            ids = self.prompt if not self.out else self.out[-1:]
-            start = pos - len(ids) if self.out else 0
+            start = self.cached
+            ids = (self.prompt + self.out)[start:]
             # Same calls as transformers' greedy generate (prefill, then one token with the cache),
             # so greedy outputs are identical to model.generate(do_sample=False).
             o = model(input_ids=torch.tensor([ids]), use_cache=True, **{self.s.cache_kw: self.cache},
                       cache_position=torch.arange(start, start + len(ids)), logits_to_keep=1)
+            self.cached = start + len(ids)
             logits = o.logits[0, -1].float()
             if len(self.out) < self.sp.min_new_tokens and self.stop_ids:
                 logits[self.stop_ids] = -math.inf
@@ -211,6 +328,7 @@ class _Decode:
             if self.want_logprob:
                 self.logprobs.append(lp)
             self._check_finish(tok)
+        self.final_version = self.s.weights.version  # (under the reader lock: no relabel meanwhile)
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, float]:
         if self.greedy:
@@ -264,6 +382,8 @@ class _Decode:
             "num_retractions": restarts,
             "e2e_latency": seconds,
         }
+        if self.s.features.weight_version_spans:
+            add_weight_versions(meta, weight_version_spans(self.events, self.final_version, len(self.out)), len(self.out))
         if self.want_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.out)]
         return {"text": text, "output_ids": list(self.out), "meta_info": meta}

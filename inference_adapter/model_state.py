@@ -123,6 +123,7 @@ class ModelState(GenerationMixin):
             raise ConfigError(problem)
         self.weights = ServedWeights(self.model, str(weight_version), model_path)
         self._init_generation()
+        self.weights.on_version_change.append(self._record_version_change)
         self.updates = WeightUpdates(
             weights=self.weights, generation=self, features=self.features, log=self.log,
             group_timeout=float(group_timeout), receive_timeout=float(receive_timeout), disk_roots=self.disk_roots,
@@ -156,6 +157,7 @@ class ModelState(GenerationMixin):
             running = len(self._gens)
         groups = self.updates.groups
         return {"weight_version": self.version, "paused": self._paused, "running_requests": running,
+                "released_memory": self.released_memory(),
                 "update_session_open": self.updates.session is not None, "weight_update_groups": groups.names(),
                 "receiving_on_group": groups.receiving, "writer_lease": self.updates.writers.state()}
 

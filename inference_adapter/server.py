@@ -1,8 +1,8 @@
 """The reference server: SGLang's HTTP protocol on CPU with a transformers model.
 
 ``python -m inference_adapter.server --preset tiny --port 30000`` serves a causal LM and speaks SGLang's
-native API -- ``/generate``, ``/model_info``, ``/server_info``, the weight-update routes -- with SGLang's
-request and response shapes, as the SGLang version given by ``--protocol-version`` does (0.5.23 by
+native API -- ``/generate``, ``/model_info``, ``/server_info``, the weight-update routes -- and its
+OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` with SGLang's request and response shapes, as the SGLang version given by ``--protocol-version`` does (0.5.23 by
 default; ``0.5.2`` behaves like an old server: no sessions, no flattened buckets, no destroy route, no
 ``/server_info``/``/model_info`` (only the ``/get_*`` names), and request fields that version's structs lack
 are dropped as SGLang's parsing drops them).
@@ -182,12 +182,16 @@ def _auth(api_key: str | None, admin_api_key: str | None):
 
 async def _refused(request: Request, e):
     """A :class:`~inference_adapter.errors.RequestError` as SGLang answers a refusal: OpenAI's error shape on
-    ``/generate``, ``{"success": false, "message"}`` (with the project's ``wsync_reason``) elsewhere."""
+    ``/generate`` and SGLang's ``ErrorResponse`` on ``/v1/*``, ``{"success": false, "message"}`` (with the
+    project's ``wsync_reason``) elsewhere."""
     from fastapi.responses import JSONResponse
 
     request.app.state.served.log.warning("%s -> %d: %s", request.url.path, e.status, e.message)
     if request.url.path == "/generate":
         return JSONResponse({"error": {"message": e.message, "type": "BadRequest", "code": e.status}}, status_code=e.status)
+    if request.url.path.startswith("/v1/"):
+        return JSONResponse({"object": "error", "message": e.message, "type": "BadRequest", "param": None,
+                             "code": e.status}, status_code=e.status)
     extra = {"wsync_reason": e.reason} if e.reason else {}
     return JSONResponse({"success": False, "message": e.message, **extra}, status_code=e.status)
 

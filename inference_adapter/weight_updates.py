@@ -192,6 +192,9 @@ class WeightUpdates(SessionControl):
     def _swap(self, staged: dict[str, torch.Tensor], version: str | None, run: RunClaim,
               model_path: str | None = None) -> None:
         """Caller holds the lock: serve ``staged`` (and ``version``), remembering the run it came from."""
+        if "weights" in self.generation.released_memory():
+            raise RequestError("Weight update refused, nothing applied: the weights' memory is released "
+                               "(/release_memory_occupation); /resume_memory_occupation with tags ['weights'] first")
         self._claim(version, run)
         self.weights.swap(staged, version, model_path=model_path)
         self.deltas.after_swap()

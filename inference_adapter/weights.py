@@ -2,8 +2,9 @@
 
 Weights change only inside :meth:`ServedWeights.swap`, under the writer side of a reader/writer lock;
 every generation holds the reader side while it computes, and records ``(epoch, version)`` when it
-starts. So a generation sees the old weights or the new ones, never a mix, and reports the version it
-ran on.
+starts. So each step of a generation sees the old weights or the new ones, never a mix; a version change
+is told to the generations in flight (``on_version_change``), which SGLang 0.5.20+ dialects report as spans
+(:mod:`inference_adapter.generation`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class ServedWeights:
         self.model_path = model_path
         self.epoch = 0
         self.rw = RWLock()
+        self.on_version_change: list = []
+        """Called as ``f(old, new)`` under the writer lock whenever the version label changes (by a swap or a
+        relabel), while no generation computes: the generations in flight record how many tokens they had."""
 
     def target(self, name: str) -> torch.Tensor | None:
         """The served tensor a name (or alias) updates, or None if the model has no such tensor."""
@@ -115,7 +119,7 @@ class ServedWeights:
                 else:
                     p.copy_(t)
             if version is not None:
-                self.version = str(version)
+                self._relabel(str(version))
             if model_path is not None:
                 self.model_path = model_path
             self.epoch += 1
@@ -123,5 +127,12 @@ class ServedWeights:
     def set_version(self, version: str) -> None:
         """Relabel the served weights (``/update_weight_version``), under the writer lock."""
         with self.rw.write():
-            self.version = str(version)
+            self._relabel(str(version))
+
+    def _relabel(self, version: str) -> None:
+        """Caller holds the writer lock."""
+        old, self.version = self.version, version
+        if version != old:
+            for f in self.on_version_change:
+                f(old, version)
 

@@ -422,25 +422,6 @@ def test_pause_abort_and_continue(client):
     assert box["r2"]["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_in_place_pause_never_mixes_weights(client, trainer):
-    w_old, w_new = random_weights(seed=6), random_weights(seed=7)
-    sync(trainer, w_old, "old")
-    n = 400
-    sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
-    box = {}
-    th = threading.Thread(target=lambda: box.update(r=client.generate(input_ids=PROMPT, sampling_params=sp)))
-    th.start()
-    _wait_running(client)
-    client.pause_generation("in_place")
-    sync(trainer, w_new, "new")
-    client.continue_generation()
-    th.join(timeout=120)
-    r = box["r"]
-    # Parked under the old weights, resumed under the new ones: the output is entirely the new model's.
-    assert r["meta_info"]["weight_version"] == "new" and r["meta_info"]["num_retractions"] <= 1
-    assert r["output_ids"] == greedy(local_model(w_new), PROMPT, n, ignore_eos=True)
-
-
 def test_generations_during_updates_see_one_version(client, trainer):
     ws = {f"g{i}": random_weights(seed=10 + i) for i in range(2)}
     oracles = {v: greedy(local_model(w), PROMPT, 30, ignore_eos=True) for v, w in ws.items()}

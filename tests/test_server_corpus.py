@@ -58,7 +58,8 @@ def _route_cases() -> list[tuple[str, str, object]]:
               "/update_weights_from_disk", "/update_weight_version", "/destroy_weights_update_group",
               "/pause_generation", "/continue_generation", "/end_weight_update", "/wsync/abort_weight_update",
               "/get_weights_by_name", "/wsync/weights_checksum", "/generate", "/wsync/bench/recv_raw",
-              "/wsync/writer_lease"]
+              "/wsync/writer_lease", "/v1/completions", "/v1/chat/completions", "/abort_request",
+              "/release_memory_occupation", "/resume_memory_occupation"]
     cases = [("POST", r, b) for r in routes for b in generic]
     init = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
     cases += [("POST", "/init_weights_update_group", {**init, **bad}) for bad in (
@@ -106,6 +107,24 @@ def _route_cases() -> list[tuple[str, str, object]]:
             {"stop_token_ids": [10**20]}, {"min_new_tokens": 2, "stop_token_ids": [10**6]}, {"seed": -1},
             {"sampling_sed": 2**70}, {"sampling_seed": 2**70}, {"stop": [BIG]}, {"frequency_penalty": 1},
             {"temperature": 1e-300}, {"top_k": 10**20})])]
+    cases += [("POST", "/v1/completions", b) for b in (
+        {}, {"prompt": ""}, {"prompt": []}, {"prompt": [[]]}, {"prompt": [-1]}, {"prompt": [10**20]}, {"prompt": ["a", 1]},
+        {"prompt": "a", "max_tokens": -1}, {"prompt": "a", "max_tokens": "x"}, {"prompt": "a", "n": 2},
+        {"prompt": "a", "temperature": -1}, {"prompt": "a", "top_p": 0}, {"prompt": "a", "seed": -1},
+        {"prompt": "a", "logprobs": 1, "echo": True}, {"prompt": "a", "stop": [BIG], "max_tokens": 2},
+        {"prompt": "a", "stream": "x"}, {"prompt": "a", "frequency_penalty": 1})]
+    cases += [("POST", "/v1/chat/completions", b) for b in (
+        {}, {"messages": []}, {"messages": "hi"}, {"messages": [1]}, {"messages": [{}]}, {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "user", "content": [1, {"type": "image_url"}]}], "max_tokens": 2},
+        {"messages": [{"role": "user", "content": {"a": 1}}], "max_tokens": 2},
+        {"messages": [{"role": "user", "content": "a"}], "max_tokens": -1},
+        {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": "x"},
+        {"messages": [{"role": "user", "content": "a"}], "n": 2},
+        {"messages": [{"role": "user", "content": BIG}], "max_tokens": 2})]
+    cases += [("POST", "/abort_request", b) for b in ({"rid": 5}, {"rid": BIG}, {"abort_all": "maybe"}, {"rid": ["a"]})]
+    cases += [("POST", route, b) for route in ("/release_memory_occupation", "/resume_memory_occupation") for b in (
+        {"tags": "weights"}, {"tags": [1]}, {"tags": ["gpu"]}, {"tags": [BIG]})]
+    cases += [("POST", "/resume_memory_occupation", b) for b in ({}, {"tags": ["weights"]})]  # nothing released
     cases += [("POST", "/wsync/writer_lease", b) for b in (
         {"wsync_writer": BIG}, {"wsync_writer": "w", "lease_s": "x"}, {"wsync_writer": "w", "lease_s": 1e308},
         {"wsync_writer": "w", "lease_s": -1}, {"wsync_writer": "w", "release": 1}, {"wsync_writer": ["w"]},

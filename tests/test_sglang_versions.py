@@ -7,6 +7,7 @@ each pins), the harness (SGLang's HTTP app, tokenizer-side and scheduler-side co
 
 * ``info_routes``: ``/server_info`` and ``/model_info`` answer (not 404).
 * ``get_weight_version_route``: ``/get_weight_version`` answers 200.
+* ``weight_version_route``: ``/weight_version`` answers 200.
 * ``weight_version``: ``/update_weight_version`` exists and ``/get_model_info`` then reports the new version,
   and SGLang's request parsing validates a ``weight_version`` field on ``/update_weights_from_distributed``.
 * ``batched_distributed`` / ``flattened_bucket``: that parsing validates ``names`` / ``load_format`` (a field
@@ -55,8 +56,8 @@ from tests.sglang_harness import ALL_VERSIONS, installed, launch
 pytestmark = pytest.mark.sglang_code
 
 # The gates ProtocolFeatures encodes that the probes read; the reference server emulates all but the last two.
-EMULATED = ("info_routes", "get_weight_version_route", "weight_version", "batched_distributed", "flattened_bucket",
-            "pause_mode", "destroy_group", "needs_session")
+EMULATED = ("info_routes", "get_weight_version_route", "weight_version_route", "weight_version", "batched_distributed",
+            "flattened_bucket", "pause_mode", "destroy_group", "needs_session")
 BEHAVIOUR = ("version_lost_when_paused", "flush_asserts", "flush_refused_while_retracted")
 # flush_asserts is probed at the releases on either side of its gate (the probe kills the server there).
 FLUSH_PROBED = ("0.5.21", "0.5.22")
@@ -107,6 +108,7 @@ def probe(url: str) -> dict:
     assert (server_info == 404) == (model_info == 404), f"/server_info {server_info} but /model_info {model_info}"
     facts["info_routes"] = server_info != 404
     facts["get_weight_version_route"] = call("GET", "/get_weight_version").status_code == 200
+    facts["weight_version_route"] = call("GET", "/weight_version").status_code == 200
 
     # One mistyped body: the parsing refuses each field the request struct has, and nothing runs.
     r = call("POST", "/update_weights_from_distributed",

@@ -1,4 +1,5 @@
-"""Generation routes: ``/generate`` (single or batched, optionally streamed) and pause/continue.
+"""Generation routes: ``/generate`` (single or batched, optionally streamed), pause/continue, ``/abort_request``,
+and SGLang's memory routes (``/release_memory_occupation``, ``/resume_memory_occupation``).
 
 Generations run on the app's own thread limiter (``app.state.generation_threads``), not on the
 threads of the control routes, so any number of them waiting out a pause never delays a control route.
@@ -11,11 +12,11 @@ import json
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from bridge.protocol import GenerateReq, SamplingParams, describe_validation_error
+from bridge.protocol import AbortReq, GenerateReq, MemoryOccupationReq, SamplingParams, describe_validation_error
 from inference_adapter.errors import RequestError
 from inference_adapter.model_state import ModelState
 from inference_adapter.routes.bodies import ContinueBody, PauseBody
@@ -105,3 +106,31 @@ async def continue_generation(request: Request, state: Served):
     if req.wsync_release_lease:  # after the resume, as a separate /wsync/writer_lease release would come
         out["writer_lease"] = await run_in_threadpool(state.updates.release_lease, req.wsync_writer)
     return out
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request, state: Served):
+    req = await parse(request, AbortReq)
+    state.abort_request(req.rid, req.abort_all)
+    return Response(status_code=200)
+
+
+def _tags(req: MemoryOccupationReq) -> list[str] | None:
+    from inference_adapter.generation import MEMORY_TAGS
+
+    unknown = [t for t in req.tags or () if t not in MEMORY_TAGS]
+    if unknown:
+        raise RequestError(f"tags {unknown[:5]} are not memory tags; send some of {list(MEMORY_TAGS)}, or none for all")
+    return req.tags
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(request: Request, state: Served):
+    state.release_memory(_tags(await parse(request, MemoryOccupationReq)))
+    return JSONResponse(None)
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(request: Request, state: Served):
+    state.resume_memory(_tags(await parse(request, MemoryOccupationReq)))
+    return JSONResponse(None)

@@ -1,7 +1,7 @@
 """Information routes: health, model and server info, the weight version, SGLang's debug reads.
 
-``/model_info`` and ``/server_info`` exist from SGLang 0.5.6, ``/ready`` from 0.5.20; the ``/get_*`` names
-exist in every emulated version. ``/get_server_info`` adds the project's ``wsync_reference_server`` and
+``/model_info`` and ``/server_info`` exist from SGLang 0.5.6, ``/ready`` from 0.5.20, ``/get_weight_version``
+in 0.5.1-0.5.7 and ``/weight_version`` in 0.5.6-0.5.7; the other ``/get_*`` names exist in every emulated version. ``/get_server_info`` adds the project's ``wsync_reference_server`` and
 ``wsync_disk_roots`` (see :mod:`inference_adapter.server`).
 """
 
@@ -74,6 +74,13 @@ async def get_weight_version(state: Served):
     if state.features.get_weight_version_route:
         return {"weight_version": state.version}
     return absent()  # before 0.5.1, and from 0.5.8 (SGLang answers 404 "deprecated")
+
+
+@router.get("/weight_version")
+async def weight_version(state: Served):
+    if state.features.weight_version_route:
+        return {"weight_version": state.version}
+    return absent()  # before 0.5.6, and from 0.5.8 (404 "deprecated" until 0.5.22; 0.5.23 has no such route)
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])

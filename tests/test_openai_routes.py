@@ -1,0 +1,126 @@
+"""SGLang's OpenAI-compatible routes on the reference server: ``/v1/completions`` and ``/v1/chat/completions``.
+
+What an RL client reads there: the answer (the served model's own greedy continuation, :func:`greedy`) and
+``metadata``, built as SGLang 0.5.23's ``build_endpoint_weight_version_metadata`` builds it from the first choice's
+``meta_info`` (``weight_version``, and ``weight_versions`` from 0.5.20; ``{"weight_version"}`` alone in 0.5.1-0.5.19;
+none before). A tokenizer without a chat template gets SGLang's answer, a 400 naming that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import requests
+
+from bridge.presets import build_tokenizer, make_model_dir
+from tests.fixtures_server import Trainer, greedy, local_model, random_weights
+
+PROMPT = [5, 72, 101, 108, 108, 111, 44, 32]
+N = 12
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+
+def _post(server, route: str, body: dict) -> requests.Response:
+    return requests.post(server.url + route, json=body, timeout=60)
+
+
+def _publish(server, weights: dict, version: str) -> None:
+    c = server.client
+    with Trainer([c]) as trainer:
+        c.begin_weight_update()
+        [r] = trainer.send(list(weights.items()), flattened=True, weight_version=version)
+        assert not isinstance(r, Exception), r
+        c.end_weight_update()
+
+
+def _chat_prompt() -> list[int]:
+    tok = build_tokenizer()
+    text = tok.apply_chat_template([MESSAGES[0], {"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                   tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_both_routes_report_the_served_version_after_a_publish(ref_server):
+    w = random_weights(seed=41)
+    _publish(ref_server, w, "oa-v1")
+    model, tok = local_model(w), build_tokenizer()
+    spans = [{"version": "oa-v1", "start": 0, "end": N}]
+
+    r = _post(ref_server, "/v1/completions", {"model": "m", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                                               "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "m"
+    assert body["metadata"] == {"weight_version": "oa-v1", "weight_versions": spans}
+    [choice] = body["choices"]
+    assert choice["text"] == tok.decode(greedy(model, PROMPT, N, ignore_eos=True))
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == N
+    assert body["usage"]["prompt_tokens"] == len(PROMPT)
+
+    r = _post(ref_server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": N, "temperature": 0,
+                                                    "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["metadata"] == {"weight_version": "oa-v1", "weight_versions": spans}
+    [choice] = body["choices"]
+    prompt = _chat_prompt()
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == tok.decode(greedy(model, prompt, N, ignore_eos=True))
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_a_streamed_chat_carries_the_same_text(ref_server):
+    body = {"messages": MESSAGES, "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with requests.post(ref_server.url + "/v1/chat/completions", json=body, timeout=60, stream=True) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+    plain = _post(ref_server, "/v1/chat/completions", {**body, "stream": False}).json()
+    assert text == plain["choices"][0]["message"]["content"]
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == N
+
+
+@pytest.mark.parametrize("version, metadata", [
+    ("0.5.8", {"weight_version": "relabelled"}),  # 0.5.1-0.5.19: the version alone
+    ("0.4.10.post2", None),  # before 0.5.1: no metadata
+])
+def test_older_dialects_answer_their_own_metadata(server_factory, version, metadata):
+    server = server_factory(extra_args=["--protocol-version", version])
+    if metadata is not None:
+        server.client.update_weight_version("relabelled")
+    for route, body in (("/v1/completions", {"prompt": "hello", "max_tokens": 2}),
+                        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})):
+        r = _post(server, route, body)
+        assert r.status_code == 200, r.text
+        assert r.json().get("metadata") == metadata, (route, r.json())
+
+
+def test_a_tokenizer_without_a_chat_template_is_answered_400(server_factory, tmp_path):
+    path = make_model_dir(tmp_path / "no-template")
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.pop("chat_template", None)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    server = server_factory(model=path)
+    try:
+        r = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert r.json()["object"] == "error" and "chat template" in r.json()["message"]
+        assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        server.stop()
+        shutil.rmtree(path, ignore_errors=True)
