@@ -125,8 +125,11 @@ def test_sglang_receive_code_serves_payload_bit_equal(version, load_format, tiny
 # ---------------------------------------------------------------------------------------------- refusals
 
 
-def _refused(urls: list[str], match: str) -> None:
-    """A colocated publish to ``urls`` raises ConfigError matching ``match``; nothing reached a server."""
+def _refused(urls: list[str], match: str, model_dir: str) -> None:
+    """A colocated publish of the servers' own model to ``urls`` raises ConfigError matching ``match``;
+    nothing reached a server."""
+    from transformers import AutoModelForCausalLM
+
     from bridge import PublisherConfig, WeightPublisher
     from bridge.client import ServerGroup
     from bridge.errors import ConfigError
@@ -135,7 +138,7 @@ def _refused(urls: list[str], match: str) -> None:
     pub = WeightPublisher(PublisherConfig(transport="colocated", servers=urls, progress=False))
     try:
         with pytest.raises(ConfigError, match=match):
-            pub.publish(torch.nn.Linear(4, 4), version=1)
+            pub.publish(AutoModelForCausalLM.from_pretrained(model_dir), version=1)
     finally:
         pub.close()
     assert ServerGroup(urls).weight_versions() == before
@@ -147,7 +150,7 @@ def test_colocated_refuses_sglang_older_than_flattened_buckets(tiny_model_dir):
     naming the release it needs, whatever this host has."""
     _need("0.4.9")
     with launch("0.4.9", tiny_model_dir) as srv:
-        _refused([srv.url], r"SGLang >= 0\.5\.6")
+        _refused([srv.url], r"SGLang >= 0\.5\.6", tiny_model_dir)
         assert srv.alive()
 
 
@@ -156,7 +159,7 @@ def test_colocated_refuses_a_mix_of_reference_and_real_servers(tiny_model_dir, s
     """Shared-memory files for one, CUDA IPC for the other: one publisher takes one kind."""
     srv = sglang_servers("0.5.23")
     ref = server_factory.many([dict(model=tiny_model_dir)])[0]
-    _refused([ref.url, srv.url], "mixes")
+    _refused([ref.url, srv.url], "mixes", tiny_model_dir)
     assert srv.alive() and ref.alive()
 
 
