@@ -248,9 +248,11 @@ def run_linked(cfg, *, json_path: str | None, plot_path: str | None, probe_mb: f
     Returns the inner driver's exit code. The link is removed on every way out: the end, an error, Ctrl-C
     (which reaches the inner driver too, in the same process group) and SIGTERM.
     """
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     require()
+    # The driver inside runs from the checkout: relative paths are made absolute here, where they were meant.
+    cfg = replace(cfg, workdir=os.path.abspath(cfg.workdir), models=[os.path.abspath(m) for m in cfg.models])
     link = Link(cfg.link, cfg.link_delay)
     old = signal.signal(signal.SIGTERM, _raise_interrupt)
     inner = None

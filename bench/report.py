@@ -370,6 +370,7 @@ def link_rows(rows: Sequence[dict], link: dict) -> list[dict]:
     seconds), ``of_link`` (that over the measured link rate) and ``link_seconds`` (its bytes alone at the
     measured rate: what the link makes them cost). Disk does not cross the link (the hosts share a filesystem)."""
     rate = link["measured"]["mbit_s"] * 1e6
+    sizes = list(dict.fromkeys(r["size"] for r in rows))  # in the order they were measured
     out = []
     for r in rows:
         which = r["method"] if r["method"] in LINK_ROWS else r["kind"]
@@ -380,7 +381,7 @@ def link_rows(rows: Sequence[dict], link: dict) -> list[dict]:
         out.append({**r, "link_order": LINK_ROWS.index(which), "mbit_s": bits / med / 1e6 if med else None,
                     "of_link": bits / med / rate if med else None, "link_seconds": bits / rate,
                     "crosses_link": r["kind"] != "disk" and not r["method"].startswith(("raw-disk", FLOOR_DISK))})
-    return sorted(out, key=lambda r: (r["size"], r["link_order"], r["method"]))
+    return sorted(out, key=lambda r: (sizes.index(r["size"]), r["link_order"], r.get("lr") or 0, r["method"]))
 
 
 def format_link(rows: Sequence[dict], link: dict) -> str:
