@@ -32,7 +32,8 @@ from collections.abc import Sequence
 
 from bench.delta import delta_fields, delta_notes, delta_targets
 
-__all__ = ["TARGETS", "build_rows", "build_warmups", "check_targets", "format_table", "plot", "stats"]
+__all__ = ["TARGETS", "build_rows", "build_warmups", "check_targets", "format_link", "format_table", "link_rows", "plot",
+           "stats"]
 
 FLOOR_GATHER = "floor: gather"
 FLOOR_BROADCAST = "floor: gather+broadcast"
@@ -357,6 +358,54 @@ def format_table(rows: Sequence[dict], targets: Sequence[dict], warmups: dict | 
     for t in targets:
         verdict = {True: "MET", False: "MISSED", None: "not measured"}[t["met"]]
         lines.append(f"  [{verdict:^12}] {t['target']}: {t['measured'] or '-'}")
+    return "\n".join(lines)
+
+
+LINK_ROWS = ("raw-broadcast", FLOOR_BROADCAST, "flattened", "delta", "per-tensor", "raw-disk", FLOOR_DISK, "disk")
+"""What the link section shows, in this order: the broadcast floor, the broadcast methods, then disk."""
+
+
+def link_rows(rows: Sequence[dict], link: dict) -> list[dict]:
+    """The rows of a ``--link`` run that the link section shows, each with ``mbit_s`` (its bytes over its median
+    seconds), ``of_link`` (that over the measured link rate) and ``link_seconds`` (its bytes alone at the
+    measured rate: what the link makes them cost). Disk does not cross the link (the hosts share a filesystem)."""
+    rate = link["measured"]["mbit_s"] * 1e6
+    sizes = list(dict.fromkeys(r["size"] for r in rows))  # in the order they were measured
+    out = []
+    for r in rows:
+        which = r["method"] if r["method"] in LINK_ROWS else r["kind"]
+        if which not in LINK_ROWS or r["kind"] == "gather":
+            continue
+        med = r["seconds"]["median"]
+        bits = r["bytes"] * 8
+        out.append({**r, "link_order": LINK_ROWS.index(which), "mbit_s": bits / med / 1e6 if med else None,
+                    "of_link": bits / med / rate if med else None, "link_seconds": bits / rate,
+                    "crosses_link": r["kind"] != "disk" and not r["method"].startswith(("raw-disk", FLOOR_DISK))})
+    return sorted(out, key=lambda r: (sizes.index(r["size"]), r["link_order"], r.get("lr") or 0, r["method"]))
+
+
+def format_link(rows: Sequence[dict], link: dict) -> str:
+    """The section a ``--link`` run adds to the table: the link, then per size the rows of :func:`link_rows`."""
+    m = link["measured"]
+    delay = f", netem delay {link['delay']} each way" if link.get("delay") else ""
+    lines = [f"link: tbf {link['rate']}{delay} on both legs of a veth pair, trainer {link['trainer_addr']} -> servers "
+             f"{link['server_addr']}; measured {m['mbit_s']:.1f} Mbit/s (plain TCP, {m['bytes'] / 1e6:.0f} MB in "
+             f"{m['seconds']:.2f} s)"]
+    head = (f"{'size':<8} {'method':<36} {'MB':>8} {'median s':>9} {'min-max s':>15} {'Mbit/s':>8} {'of link':>7} "
+            f"{'link s':>7} {'x full':>6}")
+    lines += [head, "-" * len(head)]
+    for r in link_rows(rows, link):
+        s = r["seconds"]
+        spread = f"{_f(s['min'], '.3f')}-{_f(s['max'], '.3f')}"
+        lines.append(f"{r['size']:<8} {r['method']:<36} {r['bytes'] / 1e6:>8.2f} {_f(s['median'], '.3f'):>9} "
+                     f"{spread:>15} {_f(r['mbit_s'], '.1f'):>8} "
+                     f"{_f(r['of_link'] if r['crosses_link'] else None, '.2f'):>7} "
+                     f"{_f(r['link_seconds'] if r['crosses_link'] else None, '.3f'):>7} "
+                     f"{_f(r.get('speedup_vs_full'), '.1f'):>6}")
+    lines.append("Mbit/s = the row's bytes over its median seconds; of link = that / the measured link; link s = the "
+                 "row's bytes alone at the measured rate; x full = a delta row's speed-up over the full flattened "
+                 "sync of the same bucket size. Disk rows do not cross the link (both hosts share this machine's "
+                 "filesystem).")
     return "\n".join(lines)
 
 

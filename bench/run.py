@@ -86,6 +86,13 @@ class BenchConfig:
     sync (broadcast, first bucket size) into a server of its own. Empty: no delta rows."""
     delta_warmup: int = 5
     """Optimizer steps (at the first delta learning rate, each published) before the delta rows are timed."""
+    link: str | None = None
+    """A tc rate (``200mbit``, ``1gbit``): the servers on a host of their own behind a link shaped to it
+    (:mod:`bench.netns`; needs root). None: everything on this host's loopback."""
+    link_delay: str | None = None
+    """With ``link``: a netem delay on each leg of the link (``1ms``)."""
+    link_probe_mb: float = 32.0
+    """With ``link``: MB of the plain TCP transfer that measures the link once at the start."""
 
     def __post_init__(self) -> None:
         from bridge.presets import PRESETS
@@ -115,6 +122,15 @@ class BenchConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         dtype_from_str(self.serving_dtype)
+        if self.link is not None:
+            from bench.netns import parse_delay, parse_rate
+
+            parse_rate(self.link)
+            parse_delay(self.link_delay)
+            if not self.link_probe_mb > 0:
+                raise ConfigError(f"link_probe_mb must be positive, got {self.link_probe_mb}")
+        elif self.link_delay:
+            raise ConfigError("--link-delay needs --link RATE")
 
 
 def placement(device: str, nproc: int) -> dict:
@@ -157,11 +173,14 @@ def placement(device: str, nproc: int) -> dict:
                       f"--nproc {max(1, len(ids) - 1)}")
 
 
-def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str | None = None) -> dict:
+def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str | None = None,
+              link: dict | None = None) -> dict:
     """Measure every size; return the report (``rows``, ``targets``, ``table``, ``sizes``, ``meta``, ``failed``).
 
     Writes ``json_path`` and ``plot_path`` when given. A size whose trainer job fails is listed in
-    ``failed`` and the others are still reported.
+    ``failed`` and the others are still reported. ``link``: this driver runs in the trainer namespace of a
+    shaped link (:func:`bench.netns.run_linked` passes its :class:`bench.netns.LinkSpec` as a dict), and the
+    servers are started in the other one; the report gains ``link`` and its table the link's section.
     """
     from bench import report as rep
     from bridge.name_resolve.local_etcd import LocalEtcd
@@ -187,7 +206,7 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
         for label, model_dir in models:
             print(f"wsync bench: {label} ({model_dir})", file=sys.stderr, flush=True)
             try:
-                sizes.append(measure_size(cfg, label, model_dir, run_dir, etcd, place))
+                sizes.append(measure_size(cfg, label, model_dir, run_dir, etcd, place, link=link))
             except BridgeError as e:
                 failed[label] = str(e)
                 print(f"wsync bench: {label} FAILED: {e}", file=sys.stderr, flush=True)
@@ -201,6 +220,9 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
     warmups = rep.build_warmups(sizes)
     meta = _meta(cfg, sizes, time.perf_counter() - t0, etcd is not None, place)
     table = rep.format_table(rows, targets, warmups)
+    if link is not None:
+        meta["link"] = link
+        table += "\n\n" + rep.format_link(rows, link)
     result = {"meta": meta, "rows": rows, "targets": targets, "warmups": warmups, "sizes": sizes, "failed": failed,
               "table": table}
     if json_path:
@@ -215,11 +237,24 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
 
 
 def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etcd, place: dict,
-                 extra: dict | None = None) -> dict:
+                 extra: dict | None = None, link: dict | None = None) -> dict:
     """One size's trainer job against its own server and watchers; the worker's result. ``extra`` goes into
-    the worker spec (``{"profile": ...}``: :mod:`bench.profile`)."""
+    the worker spec (``{"profile": ...}``: :mod:`bench.profile`). ``link``: the servers start in the server
+    namespace of that link (:mod:`bench.netns`)."""
+    from bench.netns import SERVER_PORTS
     from bridge.launch import start_ranks
-    from inference_adapter.launcher import launch_server
+
+    ports = iter(SERVER_PORTS)
+
+    def launch_server(**kw):
+        if link is None:
+            from inference_adapter.launcher import launch_server as launch
+
+            return launch(**kw)
+        from bench.netns import LinkSpec, launch_server_in
+
+        kw.pop("use_sglang", None)
+        return launch_server_in(LinkSpec(**link), next(ports), **kw)
 
     size_dir = ensure_dir(run_dir, label)
     quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",

@@ -444,14 +444,18 @@ class _Bench:
     def _init_raw_group(self) -> None:
         from bridge.client import ServerClient
         from bridge.process_group import find_free_port, init_custom_process_group
+        from bridge.transports.broadcast import master_address_for
 
-        port = find_free_port()
+        # Where the servers reach this rank, as the publisher finds it: 127.0.0.1 on one host, else this host's
+        # address on the way to the server (bench --link: the trainer namespace's end of the link).
+        address = master_address_for([self.url], None)
+        port = find_free_port(address)
         backend = self.backend or _default_backend()
         client = ServerClient(self.url, timeout=self.timeout)
         joined = self.pool.submit(lambda: client.init_weights_update_group(
-            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=RAW_GROUP,
+            master_address=address, master_port=port, rank_offset=1, world_size=2, group_name=RAW_GROUP,
             backend=backend, timeout=2 * self.timeout))
-        self.raw_pg = init_custom_process_group(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
+        self.raw_pg = init_custom_process_group(master_address=address, master_port=port, world_size=2, rank=0,
                                                 group_name=RAW_GROUP, backend=backend, timeout=self.timeout)
         joined.result(timeout=2 * self.timeout)
 

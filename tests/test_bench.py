@@ -81,6 +81,65 @@ def test_device_placement_names_what_is_missing():
         placement("cuda", 2)
 
 
+@pytest.mark.slow
+def test_link_bench_on_tiny_runs_the_rows_over_a_shaped_link(tmp_path):
+    """--link 200mbit: the servers behind a shaped veth pair in namespaces the bench makes, the link measured
+    with plain TCP near the asked rate, the broadcast, delta and disk rows in the table's link section, and
+    the namespaces gone afterwards. Root and iproute2 only (skips elsewhere)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("--link needs root and iproute2 (ip, tc)")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "wsync.cli", "bench", "--link", "200mbit", "--link-probe-mb", "8", "--sizes", "tiny",
+           "--repeats", "1", "--bucket-mb", "32", "--delta-lrs", "1e-6", "--delta-warmup", "1", "--no-etcd",
+           "--json", str(out), "--workdir", str(tmp_path / "work"), "--timeout", "60"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=300)
+    if proc.returncode != 0 and "`ip netns add" in stderr:
+        pytest.skip(f"cannot make network namespaces here: {stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"wsync-bench-{proc.pid}-" not in left, f"namespaces left behind: {left}"
+
+    report = json.loads(out.read_text())
+    link = report["meta"]["link"]
+    assert link["rate"] == "200mbit" and link["server_addr"].startswith("10.201.")
+    # tbf holds one TCP stream near its rate (191 Mbit/s seen at 200mbit); far below it is a link not shaped
+    # as asked, far above it no shaping at all.
+    assert 100 <= link["measured"]["mbit_s"] <= 220, link
+    section = stdout[stdout.index("\nlink: tbf 200mbit"):]
+    assert f"measured {link['measured']['mbit_s']:.1f} Mbit/s" in section
+    shown = {line.split()[1] if not line.split()[1] == "floor:" else " ".join(line.split()[1:3])
+             for line in section.splitlines()[3:] if line.startswith("tiny ")}
+    assert {"raw-broadcast", "floor: gather+broadcast", "flat-32MiB", "delta-lr1e-06", "per-tensor", "raw-disk",
+            "floor: gather+disk", "disk-dir"} <= shown, section
+    assert not any(r["kind"] == "colocated" for r in report["rows"])  # /dev/shm does not cross a link
+    rows = {r["method"]: r for r in report["rows"]}
+    assert rows["delta-lr1e-06"]["bytes"] < rows["flat-32MiB"]["bytes"] == rows["raw-broadcast"]["bytes"]
+    assert all(r["seconds"]["median"] > 0 for r in rows.values())
+
+
+def test_link_flags_name_what_is_wrong_or_missing(monkeypatch):
+    """A bad rate or delay fails as the config is read; without root or iproute2, one line names what is missing."""
+    from bench import netns
+    from bench.run import BenchConfig
+    from bridge.errors import ConfigError
+
+    assert netns.parse_rate("200mbit") == 200e6 and netns.parse_rate("1gbit") == 1e9
+    assert netns.parse_delay("1ms") == 1e-3 and netns.parse_delay(None) == 0
+    with pytest.raises(ConfigError, match="e.g. 200mbit"):
+        BenchConfig(sizes=["tiny"], link="200mb")
+    with pytest.raises(ConfigError, match="needs --link"):
+        BenchConfig(sizes=["tiny"], link_delay="1ms")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match="^--link needs root"):
+        netns.require()
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+    with pytest.raises(ConfigError, match="^--link needs iproute2: tc not on PATH"):
+        netns.require()
+
+
 @pytest.mark.gpu
 def test_bench_on_cuda_measures_over_nccl(tmp_path):
     """On a CUDA host: the tiny bench with NCCL gathers, and NCCL to a server on its own GPU when there is one."""

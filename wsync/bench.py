@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from bridge.errors import BridgeError
@@ -46,6 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one transfer or load may take")
     p.add_argument("--keep-run", action="store_true", help="keep the run folder (snapshots, logs)")
     p.add_argument("--log-level", default="WARNING", help="log level of every process")
+    p.add_argument("--link", metavar="RATE",
+                   help="the servers on a host of their own behind a link shaped to RATE (tc: 200mbit, 1gbit): two "
+                        "network namespaces and a veth pair the bench makes and removes (needs root and iproute2); "
+                        "the link is measured once with plain TCP; colocated is not measured")
+    p.add_argument("--link-delay", metavar="DELAY", help="with --link: netem delay on each leg (e.g. 1ms)")
+    p.add_argument("--link-probe-mb", type=float, default=32.0, metavar="MB",
+                   help="with --link: MB of the TCP transfer that measures the link (default 32)")
+    # Internal: set when the bench re-runs itself inside the trainer namespace of a --link run.
+    p.add_argument("--_link-spec", dest="link_spec", help=argparse.SUPPRESS)
     # Internal: set when the bench re-runs itself as a trainer rank under torchrun.
     p.add_argument("--_worker-spec", dest="worker_spec", help=argparse.SUPPRESS)
 
@@ -77,8 +87,9 @@ def config_from_args(args: argparse.Namespace):
         kw["workdir"] = args.workdir
     return BenchConfig(models=list(args.model), nproc=args.nproc, etcd=args.etcd, serving_dtype=args.serving_dtype,
                        timeout=args.timeout, keep_run=args.keep_run, log_level=args.log_level.upper(),
-                       device=args.device, colocated=args.colocated, delta_lrs=list(args.delta_lrs),
-                       delta_warmup=args.delta_warmup, **kw)
+                       device=args.device, colocated=args.colocated and not args.link, delta_lrs=list(args.delta_lrs),
+                       delta_warmup=args.delta_warmup, link=args.link, link_delay=args.link_delay,
+                       link_probe_mb=args.link_probe_mb, **kw)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,9 +101,25 @@ def run(args: argparse.Namespace) -> int:
     from wsync.serve import require_server_stack
 
     require_server_stack()
+    if args.link_spec:  # inside the trainer namespace of a --link run (bench.netns.run_linked)
+        from bench.run import BenchConfig
+
+        spec = json.loads(args.link_spec)
+        args.json, args.plot = spec["json"], spec["plot"]
+        report = run_bench(BenchConfig(**spec["config"]), json_path=args.json, plot_path=args.plot, link=spec["link"])
+        return _finish(args, report)
     if args.plot:
         import matplotlib  # noqa: F401  (the bench extra: fail now, not after minutes of measuring)
-    report = run_bench(config_from_args(args), json_path=args.json, plot_path=args.plot)
+    cfg = config_from_args(args)
+    if cfg.link is not None:
+        from bench.netns import run_linked
+
+        return run_linked(cfg, json_path=args.json and os.path.abspath(args.json),
+                          plot_path=args.plot and os.path.abspath(args.plot), probe_mb=cfg.link_probe_mb)
+    return _finish(args, run_bench(cfg, json_path=args.json, plot_path=args.plot))
+
+
+def _finish(args: argparse.Namespace, report: dict) -> int:
     print(report["table"], flush=True)
     if args.json:
         print(f"wsync bench: wrote {args.json}", file=sys.stderr)
