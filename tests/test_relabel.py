@@ -113,3 +113,24 @@ def test_new_run_may_publish_the_served_version_with_other_weights(server_factor
     assert restarted["ok"] and not restarted["retried"], restarted
     version, served = _served(server.url)
     assert version == str(VERSION) and _same(served, restarted["own"]) and not _same(served, first["own"])
+
+
+def test_the_served_digest_does_not_depend_on_the_sharding():
+    """Row shards of any number of ranks (FSDP2's ``torch.chunk`` rows) add up to the whole tensor's digest, as
+    the reference server takes it; one bit flipped anywhere, or another tensor name, gives another digest."""
+    import torch
+
+    from bridge.protocol import DIGEST_BLOCK, served_digest_part
+
+    rows, cols = 1000, DIGEST_BLOCK // 3 + 7  # shards start inside blocks, and a chunk spans many blocks
+    full = torch.randn(rows, cols).to(torch.bfloat16)
+    whole = served_digest_part("w", full.reshape(-1))
+    for world in (1, 2, 3, 8):
+        per = -(-rows // world)
+        parts = [served_digest_part("w", full[r * per:(r + 1) * per].reshape(-1), r * per * cols) for r in range(world)]
+        assert sum(parts) % (1 << 64) == whole, world
+    for i in (0, 1, rows * cols // 2, rows * cols - 1):
+        flipped = full.reshape(-1).clone()
+        flipped.view(torch.int16)[i] ^= 1
+        assert served_digest_part("w", flipped) != whole, i
+    assert served_digest_part("v", full.reshape(-1)) != whole
