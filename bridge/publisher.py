@@ -102,6 +102,7 @@ class WeightPublisher:
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
         self._part: RankPart | None = None  # this rank's part of every sync (every rank), built with it
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
+        self._labels = None  # rank 0: the records of what real SGLang servers serve (bridge.labels)
 
     # ---------------------------------------------------------------- public API
 
@@ -164,7 +165,9 @@ class WeightPublisher:
                 if self._rank != 0:
                     return None
                 failpoint("commit", 0)
+                self._forget_stale_labels(plan)
                 outcome = self._transport.commit(plan, [report for _, report in settled])
+                self._record_labels(plan, outcome.get("servers", {}))
                 if self._fleet is not None:  # who took it: in rotation; who did not: out (or too few: raise)
                     outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
                 return {**outcome, "peak": peak}
@@ -205,6 +208,9 @@ class WeightPublisher:
             _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
         transport, part, servers = self._transport, self._part, self._fleet
         self._transport = self._part = self._fleet = None
+        labels, self._labels = self._labels, None
+        if labels is not None:
+            labels.close()
         self._encoding.close()
 
         def release() -> None:
@@ -263,37 +269,125 @@ class WeightPublisher:
         cfg = self.config
 
         retry = version == self.last_version
+        mine: list = []
 
         def prepare():
             failpoint("prepare", self._rank)
             source.require(self._kind.source_needs, f"the {cfg.transport} transport")
             specs = self._wire_specs(source)
+            mine.append(specs)
+            labels = None
             if self._rank == 0:
                 self._open_servers()
                 if self._transport.servers is not None:  # before any server is paused or any byte moves
                     check_servers_serve(specs, self._transport.servers.clients, cfg.serving_dtype)
+                labels = None if retry else self._served_labels(version, specs)
             if self._part is None:
                 self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
             # A retry is safe only with the weights of the last version: each rank tells for its own shards, before
             # the encoding's prepare moves anything. A new version's fingerprint is taken for the next retry.
             differs = self._encoding.differs(source, specs) if retry else None
-            summary, mine = self._encoding.prepare(source, specs), specs if self._rank == 0 else None  # rank 0's are used
+            summary = self._encoding.prepare(source, specs)
+            ours = specs if self._rank == 0 else None  # rank 0's are used
             if not retry:
                 self._encoding.fingerprint(source)
-            return mine, differs, summary
+            return ours, differs, summary, labels
 
         results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
         specs = results[0][0]
         plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source)
         self._encoding.plan(plan, [r[2] for r in results])
         if retry:
-            why = [f"rank {r}: {d}" for r, (_, d, _) in enumerate(results) if d]
+            why = [f"rank {r}: {d}" for r, (_, d, _, _) in enumerate(results) if d]
             if why:
                 raise VersionError(f"version {version} was already published with different weights, or with weights "
                                    f"that cannot be compared ({'; '.join(why)}); publish the new weights under a higher "
                                    "version")
             plan.retried = True
+        if results[0][3] is not None:
+            self._check_labels(plan, mine[0], results[0][3])
         return self._with_gather_group(plan)
+
+    def _served_labels(self, version: int, specs: list[ParamSpec]) -> dict | None:
+        """Rank 0, in the prepare step: the servers that already serve ``version``, which this publisher did not
+        publish, with the digest of what they serve (or why it cannot be known), and the real SGLang servers
+        whose label this sync records at commit (:mod:`bridge.labels`); None when neither."""
+        fleet = self._fleet
+        if fleet is None or fleet.group is None:
+            return None
+        label, sets = str(version), self._kind.sets_labels
+        new_run = self.config.new_run and self.last_version is None  # a new run starts over: nothing to compare
+        check: dict[str, tuple[str | None, str | None]] = {}
+        record: list[str] = []
+        for c in fleet.group.clients:
+            real = not c.is_reference_server
+            if real and sets:
+                record.append(c.url)
+            if new_run or fleet.served.get(c.url) != label:
+                continue
+            if not real:  # it digests what it serves, on request
+                got = c.weights_digest([s.name for s in specs])
+                if str(got.get("weight_version")) == label and got.get("run_id") in (None, self.run_id):
+                    check[c.url] = (got.get("digest"), None)
+            elif sets:  # real SGLang keeps nothing: the record written when it was labelled
+                records = self._label_records()
+                rec = records.read(c.url)
+                if rec is None or str(rec.get("version")) != label:
+                    check[c.url] = (None, f"no digest of its weights is recorded in {records.url}; its label was set "
+                                          "by a trainer whose record lives elsewhere, or outside wsync")
+                elif rec.get("run_id") in (None, self.run_id):
+                    check[c.url] = (rec.get("digest"), None if rec.get("digest") else
+                                    "the trainer that labelled it could not take the digest of its weights")
+        return {"check": check, "record": record} if check or record else None
+
+    def _check_labels(self, plan: Plan, specs: list[ParamSpec], labels: dict) -> None:
+        """Every rank, after the prepare step: the digest of these weights as servers serve them (each rank adds
+        its own rows), compared with what the servers that already serve this version serve. Other weights, or
+        weights that cannot be compared, are a VersionError on every rank before anything moves; the same
+        weights are a safe retry (:mod:`bridge.labels`)."""
+        from bridge.labels import local_digest_part, refusal
+
+        parts = self._agree.step("label check", lambda: local_digest_part(plan.source, specs),
+                                 timeout=self.config.group_timeout + SLACK_S)
+        digest = None if any(p is None for p in parts) else f"{sum(parts) % (1 << 64):016x}"
+        problems = []
+        for url, (served, why) in labels["check"].items():
+            if why is None and digest is None:
+                why = "the weight source has no local_shards(), so the digest of its weights cannot be taken"
+            if why is not None or served != digest:
+                problems.append(refusal(url, plan.version, why))
+        if problems:
+            raise VersionError("; ".join(problems))
+        plan.retried = plan.retried or bool(labels["check"])
+        plan.served_digest, plan.record_labels = digest, list(labels["record"])
+
+    def _label_records(self):
+        """Rank 0: where the labels of real SGLang servers are recorded (:class:`bridge.labels.LabelRecords`)."""
+        if self._labels is None:
+            from bridge.labels import LabelRecords
+
+            self._labels = LabelRecords(getattr(self.config, "writer_lock", None))
+        return self._labels
+
+    def _forget_stale_labels(self, plan: Plan) -> None:
+        """Rank 0, before the commit: a record of this version with other weights (a new run publishes it again) is
+        removed first, so that a record that cannot be written after the commit never vouches for the weights the
+        commit replaced. A failure here fails the sync before anything is labelled."""
+        for url in plan.record_labels:
+            rec = self._label_records().read(url)
+            if rec is not None and str(rec.get("version")) == str(plan.version) and rec.get("digest") != plan.served_digest:
+                self._label_records().forget(url)
+
+    def _record_labels(self, plan: Plan, servers: dict[str, str]) -> None:
+        """Rank 0, after the commit: record the label of each real SGLang server that took the version. A record
+        that cannot be written is logged: that label then cannot be compared, and is refused as such."""
+        for url in plan.record_labels:
+            if servers.get(url) != "ok":
+                continue
+            try:
+                self._label_records().write(url, str(plan.version), plan.served_digest, self.run_id)
+            except BridgeError as e:
+                logger.warning("could not record the digest of version %d served by %s: %s", plan.version, url, e)
 
     def _open_servers(self) -> None:
         """Rank 0: the servers of this sync, found and probed again (:class:`bridge.fleet.Fleet`), and the

@@ -28,7 +28,7 @@ import threading
 import torch
 
 from bridge.errors import ConfigError
-from bridge.protocol import ProtocolFeatures, tensor_checksum
+from bridge.protocol import ProtocolFeatures, served_digest_part, tensor_checksum
 from bridge.tensors import dtype_to_str
 from inference_adapter.checks import version_problem
 from inference_adapter.errors import RequestError
@@ -189,14 +189,20 @@ class ModelState(GenerationMixin):
         with self.weights.rw.read():
             return t[: max(0, truncate_size)].detach().to(torch.float32).tolist()
 
-    def checksums(self, names: list[str] | None) -> dict:
-        """Project extension: sha256 of every (or the named) served tensor's bytes, with the version."""
+    def checksums(self, names: list[str] | None, digest: bool = False) -> dict:
+        """Project extension: sha256 of every (or the named) served tensor's bytes, with the version; with
+        ``digest``, the :func:`bridge.protocol.served_digest_part` sum of those tensors instead, with the version
+        and the run it came from (a publisher compares it with its own weights before it publishes the served
+        version again)."""
         w = self.weights
         wanted = names if names is not None else [*w.params, *w.aliases]
         unknown = [n for n in wanted if w.target(n) is None]
         if unknown:
             raise RequestError(f"unknown tensor names {unknown[:5]}; the served model has {len(w.params)} parameters")
         with w.rw.read():
+            if digest:
+                total = sum(served_digest_part(n, w.target(n).reshape(-1)) for n in wanted) % (1 << 64)
+                return {"weight_version": w.version, "run_id": self.updates.run_id, "digest": f"{total:016x}"}
             sums = {n: tensor_checksum(w.target(n)) for n in wanted}
             dtypes = {n: dtype_to_str(w.target(n).dtype) for n in wanted}
             return {"weight_version": w.version, "checksums": sums, "dtypes": dtypes}

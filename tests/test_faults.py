@@ -302,7 +302,9 @@ def _kill_rank1_mid_sync(urls: list[str]):
     from bridge import PublisherConfig, WeightPublisher
 
     engine = sb.engine()
-    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=4, http_timeout=4, progress=False))
+    # A run of its own: the fault matrix's last transport left its own weights served as version 41 on this server.
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, group_timeout=4, http_timeout=4, progress=False,
+                                          trial="rank1-killed"))
     own41, own42 = sb.publish_then_train(pub, engine, 41)
 
     class DieOnRank1:  # rank 1 dies inside the gather of the third bucket

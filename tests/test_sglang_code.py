@@ -362,6 +362,73 @@ def test_colocated_publish_refused_by_real_sglang(server):
     assert server.alive() and c.model_info()["weight_version"] != "1"
 
 
+# ---------------------------------------------------------------------------------------------- a label, one set of weights
+
+
+def _publish_v23(url: str, steps: int, extra: dict) -> dict:
+    """A new trainer: ``steps`` training steps, one publish of version 23; its outcome and (rank 0) its own
+    weights as SGLang serves them (q/k/v and gate/up stacked)."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+
+    engine = sb.engine()
+    for s in range(steps):
+        sb.train_step(engine, seed=s)
+    pub = WeightPublisher(PublisherConfig(servers=[url], bucket_mb=0.25, group_timeout=60, progress=False, **extra))
+    try:
+        try:
+            res = pub.publish(engine, version=23)
+            out = {"ok": True, "retried": res.retried}
+        except BridgeError as e:
+            out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        full = {s.name: t for s, t in engine.iter_full_tensors()}  # collective (None off rank 0)
+        if engine.rank == 0:
+            out["own"] = {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in sglang_layout(full).items()}
+        return out
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_a_new_process_cannot_relabel_real_sglang_with_other_weights(server, tmp_path, monkeypatch):
+    """SGLang keeps no digest of what it serves: the publisher records one at commit beside the run (here in
+    ``writer_lock``'s name resolution) and a new trainer process compares its own with it before anything moves.
+    Other weights under the served version are refused; the same weights are a safe retry; ``new_run=True``
+    passes; a label with no record (set outside wsync) cannot be compared, and is refused as such."""
+    if server.version != VERSIONS[0]:
+        pytest.skip("one version is enough: the record lives beside the run, SGLang only sets the label")
+    extra = {"writer_lock": f"file://{tmp_path / 'nr'}", "experiment": "relabel", "trial": server.version}
+
+    def run(steps: int, **more) -> dict:
+        rank0, rank1 = run_ranks(_publish_v23, 2, args=(server.url, steps, {**extra, **more}), timeout=400)
+        assert {k: v for k, v in rank1.items()} == {k: v for k, v in rank0.items() if k != "own"}
+        return rank0
+
+    def served() -> dict:
+        got = server.checksums()
+        assert got["weight_version"] == "23", got["weight_version"]
+        return got["checksums"]
+
+    first = run(1)
+    assert first["ok"], first
+    assert {n: served()[n] for n in first["own"]} == first["own"]
+    monkeypatch.setenv("WSYNC_FAILPOINTS", "begin@0=RuntimeError")  # a refusal any later would be a SyncError
+    other = run(3)
+    monkeypatch.delenv("WSYNC_FAILPOINTS")
+    assert not other["ok"] and other["error"].startswith("VersionError: "), other
+    assert f"{server.url} already serves version 23 with other weights" in other["error"], other["error"]
+    assert {n: served()[n] for n in first["own"]} == first["own"], "the refused publish changed SGLang's weights"
+    again = run(1)
+    assert again["ok"] and again["retried"], again
+    restarted = run(3, new_run=True)
+    assert restarted["ok"] and not restarted["retried"], restarted
+    assert {n: served()[n] for n in restarted["own"]} == restarted["own"]
+    extra["writer_lock"] = f"file://{tmp_path / 'elsewhere'}"  # a trainer whose records live elsewhere
+    unknown = run(3)
+    assert not unknown["ok"] and "cannot be compared" in unknown["error"], unknown
+    assert server.alive()
+
+
 # ---------------------------------------------------------------------------------------------- one writer at a time
 
 _HOLDER = """

@@ -387,5 +387,13 @@ class ServerClient(WeightUpdateRoutes):
         """
         return self._http.call("POST", "/wsync/weights_checksum", {"names": list(names) if names is not None else None})
 
+    def weights_digest(self, names: Sequence[str]) -> dict:
+        """Project extension, reference server only: ``/wsync/weights_checksum`` with ``digest``.
+
+        Returns ``{"weight_version", "run_id", "digest"}``: the sum of :func:`bridge.protocol.served_digest_part`
+        over the named served tensors (16 hex digits), the version and the run (None: unknown) it serves.
+        """
+        return self._http.call("POST", "/wsync/weights_checksum", {"names": list(names), "digest": True})
+
     def close(self) -> None:
         self._http.close()

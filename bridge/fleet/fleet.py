@@ -64,6 +64,8 @@ class Fleet:
         self.version: str | None = None
         """The version every server in rotation serves (None before the first publish found one)."""
         self.group: ServerGroup | None = None
+        self.served: dict[str, str] = {}
+        """url -> the version it served when the last ``prepare`` probed it (the servers that answered)."""
         self.status: dict[str, str] = {}
         self._listed: dict[int, list[str]] = {}  # source index -> what it listed at the last publish
         self._new_run = config.new_run
@@ -80,6 +82,7 @@ class Fleet:
         urls = self._discover()
         found = self._probe(urls)
         live = [u for u in urls if not isinstance(found[u], _Down)]
+        self.served = {u: found[u] for u in live}
         self.status = {}
         for u in urls:
             if u not in live:

@@ -88,6 +88,10 @@ class Plan:
     phases: dict[str, float] = field(default_factory=dict)
     encoded: Any = None
     """What the encoding (:mod:`bridge.encodings`) planned for this sync; None for ``full``."""
+    served_digest: str | None = None
+    """The digest of these weights as servers serve them (:mod:`bridge.labels`), when this sync took one."""
+    record_labels: list[str] = field(default_factory=list)
+    """Real SGLang servers whose label this sync records at commit, with ``served_digest`` (:mod:`bridge.labels`)."""
 
     @property
     def nbytes(self) -> int:
@@ -147,6 +151,10 @@ class Transport:
 
     encodings: tuple[str, ...] = ("full",)
     """The encodings (:mod:`bridge.encodings`) this transport can carry."""
+
+    sets_labels = True
+    """The transport sets the servers' version labels itself at commit (broadcast, colocated); False when a
+    watcher loads what it published (disk), whose snapshots are the record of what each version holds."""
 
     gives_back_early = True
     """``abort`` may run on rank 0 as soon as rank 0's own step failed, before the other ranks answered

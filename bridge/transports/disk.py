@@ -124,6 +124,7 @@ class DiskTransport(Transport):
     name = "disk"
     Options = DiskOptions
     needs_servers = False  # the snapshot is announced; servers in the config are only waited for
+    sets_labels = False  # a watcher loads each version: the snapshot is the record of what it holds
     gives_back_early = False  # the temporary snapshot goes only once every rank's writer has stopped
 
     def __init__(self, config, servers):

@@ -1,9 +1,10 @@
 """The project's own routes (not SGLang's; a client that does not know them can ignore them).
 
 ``/wsync/weights_checksum`` (GET or POST ``{"names": [...] | null}``): the sha256 of every (or each
-named) served tensor and the weight version, read under one lock. ``/wsync/weights_spec`` (GET): each
-served tensor's shape and dtype, the aliases accepted and the serving dtype (a publisher's check before any
-byte moves). ``/wsync/abort_weight_update``
+named) served tensor and the weight version, read under one lock; with ``"digest": true``, one digest of the named
+tensors (:func:`bridge.protocol.served_digest_part`) with the version and its run instead. ``/wsync/weights_spec``
+(GET): each served tensor's shape and dtype, the aliases accepted and the serving dtype (a publisher's check
+before any byte moves). ``/wsync/abort_weight_update``
 (POST): discard the open update session without applying anything. ``/wsync/writer_lease`` (POST
 ``{"wsync_writer", "wsync_run_id", "lease_s", "release", "starts_sync", "renew_only"}``): take, renew or release the writer lease (one
 writer at a time, :mod:`inference_adapter.writers`). The bench's raw-transport route lives in
@@ -27,7 +28,7 @@ router = APIRouter()
 @router.api_route("/wsync/weights_checksum", methods=["GET", "POST"])
 async def weights_checksum(request: Request, state: Served):
     req = await parse(request, WeightsChecksumReq)
-    return await run_in_threadpool(state.checksums, req.names)
+    return await run_in_threadpool(state.checksums, req.names, req.digest)
 
 
 @router.get("/wsync/weights_spec")
