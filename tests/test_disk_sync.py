@@ -478,3 +478,62 @@ def test_garbage_collection_removes_the_announcements_of_the_snapshots_it_remove
         announced = sorted(names.version_of(k) for k in nr.find_subtree(names.update_weights_from_disk_root("gc", "t0")))
     assert list_snapshots(root) == [48, 49, 50]
     assert announced == [48, 49, 50], announced
+
+
+# ------------------------------------------------------------------ a version nobody loads fails at once
+
+
+def _publish_timed(url: str, nr_url: str, root: str, trial: str, preset: str):
+    """Publish version 1 of ``preset`` with a long wait_loaded_timeout; (seconds, error or None, announced)."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+    from bridge.name_resolve import make_name_resolve, names
+
+    engine = sb.engine(preset)
+    pub = WeightPublisher(PublisherConfig(transport="disk", servers=[url], name_resolve=nr_url, snapshot_root=root,
+                                          experiment="e2e", trial=trial, wait_loaded_timeout=120, progress=False))
+    t0 = time.monotonic()
+    try:
+        pub.publish(engine, version=1)
+        error = None
+    except BridgeError as e:
+        error = str(e)
+    finally:
+        seconds = time.monotonic() - t0
+        pub.close()
+        engine.destroy()
+    with make_name_resolve(nr_url) as nr:
+        announced = nr.find_subtree(names.update_weights_from_disk_root("e2e", trial))
+    return seconds, error, announced
+
+
+def test_a_version_no_server_can_load_fails_at_once_with_the_watchers_reason_and_is_withdrawn(server, tmp_path):
+    """The small preset's snapshot does not fit the tiny server: the watcher's reason (the shapes) reaches the
+    publisher at once, not after wait_loaded_timeout=120 s, and the version is not left announced."""
+    from bridge.client import ServerGroup
+    from inference_adapter.watcher import DiskWatcher
+
+    nr_url, root = f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")
+    before = ServerGroup([server.url]).weight_versions()
+    watcher = DiskWatcher(nr_url, "e2e", "mismatch", ServerGroup([server.url]))
+    watcher.start()
+    try:
+        (seconds, error, announced), = run_ranks(_publish_timed, 1, args=(server.url, nr_url, root, "mismatch", "small"),
+                                                 timeout=200)
+    finally:
+        watcher.stop()
+    assert error is not None and "no server could load version 1" in error and "shape" in error, error
+    assert "withdrawn" in error and seconds < 10, (seconds, error)
+    assert announced == []
+    assert not [d for d in os.listdir(root) if d.startswith("v")]
+    assert ServerGroup([server.url]).weight_versions() == before
+
+
+def test_no_watcher_for_the_trial_fails_at_once_naming_wsync_watch(server, tmp_path):
+    nr_url, root = f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")
+    (seconds, error, announced), = run_ranks(_publish_timed, 1, args=(server.url, nr_url, root, "nowatcher", "tiny"),
+                                             timeout=200)
+    assert error is not None and "no watcher" in error, error
+    assert "wsync watch" in error and "--experiment e2e --trial nowatcher" in error, error
+    assert "\n" not in error and seconds < 15, (seconds, error)  # NO_WATCHER_GRACE_S = 5 s, plus the write
+    assert announced == []

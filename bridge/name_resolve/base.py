@@ -60,6 +60,18 @@ class _Names:
         """The prefix under which the announcements of one trial live (what a watcher watches)."""
         return f"{self._base(experiment, trial, root)}/update_weights_from_disk"
 
+    def watchers(self, experiment: str, trial: str, root: str = "wsync") -> str:
+        """``<root>/<experiment>/<trial>/watchers``: each running watcher keeps a key with a TTL under it, so a
+        publisher knows whether anyone loads the trial's announcements."""
+        return f"{self._base(experiment, trial, root)}/watchers"
+
+    def load_failures(self, experiment: str, trial: str, version: int, root: str = "wsync") -> str:
+        """``<root>/<experiment>/<trial>/load_failed/<version>``: a watcher whose servers could not load
+        ``version`` says why under it (one key per watcher), where the publisher waiting for it reads it."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigError(f"version must be an int >= 0, got {version!r}")
+        return f"{self._base(experiment, trial, root)}/load_failed/{version}"
+
     def gen_servers(self, experiment: str, trial: str, root: str = "wsync") -> str:
         """``<root>/<experiment>/<trial>/gen_servers``: servers register under it with ``add_subentry``."""
         return f"{self._base(experiment, trial, root)}/gen_servers"
