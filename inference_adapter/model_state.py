@@ -70,7 +70,7 @@ def _disk_roots(roots: list[str] | None, model_path: str) -> list[str]:
     """The resolved directories disk loads may come from; ConfigError for one that does not exist.
 
     Default (no ``--disk-root``): the snapshot roots this server knows of without being told: wsync's
-    default snapshot root (``<temp>/wsync-snapshots``, where ``wsync train`` and ``PublisherConfig``
+    default snapshot root (``<temp>/wsync_<user>/snapshots``, where ``wsync train`` and ``PublisherConfig``
     write by default; created if missing) and the directory of the model it serves (reloading the base
     weights). Any other directory, the rest of the temp folder included, must be named.
     """

@@ -20,6 +20,13 @@ group of servers:
 5. records the latency from the announcement's ``created_at`` to the first request (``latencies``,
    ``median_latency``).
 
+Only the trial's current run is loaded: each disk publisher writes its id into each announcement
+(``Announcement.run``) and, when it starts, the trial's run under ``<root>/<experiment>/<trial>/run``: its
+lineage, the publishers of the run it continues (a restarted trainer) or itself alone when it starts a new
+run (``new_run``). An announcement of a publisher outside that lineage (an earlier run of the same names,
+whose versions were left announced) is never loaded, and logged once per publisher; one that names no
+publisher (written by hand or by older writers) counts unless the run was started with ``new_run``.
+
 Versions never go backwards: a duplicate or out-of-order announcement is ignored. A version that no
 server accepted is not "loaded", so announcing it again retries it.
 
@@ -125,6 +132,7 @@ class DiskWatcher:
         self._status: dict[str, int | None] = dict.fromkeys(targets)
         self._latest: int | None = None
         self._pending: dict[int, Announcement] = {}
+        self._other_runs: set[str | None] = set()  # runs whose announcements were ignored (logged once each)
         self._rejected: dict[tuple[int, str], tuple[str, list[str]]] = {}  # -> (why, servers)
         self._cond = threading.Condition()
         self._load_lock = threading.Lock()  # one load at a time, whoever calls
@@ -255,7 +263,7 @@ class DiskWatcher:
         """Load the newest of ``anns`` whose snapshot is intact; the older ones are superseded by it."""
         newest_first = sorted(anns, key=lambda a: a.version, reverse=True)
         for i, ann in enumerate(newest_first):
-            if self._load(ann) != "corrupt":
+            if self._load(ann) not in ("corrupt", "other run"):
                 skipped = [a.version for a in newest_first[i + 1 :]]
                 if skipped:
                     log.info("versions %s superseded by version %d before loading", sorted(skipped), ann.version)
@@ -263,12 +271,22 @@ class DiskWatcher:
 
     def _load(self, ann: Announcement) -> str:
         """Verify and load one version: ``"loaded"``, ``"failed"`` (no server took it), ``"corrupt"`` (refused
-        by verification, now or before) or ``"stale"`` (not newer than the loaded version)."""
+        by verification, now or before), ``"stale"`` (not newer than the loaded version) or ``"other run"``
+        (announced by a run that is not the trial's current one)."""
         with self._load_lock:
             v = ann.version
             with self._cond:
                 if self._latest is not None and v <= self._latest:
                     return "stale"
+            run = self._current_run()
+            if run is not None and not (ann.run in run["lineage"] or (ann.run is None and not run["new_run"])):
+                if ann.run not in self._other_runs:
+                    self._other_runs.add(ann.run)
+                    log.warning("ignoring version %d in %s: announced by %s, not by the trial's current run %s "
+                                "(a later publisher of %s/%s started a new run); no version of that run is loaded "
+                                "(logged once per publisher)",
+                                v, self.nr.url, ann.run or "an unnamed publisher", run["run"], self.experiment, self.trial)
+                return "other run"
             if (v, ann.manifest_sha256) in self._rejected:
                 self._report_failure(ann, *self._rejected[v, ann.manifest_sha256])  # announced again: say it again
                 return "corrupt"
@@ -323,6 +341,17 @@ class DiskWatcher:
         log.error("refusing version %d: %s; trying the newest older announced version instead (%s)", ann.version, why,
                   f"this watcher last loaded version {loaded}" if loaded is not None else "this watcher has loaded none yet")
         return "corrupt"
+
+    def _current_run(self) -> dict | None:
+        """The trial's run (``names.run``: ``run``, ``lineage``, ``new_run``), None when none is recorded."""
+        try:
+            d = json.loads(self.nr.get(names.run(self.experiment, self.trial, self.root)))
+        except (BridgeError, ValueError):  # none recorded (or unreadable): every announcement counts
+            return None
+        if not isinstance(d, dict) or not isinstance(d.get("run"), str):
+            return None
+        lineage = [r for r in d.get("lineage") or [d["run"]] if isinstance(r, str)]
+        return {"run": d["run"], "lineage": lineage, "new_run": bool(d.get("new_run"))}
 
     def _servers_verify(self) -> bool:
         """True when every server is the reference server, which verifies a snapshot as it reads it."""

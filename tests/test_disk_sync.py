@@ -537,3 +537,62 @@ def test_no_watcher_for_the_trial_fails_at_once_naming_wsync_watch(server, tmp_p
     assert "wsync watch" in error and "--experiment e2e --trial nowatcher" in error, error
     assert "\n" not in error and seconds < 15, (seconds, error)  # NO_WATCHER_GRACE_S = 5 s, plus the write
     assert announced == []
+
+
+# ------------------------------------------------------------------ a run never loads another run's snapshot
+
+
+def _publish_run(url: str | None, nr_url: str, root: str, version: int):
+    """One run of experiment e2e, trial reuse: publish ``version`` (waiting for ``url`` to load it, if given)."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(transport="disk", servers=[url] if url else [], name_resolve=nr_url,
+                                          snapshot_root=root, experiment="e2e", trial="reuse", new_run=True,
+                                          wait_loaded_timeout=60, progress=False))
+    try:
+        res = pub.publish(engine, version=version)
+        return res.version, res.servers
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_a_watcher_never_loads_the_snapshot_of_an_earlier_run_of_the_same_trial(server, tmp_path, caplog, monkeypatch):
+    """Run B published version 5 of e2e/reuse and ended; run A starts a new run with the same names
+    (new_run=True). A watcher started once A runs ignores B's version (logged once), though its server is
+    behind it, and loads A's version 6."""
+    import concurrent.futures as cf
+    import json
+
+    from bridge.client import ServerGroup
+    from bridge.name_resolve import make_name_resolve, names
+    from inference_adapter.watcher import DiskWatcher
+
+    nr_url = f"file://{tmp_path / 'nr'}"
+    run_ranks(_publish_run, 1, args=(None, nr_url, str(tmp_path / "b"), 5), timeout=200)
+    nr = make_name_resolve(nr_url)
+    run_b = json.loads(nr.get(names.update_weights_from_disk("e2e", "reuse", 5))).get("run")
+    live = names.trial_root("e2e", "reuse") + "/publisher"  # the liveness key of a running publisher
+    # Run A holds in its begin step (its run recorded, nothing announced) while the watcher starts.
+    monkeypatch.setenv("WSYNC_FAILPOINTS", "begin@0=sleep:5")
+    loaded = []
+    watcher = DiskWatcher(nr, "e2e", "reuse", ServerGroup([server.url]), on_loaded=lambda a: loaded.append(a.version))
+    caplog.set_level(logging.WARNING, logger="inference_adapter.watcher")
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(run_ranks, _publish_run, 1, (server.url, nr_url, str(tmp_path / "a"), 6), None, 200)
+            deadline = time.monotonic() + 60
+            while not nr.find_subtree(live):
+                assert time.monotonic() < deadline and not fut.done(), "run A never started publishing"
+                time.sleep(0.05)
+            watcher.catch_up()
+            watcher.start()
+            (version, servers), = fut.result()
+    finally:
+        watcher.stop()
+        nr.close()
+    assert (version, servers) == (6, {server.url: "ok"})
+    assert loaded == [6], loaded
+    ignored = [r.getMessage() for r in caplog.records if "ignoring version" in r.getMessage()]
+    assert len(ignored) == 1 and "version 5" in ignored[0] and str(run_b) in ignored[0], ignored

@@ -49,9 +49,9 @@ import concurrent.futures as cf
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -79,16 +79,21 @@ logger = get_logger(__name__)
 
 UNREACHABLE_GRACE_S = 3.0
 """A server that refuses connections for this long while we wait for it to load is reported dead."""
+MAX_LINEAGE = 100
+"""Publishers of one run remembered in its lineage (a restarted trainer continues the run it follows)."""
 NO_WATCHER_GRACE_S = 5.0
 """With no watcher registered for the trial for this long (``wsync watch`` registers within a second of its
 start), the wait for the servers ends: nobody would load the version."""
 
 
 def default_snapshot_root(experiment: str | None = None, trial: str | None = None) -> str:
-    """``<temp>/wsync-snapshots``, the reference server's default ``--disk-root``; with ``experiment`` and
-    ``trial``, the publisher's default snapshot root, one folder per trial under it (versions are
-    ``v<N>`` directories and old ones are collected, so two trials must never share a root)."""
-    base = os.path.join(tempfile.gettempdir(), "wsync-snapshots")
+    """``<temp>/wsync_<user>/snapshots``, the reference server's default ``--disk-root`` (per user, as the
+    default name resolution: two users never share a default); with ``experiment`` and ``trial``, the
+    publisher's default snapshot root, one folder per trial under it (versions are ``v<N>`` directories
+    and old ones are collected, so two trials must never share a root)."""
+    from bridge.name_resolve import user_folder
+
+    base = os.path.join(user_folder(), "snapshots")
     if experiment is None and trial is None:
         return base
     for what, name in (("experiment", experiment), ("trial", trial)):
@@ -102,10 +107,10 @@ class DiskOptions:
     """The disk transport's options: where snapshots go, where they are announced, whom to wait for."""
 
     name_resolve: str | None = option(None, "name resolution for announcements: etcd://host:port, file:///path "
-                                            "or memory:// (default: a folder under the temp folder, the one "
+                                            "or memory:// (default: <temp>/wsync_<user>/name_resolve, the one "
                                             "`wsync watch` follows)")
     snapshot_root: str | None = option(None, "folder that receives one v<version> snapshot per version, one per "
-                                             "trial (default: <temp>/wsync-snapshots/<experiment>/<trial>)")
+                                             "trial (default: <temp>/wsync_<user>/snapshots/<experiment>/<trial>)")
     keep_snapshots: int = option(3, "snapshots kept on disk, the newest ones; older ones are garbage-collected")
     wait_loaded: bool = option(True, "wait until every server in --server reports the new version")
     wait_loaded_timeout: float = option(120.0, "seconds to wait for the servers to load an announced version")
@@ -147,6 +152,21 @@ class DiskTransport(Transport):
         # A liveness key: it vanishes within its TTL when this trainer dies, so watchers and operators
         # can tell a dead publisher from a slow one. Announcements themselves are permanent.
         self.nr.add(self._key("publisher"), f"{socket.gethostname()}:{os.getpid()}", ttl=10, keepalive=True, replace=True)
+        # This publisher's run: it continues the trial's run (a restarted trainer), or with new_run starts a
+        # new one; a watcher loads only the announcements of the current lineage, never what an earlier run
+        # of the same names left behind.
+        self.run = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        run_key = self.names.run(config.experiment, config.trial)
+        lineage, new_run = [self.run], bool(config.new_run)
+        if not config.new_run:
+            try:
+                prev = json.loads(self.nr.get(run_key))
+                lineage += [r for r in prev.get("lineage", []) if isinstance(r, str)][:MAX_LINEAGE - 1]
+                new_run = bool(prev.get("new_run"))
+            except (BridgeError, ValueError, AttributeError):  # none recorded yet: the trial's first run
+                pass
+        self.nr.add(run_key, json.dumps({"run": self.run, "lineage": lineage, "new_run": new_run,
+                                         "started_at": time.time()}), replace=True)
 
     @classmethod
     def commit_seconds(cls, config) -> float:
@@ -250,7 +270,7 @@ class DiskTransport(Transport):
         plan.phases["write"] = time.perf_counter() - self._t_write
         t = time.perf_counter()
         ann = Announcement(version=plan.version, path=info.path, manifest_sha256=info.manifest_sha256,
-                           total_bytes=info.total_bytes, created_at=time.time())
+                           total_bytes=info.total_bytes, created_at=time.time(), run=self.run)
         key = self.names.update_weights_from_disk(self.config.experiment, self.config.trial, plan.version)
         ttl = self.config.announce_ttl
         try:
