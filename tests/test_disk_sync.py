@@ -507,26 +507,31 @@ def _publish_timed(url: str, nr_url: str, root: str, trial: str, preset: str):
     return seconds, error, announced
 
 
-def test_a_version_no_server_can_load_fails_at_once_with_the_watchers_reason_and_is_withdrawn(server, tmp_path):
-    """The small preset's snapshot does not fit the tiny server: the watcher's reason (the shapes) reaches the
-    publisher at once, not after wait_loaded_timeout=120 s, and the version is not left announced."""
+def test_a_version_no_server_can_load_fails_at_once_with_the_watchers_reason_and_is_withdrawn(server, server_factory,
+                                                                                             tmp_path):
+    """The watcher's server cannot take the snapshot: it serves the tiny preset, the trainer trains the small one.
+    (The publisher checks the servers it lists before anything moves; the watcher loads into its own, as real
+    SGLang's, which list no parameters to check.) The watcher's reason, the shapes, reaches the publisher at once,
+    not after wait_loaded_timeout=120 s, and the version is not left announced."""
     from bridge.client import ServerGroup
     from inference_adapter.watcher import DiskWatcher
 
+    small = server_factory(preset="small")  # what the publisher lists and waits for; only the watcher loads
     nr_url, root = f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")
-    before = ServerGroup([server.url]).weight_versions()
+    group = ServerGroup([server.url, small.url])
+    before = group.weight_versions()
     watcher = DiskWatcher(nr_url, "e2e", "mismatch", ServerGroup([server.url]))
     watcher.start()
     try:
-        (seconds, error, announced), = run_ranks(_publish_timed, 1, args=(server.url, nr_url, root, "mismatch", "small"),
+        (seconds, error, announced), = run_ranks(_publish_timed, 1, args=(small.url, nr_url, root, "mismatch", "small"),
                                                  timeout=200)
     finally:
         watcher.stop()
     assert error is not None and "no server could load version 1" in error and "shape" in error, error
-    assert "withdrawn" in error and seconds < 10, (seconds, error)
+    assert server.url in error and "withdrawn" in error and seconds < 10, (seconds, error)
     assert announced == []
     assert not [d for d in os.listdir(root) if d.startswith("v")]
-    assert ServerGroup([server.url]).weight_versions() == before
+    assert group.weight_versions() == before
 
 
 def test_no_watcher_for_the_trial_fails_at_once_naming_wsync_watch(server, tmp_path):
