@@ -197,8 +197,10 @@ class Agreement:
     def _key(self, seq: int, rank: int) -> str:
         return f"{self._ns}/{seq}/{rank}"
 
-    def exchange(self, name: str, value: Any, *, timeout: float) -> list[Any]:
-        """Every rank's ``value`` for this step, in rank order (a plain all-gather through the store)."""
+    def exchange(self, name: str, value: Any, *, timeout: float,
+                 missing: Callable[[list[int]], str] | None = None) -> list[Any]:
+        """Every rank's ``value`` for this step, in rank order (a plain all-gather through the store).
+        ``missing(ranks)``: the message of the SyncTimeout when those ranks did not come within ``timeout``."""
         if self.world == 1:
             return [value]
         self._seq += 1
@@ -220,9 +222,9 @@ class Agreement:
                     f"torchrun, died): {describe(e)}"
                 )
             else:
-                missing = self._missing(keys)
-                error = SyncTimeout(
-                    f"ranks {missing or '?'} did not finish {name} within {timeout:.0f} s (a trainer rank died or "
+                absent = self._missing(keys)
+                error = SyncTimeout(missing(absent) if missing is not None and absent else
+                    f"ranks {absent or '?'} did not finish {name} within {timeout:.0f} s (a trainer rank died or "
                     f"hangs; raise group_timeout / http_timeout if it is only slow): {describe(e)}"
                 )
             error.agreement_broken = True  # the ranks no longer meet: no further exchange can succeed

@@ -6,6 +6,7 @@ boundary where they happen, so callers handle one small family:
     BridgeError
     ├── ConfigError          a flag, config field or argument is wrong (also a ValueError)
     ├── ServerError          an inference server answered with an error, or could not be reached
+    │   ├── ServerUnreachable    no connection to a server at all (refused, unknown host, ...)
     │   └── SessionAlreadyOpen   a server refused to open an update session: one is open already
     ├── SyncTimeout          something did not finish within its configured timeout (also a TimeoutError)
     ├── SyncError            a weight sync failed; servers keep serving their previous version
@@ -27,6 +28,7 @@ __all__ = [
     "NameEntryNotFound",
     "NameResolveError",
     "ServerError",
+    "ServerUnreachable",
     "SessionAlreadyOpen",
     "SnapshotConflict",
     "SnapshotError",
@@ -74,6 +76,14 @@ class ServerError(BridgeError):
         where = f"{server}{route or ''}"
         code = f" (HTTP {status})" if status is not None else ""
         super().__init__(f"{where}{code}: {message}")
+
+
+class ServerUnreachable(ServerError):
+    """No connection to a server could be made; the message is one line, the cause and the fix first
+    (``cannot reach URL: connection refused; check the address and that the server runs``)."""
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class SessionAlreadyOpen(ServerError):

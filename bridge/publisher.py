@@ -70,7 +70,7 @@ from bridge.sources import CheckedSource, WeightSource, check_source
 from bridge.tensors import ParamSpec, dtype_from_str
 from bridge.transports import Plan, RankPart, Transport, transport_class
 
-__all__ = ["PublishResult", "PublisherConfig", "WeightPublisher", "bucket_bound", "dead_rank_bound"]
+__all__ = ["PublishResult", "PublisherConfig", "WeightPublisher", "bucket_bound", "dead_rank_bound", "publish_call_bound"]
 
 logger = get_logger(__name__)
 
@@ -270,6 +270,7 @@ class WeightPublisher:
 
         retry = version == self.last_version
         mine: list = []
+        self._meet(version)
 
         def prepare():
             failpoint("prepare", self._rank)
@@ -388,6 +389,18 @@ class WeightPublisher:
                 self._label_records().write(url, str(plan.version), plan.served_digest, self.run_id)
             except BridgeError as e:
                 logger.warning("could not record the digest of version %d served by %s: %s", plan.version, url, e)
+
+    def _meet(self, version: int) -> None:
+        """Every rank is in publish(): a rank that does not call it is named within ``group_timeout``
+        (:func:`publish_call_bound`), before anything else waits for it."""
+        cfg = self.config
+
+        def missing(ranks: list[int]) -> str:
+            return (f"trainer rank(s) {ranks} did not call publish() within group_timeout={cfg.group_timeout:g} s "
+                    f"of rank {self._rank} (version {version}): publish() is collective, every trainer rank must "
+                    "call it with the same version; raise group_timeout if a rank only gets there later")
+
+        self._agree.exchange("publish() call", version, timeout=publish_call_bound(cfg), missing=missing)
 
     def _open_servers(self) -> None:
         """Rank 0: the servers of this sync, found and probed again (:class:`bridge.fleet.Fleet`), and the
@@ -530,6 +543,12 @@ class WeightPublisher:
 def bucket_bound(config: PublisherConfig) -> float:
     """The most one bucket step takes: its gather, then the previous bucket's arrival."""
     return 2 * config.group_timeout + config.http_timeout
+
+
+def publish_call_bound(config: PublisherConfig) -> float:
+    """Seconds a rank in publish() waits for the other ranks to call it too, before it fails naming the
+    absent ranks: ``group_timeout``."""
+    return config.group_timeout
 
 
 def dead_rank_bound(config: PublisherConfig) -> float:

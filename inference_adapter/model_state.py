@@ -46,8 +46,18 @@ def load_model(*, model: str | None, preset: str | None, seed: int, dtype: torch
     if model is not None:
         if not os.path.isdir(model):
             raise ConfigError(f"--model {model}: not a directory; give a local HF model directory or use --preset")
+        if not any(os.path.isfile(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ConfigError(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json): save the model's "
+                              f"tokenizer into it (tokenizer.save_pretrained({model!r})), or serve a --preset")
         m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(model)
+        try:
+            tok = AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError, TypeError, ImportError) as e:  # transformers' own text names no file
+            from bridge.launch import debug_enabled
+
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{model}: its tokenizer does not load ({first if debug_enabled() else first[:200]}); "
+                              "check its tokenizer files, or save the model's tokenizer into it") from e
         path = os.path.abspath(model)
         return m, tok, path, path
     from bridge.presets import build_model, build_tokenizer
@@ -60,7 +70,7 @@ def _disk_roots(roots: list[str] | None, model_path: str) -> list[str]:
     """The resolved directories disk loads may come from; ConfigError for one that does not exist.
 
     Default (no ``--disk-root``): the snapshot roots this server knows of without being told: wsync's
-    default snapshot root (``<temp>/wsync-snapshots``, where ``wsync train`` and ``PublisherConfig``
+    default snapshot root (``<temp>/wsync_<user>/snapshots``, where ``wsync train`` and ``PublisherConfig``
     write by default; created if missing) and the directory of the model it serves (reloading the base
     weights). Any other directory, the rest of the temp folder included, must be named.
     """

@@ -96,7 +96,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "drops the group (default 10; never more than --group-timeout)")
     p.add_argument("--disk-root", action="append", default=None, metavar="DIR", dest="disk_roots",
                    help="a directory /update_weights_from_disk may load from (repeat for several; symlinks are "
-                        "resolved first). Default: wsync's default snapshot root (<temp>/wsync-snapshots, where `wsync train` "
+                        "resolved first). Default: wsync's default snapshot root (<temp>/wsync_<user>/snapshots, where `wsync train` "
                         "writes) and the served model's directory; any other snapshot root must be named here")
     p.add_argument("--allow-version-rollback", action="store_true",
                    help="accept a weight version older than the served one without a new run (SGLang's behaviour); "

@@ -20,8 +20,25 @@ group of servers:
 5. records the latency from the announcement's ``created_at`` to the first request (``latencies``,
    ``median_latency``).
 
+Only the trial's current run is loaded: each disk publisher writes its id into each announcement
+(``Announcement.run``) and, when it starts, the trial's run under ``<root>/<experiment>/<trial>/run``: its
+lineage, the publishers of the run it continues (a restarted trainer) or itself alone when it starts a new
+run (``new_run``). An announcement of a publisher outside that lineage (an earlier run of the same names,
+whose versions were left announced) is never loaded, and logged once per publisher; one that names no
+publisher (written by hand or by older writers) counts unless the run was started with ``new_run``.
+
 Versions never go backwards: a duplicate or out-of-order announcement is ignored. A version that no
 server accepted is not "loaded", so announcing it again retries it.
+
+The publisher waiting for a version reads two things the watcher writes beside the announcements:
+
+- ``<root>/<experiment>/<trial>/watchers/<id>``: this watcher's presence, a key with a TTL of
+  :data:`WATCHER_TTL_S` kept alive while it runs (``run_forever``, ``catch_up``) and deleted by ``stop()``.
+  A publisher that finds none fails at once, naming ``wsync watch``, instead of waiting for a load that
+  nobody will make.
+- ``<root>/<experiment>/<trial>/load_failed/<version>/<id>``: why this watcher's servers did not load
+  ``version`` (the servers' own errors, or the verification's), with the servers and the announcement's
+  manifest sha256. The publisher raises that reason at once instead of after ``wait_loaded_timeout``.
 
 Example (a callable instead of servers, as in the tests):
     >>> from bridge.name_resolve import make_name_resolve
@@ -34,10 +51,14 @@ Example (a callable instead of servers, as in the tests):
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
+import socket
 import statistics
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 from bridge.errors import BridgeError, ConfigError, SnapshotError
@@ -50,6 +71,11 @@ from bridge.subscriber import parse_announcement
 __all__ = ["DiskWatcher", "add_arguments", "main", "run"]
 
 log = get_logger(__name__)
+
+WATCHER_TTL_S = 10.0
+"""A watcher's presence key vanishes this long after its process died (it is refreshed while it lives)."""
+FAILURE_TTL_S = 3600.0
+"""A load failure report is kept this long (the publisher reads it within its wait; this bounds leftovers)."""
 
 ApplyFn = Callable[[str, int], object]
 """``apply(path, version)``: load the snapshot at ``path``; raise to report a failure."""
@@ -84,6 +110,9 @@ class DiskWatcher:
         self._owns_nr = isinstance(name_resolve, str)
         self.nr = make_name_resolve(name_resolve) if self._owns_nr else name_resolve
         self.prefix = names.update_weights_from_disk_root(experiment, trial, root)
+        self.experiment, self.trial, self.root = experiment, trial, root
+        self.id = uuid.uuid4().hex[:12]
+        self._presence: str | None = None  # the presence key, once registered
         if callable(servers) and not hasattr(servers, "clients"):
             self._apply: ApplyFn | None = servers
             self._group = None
@@ -103,7 +132,8 @@ class DiskWatcher:
         self._status: dict[str, int | None] = dict.fromkeys(targets)
         self._latest: int | None = None
         self._pending: dict[int, Announcement] = {}
-        self._rejected: set[tuple[int, str]] = set()
+        self._other_runs: set[str | None] = set()  # runs whose announcements were ignored (logged once each)
+        self._rejected: dict[tuple[int, str], tuple[str, list[str]]] = {}  # -> (why, servers)
         self._cond = threading.Condition()
         self._load_lock = threading.Lock()  # one load at a time, whoever calls
         self._stop = threading.Event()
@@ -136,8 +166,36 @@ class DiskWatcher:
 
     # -- running -------------------------------------------------------------------------------
 
+    def register(self) -> None:
+        """Announce this watcher's presence for the trial (``watchers/<id>``, kept alive; see the module
+        docstring). ``run_forever`` and ``catch_up`` call it; ``stop()`` removes it. Idempotent."""
+        if self._presence is not None:
+            return
+        key = f"{names.watchers(self.experiment, self.trial, self.root)}/{self.id}"
+        value = {"host": socket.gethostname(), "pid": os.getpid(), "servers": list(self._status)}
+        self.nr.add(key, json.dumps(value), ttl=WATCHER_TTL_S, keepalive=True, replace=True)
+        self._presence = key
+
+    def _unregister(self) -> None:
+        key, self._presence = self._presence, None
+        if key is not None:
+            try:
+                self.nr.delete(key)
+            except BridgeError as e:  # expired meanwhile, or the backend is gone: it runs out on its own
+                log.debug("could not remove %s: %s", key, e)
+
+    def _report_failure(self, ann: Announcement, why: str, servers: list[str]) -> None:
+        """Tell the publisher waiting for ``ann`` why this watcher's servers did not load it."""
+        key = f"{names.load_failures(self.experiment, self.trial, ann.version, self.root)}/{self.id}"
+        value = {"watcher": self.id, "reason": why, "servers": servers, "manifest_sha256": ann.manifest_sha256}
+        try:
+            self.nr.add(key, json.dumps(value), ttl=FAILURE_TTL_S, replace=True)
+        except BridgeError as e:  # the publisher then waits its wait_loaded_timeout, as without a report
+            log.warning("could not report the failed load of version %d in %s: %s", ann.version, self.nr.url, e)
+
     def catch_up(self) -> int | None:
         """Load the newest announcement that exists now, if newer than the loaded one; returns the latest."""
+        self.register()
         found = []
         for key in self.nr.find_subtree(self.prefix):
             try:
@@ -152,6 +210,7 @@ class DiskWatcher:
 
     def run_forever(self) -> None:
         """Follow announcements until ``stop()``; existing ones are caught up first. Runs once per watcher."""
+        self.register()
         self._watch = self.nr.watch(self.prefix, self._on_event, include_existing=True)
         log.info("watching %s in %s for %d target(s)", self.prefix, self.nr.url, len(self._status))
         try:
@@ -181,6 +240,7 @@ class DiskWatcher:
             self._watch.cancel()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
+        self._unregister()
         if self._owns_nr:
             self.nr.close()
 
@@ -203,7 +263,7 @@ class DiskWatcher:
         """Load the newest of ``anns`` whose snapshot is intact; the older ones are superseded by it."""
         newest_first = sorted(anns, key=lambda a: a.version, reverse=True)
         for i, ann in enumerate(newest_first):
-            if self._load(ann) != "corrupt":
+            if self._load(ann) not in ("corrupt", "other run"):
                 skipped = [a.version for a in newest_first[i + 1 :]]
                 if skipped:
                     log.info("versions %s superseded by version %d before loading", sorted(skipped), ann.version)
@@ -211,20 +271,31 @@ class DiskWatcher:
 
     def _load(self, ann: Announcement) -> str:
         """Verify and load one version: ``"loaded"``, ``"failed"`` (no server took it), ``"corrupt"`` (refused
-        by verification, now or before) or ``"stale"`` (not newer than the loaded version)."""
+        by verification, now or before), ``"stale"`` (not newer than the loaded version) or ``"other run"``
+        (announced by a run that is not the trial's current one)."""
         with self._load_lock:
             v = ann.version
             with self._cond:
                 if self._latest is not None and v <= self._latest:
                     return "stale"
+            run = self._current_run()
+            if run is not None and not (ann.run in run["lineage"] or (ann.run is None and not run["new_run"])):
+                if ann.run not in self._other_runs:
+                    self._other_runs.add(ann.run)
+                    log.warning("ignoring version %d in %s: announced by %s, not by the trial's current run %s "
+                                "(a later publisher of %s/%s started a new run); no version of that run is loaded "
+                                "(logged once per publisher)",
+                                v, self.nr.url, ann.run or "an unnamed publisher", run["run"], self.experiment, self.trial)
+                return "other run"
             if (v, ann.manifest_sha256) in self._rejected:
+                self._report_failure(ann, *self._rejected[v, ann.manifest_sha256])  # announced again: say it again
                 return "corrupt"
             servers_verify = self._servers_verify()
             if not servers_verify:
                 try:
                     verify_snapshot(ann.path, ann.manifest_sha256)
                 except SnapshotError as e:
-                    return self._refuse(ann, str(e))
+                    return self._refuse(ann, str(e), list(self._status))
             latency = time.time() - ann.created_at
             t0 = time.perf_counter()
             results = self._send(ann, servers_verify)
@@ -232,7 +303,8 @@ class DiskWatcher:
             ok = [target for target, err in results if err is None]
             invalid = [(target, err) for target, err in results if getattr(err, "reason", None) == SNAPSHOT_INVALID]
             if invalid and not ok:  # the servers' own check of the snapshot, as verify_snapshot's above
-                return self._refuse(ann, "; ".join(f"{target} found: {getattr(err, 'message', err)}" for target, err in invalid))
+                return self._refuse(ann, "; ".join(f"{target} found: {getattr(err, 'message', err)}" for target, err in invalid),
+                                    [target for target, _ in results])
             # The reference server stages a load and applies all of it or nothing; SGLang loads in place.
             after = ("It keeps its weights; the next version is tried" if servers_verify else
                      "A failed disk load may leave a server's weights undefined: it is retried with the next "
@@ -241,6 +313,8 @@ class DiskWatcher:
                 if err is not None:
                     log.error("%s failed to load version %d from %s: %s. %s", target, v, ann.path, err, after)
             if not ok:
+                self._report_failure(ann, "; ".join(f"{target}: {getattr(err, 'message', err)}" for target, err in results),
+                                     [target for target, _ in results])
                 return "failed"
             with self._cond:
                 for target in ok:
@@ -260,12 +334,24 @@ class DiskWatcher:
                     log.exception("on_loaded callback failed for version %d", v)
             return "loaded"
 
-    def _refuse(self, ann: Announcement, why: str) -> str:
-        self._rejected.add((ann.version, ann.manifest_sha256))
+    def _refuse(self, ann: Announcement, why: str, servers: list[str]) -> str:
+        self._rejected[ann.version, ann.manifest_sha256] = (f"the snapshot was refused: {why}", servers)
+        self._report_failure(ann, *self._rejected[ann.version, ann.manifest_sha256])
         loaded = self.latest_version
         log.error("refusing version %d: %s; trying the newest older announced version instead (%s)", ann.version, why,
                   f"this watcher last loaded version {loaded}" if loaded is not None else "this watcher has loaded none yet")
         return "corrupt"
+
+    def _current_run(self) -> dict | None:
+        """The trial's run (``names.run``: ``run``, ``lineage``, ``new_run``), None when none is recorded."""
+        try:
+            d = json.loads(self.nr.get(names.run(self.experiment, self.trial, self.root)))
+        except (BridgeError, ValueError):  # none recorded (or unreadable): every announcement counts
+            return None
+        if not isinstance(d, dict) or not isinstance(d.get("run"), str):
+            return None
+        lineage = [r for r in d.get("lineage") or [d["run"]] if isinstance(r, str)]
+        return {"run": d["run"], "lineage": lineage, "new_run": bool(d.get("new_run"))}
 
     def _servers_verify(self) -> bool:
         """True when every server is the reference server, which verifies a snapshot as it reads it."""

@@ -158,7 +158,7 @@ def test_bad_version_values():
 
 
 def test_two_trials_on_the_default_snapshot_root_do_not_collide(model, tmp_path):
-    """Each trial gets its own folder under <temp>/wsync-snapshots: one trial's garbage collection or
+    """Each trial gets its own folder under <temp>/wsync_<user>/snapshots: one trial's garbage collection or
     version numbers never touch another's announced snapshots."""
     import os
     import shutil

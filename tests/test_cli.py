@@ -101,6 +101,21 @@ def test_serve_on_a_taken_port_says_so_before_loading(tmp_path):
     assert "--port" in last_line(out) and "loaded" not in out.stderr
 
 
+def test_serve_a_model_directory_without_a_tokenizer_says_so(tiny_model_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir, model)
+    for f in os.listdir(model):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            os.remove(model / f)
+    out = wsync("serve", "--model", str(model), "--port", "0", timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert last_line(out).startswith(f"wsync serve: error: {model} has no tokenizer (tokenizer.json or "
+                                     "tokenizer_config.json)"), out.stderr
+    assert "sentencepiece" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_watch_fails_with_one_line_when_etcd_is_unreachable():
     from bridge.process_group import find_free_port
 

@@ -127,6 +127,30 @@ def test_client_errors_are_the_projects_own(servers):
     assert out["meta_info"]["completion_tokens"] == 2
 
 
+def test_an_unreachable_server_is_one_line_with_the_cause_and_the_fix_first(monkeypatch):
+    """A wrong port: the client and a publish say "cannot reach URL: connection refused; check the address ...",
+    once, without urllib3's report (which names the URL three times); --debug / WSYNC_DEBUG=1 adds it back."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+    from tests.fixtures_server import local_model
+
+    url = f"http://127.0.0.1:{find_free_port()}"
+    line = f"cannot reach {url}: connection refused; check the address and that the server runs"
+    monkeypatch.delenv("WSYNC_DEBUG", raising=False)
+    with pytest.raises(ServerError) as e:
+        ServerClient(url, timeout=5).model_info()
+    assert str(e.value) == line and e.value.status is None
+    with WeightPublisher(PublisherConfig(servers=[url], progress=False)) as pub, pytest.raises(BridgeError) as e:
+        pub.publish(local_model(random_weights(seed=1)), version=1)
+    text = str(e.value)
+    assert line in text and text.count(url) == 1 and "\n" not in text, text
+    assert "HTTPConnectionPool" not in text and "Max retries" not in text and "start or repair" not in text, text
+    monkeypatch.setenv("WSYNC_DEBUG", "1")
+    with pytest.raises(ServerError) as e:
+        ServerClient(url, timeout=5).model_info()
+    assert str(e.value).startswith(line) and "Max retries" in str(e.value)
+
+
 def test_old_server_dialect(servers):
     c = servers["old"].client
     assert "needs no update session" in c.begin_weight_update()["message"]

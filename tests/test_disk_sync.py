@@ -478,3 +478,126 @@ def test_garbage_collection_removes_the_announcements_of_the_snapshots_it_remove
         announced = sorted(names.version_of(k) for k in nr.find_subtree(names.update_weights_from_disk_root("gc", "t0")))
     assert list_snapshots(root) == [48, 49, 50]
     assert announced == [48, 49, 50], announced
+
+
+# ------------------------------------------------------------------ a version nobody loads fails at once
+
+
+def _publish_timed(url: str, nr_url: str, root: str, trial: str, preset: str):
+    """Publish version 1 of ``preset`` with a long wait_loaded_timeout; (seconds, error or None, announced)."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+    from bridge.name_resolve import make_name_resolve, names
+
+    engine = sb.engine(preset)
+    pub = WeightPublisher(PublisherConfig(transport="disk", servers=[url], name_resolve=nr_url, snapshot_root=root,
+                                          experiment="e2e", trial=trial, wait_loaded_timeout=120, progress=False))
+    t0 = time.monotonic()
+    try:
+        pub.publish(engine, version=1)
+        error = None
+    except BridgeError as e:
+        error = str(e)
+    finally:
+        seconds = time.monotonic() - t0
+        pub.close()
+        engine.destroy()
+    with make_name_resolve(nr_url) as nr:
+        announced = nr.find_subtree(names.update_weights_from_disk_root("e2e", trial))
+    return seconds, error, announced
+
+
+def test_a_version_no_server_can_load_fails_at_once_with_the_watchers_reason_and_is_withdrawn(server, server_factory,
+                                                                                             tmp_path):
+    """The watcher's server cannot take the snapshot: it serves the tiny preset, the trainer trains the small one.
+    (The publisher checks the servers it lists before anything moves; the watcher loads into its own, as real
+    SGLang's, which list no parameters to check.) The watcher's reason, the shapes, reaches the publisher at once,
+    not after wait_loaded_timeout=120 s, and the version is not left announced."""
+    from bridge.client import ServerGroup
+    from inference_adapter.watcher import DiskWatcher
+
+    small = server_factory(preset="small")  # what the publisher lists and waits for; only the watcher loads
+    nr_url, root = f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")
+    group = ServerGroup([server.url, small.url])
+    before = group.weight_versions()
+    watcher = DiskWatcher(nr_url, "e2e", "mismatch", ServerGroup([server.url]))
+    watcher.start()
+    try:
+        (seconds, error, announced), = run_ranks(_publish_timed, 1, args=(small.url, nr_url, root, "mismatch", "small"),
+                                                 timeout=200)
+    finally:
+        watcher.stop()
+    assert error is not None and "no server could load version 1" in error and "shape" in error, error
+    assert server.url in error and "withdrawn" in error and seconds < 10, (seconds, error)
+    assert announced == []
+    assert not [d for d in os.listdir(root) if d.startswith("v")]
+    assert group.weight_versions() == before
+
+
+def test_no_watcher_for_the_trial_fails_at_once_naming_wsync_watch(server, tmp_path):
+    nr_url, root = f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")
+    (seconds, error, announced), = run_ranks(_publish_timed, 1, args=(server.url, nr_url, root, "nowatcher", "tiny"),
+                                             timeout=200)
+    assert error is not None and "no watcher" in error, error
+    assert "wsync watch" in error and "--experiment e2e --trial nowatcher" in error, error
+    assert "\n" not in error and seconds < 15, (seconds, error)  # NO_WATCHER_GRACE_S = 5 s, plus the write
+    assert announced == []
+
+
+# ------------------------------------------------------------------ a run never loads another run's snapshot
+
+
+def _publish_run(url: str | None, nr_url: str, root: str, version: int):
+    """One run of experiment e2e, trial reuse: publish ``version`` (waiting for ``url`` to load it, if given)."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(transport="disk", servers=[url] if url else [], name_resolve=nr_url,
+                                          snapshot_root=root, experiment="e2e", trial="reuse", new_run=True,
+                                          wait_loaded_timeout=60, progress=False))
+    try:
+        res = pub.publish(engine, version=version)
+        return res.version, res.servers
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_a_watcher_never_loads_the_snapshot_of_an_earlier_run_of_the_same_trial(server, tmp_path, caplog, monkeypatch):
+    """Run B published version 5 of e2e/reuse and ended; run A starts a new run with the same names
+    (new_run=True). A watcher started once A runs ignores B's version (logged once), though its server is
+    behind it, and loads A's version 6."""
+    import concurrent.futures as cf
+    import json
+
+    from bridge.client import ServerGroup
+    from bridge.name_resolve import make_name_resolve, names
+    from inference_adapter.watcher import DiskWatcher
+
+    nr_url = f"file://{tmp_path / 'nr'}"
+    run_ranks(_publish_run, 1, args=(None, nr_url, str(tmp_path / "b"), 5), timeout=200)
+    nr = make_name_resolve(nr_url)
+    run_b = json.loads(nr.get(names.update_weights_from_disk("e2e", "reuse", 5))).get("run")
+    live = names.trial_root("e2e", "reuse") + "/publisher"  # the liveness key of a running publisher
+    # Run A holds in its begin step (its run recorded, nothing announced) while the watcher starts.
+    monkeypatch.setenv("WSYNC_FAILPOINTS", "begin@0=sleep:5")
+    loaded = []
+    watcher = DiskWatcher(nr, "e2e", "reuse", ServerGroup([server.url]), on_loaded=lambda a: loaded.append(a.version))
+    caplog.set_level(logging.WARNING, logger="inference_adapter.watcher")
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(run_ranks, _publish_run, 1, (server.url, nr_url, str(tmp_path / "a"), 6), None, 200)
+            deadline = time.monotonic() + 60
+            while not nr.find_subtree(live):
+                assert time.monotonic() < deadline and not fut.done(), "run A never started publishing"
+                time.sleep(0.05)
+            watcher.catch_up()
+            watcher.start()
+            (version, servers), = fut.result()
+    finally:
+        watcher.stop()
+        nr.close()
+    assert (version, servers) == (6, {server.url: "ok"})
+    assert loaded == [6], loaded
+    ignored = [r.getMessage() for r in caplog.records if "ignoring version" in r.getMessage()]
+    assert len(ignored) == 1 and "version 5" in ignored[0] and str(run_b) in ignored[0], ignored

@@ -606,3 +606,42 @@ def test_a_server_stopped_mid_broadcast(server_factory, tiny_model_dir):
     state = sb.serving_now(victim.url, lease_wait=15)  # the lease the trainer could not release runs out
     assert state["writer_lease"] is None, state
     assert state["version"] == "81" and sb.holds(state["checksums"], before) and not sb.holds(state["checksums"], after)
+
+
+def _publish_on_rank0_only(nr_url: str, root: str, flag: str):
+    """Rank 0 publishes; rank 1 never calls publish() and stays alive until rank 0 is done (or 120 s)."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+    from bridge.publisher import publish_call_bound
+
+    engine = sb.engine()
+    cfg = PublisherConfig(transport="disk", name_resolve=nr_url, snapshot_root=root, group_timeout=5,
+                          wait_loaded=False, progress=False)
+    pub = WeightPublisher(cfg)
+    try:
+        if engine.rank != 0:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return None
+        t0 = time.monotonic()
+        try:
+            pub.publish(engine, version=1)
+            error = None
+        except BridgeError as e:
+            error = str(e)
+        open(flag, "w").close()
+        return time.monotonic() - t0, error, publish_call_bound(cfg)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_prepare_names_a_rank_that_does_not_call_publish_within_group_timeout(tmp_path):
+    """publish() is collective: called on rank 0 only, it fails there within publish_call_bound (group_timeout),
+    naming rank 1 and saying that every rank must call it."""
+    (seconds, error, bound), _ = run_ranks(_publish_on_rank0_only, 2,
+                                           args=(f"file://{tmp_path / 'nr'}", str(tmp_path / "snap"), str(tmp_path / "done")),
+                                           timeout=200)
+    assert error is not None and "[1] did not call publish()" in error and "every trainer rank must call it" in error, error
+    assert seconds < bound + 3, (seconds, bound, error)  # 3 s: the exchange's own round trips on a busy machine

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 from bridge.errors import ConfigError, ServerError
 from bridge.launch import run_ranks, under_torchrun
+from bridge.name_resolve import user_folder as _user_folder
 
-# The publisher's default snapshot folder (bridge.publisher.default_snapshot_root), shown in --help.
-_DEFAULT_SNAPSHOT_ROOT = os.path.join(tempfile.gettempdir(), "wsync-snapshots", "<experiment>", "<trial>")
+# The publisher's default snapshot folder (bridge.transports.disk.default_snapshot_root), shown in --help.
+_DEFAULT_SNAPSHOT_ROOT = os.path.join(_user_folder(), "snapshots", "<experiment>", "<trial>")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import requests
 
-from bridge.errors import ConfigError, ServerError, SyncTimeout, VersionError
+from bridge.errors import ConfigError, ServerError, ServerUnreachable, SyncTimeout, VersionError
 from bridge.protocol import ADMIN_ROUTES, VERSION_GOES_BACK
 
 __all__ = ["Connection"]
@@ -70,6 +70,8 @@ class Connection:
             raise ServerError(self.url, f"cannot connect: {e}", None, route) from e
         except requests.exceptions.Timeout as e:
             raise SyncTimeout(f"{self.url}{route}: no answer within {t:g} s (http_timeout; raise it if the server is only slow)") from e
+        except requests.exceptions.ConnectionError as e:
+            raise unreachable(self.url, route, e) from e
         except requests.exceptions.RequestException as e:
             raise ServerError(self.url, f"cannot reach server: {e}", None, route) from e
         try:
@@ -130,3 +132,31 @@ def _message(data: Any, r: requests.Response) -> str:
     if r.status_code == 404 and not text.startswith("{"):
         return f"route not found ({text or 'Not Found'})"
     return text[:2000] or f"HTTP {r.status_code} without a body"
+
+
+def unreachable(url: str, route: str | None, e: BaseException) -> ServerUnreachable:
+    """One line for a connection that could not be made: the cause (from the innermost OS error, not
+    urllib3's report, which repeats the URL), then the fix; urllib3's text only with --debug / WSYNC_DEBUG=1."""
+    import socket
+
+    from bridge.launch import debug_enabled
+
+    cause, seen, x = None, set(), e
+    while x is not None and id(x) not in seen and cause is None:
+        seen.add(id(x))
+        for a in (x, *getattr(x, "args", ())):
+            if isinstance(a, ConnectionRefusedError):
+                cause = "connection refused"
+            elif isinstance(a, socket.gaierror):
+                cause = "unknown host"
+            elif isinstance(a, ConnectionResetError):
+                cause = "connection reset"
+            elif isinstance(a, OSError) and a.strerror and cause is None and a is not x:
+                cause = a.strerror[0].lower() + a.strerror[1:]
+            if cause:
+                break
+        x = x.__cause__ or x.__context__ or getattr(x, "reason", None)
+    message = f"cannot reach {url}: {cause or 'no connection'}; check the address and that the server runs"
+    if debug_enabled():
+        message += f" ({e})"
+    return ServerUnreachable(url, message, None, route)

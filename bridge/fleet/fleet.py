@@ -265,6 +265,9 @@ class Fleet:
         where = ", ".join(s.url for s in self.sources)
         if not urls:
             return f"no server found in {where}; start servers (or register them), or wait until they registered"
+        reasons = [s.removeprefix("excluded: ") for s in self.status.values()]
+        if n == 0 and reasons and all(r.startswith("cannot reach ") for r in reasons):  # the cause is the fix: say it first
+            return "; ".join(reasons) + f" (no server answers; min_servers={self.config.min_servers})"
         return (f"only {n} of {len(urls)} server(s) answer, fewer than min_servers={self.config.min_servers}: "
                 + "; ".join(f"{u}: {s}" for u, s in self.status.items())
                 + "; start or repair servers, or lower min_servers")

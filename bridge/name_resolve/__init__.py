@@ -44,6 +44,7 @@ from bridge.name_resolve.memory import MemoryNameResolve
 
 __all__ = [
     "DEFAULT_URL",
+    "user_folder",
     "Announcement",
     "DirectoryNameResolve",
     "EtcdNameResolve",
@@ -55,11 +56,25 @@ __all__ = [
     "names",
 ]
 
-DEFAULT_URL = "file://" + os.path.join(tempfile.gettempdir(), "wsync", "name_resolve")
+def user_folder() -> str:
+    """``<temp>/wsync_<user>``: where this user's defaults live (name resolution, snapshots), so that two
+    users of one machine never read each other's announcements or snapshots with the default settings."""
+    try:
+        import getpass
+
+        user = getpass.getuser()
+    except (ImportError, KeyError, OSError):  # no login name (a container's bare uid)
+        user = str(os.getuid()) if hasattr(os, "getuid") else "user"
+    # No '-': help texts wrap at hyphens, and the path must read whole there.
+    user = "".join(c if c.isalnum() or c in "_." else "_" for c in user) or "user"
+    return os.path.join(tempfile.gettempdir(), f"wsync_{user}")
+
+
+DEFAULT_URL = "file://" + os.path.join(user_folder(), "name_resolve")
 
 
 def make_name_resolve(url: str | None = None) -> NameResolve:
-    """The backend for ``url`` (``DEFAULT_URL``, a directory under the system temp dir, when None).
+    """The backend for ``url`` (``DEFAULT_URL``, ``<temp>/wsync_<user>/name_resolve``, when None).
 
     Accepted: ``etcd://host[:port]`` (port 2379; ``?timeout=S&retry_deadline=S``; user:password@ for
     auth), ``file:///absolute/dir`` (``?poll=S``), ``memory://[name]`` (instances with the same name

@@ -60,6 +60,25 @@ class _Names:
         """The prefix under which the announcements of one trial live (what a watcher watches)."""
         return f"{self._base(experiment, trial, root)}/update_weights_from_disk"
 
+    def watchers(self, experiment: str, trial: str, root: str = "wsync") -> str:
+        """``<root>/<experiment>/<trial>/watchers``: each running watcher keeps a key with a TTL under it, so a
+        publisher knows whether anyone loads the trial's announcements."""
+        return f"{self._base(experiment, trial, root)}/watchers"
+
+    def load_failures(self, experiment: str, trial: str, version: int, root: str = "wsync") -> str:
+        """``<root>/<experiment>/<trial>/load_failed/<version>``: a watcher whose servers could not load
+        ``version`` says why under it (one key per watcher), where the publisher waiting for it reads it."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigError(f"version must be an int >= 0, got {version!r}")
+        return f"{self._base(experiment, trial, root)}/load_failed/{version}"
+
+    def run(self, experiment: str, trial: str, root: str = "wsync") -> str:
+        """``<root>/<experiment>/<trial>/run``: the trial's run, written by each disk publisher when it starts:
+        a JSON object with ``run`` (that publisher's id), ``lineage`` (its id and those of the publishers it
+        continues, newest first) and ``new_run`` (whether the oldest of them started a new run). A watcher
+        loads only announcements of the lineage (``Announcement.run``)."""
+        return f"{self._base(experiment, trial, root)}/run"
+
     def gen_servers(self, experiment: str, trial: str, root: str = "wsync") -> str:
         """``<root>/<experiment>/<trial>/gen_servers``: servers register under it with ``add_subentry``."""
         return f"{self._base(experiment, trial, root)}/gen_servers"
@@ -92,6 +111,9 @@ class Announcement:
     """Bytes of the snapshot's files."""
     created_at: float
     """Unix time at which the snapshot was complete; latencies are measured from it."""
+    run: str | None = None
+    """The run id of the publisher that announced it (``names.run`` holds the trial's current one); None from
+    writers that do not say. Written only when set."""
 
     @classmethod
     def from_snapshot(cls, info) -> Announcement:
@@ -101,7 +123,8 @@ class Announcement:
     def to_json(self) -> str:
         return json.dumps(
             {"version": self.version, "path": self.path, "manifest_sha256": self.manifest_sha256,
-             "total_bytes": self.total_bytes, "created_at": self.created_at},
+             "total_bytes": self.total_bytes, "created_at": self.created_at,
+             **({"run": self.run} if self.run is not None else {})},
             sort_keys=True,
         )
 
@@ -137,6 +160,7 @@ class Announcement:
             total_bytes=field("total_bytes", is_int, "an int >= 0"),
             created_at=float(field("created_at", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
                                    and math.isfinite(v) and v > 0, "a Unix time in seconds")),
+            run=d["run"] if isinstance(d.get("run"), str) and d["run"] else None,
         )
 
 

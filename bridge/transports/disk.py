@@ -31,7 +31,10 @@ have (one more exchange) rank 0 removes the temporary directory: nothing is anno
 
 ``commit`` (rank 0) finishes the snapshot (index, manifest with checksums, fsync, rename into
 ``<root>/v<version>``), then announces it under ``<root>/<experiment>/<trial>/update_weights_from_disk/<version>``,
-optionally waits until every server reports the version, and garbage-collects old snapshots, withdrawing
+optionally waits until every server reports the version (a server whose watcher reports that it could
+not load it fails at once with the watcher's reason; when no server loaded it and none will -- every
+watcher registered for the trial failed it, or none is registered -- the announcement and the snapshot are
+withdrawn and the publish fails: :meth:`DiskTransport._wait_loaded`), and garbage-collects old snapshots, withdrawing
 each one's announcement first. ``abort`` removes the temporary directory: a version that was not complete is
 never announced, and one that was announced can be loaded. Nothing of a failed publish blocks its retry: a
 failed announce removes the snapshot it had renamed into place, and ``begin`` removes a final directory of
@@ -43,11 +46,12 @@ Both ways of writing give the same files on disk, byte for byte the same format.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import socket
-import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -75,13 +79,21 @@ logger = get_logger(__name__)
 
 UNREACHABLE_GRACE_S = 3.0
 """A server that refuses connections for this long while we wait for it to load is reported dead."""
+MAX_LINEAGE = 100
+"""Publishers of one run remembered in its lineage (a restarted trainer continues the run it follows)."""
+NO_WATCHER_GRACE_S = 5.0
+"""With no watcher registered for the trial for this long (``wsync watch`` registers within a second of its
+start), the wait for the servers ends: nobody would load the version."""
 
 
 def default_snapshot_root(experiment: str | None = None, trial: str | None = None) -> str:
-    """``<temp>/wsync-snapshots``, the reference server's default ``--disk-root``; with ``experiment`` and
-    ``trial``, the publisher's default snapshot root, one folder per trial under it (versions are
-    ``v<N>`` directories and old ones are collected, so two trials must never share a root)."""
-    base = os.path.join(tempfile.gettempdir(), "wsync-snapshots")
+    """``<temp>/wsync_<user>/snapshots``, the reference server's default ``--disk-root`` (per user, as the
+    default name resolution: two users never share a default); with ``experiment`` and ``trial``, the
+    publisher's default snapshot root, one folder per trial under it (versions are ``v<N>`` directories
+    and old ones are collected, so two trials must never share a root)."""
+    from bridge.name_resolve import user_folder
+
+    base = os.path.join(user_folder(), "snapshots")
     if experiment is None and trial is None:
         return base
     for what, name in (("experiment", experiment), ("trial", trial)):
@@ -95,10 +107,10 @@ class DiskOptions:
     """The disk transport's options: where snapshots go, where they are announced, whom to wait for."""
 
     name_resolve: str | None = option(None, "name resolution for announcements: etcd://host:port, file:///path "
-                                            "or memory:// (default: a folder under the temp folder, the one "
+                                            "or memory:// (default: <temp>/wsync_<user>/name_resolve, the one "
                                             "`wsync watch` follows)")
     snapshot_root: str | None = option(None, "folder that receives one v<version> snapshot per version, one per "
-                                             "trial (default: <temp>/wsync-snapshots/<experiment>/<trial>)")
+                                             "trial (default: <temp>/wsync_<user>/snapshots/<experiment>/<trial>)")
     keep_snapshots: int = option(3, "snapshots kept on disk, the newest ones; older ones are garbage-collected")
     wait_loaded: bool = option(True, "wait until every server in --server reports the new version")
     wait_loaded_timeout: float = option(120.0, "seconds to wait for the servers to load an announced version")
@@ -141,6 +153,21 @@ class DiskTransport(Transport):
         # A liveness key: it vanishes within its TTL when this trainer dies, so watchers and operators
         # can tell a dead publisher from a slow one. Announcements themselves are permanent.
         self.nr.add(self._key("publisher"), f"{socket.gethostname()}:{os.getpid()}", ttl=10, keepalive=True, replace=True)
+        # This publisher's run: it continues the trial's run (a restarted trainer), or with new_run starts a
+        # new one; a watcher loads only the announcements of the current lineage, never what an earlier run
+        # of the same names left behind.
+        self.run = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        run_key = self.names.run(config.experiment, config.trial)
+        lineage, new_run = [self.run], bool(config.new_run)
+        if not config.new_run:
+            try:
+                prev = json.loads(self.nr.get(run_key))
+                lineage += [r for r in prev.get("lineage", []) if isinstance(r, str)][:MAX_LINEAGE - 1]
+                new_run = bool(prev.get("new_run"))
+            except (BridgeError, ValueError, AttributeError):  # none recorded yet: the trial's first run
+                pass
+        self.nr.add(run_key, json.dumps({"run": self.run, "lineage": lineage, "new_run": new_run,
+                                         "started_at": time.time()}), replace=True)
 
     @classmethod
     def commit_seconds(cls, config) -> float:
@@ -244,7 +271,7 @@ class DiskTransport(Transport):
         plan.phases["write"] = time.perf_counter() - self._t_write
         t = time.perf_counter()
         ann = Announcement(version=plan.version, path=info.path, manifest_sha256=info.manifest_sha256,
-                           total_bytes=info.total_bytes, created_at=time.time())
+                           total_bytes=info.total_bytes, created_at=time.time(), run=self.run)
         key = self.names.update_weights_from_disk(self.config.experiment, self.config.trial, plan.version)
         ttl = self.config.announce_ttl
         try:
@@ -261,8 +288,14 @@ class DiskTransport(Transport):
         servers = {}
         if self.config.wait_loaded and self.servers is not None:
             t = time.perf_counter()
-            servers = self._wait_loaded(plan.version)
+            servers, unloadable = self._wait_loaded(plan.version, ann.manifest_sha256)
             plan.phases["load"] = time.perf_counter() - t
+            if unloadable is not None:
+                # Nobody loaded it and nobody will: a version announced but served nowhere would be loaded by
+                # the next watcher to start (or fail it again); withdraw it, and its files, now.
+                self._withdraw_unloaded(plan.version, info)
+                raise SyncError(f"{unloadable}; version {plan.version} was withdrawn (not announced, its snapshot "
+                                "removed): publish again once the cause is fixed")
         try:
             gc_snapshots(self.root, keep=self.config.keep_snapshots, protect=[plan.version],
                          before_remove=self._withdraw)
@@ -293,6 +326,23 @@ class DiskTransport(Transport):
             except NameEntryNotFound:
                 pass
 
+    def _withdraw_unloaded(self, version: int, info) -> None:
+        """Withdraw the announcement of ``version`` that no server loaded, its failure reports, and its
+        snapshot (unless it existed before this publish: a retry of a version published earlier)."""
+        from bridge.errors import NameEntryNotFound
+
+        key = self.names.update_weights_from_disk(self.config.experiment, self.config.trial, version)
+        failures = self.names.load_failures(self.config.experiment, self.config.trial, version)
+        for k in [key, *self.nr.find_subtree(failures)]:
+            try:
+                self.nr.delete(k)
+            except NameEntryNotFound:
+                pass
+        if not info.existed:
+            from bridge.snapshot.gc import discard_version
+
+            discard_version(self.root, version)
+
     def abort(self, reason: str) -> str:
         writer, self.writer = self.writer, None
         if writer is not None:
@@ -311,17 +361,64 @@ class DiskTransport(Transport):
 
     # ------------------------------------------------------------------ waiting for the servers
 
-    def _wait_loaded(self, version: int) -> dict[str, str]:
+    def _watch_cmd(self) -> str:
+        cfg = self.config
+        nr = "" if cfg.name_resolve is None else f" --name-resolve {self.url}"
+        servers = " ".join(f"--server {c.url}" for c in self.servers.clients)
+        return f"wsync watch{nr} --experiment {cfg.experiment} --trial {cfg.trial} {servers}"
+
+    def _load_reports(self, version: int, manifest_sha256: str) -> tuple[set[str], list[dict]]:
+        """The ids of the watchers registered for the trial, and their reports of a failed load of this
+        announcement of ``version`` (:mod:`inference_adapter.watcher` writes both)."""
+        cfg = self.config
+        watchers = {k.rsplit("/", 1)[-1] for k in self.nr.find_subtree(self.names.watchers(cfg.experiment, cfg.trial))}
+        reports = []
+        for text in self.nr.get_subtree(self.names.load_failures(cfg.experiment, cfg.trial, version)):
+            try:
+                r = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and r.get("manifest_sha256") == manifest_sha256 and isinstance(r.get("reason"), str):
+                reports.append(r)
+        return watchers, reports
+
+    def _wait_loaded(self, version: int, manifest_sha256: str) -> tuple[dict[str, str], str | None]:
         """Wait (bounded) until every server reports ``version``; a server that stays unreachable for
-        :data:`UNREACHABLE_GRACE_S` is reported at once instead of after the whole timeout."""
+        :data:`UNREACHABLE_GRACE_S` is reported at once instead of after the whole timeout, and so is a server
+        whose watcher reported that it could not load the version (with the watcher's reason).
+
+        Returns the status of each server, and, when no server loaded the version and none will, why: no
+        watcher registered for the trial within :data:`NO_WATCHER_GRACE_S`, or every registered watcher
+        reported that its servers could not load it (None otherwise)."""
         want, cfg = str(version), self.config
         status = {c.url: "waiting" for c in self.servers.clients}
         down_since: dict[str, float] = {}
-        deadline = time.monotonic() + cfg.wait_loaded_timeout
+        start = time.monotonic()
+        deadline = start + cfg.wait_loaded_timeout
         delay = 0.01
+        seen_watcher, all_failed, reasons = False, False, []
+        next_read = 0.0
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_read:  # name resolution: at most 10 reads a second
+                next_read = time.monotonic() + 0.1
+                try:
+                    watchers, reports = self._load_reports(version, manifest_sha256)
+                except BridgeError as e:  # name resolution unreachable: wait for the servers as before
+                    logger.debug("cannot read the watchers' reports: %s", e)
+                    watchers, reports = set(), []
+                    seen_watcher = True
+                seen_watcher = seen_watcher or bool(watchers)
+                reasons = [r["reason"] for r in reports]
+                failed_here = {u for r in reports for u in r.get("servers") or () if isinstance(u, str)}
+                all_failed = bool(watchers) and watchers <= {r.get("watcher") for r in reports}
+                for url, s in status.items():
+                    if s == "waiting" or s.startswith("serves version"):
+                        if url.rstrip("/") in {u.rstrip("/") for u in failed_here} or all_failed:
+                            status[url] = f"failed to load version {want}: {'; '.join(reasons)}"
+            if not seen_watcher and time.monotonic() - start >= min(NO_WATCHER_GRACE_S, cfg.wait_loaded_timeout):
+                break
             for c in self.servers.clients:
-                if status[c.url] in ("ok",) or status[c.url].startswith("unreachable for"):
+                if status[c.url] in ("ok",) or status[c.url].startswith(("unreachable for", "failed to load")):
                     continue
                 try:
                     seen = str(c.model_info().get("weight_version"))
@@ -332,13 +429,22 @@ class DiskTransport(Transport):
                     continue
                 down_since.pop(c.url, None)
                 status[c.url] = "ok" if seen == want else f"serves version {seen}"
-            if all(s == "ok" or s.startswith("unreachable for") for s in status.values()):
+            if all(s == "ok" or s.startswith(("unreachable for", "failed to load")) for s in status.values()):
                 break
             time.sleep(delay)
             delay = min(0.05, delay * 2)  # a load is noticed within 50 ms; model_info is cheap
-        return {u: (s if s == "ok" or s.startswith("unreachable for") else
+        loaded = any(s == "ok" for s in status.values())
+        unloadable = None
+        if not loaded and not seen_watcher:
+            unloadable = (f"no watcher loads experiment {cfg.experiment} trial {cfg.trial} from {self.url} (none "
+                          f"registered within {min(NO_WATCHER_GRACE_S, cfg.wait_loaded_timeout):g} s): run "
+                          f"`{self._watch_cmd()}` beside the servers")
+            status = {u: (s if s.startswith("unreachable for") else "not loaded: no watcher") for u, s in status.items()}
+        elif not loaded and all_failed:
+            unloadable = f"no server could load version {want}: {'; '.join(reasons)}"
+        return {u: (s if s == "ok" or s.startswith(("unreachable for", "failed to load", "not loaded")) else
                     f"did not load version {want} within wait_loaded_timeout={cfg.wait_loaded_timeout:g} s ({s})")
-                for u, s in status.items()}
+                for u, s in status.items()}, unloadable
 
 
 class ShardWriter(RankPart):
