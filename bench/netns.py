@@ -221,11 +221,11 @@ def launch_server_in(link: LinkSpec, port: int, **kw):
     listening on its address. Same keywords (``model``, ``log_path``, ``dtype``, ``extra_args``, ``env``,
     ``ready_timeout``, ``disk_roots``)."""
     from bridge.client import ServerClient
-    from inference_adapter.launcher import _ROOT as ADAPTER_ROOT
-    from inference_adapter.launcher import LaunchedServer, _command, _wait_ready
+    from inference_adapter.launcher import CHECKOUT as ADAPTER_ROOT
+    from inference_adapter.launcher import LaunchedServer, server_command, wait_until_ready
 
     host = link.server_addr
-    cmd = _command(False, kw["model"], None, host, port, kw.get("dtype", "bfloat16"), kw.get("disk_roots", ()))
+    cmd = server_command(False, kw["model"], None, host, port, kw.get("dtype", "bfloat16"), kw.get("disk_roots", ()))
     cmd = ["ip", "netns", "exec", link.server_ns, *cmd, *[str(a) for a in kw.get("extra_args", ())]]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ADAPTER_ROOT, *filter(None, [env.get("PYTHONPATH")])])
@@ -235,7 +235,7 @@ def launch_server_in(link: LinkSpec, port: int, **kw):
                             cwd=ADAPTER_ROOT)
     url = f"http://{host}:{port}"
     server = LaunchedServer(proc, url, ServerClient(url, timeout=60.0), kw["log_path"], "reference", log_file)
-    _wait_ready(server, kw.get("ready_timeout", 300))
+    wait_until_ready(server, kw.get("ready_timeout", 300))
     return server
 
 

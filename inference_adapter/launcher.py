@@ -25,7 +25,7 @@ from bridge.process_group import find_free_port
 __all__ = ["LaunchedServer", "launch_server", "sglang_available"]
 
 logger = get_logger(__name__)
-_ROOT = str(Path(__file__).resolve().parent.parent)  # the checkout, so the child imports this code
+CHECKOUT = str(Path(__file__).resolve().parent.parent)  # the checkout, so the child imports this code
 
 
 def sglang_available() -> bool:
@@ -126,26 +126,26 @@ def launch_server(
         preset = "tiny"
     sglang = sglang_available() if use_sglang is None else use_sglang
     port = port or find_free_port(host)
-    cmd = _command(sglang, model, preset, host, port, dtype, disk_roots) + [str(a) for a in extra_args]
+    cmd = server_command(sglang, model, preset, host, port, dtype, disk_roots) + [str(a) for a in extra_args]
     kind = "sglang" if sglang else "reference"
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"wsync-{kind}-{port}-", suffix=".log")
         os.close(fd)
     child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [child_env.get("PYTHONPATH")])])
+    child_env["PYTHONPATH"] = os.pathsep.join([CHECKOUT, *filter(None, [child_env.get("PYTHONPATH")])])
     child_env.update(env or {})
     log_file = open(log_path, "ab")
     logger.info("starting %s server on %s:%d (log %s)", kind, host, port, log_path)
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
-                            cwd=_ROOT if not sglang else None)
+                            cwd=CHECKOUT if not sglang else None)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     server = LaunchedServer(proc, url, ServerClient(url, api_key=api_key, timeout=60.0), log_path, kind, log_file)
-    _wait_ready(server, ready_timeout)
+    wait_until_ready(server, ready_timeout)
     logger.info("%s server ready at %s", kind, url)
     return server
 
 
-def _command(sglang: bool, model: str | None, preset: str | None, host: str, port: int, dtype: str,
+def server_command(sglang: bool, model: str | None, preset: str | None, host: str, port: int, dtype: str,
              disk_roots: Sequence[str]) -> list[str]:
     """The command line that starts real SGLang (a preset is first written to a temporary directory) or
     the reference server."""
@@ -163,7 +163,7 @@ def _command(sglang: bool, model: str | None, preset: str | None, host: str, por
     return cmd
 
 
-def _wait_ready(server: LaunchedServer, ready_timeout: float) -> None:
+def wait_until_ready(server: LaunchedServer, ready_timeout: float) -> None:
     """Wait until the server's ``/model_info`` answers; stop it and raise ServerError (with its log tail)
     if it exits, wants an API key, or is not ready within ``ready_timeout`` seconds."""
     url, kind, proc = server.url, server.kind, server.process

@@ -113,18 +113,18 @@ def launch_forked(*, model: str | None = None, preset: str | None = None, port: 
     line, environment and log, without importing torch, transformers and the server again (about 2.5 s a
     server). The server's command-line entry point itself is tested by ``wsync serve`` tests."""
     port = port or find_free_port(host)
-    argv = launcher._command(False, model, preset or ("tiny" if model is None else None), host, port, dtype,
+    argv = launcher.server_command(False, model, preset or ("tiny" if model is None else None), host, port, dtype,
                              disk_roots)[3:] + [str(a) for a in extra_args]
     fd, log_path = tempfile.mkstemp(prefix=f"wsync-reference-{port}-", suffix=".log")
     os.close(fd)
     child_env = {**os.environ, **(env or {})}
-    process = forked_context().Process(target=_serve, args=(argv, child_env, log_path, launcher._ROOT), daemon=True,
+    process = forked_context().Process(target=_serve, args=(argv, child_env, log_path, launcher.CHECKOUT), daemon=True,
                                        name=f"reference-server-{port}")
     process.start()
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     server = LaunchedServer(ForkedProcess(process), url, ServerClient(url, api_key=api_key, timeout=60.0), log_path,
                             "reference", None)
-    launcher._wait_ready(server, ready_timeout)
+    launcher.wait_until_ready(server, ready_timeout)
     return server
 
 

@@ -1,12 +1,13 @@
-"""The package layout holds: no import cycle anywhere, the layers import only downwards, and every piece
+"""The package layout holds: no import cycle anywhere, the layers import only downwards, and every function
 stays small enough to read.
 
 ``bridge`` is the ground floor and imports neither wing; ``trainer`` and ``inference_adapter`` do not
 import each other; ``bench`` sits above them and ``wsync`` (the command line) on top of everything.
 Every import counts, also the ones inside functions (a lazy import still ties two modules together).
 
-Size: no module over 500 lines anywhere; no function over 80 lines in ``bridge`` and
-``inference_adapter``. An underscore name is its module's own: no module imports one from another.
+Size: no function over 80 lines in ``bridge`` and ``inference_adapter``. Modules are split by concern, not
+by a line count (a cap split files by size: a mixin using its host's lock, a module re-exported through
+another). An underscore name is its module's own: no module imports one from another.
 Each failure lists every offender, so the message is the to-do list.
 """
 
@@ -23,7 +24,6 @@ MAY_NOT_IMPORT = {
     "inference_adapter": {"trainer", "wsync", "bench"},
     "bench": {"wsync"},
 }
-MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 FUNCTION_LIMITED = ("bridge", "inference_adapter")
 
@@ -116,12 +116,6 @@ def _long_functions(path: pathlib.Path) -> list[str]:
             if n > MAX_FUNCTION_LINES:
                 out.append(f"{_where(path, node.lineno)} {node.name} {n} lines")
     return out
-
-
-def test_no_module_over_500_lines():
-    sizes = {path: len(path.read_text().splitlines()) for path in _modules().values()}
-    long = [f"{path.relative_to(ROOT)} {n} lines" for path, n in sorted(sizes.items()) if n > MAX_MODULE_LINES]
-    assert not long, f"{len(long)} module(s) over {MAX_MODULE_LINES} lines (split by concern):\n" + "\n".join(long)
 
 
 def test_no_function_over_80_lines_in_bridge_and_inference_adapter():
