@@ -64,7 +64,11 @@ def test_another_architecture_is_refused_before_any_byte_moves(ref_server, tmp_p
     assert ref_server.client.weights_checksum() == before
     if transport == "disk":  # nothing written, nothing announced
         assert not os.path.exists(tmp_path / "snap") or not os.listdir(tmp_path / "snap")
-        assert not os.path.exists(tmp_path / "nr") or not any(files for _, _, files in os.walk(tmp_path / "nr"))
+        from bridge.name_resolve import make_name_resolve, names
+
+        announced = make_name_resolve(f"file://{tmp_path}/nr").find_subtree(
+            names.update_weights_from_disk_root("preflight", "trial0"))
+        assert not announced, announced
 
 
 def test_another_serving_dtype_is_refused_before_any_byte_moves(ref_server, tmp_path):
