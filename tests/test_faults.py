@@ -597,7 +597,9 @@ def test_a_server_stopped_mid_broadcast(server_factory, tiny_model_dir):
         os.kill(victim.process.pid, signal.SIGCONT)
     kind, message, seconds, before, after, close_s = r0
     assert r1[:2] == r0[:2] and kind in ("SyncError", "SyncTimeout") and victim.url in message, r0
-    assert "group_timeout + http_timeout" in message, message
+    # The bucket's bound ran out, or a request to the stopped server failed first (about 1 run in 4: the
+    # connection it was sent on gave up before the bound): either way the error names the stopped server.
+    assert "group_timeout + http_timeout" in message or f"cannot reach {victim.url}" in message, message
     assert max(r0[2], r1[2]) < 4 + 4 + 5 + 3, r0  # the bucket's bound, the abort's wait, slack
     assert close_s < 5, close_s
     # Resumed, the server finds its group gone, drops what it staged and lifts the pause by itself (the
