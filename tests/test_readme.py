@@ -42,7 +42,7 @@ NOT_RUN = {"text", "json", "yaml", "toml", "diff"}
 SKIP_MARKER = re.compile(r"^<!--\s*readme-test:\s*skip\s*\((?P<why>[^)]+)\)\s*-->\s*$")
 PRINTS = re.compile(r"(?:^|\s)#\s->\s(?P<text>.*)$")
 # A bash block's background jobs (a server, a watcher) must not outlive it.
-BASH_PROLOGUE = "trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n"
+BASH_PROLOGUE = "trap 'kill $(jobs -p) 2>/dev/null || true; wait' EXIT\n"
 
 
 @dataclass
@@ -203,6 +203,8 @@ def test_readme_block_runs_as_written(block: Block, tmp_path):
     # live there, so what an earlier run announced does not change the versions a block prints. Short, for
     # the Unix sockets made under it.
     temp = tempfile.mkdtemp(prefix="wsync-readme-")
+    # Run where its files go, as from the checkout: the scripts a block names (examples/) are there.
+    os.symlink(os.path.join(REPO, "examples"), tmp_path / "examples")
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
            "TMPDIR": temp}
     try:
