@@ -296,12 +296,16 @@ def test_in_place_pause_never_asks_for_a_flush(version, tiny_model_dir):
         def generate():  # in flight during the update; on 0.5.6 the server dies under it, as it should
             with contextlib.suppress(ServerError):
                 c.generate(input_ids=[1, 2, 3], timeout=120,
-                           sampling_params={"max_new_tokens": 2, "custom_params": {"harness_hold_s": 10}})
+                           sampling_params={"max_new_tokens": 2, "custom_params": {"harness_hold_s": 5}})
 
         gen = threading.Thread(target=generate)
         gen.start()
-        time.sleep(2.0)  # the request is in flight
+        deadline = time.monotonic() + 20
+        while _scheduler(srv)["running"] == 0:  # the request is in flight (polled, not a fixed wait)
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
         c.pause_generation("in_place")
+        assert _scheduler(srv)["running"] == 1, _scheduler(srv)  # paused in place, still in flight
         c.begin_weight_update()
         r = _one_bucket(c, w, flattened=True, version="ip1", group="g-ip")
         c.end_weight_update()
