@@ -5,10 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # A real etcd server for the name-resolution tests (the tests start it themselves on a loopback port), and
-# iproute2 for the multi-host tier (tests/test_multihost.py builds hosts out of network namespaces).
+# iproute2 for the multi-host tier (tests/test_multihost.py builds hosts out of network namespaces) and the
+# link bench (tc shapes the link between two namespaces).
 DEBS=()
 command -v etcd >/dev/null 2>&1 || DEBS+=(etcd-server)
-command -v ip >/dev/null 2>&1 || DEBS+=(iproute2)
+{ command -v ip && command -v tc; } >/dev/null 2>&1 || DEBS+=(iproute2)
 if [ ${#DEBS[@]} -gt 0 ]; then
     echo "== installing ${DEBS[*]} (Debian packages)"
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi

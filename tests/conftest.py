@@ -71,8 +71,8 @@ def missing_prerequisites() -> list[str]:
     missing = []
     if shutil.which("etcd") is None:
         missing.append("etcd is not on PATH: apt-get install etcd-server (the name-resolution tier)")
-    if shutil.which("ip") is None:
-        missing.append("ip is not on PATH: apt-get install iproute2 (the multi-host tier)")
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        missing.append("ip or tc is not on PATH: apt-get install iproute2 (the multi-host tier, the link bench)")
     if os.geteuid() != 0:
         missing.append("not root: the multi-host tier builds network namespaces and the disk-full tests mount a "
                        "tmpfs; run the suite as root")
