@@ -50,15 +50,10 @@ def mismatch(specs: Sequence[ParamSpec], spec: dict, serving_dtype: str) -> str 
     """Why a server serving ``spec`` (its ``/wsync/weights_spec``) cannot take ``specs``, or None."""
     params, aliases = spec["params"], spec.get("aliases", {})
     sent = {aliases.get(s.name, s.name): s for s in specs}
-    if spec.get("dtype") and spec["dtype"] != serving_dtype and not _shapes_differ(sent, params):
-        return (f"it serves {spec['dtype']} but serving_dtype={serving_dtype!r}; set serving_dtype={spec['dtype']!r} "
-                f"(wsync train --serving-dtype {spec['dtype']})")
     unknown = [s.name for s in specs if aliases.get(s.name, s.name) not in params]
     unsent = [n for n in params if n not in sent]
     shapes = [f"{n!r} is {list(s.shape)} in the trainer, {params[n]['shape']} served"
               for n, s in sent.items() if n in params and list(s.shape) != params[n]["shape"]]
-    dtypes = [f"{n!r} is sent as {dtype_to_str(s.dtype)}, served as {params[n]['dtype']}"
-              for n, s in sent.items() if n in params and dtype_to_str(s.dtype) != params[n]["dtype"]]
     parts = []
     if shapes:
         parts.append(f"{len(shapes)} tensor(s) differ in shape: " + ", ".join(shapes))
@@ -69,11 +64,11 @@ def mismatch(specs: Sequence[ParamSpec], spec: dict, serving_dtype: str) -> str 
     if parts:
         return (f"it serves another model ({spec.get('model_type', 'unknown')}): " + "; ".join(parts)
                 + "; start the server with the trainer's model, or publish to servers of this model")
+    if spec.get("dtype") and spec["dtype"] != serving_dtype:
+        return (f"it serves {spec['dtype']} but serving_dtype={serving_dtype!r}; set serving_dtype={spec['dtype']!r} "
+                f"(wsync train --serving-dtype {spec['dtype']})")
+    dtypes = [f"{n!r} is sent as {dtype_to_str(s.dtype)}, served as {params[n]['dtype']}"
+              for n, s in sent.items() if dtype_to_str(s.dtype) != params[n]["dtype"]]
     if dtypes:
         return "; ".join(dtypes) + f"; set serving_dtype to the served dtype ({params[next(iter(params))]['dtype']})"
     return None
-
-
-def _shapes_differ(sent: dict[str, ParamSpec], params: dict) -> bool:
-    return any(n not in params or list(s.shape) != params[n]["shape"] for n, s in sent.items()) or \
-        any(n not in sent for n in params)
