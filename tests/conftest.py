@@ -36,6 +36,22 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return make_model_dir(tmp_path_factory.mktemp("tiny-model"), "tiny", seed=0)
 
 
+# ------------------------------------------------------------------ order: the longest files first
+# scripts/test.sh runs the suite on 2 pytest-xdist workers, a whole file per worker at a time (fixtures
+# scoped to a module, such as SGLang's harness, start once). The longest files start first, so that none
+# starts last on one worker while the other idles. The order changes no result; keep it roughly right
+# (``--durations`` prints the current figures).
+LONGEST_FIRST = ("test_readme.py", "test_multihost.py", "test_sglang_code.py", "test_interrupts.py",
+                 "test_sglang_versions.py", "test_faults.py", "test_cuda_ipc.py", "test_cli.py",
+                 "test_delta_sglang.py", "test_fleet.py", "test_disk_sync.py", "test_broadcast.py",
+                 "test_name_resolve.py", "test_bench.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 # ------------------------------------------------------------------ strict mode: a skip is a failure
 # A tier that skips because its machine lacks something (etcd, a router, SGLang's code, root) keeps a run
 # green while testing nothing of that tier. In strict mode (CI sets CI=true; scripts/test.sh sets

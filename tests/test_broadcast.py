@@ -329,13 +329,26 @@ def test_the_default_pause_loses_no_generation(server_factory):
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
     for t in threads:
         t.start()
+    # The training step lasts at least as long as the 4 threads take to answer once each on this machine now:
+    # a retracted generation starts again, so publishes closer together than one answer would starve them all
+    # (on SGLang as here), and the test would count no answers instead of testing the pause.
+    def answered(n: int) -> float:
+        until = time.monotonic() + 120
+        while min(map(len, answers)) < n and not errors and time.monotonic() < until:
+            time.sleep(0.02)
+        return time.monotonic()
+
+    first = answered(1)  # (the first answers warm the server up)
+    step = max(0.6, 1.5 * (answered(2) - first))
+    for a in answers:
+        a.clear()
     try:
         with WeightPublisher(PublisherConfig(servers=[srv.url], experiment="pause", trial="t0", progress=False)) as pub:
             assert pub.config.pause_mode == "auto"
             for v in range(1, PAUSE_MAX_PUBLISHES + 1):
                 with torch.no_grad():
                     model.model.norm.weight.add_(0.01)  # other weights each version
-                time.sleep(0.6)  # the training step: generations run between two publishes
+                time.sleep(step)  # the training step: generations run between two publishes
                 pub.publish(model, version=v)
                 if v >= PAUSE_PUBLISHES and sum(map(len, answers)) >= PAUSE_ANSWERS:
                     break
@@ -345,7 +358,7 @@ def test_the_default_pause_loses_no_generation(server_factory):
             t.join(120)
     assert not errors, errors
     kinds = [k for a in answers for k, _ in a]
-    print(f"{len(kinds)} answers during {v} publishes: {kinds.count('abort')} aborted")
+    print(f"{len(kinds)} answers during {v} publishes {step:.1f} s apart: {kinds.count('abort')} aborted")
     assert len(kinds) >= PAUSE_ANSWERS and kinds.count("abort") == 0, kinds
     for a in answers:
         seen = [int(v) for _, v in a if v != "default"]

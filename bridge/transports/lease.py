@@ -194,19 +194,27 @@ class WriterLease:
             if self._nr is None:
                 self._nr = make_name_resolve(self.lock_url)
         value = json.dumps({"writer": self.writer, "run_id": self.run_id})
-        try:
-            self._nr.add(lock_key(c.url), value, ttl=self.seconds, keepalive=True, replace=False)
-        except NameEntryExists:
+        # A lock that ran out between the add and the read is taken at once (a few tries), not refused.
+        who = "a writer that let go of it as this one tried, three times; retry"
+        for _ in range(3):
             try:
-                other = json.loads(self._nr.get(lock_key(c.url)))
+                self._nr.add(lock_key(c.url), value, ttl=self.seconds, keepalive=True, replace=False)
+                return
+            except NameEntryExists:
+                try:
+                    other = json.loads(self._nr.get(lock_key(c.url)))
+                    other = other if isinstance(other, dict) else {}
+                except NameEntryNotFound:
+                    continue
+                except ValueError:
+                    other = {}
                 who = f"run {other.get('run_id')!r}, writer {other.get('writer')!r}"
-            except (NameEntryNotFound, ValueError, AttributeError):
-                who = "a writer that just let go of it; retry"
-            raise ServerError(
-                c.url, f"another writer holds this server ({ANOTHER_WRITER}): {who}, by its lock in {self.lock_url} "
-                f"(a lease of at most the holder's writer_lease after its last renewal). A server takes weight changes "
-                "from one writer at a time; retry once that writer ended its sync, or stop the other trainer",
-                None, "writer lock", reason=ANOTHER_WRITER) from None
+                break
+        raise ServerError(
+            c.url, f"another writer holds this server ({ANOTHER_WRITER}): {who}, by its lock in {self.lock_url} "
+            f"(a lease of at most the holder's writer_lease after its last renewal). A server takes weight changes "
+            "from one writer at a time; retry once that writer ended its sync, or stop the other trainer",
+            None, "writer lock", reason=ANOTHER_WRITER)
 
     def _renew(self, stop: threading.Event) -> None:
         """Renew the servers' own leases every third of the lease while held (name resolution keeps its
