@@ -139,8 +139,8 @@ def sglang_mismatch(specs: Sequence[ParamSpec], client) -> str | None:
         got = answers[name]
         if want is None:
             if got is not None:
-                parts.append(f"it has a layer the trainer does not send ({name!r} exists); the trainer sends "
-                             f"{_LAYER.match(name)['i']} layers")
+                parts.append(f"it has more layers than the trainer sends ({name!r} exists, the trainer's last "
+                             f"layer is {int(_LAYER.match(name)['i']) - 1})")
         elif got is None:
             parts.append(f"{name!r} ({list(want)} in the trainer) is unknown to it")
         else:

@@ -612,18 +612,19 @@ def _publish_llama(url: str, log_path: str, model_dir: str, i: int) -> dict:
 
 def test_real_sglang_serving_another_model_is_refused_before_any_byte_moves(keyed_llama, tmp_path):
     """SGLang 0.5.23's own ``/get_weights_by_name`` (its Llama's): a trainer of another layer count and MLP
-    width, then of another hidden size, is refused in the prepare step, naming each tensor with both shapes
+    width, one of another hidden size and one of fewer layers are each refused in the prepare step, naming each tensor with both shapes
     and the fix; SGLang never joined a group, paused or changed its weights. The matching model passes; what
     the route cannot tell is said once."""
     srv = keyed_llama
     served = _llama_dir(tmp_path / "served")  # the one the server was started with (same seed)
     deeper = _llama_dir(tmp_path / "deeper", num_hidden_layers=3, intermediate_size=192)
     narrower = _llama_dir(tmp_path / "narrower", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    shallower = _llama_dir(tmp_path / "shallower", num_hidden_layers=1)
     before = _keyed_weights(srv.url)
-    results, said = _publish_llamas(srv.url, srv.log_path, [deeper, narrower, served])
+    results, said = _publish_llamas(srv.url, srv.log_path, [deeper, narrower, shallower, served])
     assert srv.alive(), srv.log_tail()
-    deep, narrow, same = results
-    for r in (deep, narrow):
+    deep, narrow, shallow, same = results
+    for r in (deep, narrow, shallow):
         assert r["error"] and "the servers do not serve the trainer's model, nothing was sent" in r["error"], r["error"]
         assert "start the server with the trainer's model" in r["error"] and "\n" not in r["error"]
         assert r["touched"] == 0 and r["served"] == before, "SGLang was touched for a model it does not serve"
@@ -632,6 +633,9 @@ def test_real_sglang_serving_another_model_is_refused_before_any_byte_moves(keye
     assert "'model.layers.2.self_attn.q_proj.weight' ([128, 128] in the trainer) is unknown to it" in deep["error"]
     assert "'model.embed_tokens.weight' is [272, 64] in the trainer, [*, 128] served" in narrow["error"]
     assert "'model.norm.weight' is [64] in the trainer, [more than 64] served" in narrow["error"]
+    # A layer the trainer lacks (SGLang's loader would simply never update it).
+    assert ("it has more layers than the trainer sends ('model.layers.1.self_attn.q_proj.weight' exists, the "
+            "trainer's last layer is 0)") in shallow["error"], shallow["error"]
     assert same["error"] is None and same["equal"] and same["touched"] > 0, same
     unchecked = [s for s in said if "not checked" in s]
     assert len(unchecked) == 1 and "the first dim of 2-D tensors" in unchecked[0], said
