@@ -562,8 +562,8 @@ def _touched(log_path: str) -> int:
         return sum(any(t in line for t in _TOUCHED) for line in f)
 
 
-def _publish_llamas(url: str, log_path: str, model_dirs: list[str]) -> tuple[list[dict], list[str]]:
-    """A new publisher per Llama directory, each published as version 3 (its weights moved off the served
+def _publish_llamas(url: str, log_path: str, models: list[tuple[str, str]]) -> tuple[list[dict], list[str]]:
+    """A new publisher per (Llama directory, serving dtype), each published as version 3 (its weights moved off the served
     ones); what each raised, what SGLang served and logged after it, and what the preflight said."""
     import logging
 
@@ -578,13 +578,13 @@ def _publish_llamas(url: str, log_path: str, model_dirs: list[str]) -> tuple[lis
     log.setLevel(logging.INFO)
     preflight_sglang._said.discard("unchecked")  # said once per process: this test's publishers are the first
     try:
-        return [_publish_llama(url, log_path, d, i) for i, d in enumerate(model_dirs)], said
+        return [_publish_llama(url, log_path, d, i, dtype) for i, (d, dtype) in enumerate(models)], said
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
 
 
-def _publish_llama(url: str, log_path: str, model_dir: str, i: int) -> dict:
+def _publish_llama(url: str, log_path: str, model_dir: str, i: int, serving_dtype: str = "bfloat16") -> dict:
     from transformers import LlamaForCausalLM
 
     from bridge import PublisherConfig, WeightPublisher
@@ -595,7 +595,7 @@ def _publish_llama(url: str, log_path: str, model_dir: str, i: int) -> dict:
             p.add_(0.01 * (i + 1))
     touched = _touched(log_path)
     pub = WeightPublisher(PublisherConfig(servers=[url], progress=False, group_timeout=20, api_key="user-key",
-                                          admin_api_key="admin-key"))
+                                          admin_api_key="admin-key", serving_dtype=serving_dtype))
     try:
         pub.publish(m, version=3)
         error = None
@@ -612,7 +612,8 @@ def _publish_llama(url: str, log_path: str, model_dir: str, i: int) -> dict:
 
 def test_real_sglang_serving_another_model_is_refused_before_any_byte_moves(keyed_llama, tmp_path):
     """SGLang 0.5.23's own ``/get_weights_by_name`` (its Llama's): a trainer of another layer count and MLP
-    width, one of another hidden size and one of fewer layers are each refused in the prepare step, naming each tensor with both shapes
+    width, one of another hidden size, one of fewer layers and one of another serving dtype are each refused in
+    the prepare step, naming each tensor with both shapes
     and the fix; SGLang never joined a group, paused or changed its weights. The matching model passes; what
     the route cannot tell is said once."""
     srv = keyed_llama
@@ -621,13 +622,17 @@ def test_real_sglang_serving_another_model_is_refused_before_any_byte_moves(keye
     narrower = _llama_dir(tmp_path / "narrower", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
     shallower = _llama_dir(tmp_path / "shallower", num_hidden_layers=1)
     before = _keyed_weights(srv.url)
-    results, said = _publish_llamas(srv.url, srv.log_path, [deeper, narrower, shallower, served])
+    bf16 = "bfloat16"
+    results, said = _publish_llamas(srv.url, srv.log_path, [(deeper, bf16), (narrower, bf16), (shallower, bf16),
+                                                            (served, "float32"), (served, bf16)])
     assert srv.alive(), srv.log_tail()
-    deep, narrow, shallow, same = results
-    for r in (deep, narrow, shallow):
+    deep, narrow, shallow, fp32, same = results
+    for r in (deep, narrow, shallow, fp32):
         assert r["error"] and "the servers do not serve the trainer's model, nothing was sent" in r["error"], r["error"]
-        assert "start the server with the trainer's model" in r["error"] and "\n" not in r["error"]
+        assert "\n" not in r["error"]
         assert r["touched"] == 0 and r["served"] == before, "SGLang was touched for a model it does not serve"
+    for r in (deep, narrow, shallow):
+        assert "start the server with the trainer's model" in r["error"]
     # The MLP width shows in down_proj's trailing dim; the extra layer as a name SGLang does not know.
     assert "'model.layers.0.mlp.down_proj.weight' is [128, 192] in the trainer, [*, 256] served" in deep["error"]
     assert "'model.layers.2.self_attn.q_proj.weight' ([128, 128] in the trainer) is unknown to it" in deep["error"]
@@ -636,6 +641,8 @@ def test_real_sglang_serving_another_model_is_refused_before_any_byte_moves(keye
     # A layer the trainer lacks (SGLang's loader would simply never update it).
     assert ("it has more layers than the trainer sends ('model.layers.1.self_attn.q_proj.weight' exists, the "
             "trainer's last layer is 0)") in shallow["error"], shallow["error"]
+    # The dtype SGLang's server info states (its ServerArgs).
+    assert "serves bfloat16 but serving_dtype='float32'; set serving_dtype='bfloat16'" in fp32["error"], fp32["error"]
     assert same["error"] is None and same["equal"] and same["touched"] > 0, same
     unchecked = [s for s in said if "not checked" in s]
     assert len(unchecked) == 1 and "the first dim of 2-D tensors" in unchecked[0], said
