@@ -123,7 +123,14 @@ def sglang_mismatch(specs: Sequence[ParamSpec], client) -> str | None:
     tp = client.tp_size
     answers: dict[str, object] = {}
     for name, shape in asked:
-        answers[name] = _ask(client, name, shape)
+        try:
+            answers[name] = _ask(client, name, shape)
+        except ServerUnreachable:
+            raise
+        except ServerError as e:  # not a "no such name": the route itself fails here; the loader decides
+            _once(f"failed:{client.url}", "%s (real SGLang) cannot be asked about its model (%s); names and shapes "
+                  "are checked by its loader when the buckets arrive", client.url, e)
+            return None
         if len(answers) == 2 and all(a is None for a in answers.values()):
             _once(f"silent:{client.url}", "%s (real SGLang) answers /get_weights_by_name for none of %s: its model "
                   "class has no get_weights_by_name (SGLang's Qwen2 and Qwen3 have none) or serves other names; "

@@ -71,13 +71,16 @@ def test_another_architecture_is_refused_before_any_byte_moves(ref_server, tmp_p
         assert not announced, announced
 
 
-def test_another_serving_dtype_is_refused_before_any_byte_moves(ref_server, tmp_path):
+@pytest.mark.parametrize("transport", ["broadcast", "disk"])
+def test_another_serving_dtype_is_refused_before_any_byte_moves(ref_server, tmp_path, transport):
     paused = _paused_lines(ref_server)
-    [message] = run_ranks(_publish_other_model, 1, args=(ref_server.url, "broadcast", "float32", str(tmp_path), False),
+    [message] = run_ranks(_publish_other_model, 1, args=(ref_server.url, transport, "float32", str(tmp_path), False),
                           timeout=120)
     assert message is not None and "serves bfloat16 but serving_dtype='float32'" in message, message
     assert "serving_dtype='bfloat16'" in message, message
     assert _paused_lines(ref_server) == paused
+    if transport == "disk":  # nothing written (a float32 snapshot the server would refuse), nothing announced
+        assert not os.path.exists(tmp_path / "snap") or not os.listdir(tmp_path / "snap")
 
 
 def test_what_real_sglang_is_asked_is_bounded_whatever_the_model():
