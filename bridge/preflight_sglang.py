@@ -131,7 +131,7 @@ def sglang_mismatch(specs: Sequence[ParamSpec], client) -> str | None:
             _once(f"failed:{client.url}", "%s (real SGLang) cannot be asked about its model (%s); names and shapes "
                   "are checked by its loader when the buckets arrive", client.url, e)
             return None
-        if len(answers) == 2 and all(a is None for a in answers.values()):
+        if len(answers) == min(2, len(asked)) and all(a is None for a in answers.values()):
             _once(f"silent:{client.url}", "%s (real SGLang) answers /get_weights_by_name for none of %s: its model "
                   "class has no get_weights_by_name (SGLang's Qwen2 and Qwen3 have none) or serves other names; "
                   "names and shapes are checked by its loader when the buckets arrive", client.url, list(answers))
@@ -154,7 +154,12 @@ def sglang_mismatch(specs: Sequence[ParamSpec], client) -> str | None:
             served = shape_differs(want, answered_dims(got), tp)
             if served:
                 parts.append(f"{name!r} is {list(want)} in the trainer, {served} served")
-    parts += _untied_head(specs, client, answers)
+    try:
+        parts += _untied_head(specs, client, answers)
+    except ServerUnreachable:
+        raise
+    except ServerError as e:
+        logger.debug("%s: the head could not be asked (%s)", client.url, e)
     return "; ".join(parts) if parts else None
 
 
