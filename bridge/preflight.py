@@ -1,49 +1,61 @@
 """The check before any byte moves: do the servers serve the model the trainer is about to send?
 
 Rank 0 runs it in the prepare step, after the fleet found the servers and before any is paused, so a
-mistake costs one request instead of a whole broadcast, a snapshot, or a 120 s wait for a load that never
-comes. The reference server lists what it serves (``/wsync/weights_spec``): every tensor's name, shape and
-dtype is compared, and every difference is named in full, with the fix. Real SGLang lists no parameters
-(its loader stacks q/k/v and gate/up under other names): its serving dtype is compared where its server
-info states one, and its loader checks names and shapes when the first bucket arrives, which is said once.
+mistake costs a few requests instead of a whole broadcast, a snapshot, or a 120 s wait for a load that
+never comes. The reference server lists what it serves (``/wsync/weights_spec``): every tensor's name,
+shape and dtype is compared, and every difference is named in full, with the fix. Real SGLang lists no
+parameters: its serving dtype is compared where its server info states one, and what its
+``/get_weights_by_name`` route can tell is asked in a bounded number of requests
+(:mod:`bridge.preflight_sglang`: names, trailing dims, the layer count), once per server; what it cannot
+tell is said once.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from bridge.errors import ConfigError
-from bridge.log import get_logger
+from bridge.preflight_sglang import sglang_mismatch
 from bridge.tensors import ParamSpec, dtype_to_str
 
 __all__ = ["check_servers_serve", "mismatch"]
 
-logger = get_logger(__name__)
-_said_sglang = False
+_FIX = "start the server with the trainer's model, or publish to servers of this model"
+# The real SGLang servers whose model was asked and found to match (a server back after the fleet excluded
+# it gets a new client, so it is asked again).
+_matched: weakref.WeakSet = weakref.WeakSet()
 
 
 def check_servers_serve(specs: Sequence[ParamSpec], clients: Sequence, serving_dtype: str) -> None:
     """Raise one ConfigError naming every server whose model differs from ``specs`` (the tensors as they
     will travel: HF names, full shapes, wire dtypes), each difference and the fix."""
-    global _said_sglang
     problems = []
     for c in clients:
         spec = c.weights_spec()
         if spec is None:
-            if not _said_sglang:
-                _said_sglang = True
-                logger.info("%s is real SGLang, which lists no parameters: its serving dtype is checked now, names "
-                            "and shapes by its loader when the first bucket arrives", c.url)
-            served = c.served_dtype
-            if served is not None and served != serving_dtype:
-                problems.append(f"{c.url} serves {served} but serving_dtype={serving_dtype!r}; set "
-                                f"serving_dtype={served!r} (wsync train --serving-dtype {served})")
-            continue
-        why = mismatch(specs, spec, serving_dtype)
+            why = _sglang(specs, c, serving_dtype)
+        else:
+            why = mismatch(specs, spec, serving_dtype)
         if why:
             problems.append(f"{c.url}: {why}")
     if problems:
         raise ConfigError("the servers do not serve the trainer's model, nothing was sent: " + "; ".join(problems))
+
+
+def _sglang(specs: Sequence[ParamSpec], c, serving_dtype: str) -> str | None:
+    """Why real SGLang at ``c`` cannot take ``specs``, as far as its server info and routes tell, or None."""
+    served = c.served_dtype
+    if served is not None and served != serving_dtype:
+        return (f"it serves {served} but serving_dtype={serving_dtype!r}; set serving_dtype={served!r} "
+                f"(wsync train --serving-dtype {served})")
+    if c in _matched:
+        return None
+    why = sglang_mismatch(specs, c)
+    if why:
+        return f"it serves another model: {why}; {_FIX}"
+    _matched.add(c)
+    return None
 
 
 def mismatch(specs: Sequence[ParamSpec], spec: dict, serving_dtype: str) -> str | None:
@@ -62,8 +74,7 @@ def mismatch(specs: Sequence[ParamSpec], spec: dict, serving_dtype: str) -> str 
     if unsent:
         parts.append(f"it serves {len(unsent)} tensor(s) the trainer does not send: {unsent}")
     if parts:
-        return (f"it serves another model ({spec.get('model_type', 'unknown')}): " + "; ".join(parts)
-                + "; start the server with the trainer's model, or publish to servers of this model")
+        return f"it serves another model ({spec.get('model_type', 'unknown')}): " + "; ".join(parts) + f"; {_FIX}"
     if spec.get("dtype") and spec["dtype"] != serving_dtype:
         return (f"it serves {spec['dtype']} but serving_dtype={serving_dtype!r}; set serving_dtype={spec['dtype']!r} "
                 f"(wsync train --serving-dtype {spec['dtype']})")

@@ -71,10 +71,39 @@ def test_another_architecture_is_refused_before_any_byte_moves(ref_server, tmp_p
         assert not announced, announced
 
 
-def test_another_serving_dtype_is_refused_before_any_byte_moves(ref_server, tmp_path):
+@pytest.mark.parametrize("transport", ["broadcast", "disk"])
+def test_another_serving_dtype_is_refused_before_any_byte_moves(ref_server, tmp_path, transport):
     paused = _paused_lines(ref_server)
-    [message] = run_ranks(_publish_other_model, 1, args=(ref_server.url, "broadcast", "float32", str(tmp_path), False),
+    [message] = run_ranks(_publish_other_model, 1, args=(ref_server.url, transport, "float32", str(tmp_path), False),
                           timeout=120)
     assert message is not None and "serves bfloat16 but serving_dtype='float32'" in message, message
     assert "serving_dtype='bfloat16'" in message, message
     assert _paused_lines(ref_server) == paused
+    if transport == "disk":  # nothing written (a float32 snapshot the server would refuse), nothing announced
+        assert not os.path.exists(tmp_path / "snap") or not os.listdir(tmp_path / "snap")
+
+
+def test_what_real_sglang_is_asked_is_bounded_whatever_the_model():
+    """The probes of /get_weights_by_name (bridge/preflight_sglang.py): a 28-layer model is asked at most
+    MAX_PROBES names: the tensors outside the layers, every tensor of the first layer, one of the last, and
+    that one a layer further (which must not exist); a 1-D tensor is asked whole, another one row."""
+    import torch
+
+    from bridge.preflight_sglang import MAX_PROBES, probes
+    from bridge.tensors import ParamSpec
+
+    layer = {"self_attn.q_proj.weight": (256, 256), "self_attn.q_proj.bias": (256,), "self_attn.k_proj.weight": (128, 256),
+             "self_attn.k_proj.bias": (128,), "self_attn.v_proj.weight": (128, 256), "self_attn.v_proj.bias": (128,),
+             "self_attn.o_proj.weight": (256, 256), "mlp.gate_proj.weight": (640, 256), "mlp.up_proj.weight": (640, 256),
+             "mlp.down_proj.weight": (256, 640), "input_layernorm.weight": (256,), "post_attention_layernorm.weight": (256,)}
+    shapes = {"model.embed_tokens.weight": (272, 256), **{f"model.layers.{i}.{n}": s for i in range(28) for n, s in layer.items()},
+              "model.norm.weight": (256,), "lm_head.weight": (272, 256)}  # the "many" preset: Qwen2.5-7B's layout
+    specs = [ParamSpec(n, s, torch.bfloat16) for n, s in shapes.items()]
+    asked = dict(probes(specs))
+    assert len(specs) > 300 and len(asked) <= MAX_PROBES
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(asked)
+    assert {n for n in asked if ".layers.0." in n} == {s.name for s in specs if ".layers.0." in s.name}
+    assert asked["model.layers.27.self_attn.q_proj.weight"] == (256, 256)
+    assert asked["model.layers.28.self_attn.q_proj.weight"] is None
+    assert not any(f".layers.{i}." in n for n in asked for i in range(1, 27))
+

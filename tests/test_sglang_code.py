@@ -333,21 +333,30 @@ def test_in_place_pause_never_asks_for_a_flush(version, tiny_model_dir):
 # ---------------------------------------------------------------------------------------------- keys
 
 
-def test_api_key_and_admin_key(tiny_model_dir):
-    """SGLang's own auth middleware with both keys: the client's admin key opens the control routes."""
+@pytest.fixture(scope="module")
+def keyed_llama(tmp_path_factory):
+    """SGLang 0.5.23 with both keys, serving a Llama of the tiny preset's sizes (its model class answers
+    ``/get_weights_by_name``, which the preflight asks); the key and the preflight tests share it."""
     _need("0.5.23")
-    with launch("0.5.23", tiny_model_dir, api_key="user-key", admin_api_key="admin-key") as srv:
-        both = ServerClient(srv.url, api_key="user-key", admin_api_key="admin-key")
-        assert both.update_weight_version("k1")["success"] and both.model_info()["weight_version"] == "k1"
-        both.pause_generation("retract")
-        both.continue_generation()
-        with pytest.raises(ServerError) as e:
-            ServerClient(srv.url, api_key="user-key").update_weight_version("k2")
-        assert e.value.status == 401
-        with pytest.raises(ServerError) as e:
-            ServerClient(srv.url, api_key="admin-key").model_info()
-        assert e.value.status == 401
-        assert ServerGroup([srv.url], api_key="user-key", admin_api_key="admin-key").weight_versions() == {srv.url: "k1"}
+    with launch("0.5.23", _llama_dir(tmp_path_factory.mktemp("llama")), api_key="user-key",
+                admin_api_key="admin-key") as srv:
+        yield srv
+
+
+def test_api_key_and_admin_key(keyed_llama):
+    """SGLang's own auth middleware with both keys: the client's admin key opens the control routes."""
+    srv = keyed_llama
+    both = ServerClient(srv.url, api_key="user-key", admin_api_key="admin-key")
+    assert both.update_weight_version("k1")["success"] and both.model_info()["weight_version"] == "k1"
+    both.pause_generation("retract")
+    both.continue_generation()
+    with pytest.raises(ServerError) as e:
+        ServerClient(srv.url, api_key="user-key").update_weight_version("k2")
+    assert e.value.status == 401
+    with pytest.raises(ServerError) as e:
+        ServerClient(srv.url, api_key="admin-key").model_info()
+    assert e.value.status == 401
+    assert ServerGroup([srv.url], api_key="user-key", admin_api_key="admin-key").weight_versions() == {srv.url: "k1"}
 
 
 def test_colocated_publish_refused_by_real_sglang(server):
@@ -513,4 +522,146 @@ def test_two_trainers_share_real_sglang_through_the_writer_lock(server, tmp_path
     _served_equal(server, random_weights(seed=9))
     assert ServerClient(server.url).model_info()["weight_version"] == "14" and not _scheduler(server)["paused"]
     nr.close()
+    assert server.alive()
+
+
+# ---------------------------------------------------------------------------------------------- preflight
+
+
+def _llama_dir(path, **overrides) -> str:
+    """The tiny preset's sizes as a Llama (tied head, as the preset): SGLang's Llama answers
+    ``/get_weights_by_name``, its Qwen2 does not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bridge.presets import build_config, build_tokenizer
+
+    q = build_config("tiny")
+    cfg = LlamaConfig(**{**dict(
+        vocab_size=q.vocab_size, hidden_size=q.hidden_size, intermediate_size=q.intermediate_size,
+        num_hidden_layers=q.num_hidden_layers, num_attention_heads=q.num_attention_heads,
+        num_key_value_heads=q.num_key_value_heads, max_position_embeddings=q.max_position_embeddings,
+        rms_norm_eps=q.rms_norm_eps, tie_word_embeddings=True, pad_token_id=q.pad_token_id,
+        bos_token_id=q.bos_token_id, eos_token_id=q.eos_token_id), **overrides})
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+_TOUCHED = ("init custom process group", "continue_generation", "Weight version changed")  # SGLang's own log lines
+
+
+def _keyed_weights(url: str) -> dict:
+    """The harness's checksums of what SGLang serves, through SGLang's key middleware."""
+    r = requests.get(url + "/wsync_harness/weights", headers={"Authorization": "Bearer user-key"}, timeout=30)
+    return r.json()["checksums"]
+
+
+def _touched(log_path: str) -> int:
+    with open(log_path, errors="replace") as f:
+        return sum(any(t in line for t in _TOUCHED) for line in f)
+
+
+def _publish_llamas(url: str, log_path: str, models: list[tuple[str, str]]) -> tuple[list[dict], list[str]]:
+    """A new publisher per (Llama directory, serving dtype), each published as version 3 (its weights moved off the served
+    ones); what each raised, what SGLang served and logged after it, and what the preflight said."""
+    import logging
+
+    from bridge import preflight_sglang
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: said.append(r.getMessage())
+    log = logging.getLogger(preflight_sglang.__name__)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    preflight_sglang._said.discard("unchecked")  # said once per process: this test's publishers are the first
+    try:
+        return [_publish_llama(url, log_path, d, i, dtype) for i, (d, dtype) in enumerate(models)], said
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def _publish_llama(url: str, log_path: str, model_dir: str, i: int, serving_dtype: str = "bfloat16") -> dict:
+    from transformers import LlamaForCausalLM
+
+    from bridge import PublisherConfig, WeightPublisher
+
+    m = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.01 * (i + 1))
+    touched = _touched(log_path)
+    pub = WeightPublisher(PublisherConfig(servers=[url], progress=False, group_timeout=20, api_key="user-key",
+                                          admin_api_key="admin-key", serving_dtype=serving_dtype))
+    try:
+        pub.publish(m, version=3)
+        error = None
+    except ConfigError as e:
+        error = str(e)
+    finally:
+        pub.close()
+    touched = _touched(log_path) - touched
+    want = sglang_layout({n: p.detach().to(torch.bfloat16) for n, p in m.named_parameters()})
+    got = _keyed_weights(url)
+    return dict(error=error, touched=touched, served=got,
+                equal=all(got.get(n) == tensor_checksum(t) for n, t in want.items()))
+
+
+def test_real_sglang_serving_another_model_is_refused_before_any_byte_moves(keyed_llama, tmp_path):
+    """SGLang 0.5.23's own ``/get_weights_by_name`` (its Llama's): a trainer of another layer count and MLP
+    width, one of another hidden size, one of fewer layers and one of another serving dtype are each refused in
+    the prepare step, naming each tensor with both shapes
+    and the fix; SGLang never joined a group, paused or changed its weights. The matching model passes; what
+    the route cannot tell is said once."""
+    srv = keyed_llama
+    served = _llama_dir(tmp_path / "served")  # the one the server was started with (same seed)
+    deeper = _llama_dir(tmp_path / "deeper", num_hidden_layers=3, intermediate_size=192)
+    narrower = _llama_dir(tmp_path / "narrower", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    shallower = _llama_dir(tmp_path / "shallower", num_hidden_layers=1)
+    before = _keyed_weights(srv.url)
+    bf16 = "bfloat16"
+    results, said = _publish_llamas(srv.url, srv.log_path, [(deeper, bf16), (narrower, bf16), (shallower, bf16),
+                                                            (served, "float32"), (served, bf16)])
+    assert srv.alive(), srv.log_tail()
+    deep, narrow, shallow, fp32, same = results
+    for r in (deep, narrow, shallow, fp32):
+        assert r["error"] and "the servers do not serve the trainer's model, nothing was sent" in r["error"], r["error"]
+        assert "\n" not in r["error"]
+        assert r["touched"] == 0 and r["served"] == before, "SGLang was touched for a model it does not serve"
+    for r in (deep, narrow, shallow):
+        assert "start the server with the trainer's model" in r["error"]
+    # The MLP width shows in down_proj's trailing dim; the extra layer as a name SGLang does not know.
+    assert "'model.layers.0.mlp.down_proj.weight' is [128, 192] in the trainer, [*, 256] served" in deep["error"]
+    assert "'model.layers.2.self_attn.q_proj.weight' ([128, 128] in the trainer) is unknown to it" in deep["error"]
+    assert "'model.embed_tokens.weight' is [272, 64] in the trainer, [*, 128] served" in narrow["error"]
+    assert "'model.norm.weight' is [64] in the trainer, [more than 64] served" in narrow["error"]
+    # A layer the trainer lacks (SGLang's loader would simply never update it).
+    assert ("it has more layers than the trainer sends ('model.layers.1.self_attn.q_proj.weight' exists, the "
+            "trainer's last layer is 0)") in shallow["error"], shallow["error"]
+    # The dtype SGLang's server info states (its ServerArgs).
+    assert "serves bfloat16 but serving_dtype='float32'; set serving_dtype='bfloat16'" in fp32["error"], fp32["error"]
+    assert same["error"] is None and same["equal"] and same["touched"] > 0, same
+    unchecked = [s for s in said if "not checked" in s]
+    assert len(unchecked) == 1 and "the first dim of 2-D tensors" in unchecked[0], said
+
+
+def test_preflight_says_once_what_a_silent_sglang_model_cannot_tell(server, caplog):
+    """SGLang's Qwen2 has no ``get_weights_by_name``: its route answers 400 for every name, so the preflight
+    stops after two requests, says so once, and leaves the names and shapes to SGLang's loader."""
+    from bridge import preflight_sglang
+    from bridge.presets import build_model
+    from bridge.tensors import ParamSpec
+
+    if server.version != VERSIONS[0]:
+        pytest.skip("one version is enough: the route and its answers are the same in every release")
+    specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in build_model("tiny").named_parameters()]
+    preflight_sglang._said.discard(f"silent:{ServerClient(server.url).url}")  # said once per process
+    with caplog.at_level("INFO", logger="bridge.preflight_sglang"):
+        assert preflight_sglang.sglang_mismatch(specs, ServerClient(server.url)) is None
+        assert preflight_sglang.sglang_mismatch(specs, ServerClient(server.url)) is None
+    said = [r.getMessage() for r in caplog.records if "for none of" in r.getMessage()]
+    assert len(said) == 1 and "Qwen2" in said[0], caplog.text
     assert server.alive()

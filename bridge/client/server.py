@@ -129,6 +129,14 @@ class ServerClient(WeightUpdateRoutes):
         return str(dtype).removeprefix("torch.") if dtype and dtype != "auto" else None
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas behind this server (``dp_size`` in its server info; 1 where it does not say):
+        SGLang's ``/get_weights_by_name`` answers one list per replica when there are several."""
+        if self._info is None:
+            self._load_server_info()
+        return int((self._info or {}).get("dp_size") or 1)
+
+    @property
     def disk_roots(self) -> list[str] | None:
         """The directories a reference server loads snapshots from (``wsync_disk_roots`` in its server
         info, resolved); None for real SGLang, which loads any directory it can read."""
@@ -365,7 +373,10 @@ class ServerClient(WeightUpdateRoutes):
         )
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        """The first ``truncate_size`` rows of a served tensor as (nested) float lists (debug route)."""
+        """The first ``truncate_size`` rows of a served tensor as (nested) float lists (debug route; every
+        SGLang release the client speaks has it, with this body). SGLang answers only for model classes
+        with their own ``get_weights_by_name`` (Llama and its kin, not Qwen2), 400 for a name it does not
+        know, and one list per data-parallel replica when ``dp_size`` > 1."""
         return self._http.call("POST", "/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
 
     def weights_spec(self) -> dict | None:

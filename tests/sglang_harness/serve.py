@@ -49,11 +49,14 @@ STUBs is complete:
   the ``WeightUpdater`` component (newer; STUB: its CUDA-graph and model-field callbacks do nothing), so
   ``init_custom_process_group``, the per-tensor and ``FlattenedTensorBucket`` receives and the disk loader are
   SGLang's.
-* Model: SGLang's ``Qwen2ForCausalLM`` (STUB: ``__init__`` skipped) whose own ``load_weights`` loads every
+* Model: SGLang's ``Qwen2ForCausalLM`` (or ``LlamaForCausalLM`` for a Llama directory; STUB: ``__init__``
+  skipped, the ``stacked_params_mapping`` it sets assigned) whose own ``load_weights`` loads every
   tensor (also the checkpoint at start), through its ``stacked_params_mapping``: q/k/v into SGLang's
   ``QKVParallelLinear`` (``qkv_proj``) and gate/up into SGLang's ``MergedColumnParallelLinear``
   (``gate_up_proj``), the rest with ``default_weight_loader``. STUB: its other modules (embedding, norms,
-  ``o_proj``, ``down_proj``) are a transformers Qwen2 model's, and so is the forward pass.
+  ``o_proj``, ``down_proj``) are a transformers model's, and so is the forward pass. ``/get_weights_by_name``
+  runs SGLang's route, tokenizer, scheduler, worker and runner (0.5.2x: ``WeightExporter``) code into the
+  model's own ``get_weights_by_name``: Llama's answers, Qwen2 has none (SGLang answers 400, as it does).
 * Generation (``/generate``): STUB -- greedy decoding with that transformers model (whose q/k/v/gate/up
   weights are views into SGLang's stacked tensors, so it computes with what SGLang loaded), inside SGLang's
   reader lock and pause condition; the request stays in SGLang's running batch while its
@@ -172,6 +175,7 @@ class Harness:
         self.args, self.rel = args, rel
         self.dtype = getattr(torch, args.dtype)
         self.hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=self.dtype).eval()
+        self.hf_model.requires_grad_(False)  # as SGLang's layers make their parameters (SGLang's code calls .numpy())
         self.executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-scheduler")
         self.loop: asyncio.AbstractEventLoop | None = None
         self._build()
@@ -190,15 +194,21 @@ class Harness:
         from torch import nn
 
         self._sglang_tp_group()
-        import sglang.srt.models.qwen2 as qwen2  # before the layers: the import order SGLang's loader has
+        import sglang.srt.models.llama as llama  # before the layers: the import order SGLang's loader has
+        import sglang.srt.models.qwen2 as qwen2
         from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
         cfg = hf.config
-        if cfg.model_type != "qwen2":
-            raise ValueError(f"the harness serves Qwen2 models (SGLang's Qwen2 loader), not {cfg.model_type}")
-        served = object.__new__(qwen2.Qwen2ForCausalLM)
+        classes = {"qwen2": qwen2.Qwen2ForCausalLM, "llama": llama.LlamaForCausalLM}
+        if cfg.model_type not in classes:
+            raise ValueError(f"the harness serves Qwen2 and Llama models (SGLang's loaders), not {cfg.model_type}")
+        served = object.__new__(classes[cfg.model_type])
         nn.Module.__init__(served)
         served.config, served.quant_config = cfg, None
+        if cfg.model_type == "llama":  # as SGLang's LlamaForCausalLM.__init__ sets it (its get_weights_by_name reads it)
+            served.stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
+                                             (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
+                                             (".gate_up_proj", ".up_proj", 1)]
         served.pp_group = types.SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True, is_last_rank=True)
         inner = nn.Module()
         inner.embed_tokens, inner.norm, inner.layers = hf.model.embed_tokens, hf.model.norm, nn.ModuleList()
@@ -221,7 +231,7 @@ class Harness:
         if not getattr(cfg, "tie_word_embeddings", False):
             served.lm_head = hf.lm_head
         else:
-            served.lm_head = inner.embed_tokens  # as SGLang's Qwen2 ties them
+            served.lm_head = inner.embed_tokens  # as SGLang's Qwen2 and Llama tie them
         with torch.no_grad():
             served.load_weights(list(hf.state_dict().items()))  # the checkpoint, through SGLang's loader
         for hl, layer in zip(hf.model.layers, inner.layers):
@@ -324,7 +334,7 @@ class Harness:
                 recapture_cuda_graph=lambda: None, get_model_runner=lambda: self.model_runner,
             )
             self.model_runner = types.SimpleNamespace(model=model, weight_updater=self.weight_updater,
-                                                      device=self.args.device)
+                                                      device=self.args.device, weight_exporter=self._weight_exporter())
             return
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.model_executor.model_runner import ModelRunner
@@ -447,6 +457,17 @@ class Harness:
         s = self.scheduler
         return {"running": len(s.running_batch.reqs), "waiting": len(s.waiting_queue),
                 "paused": bool(getattr(s, "_engine_paused", False))}
+
+    def _weight_exporter(self):
+        """0.5.2x's ``WeightExporter`` component, as SGLang's ``ModelRunner.init_weight_exporter`` builds it (one
+        TP rank): ``/get_weights_by_name`` runs through it into the model's own ``get_weights_by_name``
+        (Llama has one, Qwen2 has none, so SGLang answers 400 for every name of a Qwen2)."""
+        try:
+            from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
+        except ImportError:
+            return None
+        return WeightExporter(tp_rank=0, tp_size=1, gpu_id=0, get_model_path=lambda: self.args.model,
+                              get_model=lambda: self.model)
 
     def _build_tp_worker(self):
         import sglang.srt.managers.tp_worker as tw_mod
