@@ -41,6 +41,7 @@ __all__ = [
     "SHM_LOAD_FORMAT",
     "SNAPSHOT_INVALID",
     "DELTA_BASE_MISMATCH",
+    "PICKLE_REFUSED",
     "VERSION_GOES_BACK",
     "BeginWeightUpdateReq",
     "ContinueGenerationReq",
@@ -87,6 +88,11 @@ SNAPSHOT_INVALID = "snapshot_invalid"
 """``wsync_reason`` of the reference server's 400 for a snapshot that fails verification against its
 manifest (or whose manifest is not the announced one, ``wsync_manifest_sha256``); the disk watcher then
 falls back to the newest older announced version, as when it verifies a snapshot itself."""
+
+PICKLE_REFUSED = "pickle_refused"
+"""``wsync_reason`` of the reference server's 400 for a ``/update_weights_from_tensor`` pickle it does not open: a
+global outside SGLang 0.5.23's allowlist, a CUDA tensor, a handle of torch's ``file_descriptor`` strategy, or not
+SGLang's payload shape (:mod:`inference_adapter.tensor_payload`)."""
 
 DELTA_BASE_MISMATCH = "delta_base_mismatch"
 """``wsync_reason`` of the reference server's 400 for a delta whose base (version and digest) is not what it
