@@ -15,6 +15,7 @@ import shutil
 import pytest
 import requests
 
+from bridge.client.results import generation_versions
 from bridge.presets import build_tokenizer, make_model_dir
 from tests.fixtures_server import Trainer, greedy, local_model, random_weights
 
@@ -55,6 +56,7 @@ def test_both_routes_report_the_served_version_after_a_publish(ref_server):
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == "m"
     assert body["metadata"] == {"weight_version": "oa-v1", "weight_versions": spans}
+    assert generation_versions(body) == spans
     [choice] = body["choices"]
     assert choice["text"] == tok.decode(greedy(model, PROMPT, N, ignore_eos=True))
     assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == N
@@ -158,6 +160,8 @@ def test_older_dialects_answer_their_own_metadata(server_factory, version, metad
         r = _post(server, route, body)
         assert r.status_code == 200, r.text
         assert r.json().get("metadata") == metadata, (route, r.json())
+        assert generation_versions(r.json()) == (
+            [{"version": "relabelled", "start": 0, "end": r.json()["usage"]["completion_tokens"]}] if metadata else [])
 
 
 def test_a_tokenizer_without_a_chat_template_is_answered_400(server_factory, tmp_path):

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from bridge.client.results import generation_versions
 from bridge.presets import build_model
 from tests.fixtures_server import Trainer, greedy, local_model, random_weights
 from tests.sglang_harness import installed, sglang_dir
@@ -118,6 +119,7 @@ def test_a_generation_held_in_place_across_a_sync_reports_the_tokens_of_each_ver
     assert [s["version"] for s in spans] == ["v-old", "v-new"], spans
     k = spans[0]["end"]
     assert spans == [{"version": "v-old", "start": 0, "end": k}, {"version": "v-new", "start": k, "end": N}]
+    assert generation_versions(box["r"]) == spans  # the client's reading
     assert 0 < k < N, "the pause came before the first token or after the last: nothing was held across the sync"
     # The tokens each span counts are the ones each model generated: the old model's greedy continuation of the
     # prompt up to the swap, then the new model's of the prompt and those tokens.
@@ -166,4 +168,5 @@ def test_older_dialects_report_one_version_and_start_again_on_new_weights(server
         th.join(timeout=120)
     meta = box["r"]["meta_info"]
     assert "weight_versions" not in meta and meta["weight_version"] == "v-new"
+    assert generation_versions(box["r"]) == [{"version": "v-new", "start": 0, "end": N}]  # one span, every token
     assert box["r"]["output_ids"] == greedy(local_model(w_new), PROMPT, N, ignore_eos=True)
