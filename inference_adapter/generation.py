@@ -75,7 +75,7 @@ class _Gen:
     abort_version: str | None = None  # the version served when it was aborted
     mode: str | None = None  # the pause mode it was last parked under
     decode: _Decode | None = None
-    watch: Callable[[str, bool], None] | None = None  # a stream's reader: (text that may be sent, finished)
+    watch: Callable[[str, bool, int], None] | None = None  # a stream's reader: (sendable text, finished, token)
 
 
 class GenerationMixin:
@@ -94,11 +94,11 @@ class GenerationMixin:
         self._released: set[str] = set()  # memory tags released (/release_memory_occupation), not yet resumed
 
     def generate(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str | None = None,
-                 watch: Callable[[str, bool], None] | None = None) -> dict:
+                 watch: Callable[[str, bool, int], None] | None = None) -> dict:
         """Decode one prompt; SGLang's result shape ``{"text", "output_ids", "meta_info"}``.
 
         ``watch`` (a streamed answer): called on the generating thread after each token with the text so far
-        that may be sent (:meth:`_Decode.sendable`) and whether that token finished the generation; such a generation keeps its tokens across a weight change
+        that may be sent (:meth:`_Decode.sendable`), whether that token finished the generation, and the token; such a generation keeps its tokens across a weight change
         under any pause mode, as SGLang's do, since what it sent cannot be taken back.
         """
         t0 = time.perf_counter()
@@ -337,7 +337,7 @@ class _Decode:
                 self.logprobs.append(lp)
             self._check_finish(tok)
             if gen.watch is not None:
-                gen.watch(self.sendable(), self.finish is not None)
+                gen.watch(self.sendable(), self.finish is not None, tok)
         self.final_version = self.s.weights.version  # (under the reader lock: no relabel meanwhile)
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, float]:

@@ -11,7 +11,8 @@ With ``"stream": true`` (:func:`_stream`) the chunks are sent as the tokens come
 ``serving_completions``/``serving_chat`` stream them: ``/v1/completions`` one chunk per token (its text delta,
 possibly empty), the last one carrying ``finish_reason``; ``/v1/chat/completions`` a first chunk with the role, one
 per non-empty delta, then one with ``finish_reason`` per choice; then ``usage`` when
-``stream_options.include_usage``, then ``data: [DONE]``. Like SGLang's, no streamed chunk carries ``metadata``
+``stream_options.include_usage``, then ``data: [DONE]``; with ``return_token_ids`` a completion chunk carries its
+new ``token_ids`` (and the first one ``prompt_token_ids``). Like SGLang's, no streamed chunk carries ``metadata``
 (SGLang builds it for the non-streamed answer only); streamed logprobs are refused (400).
 """
 
@@ -69,6 +70,7 @@ class CompletionReq(_Common):
     min_tokens: int = 0
     logprobs: int | None = None
     echo: bool = False
+    return_token_ids: bool = False
 
 
 class ChatCompletionReq(_Common):
@@ -142,11 +144,14 @@ def _answer(state: ModelState, req: _Common, kind: str, outs: list[dict], choice
     return JSONResponse(body)
 
 
-def _completion_chunk(rid: str, created: int, req: _Common, index: int, text: str, finish: dict | None) -> dict:
+def _completion_chunk(rid: str, created: int, req: _Common, index: int, text: str, finish: dict | None,
+                      ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict:
+    """SGLang's ``CompletionStreamResponse``; ``ids``/``prompt_ids``: ``token_ids``/``prompt_token_ids`` (with
+    ``return_token_ids``: this chunk's new output tokens, and the prompt's on the first chunk)."""
     f, m = _finish({"finish_reason": finish})
     return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": f, "matched_stop": m,
-                         "hidden_states": None, "token_ids": None, "prompt_token_ids": None}],
+                         "hidden_states": None, "token_ids": ids, "prompt_token_ids": prompt_ids}],
             "usage": None, "sglext": None}
 
 
@@ -173,42 +178,44 @@ def _stream(request: Request, state: ModelState, req: _Common, kind: str, prompt
     limiter = request.app.state.generation_threads
 
     async def run(i: int) -> None:
-        def watch(text: str, finished: bool) -> None:
+        def watch(text: str, finished: bool, tok: int) -> None:
             if not finished:  # the finishing token is sent with the result
-                loop.call_soon_threadsafe(q.put_nowait, (i, text, None))
+                loop.call_soon_threadsafe(q.put_nowait, (i, text, [tok], None))
         try:
             out = await anyio.to_thread.run_sync(functools.partial(state.generate, prompts[i], sp, False, rids[i],
                                                                    watch=watch), limiter=limiter)
         except Exception as e:
             out = e
-        q.put_nowait((i, None, out))
+        q.put_nowait((i, None, None, out))
 
     tasks = [asyncio.create_task(run(i)) for i in range(len(prompts))]
     chat = kind == "chat.completion"
 
     async def events():
-        created, sent, outs, finished = int(time.time()), [None] * len(prompts), [None] * len(prompts), 0
+        created, n = int(time.time()), len(prompts)
+        sent, outs, finished, ids = [None] * n, [None] * n, 0, [[] for _ in prompts]
+        want_ids = getattr(req, "return_token_ids", False)
         try:
-            while finished < len(prompts):
-                i, text, out = await q.get()
+            while finished < n:
+                i, text, toks, out = await q.get()
                 if isinstance(out, Exception):
                     yield _sse({"object": "error", "message": str(out), "type": "BadRequestError", "param": None,
                                 "code": 400})
                     break
                 if out is not None:
                     outs[i], finished, text = out, finished + 1, out["text"]
-                if sent[i] is None:  # the first chunk of this choice
-                    sent[i] = ""
-                    text, sent_now = prefixes[i] + text, prefixes[i]
-                    if chat:
-                        yield _sse(_chat_chunk(rids[i], created, req, i, {"role": "assistant", "content": ""}))
-                else:
-                    text, sent_now = prefixes[i] + text, sent[i]
+                    toks = out["output_ids"][len(ids[i]):]  # the finishing token (none after an abort)
+                ids[i] += toks
+                first, sent_now = sent[i] is None, prefixes[i] if sent[i] is None else sent[i]
+                text = prefixes[i] + text
                 delta = text[len(sent_now):] if text.startswith(sent_now) else ""
                 sent[i] = sent_now + delta
+                if first and chat:
+                    yield _sse(_chat_chunk(rids[i], created, req, i, {"role": "assistant", "content": ""}))
                 finish = out["meta_info"]["finish_reason"] if out is not None else None
                 if not chat:
-                    yield _sse(_completion_chunk(rids[i], created, req, i, delta, finish))
+                    yield _sse(_completion_chunk(rids[i], created, req, i, delta, finish, toks if want_ids else None,
+                                                 prompts[i] if want_ids and first else None))
                 elif delta:
                     yield _sse(_chat_chunk(rids[i], created, req, i, {"content": delta}))
             else:
