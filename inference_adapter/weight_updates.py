@@ -285,11 +285,13 @@ class WeightUpdates(SessionControl):
 
     def _request_problems(self, weight_version: str | None, specs: list[ParamSpec], flattened: bool,
                           route: str) -> list[str]:
-        """Why a well-formed update request must be refused: its version label, no session, its tensors."""
-        problems = [p for p in [version_problem(weight_version, "weight_version")] if p]
+        """Why a well-formed update request must be refused: no session (first, as SGLang's scheduler checks it
+        first), its version label, its tensors."""
+        problems = []
         if self.features.needs_session and self.session is None:
             problems.append(SESSION_REQUIRED_MESSAGE.replace("update_weights_from_distributed", route)
                             + "; call begin_weight_update() first")
+        problems += [p for p in [version_problem(weight_version, "weight_version")] if p]
         return problems + self._check_specs(specs, flattened)
 
     # ------------------------------------------------------------------ broadcast
@@ -304,6 +306,8 @@ class WeightUpdates(SessionControl):
         with self.lock:
             self._writer_may(run, _DISTRIBUTED, group_name)
             pg = self.groups.pgs.get(group_name)
+            if pg is None and self.features.needs_session and self.session is None:  # SGLang checks this first
+                raise self._refused(_DISTRIBUTED, SESSION_REQUIRED_MESSAGE + "; call begin_weight_update() first")
             if pg is None:
                 self._abort_session(f"group {group_name} does not exist")
                 raise self.groups.missing(group_name)

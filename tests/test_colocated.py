@@ -153,6 +153,12 @@ def test_outside_a_session_the_session_error_comes_first(server, bucket_file):
         with pytest.raises(ServerError, match="must run between begin_weight_update") as ei:
             c.update_weights_from_tensor([entry], load_format=load_format)
         assert ei.value.status == 400, load_format
+    for group in ("no-such-group", None):  # the distributed route too, before its group and its version label
+        with pytest.raises(ServerError) as ei:
+            c.update_weights_from_distributed(["model.nope"], ["bfloat16"], [[1]], weight_version="a\nb",
+                                              **({"group_name": group} if group else {}))
+        assert ei.value.status == 400 and ei.value.message.startswith(
+            "Failed to update parameter online: update_weights_from_distributed must run between"), ei.value.message
     c.begin_weight_update()
     with pytest.raises(ServerError, match="load_format 'direct' is not supported") as ei:
         c.update_weights_from_tensor([_entry(bucket_file)], load_format="direct")
