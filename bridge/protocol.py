@@ -233,7 +233,7 @@ ADMIN_ROUTES = frozenset({
     "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
     "/update_weights_from_disk", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
-    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
+    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/weights_checker", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
     "/wsync/abort_weight_update", "/wsync/writer_lease",
 })
 

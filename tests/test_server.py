@@ -496,3 +496,12 @@ def test_api_keys(servers):
     both = ServerClient(url, api_key="user-key", admin_api_key="admin-key")
     assert both.update_weight_version("y")["new_version"] == "y" and both.model_info()["weight_version"] == "y"
     assert ServerGroup([url], api_key="user-key", admin_api_key="admin-key").weight_versions() == {url: "y"}
+
+
+def test_weights_checker_answers_501_naming_why(client):
+    """SGLang's ``/weights_checker`` (0.5.6+) checksums its runners' own tensor layout; the reference server
+    answers 501 naming its own checksum route instead of a bare 404."""
+    for method in ("GET", "POST"):
+        r = requests.request(method, client.url + "/weights_checker", json={"action": "checksum"}, timeout=10)
+        assert r.status_code == 501, r.text
+        assert r.json()["success"] is False and "/wsync/weights_checksum" in r.json()["message"]
