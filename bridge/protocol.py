@@ -41,6 +41,7 @@ __all__ = [
     "SHM_LOAD_FORMAT",
     "SNAPSHOT_INVALID",
     "DELTA_BASE_MISMATCH",
+    "PICKLE_REFUSED",
     "VERSION_GOES_BACK",
     "BeginWeightUpdateReq",
     "ContinueGenerationReq",
@@ -87,6 +88,11 @@ SNAPSHOT_INVALID = "snapshot_invalid"
 """``wsync_reason`` of the reference server's 400 for a snapshot that fails verification against its
 manifest (or whose manifest is not the announced one, ``wsync_manifest_sha256``); the disk watcher then
 falls back to the newest older announced version, as when it verifies a snapshot itself."""
+
+PICKLE_REFUSED = "pickle_refused"
+"""``wsync_reason`` of the reference server's 400 for a ``/update_weights_from_tensor`` pickle it does not open: a
+global outside SGLang 0.5.23's allowlist, a CUDA tensor, a handle of torch's ``file_descriptor`` strategy, or not
+SGLang's payload shape (:mod:`inference_adapter.tensor_payload`)."""
 
 DELTA_BASE_MISMATCH = "delta_base_mismatch"
 """``wsync_reason`` of the reference server's 400 for a delta whose base (version and digest) is not what it
@@ -227,7 +233,7 @@ ADMIN_ROUTES = frozenset({
     "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
     "/update_weights_from_disk", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
-    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
+    "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/weights_checker", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
     "/wsync/abort_weight_update", "/wsync/writer_lease",
 })
 

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,7 @@ class _Gen:
     abort_version: str | None = None  # the version served when it was aborted
     mode: str | None = None  # the pause mode it was last parked under
     decode: _Decode | None = None
+    watch: Callable[[str, bool, int], None] | None = None  # a stream's reader: (sendable text, finished, token)
 
 
 class GenerationMixin:
@@ -91,12 +93,18 @@ class GenerationMixin:
         self._gens: set[_Gen] = set()
         self._released: set[str] = set()  # memory tags released (/release_memory_occupation), not yet resumed
 
-    def generate(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str | None = None) -> dict:
-        """Decode one prompt; SGLang's result shape ``{"text", "output_ids", "meta_info"}``."""
+    def generate(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str | None = None,
+                 watch: Callable[[str, bool, int], None] | None = None) -> dict:
+        """Decode one prompt; SGLang's result shape ``{"text", "output_ids", "meta_info"}``.
+
+        ``watch`` (a streamed answer): called on the generating thread after each token with the text so far
+        that may be sent (:meth:`_Decode.sendable`), whether that token finished the generation, and the token; such a generation keeps its tokens across a weight change
+        under any pause mode, as SGLang's do, since what it sent cannot be taken back.
+        """
         t0 = time.perf_counter()
-        self._check_sampling(prompt, sp)
+        self.check_sampling(prompt, sp)
         max_new = min(sp.max_new_tokens, self.context_length - len(prompt))
-        gen = _Gen(rid or uuid.uuid4().hex)
+        gen = _Gen(rid or uuid.uuid4().hex, watch=watch)
         with self._cv:
             self._gens.add(gen)
         st = None
@@ -114,8 +122,8 @@ class GenerationMixin:
                 try:
                     with self._cv:
                         gen.state = "running"
-                    if st is not None and st.epoch != self.weights.epoch and st.out and gen.mode == "in_place" \
-                            and self.features.weight_version_spans:
+                    if st is not None and st.epoch != self.weights.epoch and st.out and (gen.watch is not None or (
+                            gen.mode == "in_place" and self.features.weight_version_spans)):
                         st.continue_on_new_weights()
                     elif st is None or st.epoch != self.weights.epoch:
                         restarts += st is not None
@@ -147,7 +155,7 @@ class GenerationMixin:
                 if g.abort is None and g.decode is not None and g.decode.out:
                     g.decode.events.append((old, len(g.decode.out)))
 
-    def _check_sampling(self, prompt: list[int], sp: SamplingParams) -> None:
+    def check_sampling(self, prompt: list[int], sp: SamplingParams) -> None:
         vocab = self.model.config.vocab_size
         if not prompt:
             raise RequestError("the prompt is empty; send non-empty text or input_ids")
@@ -328,6 +336,8 @@ class _Decode:
             if self.want_logprob:
                 self.logprobs.append(lp)
             self._check_finish(tok)
+            if gen.watch is not None:
+                gen.watch(self.sendable(), self.finish is not None, tok)
         self.final_version = self.s.weights.version  # (under the reader lock: no relabel meanwhile)
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, float]:
@@ -367,6 +377,17 @@ class _Decode:
 
     def _decode(self) -> str:
         return self.s.tokenizer.decode(self.out, skip_special_tokens=self.sp.skip_special_tokens)
+
+    def sendable(self) -> str:
+        """The text so far that a stream may send: all of it once finished (cut at a matched stop string);
+        before, without a trailing incomplete character (U+FFFD, as SGLang's detokenizer holds it back) and
+        without the characters a stop string could still begin with."""
+        text = self._decode() if self.out else ""
+        if self.finish is not None:
+            return text if self.text_cut is None else text[: self.text_cut]
+        text = text.rstrip("\ufffd")
+        hold = max((len(s) - 1 for s in self.stops if s), default=0)
+        return text[: len(text) - hold] if hold else text
 
     def result(self, rid: str, restarts: int, seconds: float) -> dict:
         text = self._decode() if self.out else ""

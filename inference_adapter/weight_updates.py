@@ -17,13 +17,15 @@ How an update travels:
   staged until ``end_weight_update``, which swaps them together with the ``weight_version`` given on
   any bucket; any failure aborts the whole session. (Receiving and the byte-size check on gloo:
   :mod:`inference_adapter.wire`.)
-* Co-located (``update_tensor``, ``/update_weights_from_tensor``): real SGLang takes pickled CUDA IPC
-  handles; CPU tensors cannot cross HTTP, and this server never unpickles anything. It accepts only the
-  project extension ``load_format="wsync_shm"``: the entry names a file under /dev/shm (or the temp dir)
-  holding one flattened bucket, which is checked like a distributed bucket, copied out and staged in
-  the session. Bad input answers 400, aborts the session and changes nothing. A descriptor's ``pid``
-  (the trainer's rank 0) makes that process the session's owner: once it is gone, the watchdog
-  discards the session and lifts the pause (see :class:`~inference_adapter.session.Session`).
+* Co-located (``update_tensor``, ``/update_weights_from_tensor``): outside a session (0.5.21+) every request
+  gets SGLang's session error first, as SGLang's scheduler checks the session before it reads the payload.
+  SGLang's own payload (``load_format`` null or ``"flattened_bucket"``) of same-host CPU tensors is unpickled
+  as SGLang 0.5.23's allowlisted unpickler does (:mod:`inference_adapter.tensor_payload`), copied out of the
+  sender's shared memory and staged. The project extension ``load_format="wsync_shm"`` names a file under
+  /dev/shm (or the temp dir) holding one flattened bucket, which is checked like a distributed bucket, copied
+  out and staged in the session. Bad input answers 400, aborts the session and changes nothing. A
+  descriptor's ``pid`` (the trainer's rank 0) makes that process the session's owner: once it is gone, the
+  watchdog discards the session and lifts the pause (see :class:`~inference_adapter.session.Session`).
 * Disk (``update_disk``): only what :mod:`inference_adapter.checkpoint` lets through, read and checked
   completely (every served parameter, shapes; dtypes are cast as SGLang casts them) before the swap.
 
@@ -58,6 +60,7 @@ from inference_adapter.delta import DeltaRefused, Deltas, delta_specs
 from inference_adapter.errors import RequestError
 from inference_adapter.groups import TrainerGroups
 from inference_adapter.session import Session, session_owner
+from inference_adapter.tensor_payload import PayloadRefused, named_tensors
 from inference_adapter.update_session import SessionControl
 from inference_adapter.weights import ServedWeights
 from inference_adapter.wire import (
@@ -282,11 +285,13 @@ class WeightUpdates(SessionControl):
 
     def _request_problems(self, weight_version: str | None, specs: list[ParamSpec], flattened: bool,
                           route: str) -> list[str]:
-        """Why a well-formed update request must be refused: its version label, no session, its tensors."""
-        problems = [p for p in [version_problem(weight_version, "weight_version")] if p]
+        """Why a well-formed update request must be refused: no session (first, as SGLang's scheduler checks it
+        first), its version label, its tensors."""
+        problems = []
         if self.features.needs_session and self.session is None:
             problems.append(SESSION_REQUIRED_MESSAGE.replace("update_weights_from_distributed", route)
                             + "; call begin_weight_update() first")
+        problems += [p for p in [version_problem(weight_version, "weight_version")] if p]
         return problems + self._check_specs(specs, flattened)
 
     # ------------------------------------------------------------------ broadcast
@@ -301,6 +306,8 @@ class WeightUpdates(SessionControl):
         with self.lock:
             self._writer_may(run, _DISTRIBUTED, group_name)
             pg = self.groups.pgs.get(group_name)
+            if pg is None and self.features.needs_session and self.session is None:  # SGLang checks this first
+                raise self._refused(_DISTRIBUTED, SESSION_REQUIRED_MESSAGE + "; call begin_weight_update() first")
             if pg is None:
                 self._abort_session(f"group {group_name} does not exist")
                 raise self.groups.missing(group_name)
@@ -378,9 +385,10 @@ class WeightUpdates(SessionControl):
 
     def update_tensor(self, *, serialized_named_tensors: list[str], load_format: str | None,
                       weight_version: str | None, abort_all_requests: bool, run: RunClaim) -> str:
-        """``/update_weights_from_tensor``: only the project's ``load_format="wsync_shm"`` on this CPU server.
+        """``/update_weights_from_tensor``: SGLang's pickled payload of same-host CPU tensors (:meth:`_update_pickled`)
+        or the project's ``load_format="wsync_shm"``.
 
-        Each entry (one per TP rank; this server has one) is base64 of the JSON object ``{"path", "nbytes",
+        With ``wsync_shm`` each entry (one per TP rank; this server has one) is base64 of the JSON object ``{"path", "nbytes",
         "names", "dtypes", "shapes"}``: a file under /dev/shm (or the temp dir) holding one flattened bucket.
         Nothing is unpickled. The file is mapped read-only and copied out (the trainer unlinks it once we
         answer), validated like a distributed bucket, and staged in the session (swapped at
@@ -391,14 +399,11 @@ class WeightUpdates(SessionControl):
         t0 = time.perf_counter()
         with self.lock:
             self.writers.check(run.writer, _TENSOR)
-            if load_format != SHM_LOAD_FORMAT:
-                raise self._refuse(_TENSOR, (
-                    f"load_format {load_format!r} is not supported by the reference server: CPU tensors cannot cross "
-                    f"HTTP; use load_format={SHM_LOAD_FORMAT!r} with the reference server, or CUDA tensors with real SGLang"
-                ))
-            if self.features.needs_session and self.session is None:
+            if self.features.needs_session and self.session is None:  # SGLang's scheduler checks this first
                 raise self._refuse(_TENSOR, SESSION_REQUIRED_MESSAGE.replace(
                     "update_weights_from_distributed", "update_weights_from_tensor") + "; call begin_weight_update() first")
+            if load_format != SHM_LOAD_FORMAT:
+                return self._update_pickled(serialized_named_tensors, load_format, weight_version, t0, run)
             try:
                 if len(serialized_named_tensors) != 1:
                     raise WireError(f"serialized_named_tensors has {len(serialized_named_tensors)} entries; this server "
@@ -423,6 +428,27 @@ class WeightUpdates(SessionControl):
                 self.session.owner = owner
             received, check = self._from_delta(_TENSOR, desc.get("wsync_delta"), unflatten_bucket(buf, specs), table)
             return self._stage(received, weight_version, nbytes, t0, None, run, check)
+
+    def _update_pickled(self, entries: list[str], load_format: str | None, weight_version: str | None, t0: float,
+                        run: RunClaim) -> str:
+        """Caller holds the lock: SGLang's own payload of same-host CPU tensors (:mod:`inference_adapter.tensor_payload`)."""
+        if load_format not in (None, "flattened_bucket") or (load_format and not self.features.flattened_bucket):
+            raise self._refuse(_TENSOR, (
+                f"load_format {load_format!r} is not supported by the reference server at SGLang "
+                f"{self.features.version}; use null (a list of (name, tensor) pairs)"
+                + (", 'flattened_bucket'" if self.features.flattened_bucket else "") + f" or {SHM_LOAD_FORMAT!r}"))
+        try:
+            if len(entries) != 1:
+                raise PayloadRefused(f"serialized_named_tensors has {len(entries)} entries; this server has 1 TP "
+                                     "rank, so send exactly 1")
+            received = named_tensors(entries[0], load_format)
+        except PayloadRefused as e:
+            raise self._refuse(_TENSOR, str(e), reason=e.reason) from None
+        specs = [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in received]
+        problems = self._request_problems(weight_version, specs, False, "update_weights_from_tensor")
+        if problems:
+            raise self._refuse(_TENSOR, join_problems(problems))
+        return self._stage(received, weight_version, sum(sp.nbytes for sp in specs), t0, None, run)
 
     # ------------------------------------------------------------------ disk
 

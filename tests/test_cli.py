@@ -66,6 +66,10 @@ def test_demo_main_job_end_to_end(tmp_path):
         for served in s["servers"].values():
             assert served["version"] == str(s["step"])
             assert served["answer"] == s["trainer_answer"]
+            # the versions its tokens ran on, as the server reports them (spans from SGLang 0.5.20's dialect)
+            assert [sp["version"] for sp in served["weight_versions"]] == [str(s["step"])]
+            assert served["weight_versions"][0]["end"] == served["completion_tokens"] > 0
+    assert "versions ran on" in out.stdout
 
 
 def last_line(out: subprocess.CompletedProcess) -> str:

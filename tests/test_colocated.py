@@ -9,7 +9,9 @@ Bad descriptors must be refused with 400 and change nothing.
 from __future__ import annotations
 
 import base64
+import contextlib
 import glob
+import io
 import json
 import os
 import tempfile
@@ -139,20 +141,127 @@ def test_bad_descriptors_are_refused_and_change_nothing(server, bucket_file, tmp
         assert _state(server) == before, what
 
 
-def test_other_load_formats_and_missing_session_are_refused(server, bucket_file):
+def test_outside_a_session_the_session_error_comes_first(server, bucket_file):
+    """SGLang 0.5.23's scheduler checks the session before it looks at the payload: every request outside a
+    session, whatever its load format or entry, gets the session error."""
     from bridge.errors import ServerError
 
     c = server.client
     before = _state(server)
+    for load_format, entry in [(None, "bm90IGEgcGlja2xl"), ("direct", _entry(bucket_file)),
+                               ("wsync_shm", _entry(bucket_file)), ("flattened_bucket", "%%%")]:
+        with pytest.raises(ServerError, match="must run between begin_weight_update") as ei:
+            c.update_weights_from_tensor([entry], load_format=load_format)
+        assert ei.value.status == 400, load_format
+    for group in ("no-such-group", None):  # the distributed route too, before its group and its version label
+        with pytest.raises(ServerError) as ei:
+            c.update_weights_from_distributed(["model.nope"], ["bfloat16"], [[1]], weight_version="a\nb",
+                                              **({"group_name": group} if group else {}))
+        assert ei.value.status == 400 and ei.value.message.startswith(
+            "Failed to update parameter online: update_weights_from_distributed must run between"), ei.value.message
     c.begin_weight_update()
-    with pytest.raises(ServerError, match="CPU tensors cannot cross HTTP") as ei:
-        c.update_weights_from_tensor([_entry(bucket_file)], load_format=None)
+    with pytest.raises(ServerError, match="load_format 'direct' is not supported") as ei:
+        c.update_weights_from_tensor([_entry(bucket_file)], load_format="direct")
     assert ei.value.status == 400
     with pytest.raises(ServerError):
         c.end_weight_update()
-    with pytest.raises(ServerError, match="begin_weight_update") as ei:  # 0.5.21+: a session is required
-        c.update_weights_from_tensor([_entry(bucket_file)], load_format="wsync_shm")
-    assert ei.value.status == 400
+    assert _state(server) == before
+
+
+# ------------------------------------------------------------------ SGLang's own payload: same-host CPU tensors
+
+
+@contextlib.contextmanager
+def _sharing(strategy: str):
+    old = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(strategy)
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(old)
+
+
+def _serialize(obj, strategy: str = "file_system") -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: torch's ForkingPickler, base64."""
+    from multiprocessing.reduction import ForkingPickler
+
+    with _sharing(strategy):
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_allowlist_is_sglang_0_5_23s():
+    """The unpickler's allowlist is SGLang 0.5.23's ``SafeUnpickler.ALLOWED_GLOBALS``, read from its source."""
+    import ast
+
+    from inference_adapter.tensor_payload import SGLANG_ALLOWED_GLOBALS
+    from tests.sglang_harness import installed, sglang_dir
+
+    if not installed("0.5.23"):
+        pytest.skip("SGLang 0.5.23 is not installed (bash scripts/install_sglang.sh)")
+    tree = ast.parse(open(os.path.join(sglang_dir("0.5.23"), "sglang/srt/utils/common.py")).read())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "SafeUnpickler")
+    assign = next(st for st in cls.body if isinstance(st, ast.Assign) and st.targets[0].id == "ALLOWED_GLOBALS")
+    assert SGLANG_ALLOWED_GLOBALS == ast.literal_eval(assign.value)
+
+
+def test_same_host_cpu_tensors_are_staged_and_served(server):
+    """SGLang's per-tensor payload (a list of (name, tensor), no load_format) with CPU tensors in shared memory
+    (torch's file_system strategy): staged in the session, served at its end, bit for bit."""
+    c = server.client
+    dtype = getattr(torch, c.server_info()["dtype"])
+    n = len(c.get_weights_by_name("model.norm.weight", 10**6))
+    sent = {"model.norm.weight": torch.full((n,), 2.5, dtype=dtype).share_memory_()}
+    version, before = _state(server)
+    c.begin_weight_update()
+    c.update_weights_from_tensor([_serialize(list(sent.items()))], weight_version="cpu-shm-1")
+    assert _state(server) == (version, before)  # staged, not applied
+    c.end_weight_update()
+    got_version, after = _state(server)
+    assert got_version == "cpu-shm-1"
+    assert {k for k in after if after[k] != before[k]} == {"model.norm.weight"}
+    assert c.get_weights_by_name("model.norm.weight", 4) == [2.5] * 4
+
+
+class _Gadget:
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def test_pickles_sglang_refuses_or_this_host_cannot_open_are_refused_by_name(server, tmp_path):
+    """A global outside SGLang's allowlist is blocked in SGLang's words before it is looked up (the command in it
+    never runs); allowed globals this CPU server cannot serve (a CUDA tensor, torch's file_descriptor handles)
+    are refused naming the fix. Each answers 400 with wsync_reason pickle_refused and changes nothing."""
+    from torch.multiprocessing import reductions
+
+    from bridge.errors import ServerError
+    from bridge.protocol import PICKLE_REFUSED
+
+    marker = tmp_path / "ran"
+    t = torch.zeros(4).share_memory_()
+    cases = [
+        ("os.system", _serialize([("model.norm.weight", _Gadget(os.system, f"touch {marker}"))]),
+         f"Blocked unsafe global ({os.system.__module__}.system)"),
+        ("CUDA", _serialize([("model.norm.weight", _Gadget(reductions.rebuild_cuda_tensor))]), "CUDA"),
+        ("file_descriptor", _serialize([("model.norm.weight", t)], strategy="file_descriptor"),
+         "set_sharing_strategy('file_system')"),
+        ("not pairs", _serialize({"model.norm.weight": t}), "list of (name, tensor) pairs"),
+    ]
+    c = server.client
+    before = _state(server)
+    for what, entry, match in cases:
+        c.begin_weight_update()
+        with pytest.raises(ServerError) as ei:
+            c.update_weights_from_tensor([entry])
+        assert (ei.value.status, ei.value.reason) == (400, PICKLE_REFUSED), what
+        assert match in ei.value.message, (what, ei.value.message)
+        with contextlib.suppress(ServerError):
+            c.end_weight_update()
+    assert not marker.exists()
     assert _state(server) == before
 
 

@@ -122,6 +122,23 @@ def test_sglang_receive_code_serves_payload_bit_equal(version, load_format, tiny
     assert "lm_head.weight" not in got or got["lm_head.weight"] == want["model.embed_tokens.weight"]
 
 
+@pytest.mark.sglang_code
+def test_reference_server_takes_sglang_serializer_payload(tiny_model_dir, server_factory):
+    """The reference server takes the flattened payload SGLang 0.5.23's own ``MultiprocessingSerializer`` and
+    ``FlattenedTensorBucket`` built of same-host CPU tensors, bucket by bucket in one session, as SGLang's receive
+    code takes it above; every served tensor is then bit-equal to the one sent. (The per-tensor list:
+    ``tests/test_colocated.py``.)"""
+    load_format = "flattened_bucket"
+    _need("0.5.23")
+    srv = server_factory.many([dict(model=tiny_model_dir)])[0]
+    sent = _run("0.5.23", "send", "--url", srv.url, "--model", tiny_model_dir, "--load-format", load_format)
+    c = srv.client
+    assert c.model_info()["weight_version"] == "ipc1"
+    got, want = c.weights_checksum()["checksums"], sent["hf_checksums"]
+    assert sent["buckets"] > 1 and set(got) <= set(want) and len(got) >= len(want) - 1  # lm_head: tied
+    assert [n for n in got if got[n] != want[n]] == []
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 
 

@@ -15,6 +15,7 @@ import shutil
 import pytest
 import requests
 
+from bridge.client.results import generation_versions
 from bridge.presets import build_tokenizer, make_model_dir
 from tests.fixtures_server import Trainer, greedy, local_model, random_weights
 
@@ -55,6 +56,7 @@ def test_both_routes_report_the_served_version_after_a_publish(ref_server):
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == "m"
     assert body["metadata"] == {"weight_version": "oa-v1", "weight_versions": spans}
+    assert generation_versions(body) == spans
     [choice] = body["choices"]
     assert choice["text"] == tok.decode(greedy(model, PROMPT, N, ignore_eos=True))
     assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == N
@@ -73,20 +75,76 @@ def test_both_routes_report_the_served_version_after_a_publish(ref_server):
     assert body["usage"]["prompt_tokens"] == len(prompt)
 
 
-def test_a_streamed_chat_carries_the_same_text(ref_server):
-    body = {"messages": MESSAGES, "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True,
+def _sglang_fields(path: str, cls: str) -> set[str]:
+    """The fields SGLang 0.5.23 declares on ``cls`` in its ``path`` (under ``srt/entrypoints/openai``), read from
+    its source."""
+    import ast
+
+    from tests.sglang_harness import installed, sglang_dir
+
+    if not installed("0.5.23"):
+        pytest.skip("SGLang 0.5.23 is not installed (bash scripts/install_sglang.sh)")
+    tree = ast.parse(open(os.path.join(sglang_dir("0.5.23"), "sglang/srt/entrypoints/openai", path)).read())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {st.target.id for st in node.body if isinstance(st, ast.AnnAssign) and not st.target.id.startswith("_")}
+
+
+def _stream(server, route: str, body: dict, on_first=None) -> list:
+    """The stream's chunks (decoded JSON), checking SSE framing and the final ``data: [DONE]``."""
+    with requests.post(server.url + route, json=body, timeout=60, stream=True) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+        lines = []
+        for ln in r.iter_lines(decode_unicode=True):
+            if ln:
+                lines.append(ln)
+                if len(lines) == 1 and on_first is not None:
+                    on_first()
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    return [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+
+
+def test_streams_are_shaped_as_sglangs_and_carry_the_answer(ref_server):
+    """``stream: true`` on both routes: SGLang 0.5.23's chunk shapes (fields read from its source), one
+    completion chunk per token, the chat's role chunk first and finish chunk last, the same text as the
+    non-streamed answer, usage last, and no ``metadata`` (SGLang streams none)."""
+    body = {"model": "m", "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    with requests.post(ref_server.url + "/v1/chat/completions", json=body, timeout=60, stream=True) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln]
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    chunks = _stream(ref_server, "/v1/completions", {**body, "prompt": PROMPT})
+    plain = _post(ref_server, "/v1/completions", {**body, "prompt": PROMPT, "stream": False}).json()
+    content, usage = chunks[:-1], chunks[-1]
+    assert len(content) == N  # one per token
+    assert {frozenset(c) for c in content} == {frozenset(_sglang_fields("protocol.py", "CompletionStreamResponse"))}
+    assert {frozenset(ch) for c in content for ch in c["choices"]} == {
+        frozenset(_sglang_fields("protocol.py", "CompletionResponseStreamChoice"))}
+    assert "".join(c["choices"][0]["text"] for c in content) == plain["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None] * (N - 1) + ["length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == N
+    assert "metadata" in plain and not any("metadata" in c for c in chunks)
+
+    chunks = _stream(ref_server, "/v1/chat/completions", {**body, "messages": MESSAGES})
+    plain = _post(ref_server, "/v1/chat/completions", {**body, "messages": MESSAGES, "stream": False}).json()
+    choices = [c["choices"][0] for c in chunks[:-1]]
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
-    text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
-    plain = _post(ref_server, "/v1/chat/completions", {**body, "stream": False}).json()
-    assert text == plain["choices"][0]["message"]["content"]
-    assert [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == N
+    assert {frozenset(ch) for ch in choices} == {frozenset(_sglang_fields("sse_utils.py", "StreamChoice"))}
+    assert choices[0]["delta"] == {"reasoning_content": None, "role": "assistant", "content": ""}
+    assert "".join(ch["delta"].get("content") or "" for ch in choices) == plain["choices"][0]["message"]["content"]
+    assert [ch["finish_reason"] for ch in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert choices[-1]["delta"] == {"reasoning_content": None}
+    assert chunks[-1]["usage"]["completion_tokens"] == N and not any("metadata" in c for c in chunks)
+
+
+def test_a_stream_sends_tokens_before_the_generation_ends(ref_server):
+    """The first chunk arrives while the generation runs: aborting it then (by its rid) ends the stream with
+    ``finish_reason`` abort and fewer tokens than asked."""
+    body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True,
+            "rid": "stream-abort-1", "stream_options": {"include_usage": True}}
+
+    def abort():
+        assert _post(ref_server, "/abort_request", {"rid": "stream-abort-1"}).status_code == 200
+
+    chunks = _stream(ref_server, "/v1/completions", body, on_first=abort)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "abort"
+    assert chunks[-1]["usage"]["completion_tokens"] < 2000
 
 
 @pytest.mark.parametrize("version, metadata", [
@@ -102,6 +160,8 @@ def test_older_dialects_answer_their_own_metadata(server_factory, version, metad
         r = _post(server, route, body)
         assert r.status_code == 200, r.text
         assert r.json().get("metadata") == metadata, (route, r.json())
+        assert generation_versions(r.json()) == (
+            [{"version": "relabelled", "start": 0, "end": r.json()["usage"]["completion_tokens"]}] if metadata else [])
 
 
 def test_a_tokenizer_without_a_chat_template_is_answered_400(server_factory, tmp_path):

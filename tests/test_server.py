@@ -246,7 +246,10 @@ def test_unknown_group_and_missing_session(client, trainer):
     before = served(client)
     t = [("model.norm.weight", torch.ones(128, dtype=torch.bfloat16))]
     [r] = trainer.send(t, group_name="no-such-group", broadcast=False)
-    expect_failure(r, "Group no-such-group not in", "Please call init_weights_update_group first")
+    expect_failure(r, SESSION_REQUIRED_MESSAGE)  # outside a session SGLang 0.5.23 says that first
+    client.begin_weight_update()
+    [r] = trainer.send(t, group_name="no-such-group", broadcast=False)
+    expect_failure(r, "Group no-such-group not in", "Please call init_weights_update_group first")  # (session ended)
     [r] = trainer.send(t, weight_version="outside")  # 0.5.23: no begin_weight_update
     expect_failure(r, SESSION_REQUIRED_MESSAGE)
     assert served(client) == before
@@ -258,6 +261,7 @@ def test_undecodable_request_drops_the_group(client, trainer):
     client.begin_weight_update()
     [r] = trainer.send(t, announce={"dtypes": ["bf16"]})  # the client passes it on; SGLang has no torch.bf16
     expect_failure(r, "not a torch dtype name", "'bfloat16'", "init_weights_update_group again")
+    client.begin_weight_update()  # the refusal ended the session
     with pytest.raises(ServerError, match="not in"):
         client.update_weights_from_distributed(["model.norm.weight"], ["bfloat16"], [[128]], group_name=trainer.group_name)
     assert served(client) == before
@@ -492,3 +496,12 @@ def test_api_keys(servers):
     both = ServerClient(url, api_key="user-key", admin_api_key="admin-key")
     assert both.update_weight_version("y")["new_version"] == "y" and both.model_info()["weight_version"] == "y"
     assert ServerGroup([url], api_key="user-key", admin_api_key="admin-key").weight_versions() == {url: "y"}
+
+
+def test_weights_checker_answers_501_naming_why(client):
+    """SGLang's ``/weights_checker`` (0.5.6+) checksums its runners' own tensor layout; the reference server
+    answers 501 naming its own checksum route instead of a bare 404."""
+    for method in ("GET", "POST"):
+        r = requests.request(method, client.url + "/weights_checker", json={"action": "checksum"}, timeout=10)
+        assert r.status_code == 501, r.text
+        assert r.json()["success"] is False and "/wsync/weights_checksum" in r.json()["message"]

@@ -375,6 +375,37 @@ def test_colocated_publish_refused_by_real_sglang(server):
     assert server.alive() and c.model_info()["weight_version"] != "1"
 
 
+def test_a_refused_update_in_a_session_and_the_publishers_clean_up(server, ref_server):
+    """A bucket refused inside a session (its group does not exist): SGLang 0.5.23's own scheduler keeps the
+    session open (ending it answers 200), the reference server ends it (ending it answers 400, naming why;
+    docs/guarantees.md states the difference). The publisher's clean-up after a failed sync
+    (``discard_session``) leaves both without an open session, so the next sync can begin."""
+    from bridge.transports.sessions import discard_session
+
+    if server.version != VERSIONS[0]:
+        pytest.skip("one release with sessions is enough: the session gate is 0.5.21+'s")
+
+    def refuse_one(c: ServerClient) -> None:
+        c.begin_weight_update()
+        with pytest.raises(ServerError) as ei:
+            c.update_weights_from_distributed(["model.norm.weight"], ["bfloat16"], [[128]], group_name="no-such-group")
+        assert ei.value.status == 400
+
+    sglang, ref = ServerClient(server.url), ref_server.client
+    for c in (sglang, ref):  # what each answers to ending the session after the refusal
+        refuse_one(c)
+    assert sglang.end_weight_update()["success"]
+    with pytest.raises(ServerError, match="aborted") as ei:
+        ref.end_weight_update()
+    assert ei.value.status == 400
+    for c in (sglang, ref):  # the publisher's clean-up, then a new sync begins and ends
+        refuse_one(c)
+        discard_session(c)
+        c.begin_weight_update()
+        c.end_weight_update()
+    assert server.alive()
+
+
 # ---------------------------------------------------------------------------------------------- a label, one set of weights
 
 

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from bridge.client.results import generation_versions
 from bridge.presets import build_model
 from tests.fixtures_server import Trainer, greedy, local_model, random_weights
 from tests.sglang_harness import installed, sglang_dir
@@ -118,6 +119,7 @@ def test_a_generation_held_in_place_across_a_sync_reports_the_tokens_of_each_ver
     assert [s["version"] for s in spans] == ["v-old", "v-new"], spans
     k = spans[0]["end"]
     assert spans == [{"version": "v-old", "start": 0, "end": k}, {"version": "v-new", "start": k, "end": N}]
+    assert generation_versions(box["r"]) == spans  # the client's reading
     assert 0 < k < N, "the pause came before the first token or after the last: nothing was held across the sync"
     # The tokens each span counts are the ones each model generated: the old model's greedy continuation of the
     # prompt up to the swap, then the new model's of the prompt and those tokens.
@@ -166,4 +168,46 @@ def test_older_dialects_report_one_version_and_start_again_on_new_weights(server
         th.join(timeout=120)
     meta = box["r"]["meta_info"]
     assert "weight_versions" not in meta and meta["weight_version"] == "v-new"
+    assert generation_versions(box["r"]) == [{"version": "v-new", "start": 0, "end": N}]  # one span, every token
     assert box["r"]["output_ids"] == greedy(local_model(w_new), PROMPT, N, ignore_eos=True)
+
+
+def test_a_stream_held_by_retract_across_a_sync_keeps_the_tokens_it_sent(server_factory):
+    """A streamed generation cannot take back what it sent: paused by ``retract`` across a sync, it keeps its tokens
+    and goes on under the new weights (as SGLang keeps a retracted request's tokens), where a non-streamed one
+    starts again from its prompt. Its tokens (``return_token_ids``, one chunk per token) are the old model's greedy
+    ones up to the swap, then the new model's continuation of the prompt and those tokens."""
+    import json
+
+    import requests
+
+    server = server_factory()
+    c = server.client
+    w_old, w_new = random_weights(seed=34), random_weights(seed=35)
+    body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    chunks, first = [], threading.Event()
+
+    def stream():
+        with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            for ln in r.iter_lines(decode_unicode=True):
+                if ln.startswith("data: {"):
+                    chunks.append(json.loads(ln.removeprefix("data: "))["choices"][0])
+                    first.set()
+
+    with Trainer([c]) as trainer:
+        _sync(trainer, w_old, "s-old", session=True)
+        th = threading.Thread(target=stream)
+        th.start()
+        assert first.wait(60), "no chunk came"
+        c.pause_generation("retract")
+        _sync(trainer, w_new, "s-new", session=True)
+        c.continue_generation()
+        th.join(timeout=120)
+    assert chunks[0]["prompt_token_ids"] == PROMPT and len(chunks) == N
+    out = [t for ch in chunks for t in ch["token_ids"]]
+    assert len(out) == N and chunks[-1]["finish_reason"] == "length"
+    old = greedy(local_model(w_old), PROMPT, N, ignore_eos=True)
+    k = next(k for k in range(N + 1) if k == N or out[k] != old[k])  # the first token that is not the old model's
+    assert 0 < k < N, "the pause came before the first token or after the last: nothing was held across the sync"
+    assert out[k:] == greedy(local_model(w_new), PROMPT + out[:k], N - k, ignore_eos=True)

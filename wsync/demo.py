@@ -235,12 +235,16 @@ def _trainer_answer(engine, spec: dict, cache: dict) -> str | None:
 
 
 def _ask_servers(servers, tokenizer, max_new_tokens: int) -> dict:
+    """Each server's greedy answer, the version it reports, and the versions its tokens ran on (spans)."""
+    from bridge.client.results import generation_versions
     from wsync.tasks import prompt_ids
 
     body = dict(input_ids=prompt_ids(tokenizer), sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
     outs = servers.map(lambda c: c.generate(**body))
     return {
-        c.url: {"version": o["meta_info"]["weight_version"], "answer": tokenizer.decode(o["output_ids"], skip_special_tokens=True)}
+        c.url: {"version": o["meta_info"]["weight_version"], "weight_versions": generation_versions(o),
+                "completion_tokens": len(o["output_ids"]),
+                "answer": tokenizer.decode(o["output_ids"], skip_special_tokens=True)}
         for c, o in zip(servers.clients, outs)
     }
 
@@ -248,12 +252,14 @@ def _ask_servers(servers, tokenizer, max_new_tokens: int) -> dict:
 class _Table:
     def __init__(self, urls: list[str]):
         self.urls = urls
-        head = f"{'step':>4} {'loss':>7} {'transport':>9} {'sync s':>7} {'GB/s':>6}  {'versions':<12} {'same':<5} answer"
+        head = f"{'step':>4} {'loss':>7} {'transport':>9} {'sync s':>7} {'GB/s':>6}  {'versions ran on':<16} {'same':<5} answer"
         print(head + "\n" + "-" * len(head), flush=True)
 
     def row(self, r: dict) -> None:
-        versions = ",".join(s["version"] for s in r["servers"].values())
+        from bridge.client.results import versions_text
+
+        versions = ",".join(versions_text(s["weight_versions"]) for s in r["servers"].values())
         same = "yes" if r["ok"] else "NO"
         answer = next(iter(r["servers"].values()))["answer"] or "<eos>"  # the model stopped at once
         print(f"{r['step']:>4} {r['loss']:>7.4f} {r['transport']:>9} {r['sync_seconds']:>7.3f} {r['gbps']:>6.3f}  "
-              f"{versions:<12} {same:<5} {answer}", flush=True)
+              f"{versions:<16} {same:<5} {answer}", flush=True)

@@ -20,8 +20,9 @@ Errors are the project's own (:mod:`bridge.errors`): an HTTP error or ``success:
 than the one it serves raises ``VersionError``.
 
 Modules: ``connection`` (HTTP, keys, errors), ``server`` (:class:`ServerClient`, one server's dialect),
-``updates`` (its weight-update routes) and ``group`` (:class:`ServerGroup`, the fan-out); this one re-exports
-both classes.
+``updates`` (its weight-update routes), ``group`` (:class:`ServerGroup`, the fan-out) and ``results`` (what an
+answer says about the weights it ran on: :func:`~bridge.client.results.generation_versions`, the per-token version
+spans); this one re-exports both classes and ``generation_versions``.
 
 Example:
     >>> c = ServerClient("http://127.0.0.1:30000")                      # doctest: +SKIP
@@ -37,6 +38,7 @@ Example:
 from __future__ import annotations
 
 from bridge.client.group import ServerGroup
+from bridge.client.results import generation_versions
 from bridge.client.server import ServerClient
 
-__all__ = ["ServerClient", "ServerGroup"]
+__all__ = ["ServerClient", "ServerGroup", "generation_versions"]

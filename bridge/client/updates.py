@@ -117,8 +117,8 @@ class WeightUpdateRoutes:
 
         ``serialized_named_tensors`` has one entry per TP rank of the server (bytes are base64-encoded
         here). With real SGLang each entry is SGLang's ``MultiprocessingSerializer`` output for CUDA tensors
-        (CUDA IPC; CPU tensors cannot cross HTTP, SGLang issue #4551). The reference server instead takes the
-        project extension ``load_format="wsync_shm"``: each entry is base64 of the JSON object
+        (CUDA IPC). The reference server takes the same payload of same-host CPU tensors (torch's
+        ``file_system`` sharing strategy; :mod:`inference_adapter.tensor_payload`), and also the project extension ``load_format="wsync_shm"``: each entry is base64 of the JSON object
         ``{"path": "/dev/shm/...", "nbytes": N, "names": [...], "dtypes": [...], "shapes": [...]}``
         describing a file that holds one flattened bucket (:mod:`bridge.buckets` layout).
         SGLang >= 0.5.21 (and the reference server emulating it) takes it only inside a

@@ -90,6 +90,16 @@ async def flush_cache():
                              "(When there are running or waiting requests, the operation will not be performed.)\n")
 
 
+@router.api_route("/weights_checker", methods=["GET", "POST"])
+async def weights_checker(state: Served):
+    if state.features.release < (0, 5, 6):
+        return absent()  # SGLang serves it from 0.5.6
+    raise RequestError("/weights_checker is not served by the reference server: SGLang's checker hashes its model "
+                       "runners' own tensors (per TP rank, q/k/v and gate/up stacked), which this server does not hold; "
+                       "POST /wsync/weights_checksum gives the sha256 of every served tensor under its HF name",
+                       status=501)
+
+
 @router.api_route("/get_weights_by_name", methods=["GET", "POST"])
 async def get_weights_by_name(request: Request, state: Served):
     req = await parse(request, GetWeightsByNameReq)

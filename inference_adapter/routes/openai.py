@@ -5,17 +5,24 @@ with ``metadata`` as SGLang builds it: ``{"weight_version"}`` from 0.5.1, and fr
 (``build_endpoint_weight_version_metadata``: the first choice's ``meta_info``), none before 0.5.1. A chat prompt is
 the served tokenizer's chat template rendered with ``add_generation_prompt``; a tokenizer without one is answered
 400 with transformers' own message, as SGLang's route answers it. Refusals take OpenAI's error shape
-(``{"object": "error", "message", "type", "param", "code"}``, :mod:`inference_adapter.server`). With
-``"stream": true`` the answer is a server-sent stream of one chunk with the whole text, one with the finish reason
-(and ``usage`` when ``stream_options.include_usage``), then ``[DONE]``: the reference server generates before it
-answers.
+(``{"object": "error", "message", "type", "param", "code"}``, :mod:`inference_adapter.server`).
+
+With ``"stream": true`` (:func:`_stream`) the chunks are sent as the tokens come, shaped as SGLang 0.5.23's
+``serving_completions``/``serving_chat`` stream them: ``/v1/completions`` one chunk per token (its text delta,
+possibly empty), the last one carrying ``finish_reason``; ``/v1/chat/completions`` a first chunk with the role, one
+per non-empty delta, then one with ``finish_reason`` per choice; then ``usage`` when
+``stream_options.include_usage``, then ``data: [DONE]``; with ``return_token_ids`` a completion chunk carries its
+new ``token_ids`` (and the first one ``prompt_token_ids``). Like SGLang's, no streamed chunk carries ``metadata``
+(SGLang builds it for the non-streamed answer only); streamed logprobs are refused (400).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
+import uuid
 from typing import Any
 
 import anyio
@@ -63,6 +70,7 @@ class CompletionReq(_Common):
     min_tokens: int = 0
     logprobs: int | None = None
     echo: bool = False
+    return_token_ids: bool = False
 
 
 class ChatCompletionReq(_Common):
@@ -117,38 +125,116 @@ def _finish(meta: dict) -> tuple[str | None, Any]:
     return (f["type"], f.get("matched")) if f else (None, None)
 
 
+def _no_streamed_logprobs(asked: bool) -> None:
+    if asked:
+        raise RequestError("logprobs with stream=true: the reference server does not stream logprobs; send "
+                           "stream=false for them")
+
+
 def _token_text(state: ModelState, tok: int) -> str:
     return state.tokenizer.decode([tok])
 
 
-def _answer(state: ModelState, req: _Common, kind: str, outs: list[dict], choices: list[dict]):
-    """The response (or, with ``stream``, the event stream) of ``kind`` ``"text_completion"`` or ``"chat.completion"``."""
-    rid = outs[0]["meta_info"]["id"]
-    created = int(time.time())
-    if not req.stream:
-        body = {"id": rid, "object": kind, "created": created, "model": req.model, "choices": choices,
-                "usage": _usage(outs)}
-        if (md := metadata(state, outs[0]["meta_info"])) is not None:
-            body["metadata"] = md
-        return JSONResponse(body)
-    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+def _answer(state: ModelState, req: _Common, kind: str, outs: list[dict], choices: list[dict]) -> JSONResponse:
+    """The non-streamed response of ``kind`` ``"text_completion"`` or ``"chat.completion"``, with ``metadata``."""
+    body = {"id": outs[0]["meta_info"]["id"], "object": kind, "created": int(time.time()), "model": req.model,
+            "choices": choices, "usage": _usage(outs)}
+    if (md := metadata(state, outs[0]["meta_info"])) is not None:
+        body["metadata"] = md
+    return JSONResponse(body)
 
-    def chunk(choice: dict, usage: dict | None = None) -> str:
-        return "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": req.model,
-                                      "choices": [choice], "usage": usage}) + "\n\n"
 
-    def events():
-        for c in choices:
-            head = {k: v for k, v in c.items() if k not in ("finish_reason", "matched_stop")}
-            if kind == "chat.completion":
-                head = {"index": c["index"], "delta": c["message"], "logprobs": c["logprobs"]}
-            yield chunk({**head, "finish_reason": None, "matched_stop": None})
-            tail = {"index": c["index"], "finish_reason": c["finish_reason"], "matched_stop": c["matched_stop"]}
-            yield chunk({**tail, **({"delta": {}} if kind == "chat.completion" else {"text": ""})})
-        if (req.stream_options or {}).get("include_usage"):
-            yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": req.model,
-                                         "choices": [], "usage": _usage(outs)}) + "\n\n"
-        yield "data: [DONE]\n\n"
+def _completion_chunk(rid: str, created: int, req: _Common, index: int, text: str, finish: dict | None,
+                      ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> dict:
+    """SGLang's ``CompletionStreamResponse``; ``ids``/``prompt_ids``: ``token_ids``/``prompt_token_ids`` (with
+    ``return_token_ids``: this chunk's new output tokens, and the prompt's on the first chunk)."""
+    f, m = _finish({"finish_reason": finish})
+    return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": f, "matched_stop": m,
+                         "hidden_states": None, "token_ids": ids, "prompt_token_ids": prompt_ids}],
+            "usage": None, "sglext": None}
+
+
+def _chat_chunk(rid: str, created: int, req: _Common, index: int, delta: dict, finish: dict | None = None) -> dict:
+    f, m = _finish({"finish_reason": finish})
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+            "choices": [{"index": index, "delta": {"reasoning_content": None, **delta}, "logprobs": None,
+                         "finish_reason": f, "matched_stop": m}]}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _stream(request: Request, state: ModelState, req: _Common, kind: str, prompts: list[list[int]], sp: SamplingParams,
+            prefixes: list[str]) -> StreamingResponse:
+    """The event stream of ``kind`` (see the module docstring): every prompt generates on its own thread, whose
+    ``watch`` hands each token's sendable text to this loop; ``prefixes``: text sent before the first delta (echo)."""
+    for p in prompts:
+        state.check_sampling(p, sp)  # refused before the stream starts, as SGLang validates before it streams
+    loop, q = asyncio.get_running_loop(), asyncio.Queue()
+    base = req.rid if req.rid is not None and len(prompts) == 1 else None
+    rids = [base or uuid.uuid4().hex for _ in prompts]
+    limiter = request.app.state.generation_threads
+
+    async def run(i: int) -> None:
+        def watch(text: str, finished: bool, tok: int) -> None:
+            if not finished:  # the finishing token is sent with the result
+                loop.call_soon_threadsafe(q.put_nowait, (i, text, [tok], None))
+        try:
+            out = await anyio.to_thread.run_sync(functools.partial(state.generate, prompts[i], sp, False, rids[i],
+                                                                   watch=watch), limiter=limiter)
+        except Exception as e:
+            out = e
+        q.put_nowait((i, None, None, out))
+
+    tasks = [asyncio.create_task(run(i)) for i in range(len(prompts))]
+    chat = kind == "chat.completion"
+
+    async def events():
+        created, n = int(time.time()), len(prompts)
+        sent, outs, finished, ids = [None] * n, [None] * n, 0, [[] for _ in prompts]
+        want_ids = getattr(req, "return_token_ids", False)
+        try:
+            while finished < n:
+                i, text, toks, out = await q.get()
+                if isinstance(out, Exception):
+                    yield _sse({"object": "error", "message": str(out), "type": "BadRequestError", "param": None,
+                                "code": 400})
+                    break
+                if out is not None:
+                    outs[i], finished, text = out, finished + 1, out["text"]
+                    toks = out["output_ids"][len(ids[i]):]  # the finishing token (none after an abort)
+                ids[i] += toks
+                first, sent_now = sent[i] is None, prefixes[i] if sent[i] is None else sent[i]
+                text = prefixes[i] + text
+                delta = text[len(sent_now):] if text.startswith(sent_now) else ""
+                sent[i] = sent_now + delta
+                if first and chat:
+                    yield _sse(_chat_chunk(rids[i], created, req, i, {"role": "assistant", "content": ""}))
+                finish = out["meta_info"]["finish_reason"] if out is not None else None
+                if not chat:
+                    yield _sse(_completion_chunk(rids[i], created, req, i, delta, finish, toks if want_ids else None,
+                                                 prompts[i] if want_ids and first else None))
+                elif delta:
+                    yield _sse(_chat_chunk(rids[i], created, req, i, {"content": delta}))
+            else:
+                for i, out in enumerate(outs if chat else []):
+                    yield _sse(_chat_chunk(rids[i], created, req, i, {}, out["meta_info"]["finish_reason"]))
+                if (req.stream_options or {}).get("include_usage"):
+                    usage = _usage(outs)
+                    tail = {"id": rids[0], "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created, "model": req.model, "choices": [], "usage": usage}
+                    if chat:
+                        tail["sglext"] = None
+                    else:  # SGLang dumps this one without its null fields
+                        tail["usage"] = {k: v for k, v in usage.items() if v is not None}
+                    yield _sse(tail)
+            yield "data: [DONE]\n\n"
+        finally:  # a client that went away: its generations end
+            for i, t in enumerate(tasks):
+                if not t.done():
+                    state.abort_request(rids[i], False)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -169,6 +255,10 @@ async def completions(request: Request, state: Served):
         raise RequestError("/v1/completions: echo with logprobs needs the prompt's logprobs, which the reference "
                            "server does not compute; send echo or logprobs")
     sp = _sampling(req, req.max_tokens)
+    if req.stream:
+        _no_streamed_logprobs(req.logprobs is not None)
+        echo = [state.tokenizer.decode(x) if texts is None else texts[i] for i, x in enumerate(prompts)]
+        return _stream(request, state, req, "text_completion", prompts, sp, echo if req.echo else [""] * len(prompts))
     outs = await _generate(request, state, prompts, sp, req.logprobs is not None, req.rid)
     if texts is None:  # token ids, checked by the generation
         texts = [state.tokenizer.decode(x) for x in prompts]
@@ -216,6 +306,9 @@ async def chat_completions(request: Request, state: Served):
     prompt = _chat_prompt(state, req.messages)
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sp = _sampling(req, limit if limit is not None else max(0, state.context_length - len(prompt)))
+    if req.stream:
+        _no_streamed_logprobs(req.logprobs)
+        return _stream(request, state, req, "chat.completion", [prompt], sp, [""])
     outs = await _generate(request, state, [prompt], sp, req.logprobs, req.rid)
     choices = []
     for i, o in enumerate(outs):

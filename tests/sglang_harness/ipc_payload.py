@@ -12,7 +12,8 @@ for the test to compare.
 ``python -m tests.sglang_harness.ipc_payload send --sglang-dir DIR --url URL --model MODEL_DIR --load-format F``:
 posts the model's weights, each tensor changed, in several buckets of the same payloads to a harness
 server (SGLang's own receive code, see :mod:`tests.sglang_harness.serve`) inside one update session, and
-prints one JSON line: the sha256 of every tensor sent. CPU tensors cross processes here through torch's
+prints one JSON line: the sha256 of every tensor sent (as SGLang's Qwen2 stacks them, and under HF names). The
+reference server (``wsync serve``) takes the same payload. CPU tensors cross processes here through torch's
 ``file_system`` sharing strategy (shared-memory files named in the pickle); on a GPU the same payload
 carries CUDA IPC handles instead.
 
@@ -195,7 +196,8 @@ def send(args) -> dict:
     from tests.sglang_harness.serve import sglang_layout
 
     # as SGLang's Qwen2 serves them: q/k/v and gate/up stacked
-    return {"buckets": len(buckets), "checksums": {n: tensor_checksum(t) for n, t in sglang_layout(weights).items()}}
+    return {"buckets": len(buckets), "checksums": {n: tensor_checksum(t) for n, t in sglang_layout(weights).items()},
+            "hf_checksums": {n: tensor_checksum(t) for n, t in weights.items()}}
 
 
 # ---------------------------------------------------------------------------------------------- CUDA IPC
