@@ -58,6 +58,7 @@ from bridge.bounded import call_within
 from bridge.buckets import Bucket, plan_buckets
 from bridge.config import PublisherConfig
 from bridge.encodings import encoding_class
+from bridge.encodings.base import TransferSteps
 from bridge.errors import BridgeError, ConfigError, SyncTimeout, VersionError
 from bridge.failpoints import failpoint
 from bridge.interrupts import held
@@ -185,12 +186,14 @@ class WeightPublisher:
             raise
         self._encoding.committed(plan)
         self.last_version = version
-        encoded = self._encoding.result(plan)
+        enc = self._encoding.result(plan)
         result = PublishResult(
-            version=version, transport=self.config.transport, bytes=encoded.pop("bytes", outcome.get("bytes", plan.nbytes)),
+            version=version, transport=self.config.transport,
+            bytes=enc.bytes if enc.bytes is not None else outcome.get("bytes", plan.nbytes),
             seconds=time.perf_counter() - t0, buckets=len(plan.buckets), servers=outcome["servers"],
             path=outcome.get("path"), retried=plan.retried or outcome.get("retried", False),
-            peak_extra_bytes=outcome["peak"], phases=plan.phases, **encoded,
+            peak_extra_bytes=outcome["peak"], phases=plan.phases, encoding=enc.encoding, anchor_reason=enc.anchor_reason,
+            changed_fraction=enc.changed_fraction, base_bytes=enc.base_bytes,
         )
         logger.log(
             logging.INFO if self._rank == 0 else logging.DEBUG,
@@ -458,7 +461,7 @@ class WeightPublisher:
 
         try:
             if self._encoding.sends(plan):
-                return self._encoding.transfer(plan, dict(
+                return self._encoding.transfer(plan, TransferSteps(
                     agreed=lambda name, fn: self._agreed(name, fn, self._bucket_bound() + SLACK_S), part=part,
                     group=lambda: self._gather_group, leave_group=self._drop_gather_group, servers=self.servers))
             for k, bucket in enumerate(plan.buckets):

@@ -34,11 +34,29 @@ and the publisher gathers and sends every tensor.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from bridge.errors import ConfigError
+from bridge.plan import EncodingReport
 
-__all__ = ["Encoding"]
+__all__ = ["Encoding", "TransferSteps"]
+
+
+@dataclass
+class TransferSteps:
+    """What the publisher lends an encoding whose :meth:`Encoding.transfer` moves the bytes."""
+
+    agreed: Callable[[str, Callable[[], Any]], list]
+    """Run one agreed step of the transfer (name, what this rank does in it), within the bucket step's bound."""
+    part: Any
+    """This rank's :class:`bridge.transports.RankPart`."""
+    group: Callable[[], Any]
+    """The gather group (process group) of this sync."""
+    leave_group: Callable[[], None]
+    """Leave the gather group (a rank that failed inside it), so that the ranks waiting on it fail at once."""
+    servers: Any
+    """Rank 0: the :class:`bridge.client.ServerGroup` of this sync (None elsewhere)."""
 
 
 class Encoding:
@@ -84,7 +102,7 @@ class Encoding:
         """True when :meth:`transfer` moves this sync's bytes instead of the publisher's bucket loop."""
         return False
 
-    def transfer(self, plan, steps) -> None:
+    def transfer(self, plan, steps: TransferSteps) -> None:
         """Every rank: move the bytes (see :class:`bridge.encodings.delta.DeltaEncoding`)."""
         raise NotImplementedError
 
@@ -124,9 +142,9 @@ class Encoding:
         """Every rank: the sync failed; undo what :meth:`prepare` changed. Never raises."""
         self._pending = None  # (the last version's digest stays)
 
-    def result(self, plan) -> dict:
+    def result(self, plan) -> EncodingReport:
         """What :class:`bridge.publisher.PublishResult` reports of the encoding."""
-        return {"encoding": "full"}
+        return EncodingReport()
 
     def close(self) -> None:
         """The publisher is closed."""

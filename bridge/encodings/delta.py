@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -51,9 +50,10 @@ from bridge.encodings.base import Encoding
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError, DeltaBaseMismatch
 from bridge.log import fmt_bytes, get_logger
+from bridge.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
 
-__all__ = ["DeltaBucket", "DeltaEncoding", "DeltaPlan"]
+__all__ = ["Decision", "DeltaBucket", "DeltaEncoding", "DeltaPlan", "DeltaSummary"]
 
 logger = get_logger(__name__)
 
@@ -68,6 +68,38 @@ def _sample(flat: torch.Tensor) -> torch.Tensor:
     span = _SAMPLE_BLOCK * _SAMPLE_EVERY
     m = flat.numel() // span
     return flat[: m * span].view(m, span)[:, :_SAMPLE_BLOCK] if m else flat
+
+
+@dataclass
+class DeltaSummary:
+    """One rank's summary of its shards against its base, from the prepare step (every rank receives every rank's)."""
+
+    skip: str | None = None
+    """Why this rank knows, before diffing, that the sync is an anchor (then it did not diff); None: it diffed."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """name -> this rank's encoded bytes of that tensor (tensors that did not change are absent)."""
+    whole: list[str] = field(default_factory=list)
+    """The tensors this rank holds whole (not sharded)."""
+    changed: int = 0
+    """Elements of this rank's shards that changed (estimated when ``skip``)."""
+    numel: int = 0
+    """Elements of this rank's shards."""
+    fresh: bool = False
+    """A tensor is new to this rank's base (or changed shape): the sync must be an anchor."""
+    crcs: list[tuple[str, int, int, int]] = field(default_factory=list)
+    """(name, start, length, CRC32) of each of this rank's base pieces, as last committed."""
+    probes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """name -> [(flat position, base bits)]: base values the SGLang loader checks before it applies."""
+
+
+@dataclass
+class Decision:
+    """Rank 0's decision at begin, once the servers are paused (every rank receives it)."""
+
+    reason: str | None
+    """Why this sync is an anchor (a full sync); None for a delta."""
+    via: str | None
+    """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
 
 
 @dataclass
@@ -86,7 +118,7 @@ class DeltaBucket:
 
 
 @dataclass
-class DeltaPlan:
+class DeltaPlan(Encoded):
     """What the delta encoding decided for one sync (the same on every rank)."""
 
     buckets: list[DeltaBucket]
@@ -100,8 +132,9 @@ class DeltaPlan:
     """Why this sync is an anchor (a full sync); None for a delta."""
     via: str | None = None
     """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
-    probes: dict = field(default_factory=dict)
-    """name -> {"shape", "items": [(flat position, base bits)]}: base values the SGLang loader checks."""
+    probes: dict[str, dict] = field(default_factory=dict)
+    """name -> {"shape", "items": [(flat position, base bits)]}: base values the SGLang loader checks (sent as
+    the table's ``probes``, JSON, as is)."""
 
     @property
     def mode(self) -> str:
@@ -197,7 +230,7 @@ class DeltaEncoding(Encoding):
     # ------------------------------------------------------------------ prepare: diff against the base
 
     @torch.no_grad()
-    def prepare(self, source, specs: list[ParamSpec]) -> dict:
+    def prepare(self, source, specs: list[ParamSpec]) -> DeltaSummary:
         source.require(("local_shards",), "the delta encoding")
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
         self.changes, self.probes, self._refresh, self._stale = {}, {}, None, None
@@ -207,8 +240,7 @@ class DeltaEncoding(Encoding):
         if skip is not None:  # an anchor for sure: no diff; the base becomes the weights once they are sent
             reason, changed, numel = skip
             self._stale = [sh for sh in shards if sh.local is not None]
-            return {"skip": reason, "sizes": {}, "whole": whole, "changed": changed, "numel": numel, "fresh": False,
-                    "crcs": crcs, "probes": {}}
+            return DeltaSummary(skip=reason, whole=whole, changed=changed, numel=numel, crcs=crcs)
         sizes, changed, numel, fresh = {}, 0, 0, False
         for sh in shards:
             if sh.local is None:
@@ -221,8 +253,8 @@ class DeltaEncoding(Encoding):
             sizes[sh.spec.name] = ch.nbytes
             changed += ch.count
             fresh |= ch.old is None
-        return {"skip": None, "sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh,
-                "crcs": crcs, "probes": self.probes}
+        return DeltaSummary(skip=None, sizes=sizes, whole=whole, changed=changed, numel=numel, fresh=fresh, crcs=crcs,
+                            probes=self.probes)
 
     def _anchor_ahead(self, owned: list) -> tuple[str, int, int] | None:
         """(why, estimated changed elements, elements) when this rank knows before diffing that the sync will be
@@ -323,26 +355,26 @@ class DeltaEncoding(Encoding):
 
     # ------------------------------------------------------------------ plan: the same on every rank
 
-    def plan(self, plan, summaries: list[dict]) -> None:
+    def plan(self, plan, summaries: list[DeltaSummary]) -> None:
         cfg = self.config
         world = len(summaries)
-        changed, numel = sum(s["changed"] for s in summaries), sum(s["numel"] for s in summaries)
-        whole = set(summaries[0]["whole"])
+        changed, numel = sum(s.changed for s in summaries), sum(s.numel for s in summaries)
+        whole = set(summaries[0].whole)
         crcs: dict[str, list] = {}
         for s in summaries:
-            for name, start, length, crc in s["crcs"]:
+            for name, start, length, crc in s.crcs:
                 crcs.setdefault(name, []).append((name, start, length, crc))
         buckets = self._buckets([spec for b in plan.buckets for spec in b.specs], summaries, whole, crcs)
         total = sum(sum(b.sizes) for b in buckets)
         enc = DeltaPlan(buckets, total, plan.nbytes, changed, numel, self.base_version, world)
         shapes = {s.name: list(s.shape) for b in plan.buckets for s in b.specs}
         for s in summaries:
-            for name, items in s["probes"].items():
+            for name, items in s.probes.items():
                 enc.probes.setdefault(name, {"shape": shapes[name], "items": []})["items"] += items
-        if self.base_version is None or any(s["fresh"] for s in summaries):
+        if self.base_version is None or any(s.fresh for s in summaries):
             enc.reason = "no base yet" if self.base_version is None else "the trainer's tensors changed shape"
-        elif any(s["skip"] for s in summaries):
-            enc.reason = next(s["skip"] for s in summaries if s["skip"])
+        elif any(s.skip for s in summaries):
+            enc.reason = next(s.skip for s in summaries if s.skip)
         elif self.since_anchor + 1 >= cfg.delta_anchor_every:
             enc.reason = f"an anchor every {cfg.delta_anchor_every} versions (delta_anchor_every)"
         elif total > cfg.delta_max_fraction * plan.nbytes:
@@ -350,17 +382,17 @@ class DeltaEncoding(Encoding):
                           f"{fmt_bytes(plan.nbytes)}, over delta_max_fraction={cfg.delta_max_fraction:g}")
         plan.encoded = enc
 
-    def _buckets(self, specs: list[ParamSpec], summaries: list[dict], whole: set, crcs: dict) -> list[DeltaBucket]:
+    def _buckets(self, specs: list[ParamSpec], summaries: list[DeltaSummary], whole: set, crcs: dict) -> list[DeltaBucket]:
         budget, out, cur, size = self.config.bucket_bytes, [], [], 0
 
         def close() -> None:
-            sizes = [sum(s["sizes"].get(sp.name, 0) for sp in cur) for s in summaries]
+            sizes = [sum(s.sizes.get(sp.name, 0) for sp in cur) for s in summaries]
             entries = [e for sp in cur for e in crcs.get(sp.name, [])]
             out.append(DeltaBucket(list(cur), sizes, [sp.name for sp in cur if sp.name in whole],
                                    combine_digest(entries) if entries else None))
 
         for spec in specs:
-            n = sum(s["sizes"].get(spec.name, 0) for s in summaries)
+            n = sum(s.sizes.get(spec.name, 0) for s in summaries)
             if cur and size + n > budget:
                 close()
                 cur, size = [], 0
@@ -372,7 +404,7 @@ class DeltaEncoding(Encoding):
 
     # ------------------------------------------------------------------ begin (rank 0) and the decision
 
-    def begin(self, plan, transport) -> dict:
+    def begin(self, plan, transport) -> Decision:
         from bridge.encodings.delta_send import delta_route
 
         enc = plan.encoded
@@ -380,11 +412,11 @@ class DeltaEncoding(Encoding):
         reason, via = enc.reason or self.force_reason, None
         if reason is None:
             reason, via = delta_route(transport.servers, self.base_version)
-        return {"reason": reason, "via": via}
+        return Decision(reason, via)
 
-    def decided(self, plan, decision: dict) -> None:
+    def decided(self, plan, decision: Decision) -> None:
         enc = plan.encoded
-        enc.reason, enc.via = decision["reason"], decision["via"]
+        enc.reason, enc.via = decision.reason, decision.via
         if self.rank == 0:
             if enc.reason is not None:
                 logger.info("version %d: an anchor (full sync): %s", plan.version, enc.reason)
@@ -449,15 +481,12 @@ class DeltaEncoding(Encoding):
             self.force_reason = self.force_reason or "the last sync failed, and real SGLang may hold part of it"
         self._into_real_sglang = False
 
-    def result(self, plan) -> dict:
+    def result(self, plan) -> EncodingReport:
         enc = plan.encoded
         if enc is None:
-            return {"encoding": "full"}
-        out: dict[str, Any] = {"encoding": enc.mode, "anchor_reason": enc.reason,
-                               "changed_fraction": enc.changed / max(1, enc.numel), "base_bytes": self.base_bytes}
-        if enc.mode == "delta":
-            out["bytes"] = sum(b.nbytes for b in enc.buckets)
-        return out
+            return EncodingReport()
+        return EncodingReport(enc.mode, enc.reason, enc.changed / max(1, enc.numel), self.base_bytes,
+                              sum(b.nbytes for b in enc.buckets) if enc.mode == "delta" else None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

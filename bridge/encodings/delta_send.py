@@ -87,18 +87,18 @@ def transfer(encoding, plan, steps) -> Any:
     enc = plan.encoded
     sender = None
     if encoding.rank == 0:
-        sender = NativeSender(steps["part"]) if enc.via == "native" else LoaderSender(steps["servers"], encoding.config)
+        sender = NativeSender(steps.part) if enc.via == "native" else LoaderSender(steps.servers, encoding.config)
     last = len(enc.buckets) - 1
     for j, db in enumerate(enc.buckets):
         version = plan.version if j == last else None
-        steps["agreed"](f"delta {j}", lambda j=j, db=db, v=version: _one(encoding, plan, j, db, sender, v, steps))
+        steps.agreed(f"delta {j}", lambda j=j, db=db, v=version: _one(encoding, plan, j, db, sender, v, steps))
     return sender
 
 
 def _one(encoding, plan, j: int, db, sender, version: int | None, steps) -> None:
     rank = encoding.rank
     own = db.sizes[rank]
-    group = steps["group"]()
+    group = steps.group()
     try:
         failpoint(f"delta:{j}", rank)
         if rank != 0:
@@ -117,7 +117,7 @@ def _one(encoding, plan, j: int, db, sender, version: int | None, steps) -> None
     except BaseException as e:
         # Leave the gather group, so that a rank waiting in a send or receive with this one fails at once.
         note_failure_time(e)
-        steps["leave_group"]()
+        steps.leave_group()
         raise
 
 

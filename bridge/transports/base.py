@@ -61,6 +61,7 @@ import torch
 from bridge.buckets import Bucket
 from bridge.errors import ConfigError
 from bridge.log import get_logger
+from bridge.plan import Plan
 from bridge.transports.sessions import (  # noqa: F401 (re-exported: a transport of one file imports them from here)
     ServerSessions,
     bucket_answers,
@@ -73,29 +74,6 @@ __all__ = ["NoOptions", "Plan", "RankPart", "ServerSessions", "SessionOptions", 
            "pause_mode_for"]
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class Plan:
-    """What one sync moves: known on every rank before the first byte moves."""
-
-    version: int
-    buckets: list[Bucket]
-    source: Any = None
-    """The :class:`bridge.sources.WeightSource` being published."""
-    retried: bool = False
-    """True when this republishes the last version with identical weights (a safe retry)."""
-    phases: dict[str, float] = field(default_factory=dict)
-    encoded: Any = None
-    """What the encoding (:mod:`bridge.encodings`) planned for this sync; None for ``full``."""
-    served_digest: str | None = None
-    """The digest of these weights as servers serve them (:mod:`bridge.labels`), when this sync took one."""
-    record_labels: list[str] = field(default_factory=list)
-    """Real SGLang servers whose label this sync records at commit, with ``served_digest`` (:mod:`bridge.labels`)."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
 
 
 def option(default: Any, help: str) -> Any:
