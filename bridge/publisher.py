@@ -14,12 +14,12 @@ after each step every rank learns every rank's outcome (:mod:`bridge.agreement`)
 2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot).
 3. **bucket k** (every rank): gather the bucket's shards into one rank's buffer, in a few flat gathers on
    a group whose timeout is ``group_timeout``. Which rank, and what it does with the bucket, is that
-   rank's part of the sync (``Transport.rank_part``, :class:`bridge.transports.RankPart`). By default it
+   rank's sink (``Transport.sink``, :class:`bridge.transports.Sink`). By default it
    is rank 0, which waits for bucket k-1 to arrive, then sends bucket k (so the gather of k overlaps the
    transfer of k-1, and rank 0 holds about two buckets at most); the last bucket carries the version. A
    transport may give every rank work of its own instead (a writer of its own shards, say).
-4. **settle** (every rank): rank 0 waits for the last bucket; every rank's part reports, and every rank
-   says whether it may commit.
+4. **settle** (every rank): every rank's sink waits for what it sent (rank 0's for the last bucket) and
+   reports, and every rank says whether it may commit.
 5. **commit** (rank 0): the version goes live, given every rank's report.
 
 Ctrl-C and SIGTERM are held until the step in progress ends, then fail the sync the same way before
@@ -69,7 +69,7 @@ from bridge.process_group import default_backend
 from bridge.result import PublishResult
 from bridge.sources import CheckedSource, WeightSource, check_source
 from bridge.tensors import ParamSpec, dtype_from_str
-from bridge.transports import Plan, RankPart, Transport, transport_class
+from bridge.transports import Plan, Sink, Transport, transport_class
 
 __all__ = ["PublishResult", "PublisherConfig", "WeightPublisher", "bucket_bound", "dead_rank_bound", "publish_call_bound"]
 
@@ -101,7 +101,7 @@ class WeightPublisher:
         self._kind = transport_class(config.transport)
         self._encoding = encoding_class(config.encoding)(config, self._rank, self._agree.world)
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
-        self._part: RankPart | None = None  # this rank's part of every sync (every rank), built with it
+        self._sink: Sink | None = None  # what receives the buckets gathered to this rank (every rank), built with it
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
         self._labels = None  # rank 0: the records of what real SGLang servers serve (bridge.labels)
 
@@ -146,20 +146,20 @@ class WeightPublisher:
         try:
             plan = self._prepare(source, version)
             began = True
-            box: list = [None]  # what rank 0's transport opened, for every rank's part
+            box: list = [None]  # what rank 0's transport opened, for every rank's sink
 
             def begin() -> None:
                 box[0] = (self._transport.begin(plan), self._encoding.begin(plan, self._transport))
 
             opened, decision = self._step("begin", begin, self._begin_bound(), collect=lambda: box[0])[0]
             self._encoding.decided(plan, decision)
-            self._part.begin(opened, plan)
+            self._sink.begin(opened, plan)
             with PeakMemory() as memory:
                 self._transfer(plan)
             # Every rank votes on the commit here (failpoint "settle"): once rank 0 commits, it is live.
-            settled = self._step("settle", lambda: (self._encoding.settle(), self._transport.settle()), self._bucket_bound(),
+            settled = self._step("settle", self._encoding.settle, self._bucket_bound(),
                                  on_every_rank=self._encoding.transferred,
-                                 collect=lambda: (self._encoding.fingerprinted(), self._part.settle()))
+                                 collect=lambda: (self._encoding.fingerprinted(), self._sink.settle()))
             peak = max(memory.extra_bytes, memory.device_extra_bytes)
 
             def commit() -> dict | None:
@@ -209,15 +209,15 @@ class WeightPublisher:
         deadline = time.monotonic() + CLOSE_WAIT_S
         while _pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
             _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
-        transport, part, servers = self._transport, self._part, self._fleet
-        self._transport = self._part = self._fleet = None
+        transport, sink, servers = self._transport, self._sink, self._fleet
+        self._transport = self._sink = self._fleet = None
         labels, self._labels = self._labels, None
         if labels is not None:
             labels.close()
         self._encoding.close()
 
         def release() -> None:
-            for piece in (transport, part, servers):
+            for piece in (transport, sink, servers):
                 if piece is not None:
                     try:
                         piece.close()
@@ -286,8 +286,8 @@ class WeightPublisher:
                 if self._transport.servers is not None:  # before any server is paused or any byte moves
                     check_servers_serve(specs, self._transport.servers.clients, cfg.serving_dtype)
                 labels = None if retry else self._served_labels(version, specs)
-            if self._part is None:
-                self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
+            if self._sink is None:
+                self._sink = self._kind.sink(cfg, self._transport, self._rank, self._agree.world)
             # A retry is safe only with the weights of the last version: each rank tells for its own shards, before
             # the encoding's prepare moves anything. A new version's fingerprint is taken for the next retry.
             differs = self._encoding.differs(source, specs) if retry else None
@@ -430,7 +430,7 @@ class WeightPublisher:
         last = len(plan.buckets) - 1
         bar = progress_bar(self.config.progress and self._rank == 0, plan.nbytes, f"sync v{plan.version}")
 
-        part, source = self._part, plan.source
+        sink, source = self._sink, plan.source
 
         def gather(bucket: Bucket, buf: torch.Tensor | None, dst: int) -> None:
             try:
@@ -444,10 +444,10 @@ class WeightPublisher:
                 raise
 
         def one(k: int, bucket: Bucket) -> None:
-            dst = part.owner(k) if source.gathers_to_any_rank else 0
+            dst = sink.owner(k) if source.gathers_to_any_rank else 0
             try:
                 failpoint(f"bucket:{k}", self._rank)
-                buf = part.buffer(k, bucket) if self._rank == dst else None
+                buf = sink.buffer(k, bucket) if self._rank == dst else None
             except BaseException:
                 # Still take part in the bucket's gathers (receiving nothing), so the other ranks are
                 # not left waiting in them for group_timeout; the agreement then fails the step at once.
@@ -455,14 +455,14 @@ class WeightPublisher:
                 raise
             gather(bucket, buf, dst)
             if self._rank == dst:
-                part.send(k, bucket, buf, plan.version if k == last else None)
+                sink.send(k, bucket, buf, plan.version if k == last else None)
             if self._rank == 0 and k:
                 bar.update(plan.buckets[k - 1].nbytes)
 
         try:
             if self._encoding.sends(plan):
                 return self._encoding.transfer(plan, TransferSteps(
-                    agreed=lambda name, fn: self._agreed(name, fn, self._bucket_bound() + SLACK_S), part=part,
+                    agreed=lambda name, fn: self._agreed(name, fn, self._bucket_bound() + SLACK_S), sink=sink,
                     group=lambda: self._gather_group, leave_group=self._drop_gather_group, servers=self.servers))
             for k, bucket in enumerate(plan.buckets):
                 self._agreed(f"bucket {k}", lambda k=k, b=bucket: one(k, b), self._bucket_bound() + SLACK_S)
@@ -473,13 +473,13 @@ class WeightPublisher:
         """After an agreed failure: rank 0 aborts the transport; the error every rank raises."""
         status = ""
         broken = error.agreement_broken
-        if began and self._part is not None:
-            self._part.abort(ABORT_WAIT_S)
-            if self._part.stops_before_abort and not broken:
-                # Every rank's part stopped and removed its files; only then does rank 0 remove what
+        if began and self._sink is not None:
+            self._sink.abort(ABORT_WAIT_S)
+            if self._sink.stops_before_abort and not broken:
+                # Every rank's sink stopped and removed its files; only then does rank 0 remove what
                 # they were in (a late file would otherwise be left behind there).
                 try:
-                    self._agree.exchange("parts stopped", None, timeout=ABORT_WAIT_S + SLACK_S)
+                    self._agree.exchange("sinks stopped", None, timeout=ABORT_WAIT_S + SLACK_S)
                 except BridgeError:
                     pass
         if self._rank == 0 and began and self._transport is not None:
@@ -504,8 +504,8 @@ class WeightPublisher:
         note_failure_time(error)
         self._drop_gather_group()
         self._agree.leave(error)
-        if began and self._part is not None:
-            self._part.abort(ABORT_WAIT_S)
+        if began and self._sink is not None:
+            self._sink.abort(ABORT_WAIT_S)
         if self._rank == 0 and began and self._transport is not None:
             status = _abort_within(self._transport, f"{type(error).__name__} on rank 0", ABORT_WAIT_S)
             if self._fleet is not None:

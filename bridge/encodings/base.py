@@ -49,8 +49,8 @@ class TransferSteps:
 
     agreed: Callable[[str, Callable[[], Any]], list]
     """Run one agreed step of the transfer (name, what this rank does in it), within the bucket step's bound."""
-    part: Any
-    """This rank's :class:`bridge.transports.RankPart`."""
+    sink: Any
+    """This rank's :class:`bridge.transports.Sink`."""
     group: Callable[[], Any]
     """The gather group (process group) of this sync."""
     leave_group: Callable[[], None]

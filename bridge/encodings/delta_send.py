@@ -5,7 +5,7 @@ records of its own pieces (its sizes are known to every rank since prepare); ran
 start of the bucket's wire buffer and receives each other rank's straight after them (one point-to-point
 receive per rank on the gather group, no padding, no full tensor anywhere), then sends the buffer:
 
-* to the project's reference servers (``via="native"``), through the transport itself, as a bucket of one
+* to the project's reference servers (``via="native"``), through rank 0's sink (its transport), as a bucket of one
   uint8 tensor named :data:`DELTA_TENSOR` whose request carries the delta's table (``wsync_delta``: base
   version and digest, the layout of the trainer's pieces, names, dtypes, shapes). The broadcast transport
   broadcasts it on its group, the colocated one hands it over in a shared-memory file;
@@ -34,8 +34,9 @@ from bridge.delta_codec import BITMASK, DELTA_TENSOR, write_record
 from bridge.failpoints import failpoint
 from bridge.tensors import ParamSpec, dtype_to_str
 from bridge.transports.sessions import bucket_answers
+from bridge.transports.sink import Sink
 
-__all__ = ["LOADER", "LoaderSender", "delta_route", "table", "transfer"]
+__all__ = ["LOADER", "LoaderSink", "delta_route", "table", "transfer"]
 
 LOADER = "bridge.sglang_delta_loader.load_delta"
 """The loader real SGLang calls for a delta: ``--custom-weight-loader`` and ``load_format`` name it."""
@@ -87,7 +88,7 @@ def transfer(encoding, plan, steps) -> Any:
     enc = plan.encoded
     sender = None
     if encoding.rank == 0:
-        sender = NativeSender(steps.part) if enc.via == "native" else LoaderSender(steps.servers, encoding.config)
+        sender = steps.sink if enc.via == "native" else LoaderSink(steps.servers, encoding.config)
     last = len(enc.buckets) - 1
     for j, db in enumerate(enc.buckets):
         version = plan.version if j == last else None
@@ -157,24 +158,9 @@ def _encode(encoding, db, out: torch.Tensor) -> None:
         raise RuntimeError(f"encoded {at} bytes of a delta bucket, planned {out.numel()}")
 
 
-class NativeSender:
-    """Rank 0: a delta bucket goes through the transport's own part, as any bucket (reference servers)."""
-
-    def __init__(self, part):
-        self.part = part
-
-    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
-        return self.part.buffer(k, bucket)
-
-    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
-        self.part.send(k, bucket, buf, version)
-
-    def settle(self) -> None:
-        """(The publisher's settle step settles the transport.)"""
-
-
-class LoaderSender:
-    """Rank 0: each delta bucket as ``/update_weights_from_tensor`` to every server, for SGLang's loader."""
+class LoaderSink(Sink):
+    """Rank 0's sink of a delta for real SGLang: each delta bucket as ``/update_weights_from_tensor`` to every
+    server, for SGLang's loader, one in flight at most."""
 
     def __init__(self, servers, config):
         self.servers, self.config = servers, config
@@ -199,4 +185,7 @@ class LoaderSender:
             return
         (k, futures), self._inflight = self._inflight, None
         bucket_answers(self.servers.clients, futures, k, self.config.http_timeout, "http_timeout")
+
+    def abort(self, seconds: float) -> None:
+        self._inflight = None  # (the transport's abort gives the servers back)
 
