@@ -46,9 +46,9 @@ from bridge.delta_codec import (
     piece_crc,
     record_nbytes,
 )
-from bridge.encodings.base import Encoding
+from bridge.encodings.base import Encoding, Transfer, gathered
 from bridge.encodings.registry import register_encoding
-from bridge.errors import ConfigError, DeltaBaseMismatch
+from bridge.errors import ConfigError
 from bridge.log import fmt_bytes, get_logger
 from bridge.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
@@ -136,9 +136,16 @@ class DeltaPlan(Encoded):
     """name -> {"shape", "items": [(flat position, base bits)]}: base values the SGLang loader checks (sent as
     the table's ``probes``, JSON, as is)."""
 
+    base_bytes: int = 0
+    """This rank's memory for its base (reported as ``PublishResult.base_bytes``)."""
+
     @property
     def mode(self) -> str:
         return "anchor" if self.reason is not None else "delta"
+
+    def report(self) -> EncodingReport:
+        return EncodingReport(self.mode, self.reason, self.changed / max(1, self.numel), self.base_bytes,
+                              sum(b.nbytes for b in self.buckets) if self.mode == "delta" else None)
 
 
 @dataclass
@@ -163,6 +170,7 @@ class _Held:
 @register_encoding
 class DeltaEncoding(Encoding):
     name = "delta"
+    fingerprints = False  # the base is what was published: differs compares with it
 
     def __init__(self, config, rank: int, world: int):
         super().__init__(config, rank, world)
@@ -171,11 +179,10 @@ class DeltaEncoding(Encoding):
         self.since_anchor = 0
         self.changes: dict[str, _Change] = {}
         self.probes: dict[str, list] = {}  # name -> [(flat position, base bits)]: for the SGLang loader's check
-        self.force_reason: str | None = None  # rank 0: the next sync is an anchor, for this reason
+        self.anchor_next: str | None = None  # rank 0: the next sync is an anchor, for this reason
         self._crcs: cf.Future | None = None
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync-base-crc")
-        self._sender = None
         self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
+        self._servers = None  # rank 0: the servers of the sync in progress (from decide)
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
         self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
@@ -192,13 +199,6 @@ class DeltaEncoding(Encoding):
     def base_bytes(self) -> int:
         """This rank's memory for its base: its shard in the serving dtype (2 bytes per parameter in bf16)."""
         return sum(h.base.numel() * h.base.element_size() for h in self.base.values())
-
-    def run(self, publish):
-        try:
-            return publish()
-        except DeltaBaseMismatch as e:  # nothing was applied: send the whole model instead, as the same version
-            self.force_reason = f"a server refused the delta: {e}"
-            return publish()
 
     # ------------------------------------------------------------------ a retry: the base is what was published
 
@@ -220,12 +220,6 @@ class DeltaEncoding(Encoding):
             if not torch.equal(new.view(ints), self.base[sh.spec.name].base.view(ints)):
                 return f"other weights ({sh.spec.name} changed)"
         return None
-
-    def fingerprint(self, source) -> None:
-        """(The base is the fingerprint: nothing to take.)"""
-
-    def fingerprinted(self) -> None:
-        """(Nothing to wait for.)"""
 
     # ------------------------------------------------------------------ prepare: diff against the base
 
@@ -366,7 +360,8 @@ class DeltaEncoding(Encoding):
                 crcs.setdefault(name, []).append((name, start, length, crc))
         buckets = self._buckets([spec for b in plan.buckets for spec in b.specs], summaries, whole, crcs)
         total = sum(sum(b.sizes) for b in buckets)
-        enc = DeltaPlan(buckets, total, plan.nbytes, changed, numel, self.base_version, world)
+        enc = DeltaPlan(buckets, total, plan.nbytes, changed, numel, self.base_version, world,
+                        base_bytes=self.base_bytes)
         shapes = {s.name: list(s.shape) for b in plan.buckets for s in b.specs}
         for s in summaries:
             for name, items in s.probes.items():
@@ -404,19 +399,24 @@ class DeltaEncoding(Encoding):
 
     # ------------------------------------------------------------------ begin (rank 0) and the decision
 
-    def begin(self, plan, transport) -> Decision:
+    def decide(self, plan, servers) -> Decision:
         from bridge.encodings.delta_send import delta_route
 
         enc = plan.encoded
-        self._into_real_sglang = not all(c.stages_updates for c in transport.servers.clients)
-        reason, via = enc.reason or self.force_reason, None
+        self._servers = servers
+        self._into_real_sglang = not all(c.stages_updates for c in servers.clients)
+        reason, via = enc.reason or plan.forced or self.anchor_next, None
         if reason is None:
-            reason, via = delta_route(transport.servers, self.base_version)
+            reason, via = delta_route(servers, self.base_version)
         return Decision(reason, via)
 
-    def decided(self, plan, decision: Decision) -> None:
+    # ------------------------------------------------------------------ the buckets: an anchor's or the delta's
+
+    def buckets(self, plan) -> Transfer:
+        from bridge.encodings.delta_send import delta_buckets
+
         enc = plan.encoded
-        enc.reason, enc.via = decision.reason, decision.via
+        enc.reason, enc.via = plan.decision.reason, plan.decision.via
         if self.rank == 0:
             if enc.reason is not None:
                 logger.info("version %d: an anchor (full sync): %s", plan.version, enc.reason)
@@ -425,42 +425,38 @@ class DeltaEncoding(Encoding):
                             "%.2f%% of the elements changed", plan.version, enc.base_version, fmt_bytes(enc.nbytes),
                             len(enc.buckets), 100 * enc.nbytes / max(1, enc.full_bytes), fmt_bytes(enc.full_bytes),
                             100 * enc.changed / max(1, enc.numel))
+        if enc.mode == "delta":
+            return Transfer(delta_buckets(self, plan, self._servers if self.rank == 0 else None))
+        return Transfer(gathered(plan), sent=self._sent)
 
-    def sends(self, plan) -> bool:
-        return plan.encoded is not None and plan.encoded.mode == "delta"
-
-    def transfer(self, plan, steps) -> None:
-        from bridge.encodings.delta_send import transfer
-
-        self._sender = transfer(self, plan, steps)
-
-    def settle(self) -> None:
-        if self._sender is not None:
-            self._sender.settle()
-
-    def transferred(self) -> None:
+    def _sent(self) -> None:
         """An anchor decided before diffing: the base takes the weights now, on a thread, while the servers take
-        the last bucket and the commit (the transfer's gathers are not slowed by it); ``committed`` waits."""
-        if self._stale is not None:
-            self._refresh, self._stale = self._pool.submit(self._copy_into_base, self._stale), None  # (copy_ frees the GIL)
+        the last bucket and the commit (the transfer's gathers are not slowed by it); ``end`` waits."""
+        if self._stale is not None:  # (copy_ frees the GIL)
+            self._refresh, self._stale = _in_background(self._copy_into_base, self._stale), None
 
     # ------------------------------------------------------------------ the end of a sync
 
     @torch.no_grad()
-    def committed(self, plan) -> None:
+    def end(self, plan, committed: bool) -> None:
+        if committed:
+            self._committed(plan)
+        else:
+            self._failed()
+        self._servers = None
+
+    def _committed(self, plan) -> None:
         enc = plan.encoded
         if self._refresh is not None:  # an anchor decided before diffing: its base copy ran beside the settle step
             self._refresh.result()
-        self.changes, self._sender, self.force_reason, self._into_real_sglang = {}, None, None, False
+        self.changes, self.anchor_next, self._into_real_sglang = {}, None, False
         self._refresh = None
         self.base_version = plan.version
         self.since_anchor = 0 if enc.mode == "anchor" else self.since_anchor + 1
         pieces = [(name, h.start, h.base) for name, h in self.base.items()]
-        self._crcs = self._pool.submit(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
+        self._crcs = _in_background(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
 
-    @torch.no_grad()
-    def failed(self, plan) -> None:
-        self._sender = None  # (plan is None when the sync failed before it was planned)
+    def _failed(self) -> None:
         self._stale = None
         if self._refresh is not None:  # the base was being overwritten with weights no server holds: drop it
             self._refresh.exception()
@@ -478,16 +474,16 @@ class DeltaEncoding(Encoding):
                 held.base[ch.positions.to(held.base.device, torch.int64)] = ch.old
         self.changes = {}
         if self._into_real_sglang:  # it loads buckets as they arrive: it may hold part of the failed sync
-            self.force_reason = self.force_reason or "the last sync failed, and real SGLang may hold part of it"
+            self.anchor_next = self.anchor_next or "the last sync failed, and real SGLang may hold part of it"
         self._into_real_sglang = False
 
-    def result(self, plan) -> EncodingReport:
-        enc = plan.encoded
-        if enc is None:
-            return EncodingReport()
-        return EncodingReport(enc.mode, enc.reason, enc.changed / max(1, enc.numel), self.base_bytes,
-                              sum(b.nbytes for b in enc.buckets) if enc.mode == "delta" else None)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+_base_thread: cf.ThreadPoolExecutor | None = None
 
+
+def _in_background(fn, *args) -> cf.Future:
+    """``fn(*args)`` on the delta's one thread for the life of the process (starting one per sync cost ms)."""
+    global _base_thread
+    if _base_thread is None:
+        _base_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="wsync-base-crc")
+    return _base_thread.submit(fn, *args)
