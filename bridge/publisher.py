@@ -5,28 +5,33 @@ A :class:`WeightPublisher` is created once by the training script (on every rank
 one sync through the same steps whatever the transport (:mod:`bridge.transports`, registered by name);
 after each step every rank learns every rank's outcome (:mod:`bridge.agreement`):
 
-1. **prepare** (every rank): the wire specs and bucket plan, and the encoding's summary. On a retry of the
-   last version each rank tells whether its shards still hold the weights it published then (the
-   encoding's ``differs``: the full encoding compares digests, the delta encoding its base); with every
-   rank's answer, every rank decides the same thing: an older version, or the last version with other
-   weights, is a :class:`VersionError` before any byte moves; the last version with the same weights is a
-   safe retry.
-2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot).
-3. **bucket k** (every rank): gather the bucket's shards into one rank's buffer, in a few flat gathers on
-   a group whose timeout is ``group_timeout``. Which rank, and what it does with the bucket, is that
-   rank's sink (``Transport.sink``, :class:`bridge.transports.Sink`). By default it
-   is rank 0, which waits for bucket k-1 to arrive, then sends bucket k (so the gather of k overlaps the
-   transfer of k-1, and rank 0 holds about two buckets at most); the last bucket carries the version. A
-   transport may give every rank work of its own instead (a writer of its own shards, say).
-4. **settle** (every rank): every rank's sink waits for what it sent (rank 0's for the last bucket) and
-   reports, and every rank says whether it may commit.
+``_publish`` is these five steps, each one call:
+
+1. **prepare** (every rank): the wire specs and bucket plan, and the encoding's summary (``Encoding.prepare``,
+   then ``plan`` with every rank's). On a retry of the last version each rank tells whether its shards
+   still hold the weights it published then (:mod:`bridge.versions`: a digest of them, or the encoding's
+   ``differs`` for one that keeps them, the delta's base); with every rank's answer, every rank decides the
+   same thing: an older version, or the last version with other weights, is a :class:`VersionError` before
+   any byte moves; the last version with the same weights is a safe retry.
+2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot) and
+   the encoding decides (``Encoding.decide``: a delta or an anchor, say), which every rank learns.
+3. **bucket k** (every rank): the encoding's buckets (``Encoding.buckets``), one agreed step each, in one
+   loop: every rank fills the bucket's bytes into one rank's buffer (for ``full``, a few flat gathers on a
+   group whose timeout is ``group_timeout``), and that rank's sink sends it (:mod:`bridge.transports.sink`,
+   chosen by ``Transport.sink``). By default it is rank 0, whose sink is its transport: it waits for bucket
+   k-1 to arrive, then sends bucket k (so the gather of k overlaps the transfer of k-1, and rank 0 holds
+   about two buckets at most); the last bucket carries the version. A transport may give every rank a sink
+   of its own instead (a writer of its own shards, say).
+4. **settle** (every rank): every sink waits until what it sent arrived and reports, and every rank says
+   whether it may commit.
 5. **commit** (rank 0): the version goes live, given every rank's report.
 
 Ctrl-C and SIGTERM are held until the step in progress ends, then fail the sync the same way before
 they take effect (:mod:`bridge.interrupts`). Any exception on any rank, of any type, in any step, makes
 every rank raise the same error (the first
 failure's class when it is one of the project's, else :class:`SyncError` naming the rank, the step and
-the cause) within the step's bound, and rank 0 first calls the transport's ``abort``: every server keeps
+the cause) within the step's bound; every sink aborts, the encoding undoes its prepare (``Encoding.end``),
+and rank 0 calls the transport's ``abort``: every server keeps
 serving its previous version, unpaused, with no open session; a snapshot that was not complete is
 removed, never announced. A trainer that catches the error can publish again.
 

@@ -94,6 +94,9 @@ class Encoding:
     """The ``full`` encoding, and the base of every other (see the module docstring)."""
 
     name = "full"
+    any_transport = True
+    """Its buckets are plain named tensors, which every transport carries; False: only a transport that lists it
+    in ``Transport.encodings`` carries it (a delta bucket needs one that passes its table on)."""
     fingerprints = True
     """The publisher takes a digest of each rank's shards at each new version, to tell a safe retry; False
     for an encoding whose own state tells it (:meth:`differs`)."""
@@ -104,7 +107,7 @@ class Encoding:
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
         """A ConfigError when the transport cannot carry this encoding, or its settings are wrong."""
-        if cls.name not in transport_cls.encodings:
+        if not cls.any_transport and cls.name not in transport_cls.encodings:
             raise ConfigError(f"the {transport_cls.name} transport cannot send the {cls.name} encoding; it sends "
                               f"{', '.join(transport_cls.encodings)} (encoding='delta' needs broadcast or colocated)")
 

@@ -170,6 +170,7 @@ class _Held:
 @register_encoding
 class DeltaEncoding(Encoding):
     name = "delta"
+    any_transport = False  # a delta bucket's table must reach the servers: broadcast and colocated pass it on
     fingerprints = False  # the base is what was published: differs compares with it
 
     def __init__(self, config, rank: int, world: int):

@@ -129,7 +129,8 @@ class Transport:
     anything moves): any of :data:`bridge.sources.CAPABILITIES`."""
 
     encodings: tuple[str, ...] = ("full",)
-    """The encodings (:mod:`bridge.encodings`) this transport can carry."""
+    """The encodings (:mod:`bridge.encodings`) this transport can carry; an encoding of plain named tensors
+    (``Encoding.any_transport``: full, or a quantized one) goes through every transport."""
 
     sets_labels = True
     """The transport sets the servers' version labels itself at commit (broadcast, colocated); False when a
