@@ -67,9 +67,7 @@ class LabelRecords:
             pass
 
     def close(self) -> None:
-        close = getattr(self._nr, "close", None)
-        if close is not None:
-            close()
+        self._nr.close()
 
 
 @torch.no_grad()

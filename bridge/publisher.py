@@ -5,28 +5,33 @@ A :class:`WeightPublisher` is created once by the training script (on every rank
 one sync through the same steps whatever the transport (:mod:`bridge.transports`, registered by name);
 after each step every rank learns every rank's outcome (:mod:`bridge.agreement`):
 
-1. **prepare** (every rank): the wire specs and bucket plan, and the encoding's summary. On a retry of the
-   last version each rank tells whether its shards still hold the weights it published then (the
-   encoding's ``differs``: the full encoding compares digests, the delta encoding its base); with every
-   rank's answer, every rank decides the same thing: an older version, or the last version with other
-   weights, is a :class:`VersionError` before any byte moves; the last version with the same weights is a
-   safe retry.
-2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot).
-3. **bucket k** (every rank): gather the bucket's shards into one rank's buffer, in a few flat gathers on
-   a group whose timeout is ``group_timeout``. Which rank, and what it does with the bucket, is that
-   rank's part of the sync (``Transport.rank_part``, :class:`bridge.transports.RankPart`). By default it
-   is rank 0, which waits for bucket k-1 to arrive, then sends bucket k (so the gather of k overlaps the
-   transfer of k-1, and rank 0 holds about two buckets at most); the last bucket carries the version. A
-   transport may give every rank work of its own instead (a writer of its own shards, say).
-4. **settle** (every rank): rank 0 waits for the last bucket; every rank's part reports, and every rank
-   says whether it may commit.
+``_publish`` is these five steps, each one call:
+
+1. **prepare** (every rank): the wire specs and bucket plan, and the encoding's summary (``Encoding.prepare``,
+   then ``plan`` with every rank's). On a retry of the last version each rank tells whether its shards
+   still hold the weights it published then (:mod:`bridge.versions`: a digest of them, or the encoding's
+   ``differs`` for one that keeps them, the delta's base); with every rank's answer, every rank decides the
+   same thing: an older version, or the last version with other weights, is a :class:`VersionError` before
+   any byte moves; the last version with the same weights is a safe retry.
+2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot) and
+   the encoding decides (``Encoding.decide``: a delta or an anchor, say), which every rank learns.
+3. **bucket k** (every rank): the encoding's buckets (``Encoding.buckets``), one agreed step each, in one
+   loop: every rank fills the bucket's bytes into one rank's buffer (for ``full``, a few flat gathers on a
+   group whose timeout is ``group_timeout``), and that rank's sink sends it (:mod:`bridge.transports.sink`,
+   chosen by ``Transport.sink``). By default it is rank 0, whose sink is its transport: it waits for bucket
+   k-1 to arrive, then sends bucket k (so the gather of k overlaps the transfer of k-1, and rank 0 holds
+   about two buckets at most); the last bucket carries the version. A transport may give every rank a sink
+   of its own instead (a writer of its own shards, say).
+4. **settle** (every rank): every sink waits until what it sent arrived and reports, and every rank says
+   whether it may commit.
 5. **commit** (rank 0): the version goes live, given every rank's report.
 
 Ctrl-C and SIGTERM are held until the step in progress ends, then fail the sync the same way before
 they take effect (:mod:`bridge.interrupts`). Any exception on any rank, of any type, in any step, makes
 every rank raise the same error (the first
 failure's class when it is one of the project's, else :class:`SyncError` naming the rank, the step and
-the cause) within the step's bound, and rank 0 first calls the transport's ``abort``: every server keeps
+the cause) within the step's bound; every sink aborts, the encoding undoes its prepare (``Encoding.end``),
+and rank 0 calls the transport's ``abort``: every server keeps
 serving its previous version, unpaused, with no open session; a snapshot that was not complete is
 removed, never announced. A trainer that catches the error can publish again.
 
@@ -55,9 +60,10 @@ import torch.distributed as dist
 
 from bridge.agreement import Agreement, describe, note_failure_time
 from bridge.bounded import call_within
-from bridge.buckets import Bucket, plan_buckets
+from bridge.buckets import plan_buckets
 from bridge.config import PublisherConfig
 from bridge.encodings import encoding_class
+from bridge.encodings.base import Outgoing, Transfer
 from bridge.errors import BridgeError, ConfigError, SyncTimeout, VersionError
 from bridge.failpoints import failpoint
 from bridge.interrupts import held
@@ -68,7 +74,8 @@ from bridge.process_group import default_backend
 from bridge.result import PublishResult
 from bridge.sources import CheckedSource, WeightSource, check_source
 from bridge.tensors import ParamSpec, dtype_from_str
-from bridge.transports import Plan, RankPart, Transport, transport_class
+from bridge.transports import Plan, Sink, Transport, transport_class
+from bridge.versions import Versions
 
 __all__ = ["PublishResult", "PublisherConfig", "WeightPublisher", "bucket_bound", "dead_rank_bound", "publish_call_bound"]
 
@@ -93,14 +100,15 @@ class WeightPublisher:
         elif kwargs:
             raise ConfigError("pass either a PublisherConfig or keyword arguments, not both")
         self.config = config
-        self.last_version: int | None = None
         self._agree = Agreement.of_default_group()
         self._rank = self._agree.rank
         self._fleet = None  # rank 0: where the servers are found, which answer, which are in rotation
         self._kind = transport_class(config.transport)
         self._encoding = encoding_class(config.encoding)(config, self._rank, self._agree.world)
+        self._versions = Versions(self._encoding)  # the last version, and what tells a retry of it safe
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
-        self._part: RankPart | None = None  # this rank's part of every sync (every rank), built with it
+        self._sink: Sink | None = None  # what receives the buckets gathered to this rank (every rank), built with it
+        self._others: list[Sink] = []  # rank 0: other sinks this sync's buckets went to (a delta for real SGLang)
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
         self._labels = None  # rank 0: the records of what real SGLang servers serve (bridge.labels)
 
@@ -128,77 +136,67 @@ class WeightPublisher:
             KeyboardInterrupt / SystemExit (only on the rank it came to, the others raise SyncError): Ctrl-C,
                 SIGTERM or an interrupt raised in a step, after the same clean-up (:mod:`bridge.interrupts`).
         """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise VersionError(f"version must be a non-negative integer, got {version!r}")
-        if self.last_version is not None and version < self.last_version:
-            raise VersionError(
-                f"version {version} is older than the last published version {self.last_version}; "
-                "versions must strictly increase"
-            )
+        self._versions.check(version)
         checked = check_source(source)
         with held(self._rank):  # Ctrl-C / SIGTERM: finish the step, clean up on every rank, then take effect
-            return self._encoding.run(lambda: self._publish(checked, version))
+            return self._versions.run(lambda forced: self._publish(checked, version, forced))
 
-    def _publish(self, source: CheckedSource, version: int) -> PublishResult:
+    @property
+    def last_version(self) -> int | None:
+        """The last version this publisher published (None before the first)."""
+        return self._versions.last
+
+    def _publish(self, source: CheckedSource, version: int, forced: str | None) -> PublishResult:
+        """One sync: the five steps, each agreed by every rank (see the module docstring)."""
         t0 = time.perf_counter()
         plan, began = None, False
         try:
-            plan = self._prepare(source, version)
+            plan = self._prepare(source, version, forced)
             began = True
-            box: list = [None]  # what rank 0's transport opened, for every rank's part
-
-            def begin() -> None:
-                box[0] = (self._transport.begin(plan), self._encoding.begin(plan, self._transport))
-
-            opened, decision = self._step("begin", begin, self._begin_bound(), collect=lambda: box[0])[0]
-            self._encoding.decided(plan, decision)
-            self._part.begin(opened, plan)
+            self._begin(plan)
             with PeakMemory() as memory:
-                self._transfer(plan)
-            # Every rank votes on the commit here (failpoint "settle"): once rank 0 commits, it is live.
-            settled = self._step("settle", lambda: (self._encoding.settle(), self._transport.settle()), self._bucket_bound(),
-                                 on_every_rank=self._encoding.transferred,
-                                 collect=lambda: (self._encoding.fingerprinted(), self._part.settle()))
-            peak = max(memory.extra_bytes, memory.device_extra_bytes)
-
-            def commit() -> dict | None:
-                if self._rank != 0:
-                    return None
-                failpoint("commit", 0)
-                self._forget_stale_labels(plan)
-                outcome = self._transport.commit(plan, [report for _, report in settled])
-                self._record_labels(plan, outcome.get("servers", {}))
-                if self._fleet is not None:  # who took it: in rotation; who did not: out (or too few: raise)
-                    outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
-                return {**outcome, "peak": peak}
-
-            outcome = self._agreed("commit", commit, self._commit_bound() + SLACK_S)[0]
+                transfer = self._send(plan)
+            reports = self._settle(transfer)
+            outcome = self._commit(plan, reports, max(memory.extra_bytes, memory.device_extra_bytes))
         except BridgeError as e:
-            self._encoding.failed(plan)
+            self._ended(plan, committed=False)
             failed = self._failed(version, e, began)
             if e.interrupt is not None:  # raised in a step on this rank: it ends the program, after the clean-up
                 raise e.interrupt from failed
             raise failed from None
         except BaseException as e:  # outside every step (a second Ctrl-C, a bug): leave, and clean up alone
-            self._encoding.failed(plan)
+            self._ended(plan, committed=False)
             self._leave(e, began)
             raise
-        self._encoding.committed(plan)
-        self.last_version = version
-        encoded = self._encoding.result(plan)
+        self._ended(plan, committed=True)
+        return self._result(plan, outcome, time.perf_counter() - t0)
+
+    def _result(self, plan: Plan, outcome: dict, seconds: float) -> PublishResult:
+        enc = plan.report()
         result = PublishResult(
-            version=version, transport=self.config.transport, bytes=encoded.pop("bytes", outcome.get("bytes", plan.nbytes)),
-            seconds=time.perf_counter() - t0, buckets=len(plan.buckets), servers=outcome["servers"],
+            version=plan.version, transport=self.config.transport,
+            bytes=enc.bytes if enc.bytes is not None else outcome.get("bytes", plan.nbytes),
+            seconds=seconds, buckets=len(plan.buckets), servers=outcome["servers"],
             path=outcome.get("path"), retried=plan.retried or outcome.get("retried", False),
-            peak_extra_bytes=outcome["peak"], phases=plan.phases, **encoded,
+            peak_extra_bytes=outcome["peak"], phases=plan.phases, encoding=enc.encoding, anchor_reason=enc.anchor_reason,
+            changed_fraction=enc.changed_fraction, base_bytes=enc.base_bytes,
         )
         logger.log(
             logging.INFO if self._rank == 0 else logging.DEBUG,
             "published version %d by %s (%s): %s in %d buckets in %.2f s, %.2f GB/s, peak extra memory %s%s",
-            version, self.config.transport, result.encoding, fmt_bytes(result.bytes), result.buckets, result.seconds, result.gbps,
-            fmt_bytes(result.peak_extra_bytes), " (retry of identical weights)" if result.retried else "",
+            plan.version, self.config.transport, result.encoding, fmt_bytes(result.bytes), result.buckets,
+            result.seconds, result.gbps, fmt_bytes(result.peak_extra_bytes),
+            " (retry of identical weights)" if result.retried else "",
         )
         return result
+
+    def _ended(self, plan: Plan | None, committed: bool) -> None:
+        """Every rank: the sync committed or failed; the version record and the encoding learn it."""
+        if committed:
+            self._versions.committed(plan.version)
+        else:
+            self._versions.failed()
+        self._encoding.end(plan, committed)
 
     def close(self) -> None:
         """Tear the weight-update group down on both sides and stop background work, within
@@ -206,15 +204,14 @@ class WeightPublisher:
         deadline = time.monotonic() + CLOSE_WAIT_S
         while _pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
             _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
-        transport, part, servers = self._transport, self._part, self._fleet
-        self._transport = self._part = self._fleet = None
+        transport, sink, servers = self._transport, self._sink, self._fleet
+        self._transport = self._sink = self._fleet = None
         labels, self._labels = self._labels, None
         if labels is not None:
             labels.close()
-        self._encoding.close()
 
         def release() -> None:
-            for piece in (transport, part, servers):
+            for piece in (transport, sink, servers):
                 if piece is not None:
                     try:
                         piece.close()
@@ -264,11 +261,11 @@ class WeightPublisher:
             status = _abort_within(self._transport, "rank 0's step failed", ABORT_WAIT_S)
             logger.debug("servers given back before the agreement: %s", status)
 
-    def _prepare(self, source: CheckedSource, version: int) -> Plan:
+    def _prepare(self, source: CheckedSource, version: int, forced: str | None) -> Plan:
         """Step "prepare" (every rank): plan, the encoding's summaries, the gather group; decide retry vs new weights."""
         cfg = self.config
-
-        retry = version == self.last_version
+        versions = self._versions
+        retry = versions.is_retry(version)
         mine: list = []
         self._meet(version)
 
@@ -283,31 +280,68 @@ class WeightPublisher:
                 if self._transport.servers is not None:  # before any server is paused or any byte moves
                     check_servers_serve(specs, self._transport.servers.clients, cfg.serving_dtype)
                 labels = None if retry else self._served_labels(version, specs)
-            if self._part is None:
-                self._part = self._kind.rank_part(cfg, self._transport, self._rank, self._agree.world)
+            if self._sink is None:
+                self._sink = self._kind.sink(cfg, self._transport, self._rank, self._agree.world)
             # A retry is safe only with the weights of the last version: each rank tells for its own shards, before
             # the encoding's prepare moves anything. A new version's fingerprint is taken for the next retry.
-            differs = self._encoding.differs(source, specs) if retry else None
+            differs = versions.differs(source, specs) if retry else None
             summary = self._encoding.prepare(source, specs)
             ours = specs if self._rank == 0 else None  # rank 0's are used
             if not retry:
-                self._encoding.fingerprint(source)
+                versions.fingerprint(source)
             return ours, differs, summary, labels
 
         results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
         specs = results[0][0]
-        plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source)
+        plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source, forced=forced)
         self._encoding.plan(plan, [r[2] for r in results])
         if retry:
             why = [f"rank {r}: {d}" for r, (_, d, _, _) in enumerate(results) if d]
             if why:
-                raise VersionError(f"version {version} was already published with different weights, or with weights "
-                                   f"that cannot be compared ({'; '.join(why)}); publish the new weights under a higher "
-                                   "version")
+                raise versions.refused(version, why)
             plan.retried = True
         if results[0][3] is not None:
             self._check_labels(plan, mine[0], results[0][3])
         return self._with_gather_group(plan)
+
+    def _begin(self, plan: Plan) -> None:
+        """Step "begin" (rank 0): the transport opens the sync and the encoding decides; every rank's sink starts."""
+        box: list = [None]
+
+        def begin() -> None:
+            box[0] = (self._transport.begin(plan), self._encoding.decide(plan, self._transport.servers))
+
+        opened, plan.decision = self._step("begin", lambda: begin(), self._begin_bound(), collect=lambda: box[0])[0]
+        self._sink.begin(opened, plan)
+
+    def _settle(self, transfer: Transfer) -> list:
+        """Step "settle" (every rank): every sink waits for what it sent and reports (each rank's vote on the
+        commit: failpoint "settle"); the fingerprint of this version is taken by then."""
+
+        def settle():
+            for sink in self._others:
+                sink.settle()
+            self._versions.fingerprinted()
+            return self._sink.settle()
+
+        return self._step("settle", lambda: None, self._bucket_bound(), on_every_rank=transfer.sent, collect=settle)
+
+    def _commit(self, plan: Plan, reports: list, peak: int) -> dict:
+        """Step "commit" (rank 0): the version goes live, given every rank's report; once it is, it is live."""
+        version = plan.version
+
+        def commit() -> dict | None:
+            if self._rank != 0:
+                return None
+            failpoint("commit", 0)
+            self._forget_stale_labels(plan)
+            outcome = self._transport.commit(plan, reports)
+            self._record_labels(plan, outcome.get("servers", {}))
+            if self._fleet is not None:  # who took it: in rotation; who did not: out (or too few: raise)
+                outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
+            return {**outcome, "peak": peak}
+
+        return self._agreed("commit", commit, self._commit_bound() + SLACK_S)[0]
 
     def _served_labels(self, version: int, specs: list[ParamSpec]) -> dict | None:
         """Rank 0, in the prepare step: the servers that already serve ``version``, which this publisher did not
@@ -317,7 +351,7 @@ class WeightPublisher:
         if fleet is None or fleet.group is None:
             return None
         label, sets = str(version), self._kind.sets_labels
-        new_run = self.config.new_run and self.last_version is None  # a new run starts over: nothing to compare
+        new_run = self.config.new_run and self._versions.last is None  # a new run starts over: nothing to compare
         check: dict[str, tuple[str | None, str | None]] = {}
         record: list[str] = []
         for c in fleet.group.clients:
@@ -422,61 +456,60 @@ class WeightPublisher:
             self._step("gather group", lambda: None, self.config.group_timeout, on_every_rank=self._make_gather_group)
         return plan
 
-    def _transfer(self, plan: Plan) -> None:
-        """Steps "bucket k" (every rank): gather bucket k while rank 0 waits for bucket k-1, then send k."""
-        last = len(plan.buckets) - 1
-        bar = progress_bar(self.config.progress and self._rank == 0, plan.nbytes, f"sync v{plan.version}")
+    def _send(self, plan: Plan) -> Transfer:
+        """Steps "bucket k" (every rank): the encoding's buckets, each gathered to one rank and handed to its sink
+        (rank 0's by default, which waits for bucket k-1 to arrive, then sends k)."""
+        self._others = []
+        transfer = self._encoding.buckets(plan)
+        last = len(transfer.buckets) - 1
+        bar = progress_bar(self.config.progress and self._rank == 0, transfer.nbytes, f"sync v{plan.version}")
+        try:
+            for k, out in enumerate(transfer.buckets):
+                version = plan.version if k == last else None
+                self._agreed(out.step, lambda k=k, o=out, v=version: self._one(k, o, v), self._bucket_bound() + SLACK_S)
+                if self._rank == 0:
+                    bar.update(out.bucket.nbytes)
+        finally:
+            bar.close()
+        return transfer
 
-        part, source = self._part, plan.source
-
-        def gather(bucket: Bucket, buf: torch.Tensor | None, dst: int) -> None:
+    def _one(self, k: int, out: Outgoing, version: int | None) -> None:
+        """Every rank, bucket ``k``: its bytes into the buffer of the rank it goes to, whose sink sends it."""
+        dst = self._sink.owner(k) if out.to_owner else 0
+        sink = (out.sink or self._sink) if self._rank == dst else None
+        try:
             try:
-                source.gather(bucket, buf, self._gather_group, dst)
-            except BaseException as e:
-                # Failed inside the collective: leave the group now. Under gloo the ranks waiting in this
-                # gather with us get "connection closed" at once instead of waiting group_timeout, and do
-                # the same in turn; the agreement then names this rank's error, which came first.
-                note_failure_time(e)
-                self._drop_gather_group()
-                raise
-
-        def one(k: int, bucket: Bucket) -> None:
-            dst = part.owner(k) if source.gathers_to_any_rank else 0
-            try:
-                failpoint(f"bucket:{k}", self._rank)
-                buf = part.buffer(k, bucket) if self._rank == dst else None
+                failpoint(out.step.replace(" ", ":"), self._rank)
+                buf = sink.buffer(k, out.bucket) if sink is not None else None
             except BaseException:
                 # Still take part in the bucket's gathers (receiving nothing), so the other ranks are
                 # not left waiting in them for group_timeout; the agreement then fails the step at once.
-                gather(bucket, None, dst)
+                out.fill(None, dst, self._gather_group)
                 raise
-            gather(bucket, buf, dst)
-            if self._rank == dst:
-                part.send(k, bucket, buf, plan.version if k == last else None)
-            if self._rank == 0 and k:
-                bar.update(plan.buckets[k - 1].nbytes)
-
-        try:
-            if self._encoding.sends(plan):
-                return self._encoding.transfer(plan, dict(
-                    agreed=lambda name, fn: self._agreed(name, fn, self._bucket_bound() + SLACK_S), part=part,
-                    group=lambda: self._gather_group, leave_group=self._drop_gather_group, servers=self.servers))
-            for k, bucket in enumerate(plan.buckets):
-                self._agreed(f"bucket {k}", lambda k=k, b=bucket: one(k, b), self._bucket_bound() + SLACK_S)
-        finally:
-            bar.close()
+            out.fill(buf, dst, self._gather_group)
+            if sink is not None:
+                if sink is not self._sink and sink not in self._others:
+                    self._others.append(sink)
+                sink.send(k, out.bucket, buf, version)
+        except BaseException as e:
+            # Failed inside the step: leave the group now. Under gloo the ranks waiting in a gather or a
+            # receive with us get "connection closed" at once instead of waiting group_timeout, and do
+            # the same in turn; the agreement then names this rank's error, which came first.
+            note_failure_time(e)
+            self._drop_gather_group()
+            raise
 
     def _failed(self, version: int, error: BridgeError, began: bool) -> BridgeError:
         """After an agreed failure: rank 0 aborts the transport; the error every rank raises."""
         status = ""
         broken = error.agreement_broken
-        if began and self._part is not None:
-            self._part.abort(ABORT_WAIT_S)
-            if self._part.stops_before_abort and not broken:
-                # Every rank's part stopped and removed its files; only then does rank 0 remove what
+        if began and self._sink is not None:
+            self._abort_sinks()
+            if self._sink.stops_before_abort and not broken:
+                # Every rank's sink stopped and removed its files; only then does rank 0 remove what
                 # they were in (a late file would otherwise be left behind there).
                 try:
-                    self._agree.exchange("parts stopped", None, timeout=ABORT_WAIT_S + SLACK_S)
+                    self._agree.exchange("sinks stopped", None, timeout=ABORT_WAIT_S + SLACK_S)
                 except BridgeError:
                     pass
         if self._rank == 0 and began and self._transport is not None:
@@ -501,8 +534,8 @@ class WeightPublisher:
         note_failure_time(error)
         self._drop_gather_group()
         self._agree.leave(error)
-        if began and self._part is not None:
-            self._part.abort(ABORT_WAIT_S)
+        if began and self._sink is not None:
+            self._abort_sinks()
         if self._rank == 0 and began and self._transport is not None:
             status = _abort_within(self._transport, f"{type(error).__name__} on rank 0", ABORT_WAIT_S)
             if self._fleet is not None:
@@ -511,6 +544,10 @@ class WeightPublisher:
                 logger.warning("%s", status)
 
     # ---------------------------------------------------------------- helpers
+
+    def _abort_sinks(self) -> None:
+        for sink in [*self._others, self._sink]:
+            sink.abort(ABORT_WAIT_S)
 
     def _make_gather_group(self) -> None:
         self._gather_group = dist.new_group(backend=self.config.backend or default_backend(),

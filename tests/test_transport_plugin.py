@@ -119,7 +119,7 @@ def test_the_driver_names_no_transport_and_probes_no_source():
     assert "inspect.signature" not in text and "getattr(source" not in text
     for name in BUILTIN:
         assert not re.search(rf"\b{name}\b", text, re.I), f"bridge/publisher.py names the {name} transport"
-    # Nor does it branch on a transport's kind: every transport-specific step goes through RankPart.
+    # Nor does it branch on a transport's kind: every transport-specific step goes through its Sink.
     tree = ast.parse(text)
     compared = {c.value for node in ast.walk(tree) if isinstance(node, ast.Compare)
                 for c in node.comparators if isinstance(c, ast.Constant)}

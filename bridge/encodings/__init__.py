@@ -4,7 +4,7 @@ See :mod:`bridge.encodings.base` for what an encoding does at each step of a syn
 :mod:`bridge.encodings.delta` for the delta encoding.
 """
 
-from bridge.encodings.base import Encoding
+from bridge.encodings.base import Encoding, Outgoing, Transfer, gathered
 from bridge.encodings.registry import encoding_class, encoding_names, register_encoding
 
-__all__ = ["Encoding", "encoding_class", "encoding_names", "register_encoding"]
+__all__ = ["Encoding", "Outgoing", "Transfer", "encoding_class", "encoding_names", "gathered", "register_encoding"]

@@ -1,133 +1,136 @@
-"""What an encoding does at each step of a sync, and the ``full`` encoding (every tensor, every sync).
+"""What an encoding is: which bytes a sync sends and how they are laid out. The ``full`` encoding is this base.
 
-Every trainer rank has one encoding object per publisher. The publisher (:mod:`bridge.publisher`) calls:
+Every trainer rank has one encoding object per publisher. An encoding never moves bytes itself: it says what
+goes (:class:`Outgoing` buckets) and the publisher's one loop (:mod:`bridge.publisher`) sends each through the
+sink of the rank it is gathered to (:mod:`bridge.transports.sink`). Its surface is six methods, each called by
+the publisher at one step of the sync:
 
-============  ========  ==================================================================================
-method        who       when / what
-============  ========  ==================================================================================
-``prepare``   every     inside the prepare step, before anything moves: this rank's summary (small,
-              rank      picklable; every rank receives every rank's)
-``plan``      every     after prepare, given every rank's summary, identically on every rank
-              rank
-``begin``     rank 0    after the transport opened the sync (servers paused, sessions open): the decision
-                        of this sync, which reaches every rank's ``decided``
-``transfer``  every     instead of the publisher's own bucket loop, when ``sends`` says so
-              rank
-``settle``    rank 0    wait for what ``transfer`` left in flight
-``committed`` every     the version is live on every server
-              rank
-``failed``    every     the sync failed at any step: undo what ``prepare`` changed
-              rank
-============  ========  ==================================================================================
+================  ========  =============================================================================
+method            who       when / what
+================  ========  =============================================================================
+``prepare``       every     the prepare step, before anything moves: this rank's summary (a small picklable
+                  rank      dataclass; every rank receives every rank's)
+``plan``          every     after prepare, given every rank's summary, identically on every rank: sets
+                  rank      ``plan.encoded`` (an :class:`~bridge.plan.Encoded` dataclass, or None)
+``decide``        rank 0    the begin step, servers paused: this sync's decision (``plan.decision`` on every
+                            rank; a delta or an anchor, say)
+``buckets``       every     after begin: the buckets to send (:class:`Transfer`)
+                  rank
+``end``           every     the sync committed (``committed=True``) or failed at any step (False: undo what
+                  rank      ``prepare`` changed; ``plan`` is None when it failed before it was planned)
+``differs``       every     on a retry of the last version, only for an encoding that keeps what it
+                  rank      published (``fingerprints = False``): why these weights are not those
+================  ========  =============================================================================
 
-``transferred`` (every rank, as the settle step begins) says this rank's part of the transfer is done. ``run``
-wraps each ``publish()``. A retry of the last version is safe only with the weights it published:
-``differs`` (every rank, on a retry, before ``prepare``) says why not; ``fingerprint`` (every rank, in the
-prepare step of a new version) starts taking what it will compare with, and ``fingerprinted`` (every rank,
-at settle) waits for it, as the weights may change once ``publish()`` returns.
+What :class:`~bridge.result.PublishResult` reports of the encoding is ``plan.encoded.report()``.
 
-The ``full`` encoding (:mod:`bridge.encodings.full`) is this base class: it fingerprints a version by each
-rank's digest of its shards (taken on a thread while the buckets travel), does nothing at the other steps,
-and the publisher gathers and sends every tensor.
+The publisher, not the encoding, owns the version and retry decisions (:mod:`bridge.versions`): a retry of the
+last version is safe only with the weights it published, which the publisher tells by a digest of each rank's
+shards (``fingerprints = True``) or, for an encoding that keeps them (the delta's base), by its ``differs``;
+a sync a server refused for its encoding (``DeltaBaseMismatch``) is published again at once as a full sync,
+with ``plan.forced`` saying why.
+
+An encoding is one module: a subclass registered with :func:`bridge.encodings.registry.register_encoding`,
+and its module name in the registry's ``BUILTIN`` (or imported by the program). docs/architecture.md,
+"Writing an encoding", shows one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.errors import ConfigError
+import torch
 
-__all__ = ["Encoding"]
+from bridge.buckets import Bucket
+from bridge.errors import ConfigError
+from bridge.plan import Plan
+
+__all__ = ["Encoding", "Outgoing", "Transfer", "gathered"]
+
+
+@dataclass
+class Outgoing:
+    """One bucket a sync sends: what the sink receives, and how its bytes get into the sink's buffer."""
+
+    step: str
+    """The name of its agreed step (``bucket 3``); its failpoint is the name with ``:`` for the space."""
+    bucket: Bucket
+    """What the sink receives: names, dtypes, shapes and layout of the bytes, and the request's extra fields.
+    Needed on the rank it is gathered to (the other ranks may give its specs alone)."""
+    fill: Callable[[torch.Tensor | None, int, Any], None]
+    """``fill(buf, dst, group)``, on every rank at once: the bytes into ``buf`` (``bucket.nbytes``) on rank
+    ``dst`` (``buf`` is None on the other ranks, and on ``dst`` when its sink gave no buffer: it then only
+    takes part), over the gather group."""
+    to_owner: bool = False
+    """Gathered to the rank its sink names (``Sink.owner``); else to rank 0."""
+    sink: Any = None
+    """Rank 0: the :class:`~bridge.transports.sink.Sink` it goes to instead of rank 0's own (None: its own)."""
+
+
+@dataclass
+class Transfer:
+    """What one sync sends: its buckets in order (the last one carries the version)."""
+
+    buckets: list[Outgoing]
+    sent: Callable[[], None] | None = None
+    """Every rank, once every bucket was sent (the settle step begins): work that may start then."""
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(o.bucket.nbytes for o in self.buckets)
+
+
+def gathered(plan: Plan) -> list[Outgoing]:
+    """Every tensor of ``plan``, bucket by bucket, gathered from the weight source as the wire specs say (to the
+    sink's owner when the source can gather to any rank)."""
+    source = plan.source
+    return [Outgoing(f"bucket {k}", b, lambda buf, dst, group, b=b: source.gather(b, buf, group, dst),
+                     to_owner=source.gathers_to_any_rank) for k, b in enumerate(plan.buckets)]
 
 
 class Encoding:
     """The ``full`` encoding, and the base of every other (see the module docstring)."""
 
     name = "full"
+    any_transport = True
+    """Its buckets are plain named tensors, which every transport carries; False: only a transport that lists it
+    in ``Transport.encodings`` carries it (a delta bucket needs one that passes its table on)."""
+    fingerprints = True
+    """The publisher takes a digest of each rank's shards at each new version, to tell a safe retry; False
+    for an encoding whose own state tells it (:meth:`differs`)."""
 
     def __init__(self, config, rank: int, world: int):
         self.config, self.rank, self.world = config, rank, world
-        # This rank's digest of its shards: the one this sync takes (a 1-tuple of its Future, or of None when the
-        # source has no digest; None when the sync takes none: a retry, the weights are the same) and the last
-        # version's.
-        self._pending: tuple | None = None
-        self._published: int | None = None
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
-        """A ConfigError when the transport cannot carry this encoding."""
-        if cls.name not in transport_cls.encodings:
+        """A ConfigError when the transport cannot carry this encoding, or its settings are wrong."""
+        if not cls.any_transport and cls.name not in transport_cls.encodings:
             raise ConfigError(f"the {transport_cls.name} transport cannot send the {cls.name} encoding; it sends "
                               f"{', '.join(transport_cls.encodings)} (encoding='delta' needs broadcast or colocated)")
 
-    def run(self, publish: Callable[[], Any]) -> Any:
-        """Every rank: run one ``publish()`` (the delta encoding runs it again, as an anchor, when a server
-        refused a delta)."""
-        return publish()
-
     def prepare(self, source, specs) -> Any:
-        """Every rank: this rank's summary for :meth:`plan`."""
+        """Every rank: this rank's summary for :meth:`plan` (None: nothing to say)."""
         return None
 
-    def plan(self, plan, summaries: list) -> None:
-        """Every rank: what the summaries of every rank say (the same on every rank)."""
+    def plan(self, plan: Plan, summaries: list) -> None:
+        """Every rank: what every rank's summary says, the same on every rank, into ``plan.encoded``."""
 
-    def begin(self, plan, transport) -> Any:
-        """Rank 0: the decision of this sync, handed to every rank's :meth:`decided`."""
+    def decide(self, plan: Plan, servers) -> Any:
+        """Rank 0, once the servers are paused (``servers``: the :class:`bridge.client.ServerGroup`, or None):
+        this sync's decision, which becomes ``plan.decision`` on every rank."""
         return None
 
-    def decided(self, plan, decision: Any) -> None:
-        """Every rank: rank 0's decision."""
+    def buckets(self, plan: Plan) -> Transfer:
+        """Every rank: what this sync sends. Here: every tensor."""
+        return Transfer(gathered(plan))
 
-    def sends(self, plan) -> bool:
-        """True when :meth:`transfer` moves this sync's bytes instead of the publisher's bucket loop."""
-        return False
-
-    def transfer(self, plan, steps) -> None:
-        """Every rank: move the bytes (see :class:`bridge.encodings.delta.DeltaEncoding`)."""
-        raise NotImplementedError
-
-    def settle(self) -> None:
-        """Rank 0: wait for what :meth:`transfer` left in flight."""
-
-    def transferred(self) -> None:
-        """Every rank, as the settle step begins: this rank's part of the transfer is done."""
-
-    def committed(self, plan) -> None:
-        """Every rank: the sync committed."""
-        if self._pending is not None:  # (taken: fingerprinted waited for it)
-            (future,), self._pending = self._pending, None
-            self._published = future.result() if future is not None else None
+    def end(self, plan: Plan | None, committed: bool) -> None:
+        """Every rank: the sync committed, or failed (then undo what :meth:`prepare` changed; never raises)."""
 
     def differs(self, source, specs) -> str | None:
-        """Every rank, on a retry of the last version (before :meth:`prepare`): why this rank's weights are not the
-        ones it published then, or cannot be shown to be; None when they are (the retry is safe). Here: this
-        rank's digest of its shards (``local_digest``) against the one taken then."""
-        digest = source.digest()
-        if digest is None:
-            return "the weight source has no local_digest(), so a retry cannot be told from new weights"
-        return None if digest == self._published else "other weights"
-
-    def fingerprint(self, source) -> None:
-        """Every rank, in the prepare step of a new version: start taking what :meth:`differs` compares with at a
-        retry. Here: this rank's digest, on a thread while the buckets travel."""
-        self._pending = (source.digest_in_background(),)
-
-    def fingerprinted(self) -> None:
-        """Every rank, at settle: the fingerprint is taken (the weights may change once ``publish`` returns);
-        an error taking it fails the sync."""
-        if self._pending is not None and self._pending[0] is not None:
-            self._pending[0].result()
-
-    def failed(self, plan) -> None:
-        """Every rank: the sync failed; undo what :meth:`prepare` changed. Never raises."""
-        self._pending = None  # (the last version's digest stays)
-
-    def result(self, plan) -> dict:
-        """What :class:`bridge.publisher.PublishResult` reports of the encoding."""
-        return {"encoding": "full"}
-
-    def close(self) -> None:
-        """The publisher is closed."""
-
+        """Every rank, on a retry of the last version, when :attr:`fingerprints` is False: why this rank's weights
+        are not the ones it published then, or cannot be shown to be; None when they are (the retry is safe)."""
+        return f"the {self.name} encoding keeps nothing to compare the weights with"

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -47,13 +46,14 @@ from bridge.delta_codec import (
     piece_crc,
     record_nbytes,
 )
-from bridge.encodings.base import Encoding
+from bridge.encodings.base import Encoding, Transfer, gathered
 from bridge.encodings.registry import register_encoding
-from bridge.errors import ConfigError, DeltaBaseMismatch
+from bridge.errors import ConfigError
 from bridge.log import fmt_bytes, get_logger
+from bridge.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
 
-__all__ = ["DeltaBucket", "DeltaEncoding", "DeltaPlan"]
+__all__ = ["Decision", "DeltaBucket", "DeltaEncoding", "DeltaPlan", "DeltaSummary"]
 
 logger = get_logger(__name__)
 
@@ -68,6 +68,38 @@ def _sample(flat: torch.Tensor) -> torch.Tensor:
     span = _SAMPLE_BLOCK * _SAMPLE_EVERY
     m = flat.numel() // span
     return flat[: m * span].view(m, span)[:, :_SAMPLE_BLOCK] if m else flat
+
+
+@dataclass
+class DeltaSummary:
+    """One rank's summary of its shards against its base, from the prepare step (every rank receives every rank's)."""
+
+    skip: str | None = None
+    """Why this rank knows, before diffing, that the sync is an anchor (then it did not diff); None: it diffed."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """name -> this rank's encoded bytes of that tensor (tensors that did not change are absent)."""
+    whole: list[str] = field(default_factory=list)
+    """The tensors this rank holds whole (not sharded)."""
+    changed: int = 0
+    """Elements of this rank's shards that changed (estimated when ``skip``)."""
+    numel: int = 0
+    """Elements of this rank's shards."""
+    fresh: bool = False
+    """A tensor is new to this rank's base (or changed shape): the sync must be an anchor."""
+    crcs: list[tuple[str, int, int, int]] = field(default_factory=list)
+    """(name, start, length, CRC32) of each of this rank's base pieces, as last committed."""
+    probes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """name -> [(flat position, base bits)]: base values the SGLang loader checks before it applies."""
+
+
+@dataclass
+class Decision:
+    """Rank 0's decision at begin, once the servers are paused (every rank receives it)."""
+
+    reason: str | None
+    """Why this sync is an anchor (a full sync); None for a delta."""
+    via: str | None
+    """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
 
 
 @dataclass
@@ -86,7 +118,7 @@ class DeltaBucket:
 
 
 @dataclass
-class DeltaPlan:
+class DeltaPlan(Encoded):
     """What the delta encoding decided for one sync (the same on every rank)."""
 
     buckets: list[DeltaBucket]
@@ -100,12 +132,20 @@ class DeltaPlan:
     """Why this sync is an anchor (a full sync); None for a delta."""
     via: str | None = None
     """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
-    probes: dict = field(default_factory=dict)
-    """name -> {"shape", "items": [(flat position, base bits)]}: base values the SGLang loader checks."""
+    probes: dict[str, dict] = field(default_factory=dict)
+    """name -> {"shape", "items": [(flat position, base bits)]}: base values the SGLang loader checks (sent as
+    the table's ``probes``, JSON, as is)."""
+
+    base_bytes: int = 0
+    """This rank's memory for its base (reported as ``PublishResult.base_bytes``)."""
 
     @property
     def mode(self) -> str:
         return "anchor" if self.reason is not None else "delta"
+
+    def report(self) -> EncodingReport:
+        return EncodingReport(self.mode, self.reason, self.changed / max(1, self.numel), self.base_bytes,
+                              sum(b.nbytes for b in self.buckets) if self.mode == "delta" else None)
 
 
 @dataclass
@@ -130,6 +170,8 @@ class _Held:
 @register_encoding
 class DeltaEncoding(Encoding):
     name = "delta"
+    any_transport = False  # a delta bucket's table must reach the servers: broadcast and colocated pass it on
+    fingerprints = False  # the base is what was published: differs compares with it
 
     def __init__(self, config, rank: int, world: int):
         super().__init__(config, rank, world)
@@ -138,11 +180,10 @@ class DeltaEncoding(Encoding):
         self.since_anchor = 0
         self.changes: dict[str, _Change] = {}
         self.probes: dict[str, list] = {}  # name -> [(flat position, base bits)]: for the SGLang loader's check
-        self.force_reason: str | None = None  # rank 0: the next sync is an anchor, for this reason
+        self.anchor_next: str | None = None  # rank 0: the next sync is an anchor, for this reason
         self._crcs: cf.Future | None = None
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync-base-crc")
-        self._sender = None
         self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
+        self._servers = None  # rank 0: the servers of the sync in progress (from decide)
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
         self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
@@ -159,13 +200,6 @@ class DeltaEncoding(Encoding):
     def base_bytes(self) -> int:
         """This rank's memory for its base: its shard in the serving dtype (2 bytes per parameter in bf16)."""
         return sum(h.base.numel() * h.base.element_size() for h in self.base.values())
-
-    def run(self, publish):
-        try:
-            return publish()
-        except DeltaBaseMismatch as e:  # nothing was applied: send the whole model instead, as the same version
-            self.force_reason = f"a server refused the delta: {e}"
-            return publish()
 
     # ------------------------------------------------------------------ a retry: the base is what was published
 
@@ -188,16 +222,10 @@ class DeltaEncoding(Encoding):
                 return f"other weights ({sh.spec.name} changed)"
         return None
 
-    def fingerprint(self, source) -> None:
-        """(The base is the fingerprint: nothing to take.)"""
-
-    def fingerprinted(self) -> None:
-        """(Nothing to wait for.)"""
-
     # ------------------------------------------------------------------ prepare: diff against the base
 
     @torch.no_grad()
-    def prepare(self, source, specs: list[ParamSpec]) -> dict:
+    def prepare(self, source, specs: list[ParamSpec]) -> DeltaSummary:
         source.require(("local_shards",), "the delta encoding")
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
         self.changes, self.probes, self._refresh, self._stale = {}, {}, None, None
@@ -207,8 +235,7 @@ class DeltaEncoding(Encoding):
         if skip is not None:  # an anchor for sure: no diff; the base becomes the weights once they are sent
             reason, changed, numel = skip
             self._stale = [sh for sh in shards if sh.local is not None]
-            return {"skip": reason, "sizes": {}, "whole": whole, "changed": changed, "numel": numel, "fresh": False,
-                    "crcs": crcs, "probes": {}}
+            return DeltaSummary(skip=reason, whole=whole, changed=changed, numel=numel, crcs=crcs)
         sizes, changed, numel, fresh = {}, 0, 0, False
         for sh in shards:
             if sh.local is None:
@@ -221,8 +248,8 @@ class DeltaEncoding(Encoding):
             sizes[sh.spec.name] = ch.nbytes
             changed += ch.count
             fresh |= ch.old is None
-        return {"skip": None, "sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh,
-                "crcs": crcs, "probes": self.probes}
+        return DeltaSummary(skip=None, sizes=sizes, whole=whole, changed=changed, numel=numel, fresh=fresh, crcs=crcs,
+                            probes=self.probes)
 
     def _anchor_ahead(self, owned: list) -> tuple[str, int, int] | None:
         """(why, estimated changed elements, elements) when this rank knows before diffing that the sync will be
@@ -323,26 +350,27 @@ class DeltaEncoding(Encoding):
 
     # ------------------------------------------------------------------ plan: the same on every rank
 
-    def plan(self, plan, summaries: list[dict]) -> None:
+    def plan(self, plan, summaries: list[DeltaSummary]) -> None:
         cfg = self.config
         world = len(summaries)
-        changed, numel = sum(s["changed"] for s in summaries), sum(s["numel"] for s in summaries)
-        whole = set(summaries[0]["whole"])
+        changed, numel = sum(s.changed for s in summaries), sum(s.numel for s in summaries)
+        whole = set(summaries[0].whole)
         crcs: dict[str, list] = {}
         for s in summaries:
-            for name, start, length, crc in s["crcs"]:
+            for name, start, length, crc in s.crcs:
                 crcs.setdefault(name, []).append((name, start, length, crc))
         buckets = self._buckets([spec for b in plan.buckets for spec in b.specs], summaries, whole, crcs)
         total = sum(sum(b.sizes) for b in buckets)
-        enc = DeltaPlan(buckets, total, plan.nbytes, changed, numel, self.base_version, world)
+        enc = DeltaPlan(buckets, total, plan.nbytes, changed, numel, self.base_version, world,
+                        base_bytes=self.base_bytes)
         shapes = {s.name: list(s.shape) for b in plan.buckets for s in b.specs}
         for s in summaries:
-            for name, items in s["probes"].items():
+            for name, items in s.probes.items():
                 enc.probes.setdefault(name, {"shape": shapes[name], "items": []})["items"] += items
-        if self.base_version is None or any(s["fresh"] for s in summaries):
+        if self.base_version is None or any(s.fresh for s in summaries):
             enc.reason = "no base yet" if self.base_version is None else "the trainer's tensors changed shape"
-        elif any(s["skip"] for s in summaries):
-            enc.reason = next(s["skip"] for s in summaries if s["skip"])
+        elif any(s.skip for s in summaries):
+            enc.reason = next(s.skip for s in summaries if s.skip)
         elif self.since_anchor + 1 >= cfg.delta_anchor_every:
             enc.reason = f"an anchor every {cfg.delta_anchor_every} versions (delta_anchor_every)"
         elif total > cfg.delta_max_fraction * plan.nbytes:
@@ -350,17 +378,17 @@ class DeltaEncoding(Encoding):
                           f"{fmt_bytes(plan.nbytes)}, over delta_max_fraction={cfg.delta_max_fraction:g}")
         plan.encoded = enc
 
-    def _buckets(self, specs: list[ParamSpec], summaries: list[dict], whole: set, crcs: dict) -> list[DeltaBucket]:
+    def _buckets(self, specs: list[ParamSpec], summaries: list[DeltaSummary], whole: set, crcs: dict) -> list[DeltaBucket]:
         budget, out, cur, size = self.config.bucket_bytes, [], [], 0
 
         def close() -> None:
-            sizes = [sum(s["sizes"].get(sp.name, 0) for sp in cur) for s in summaries]
+            sizes = [sum(s.sizes.get(sp.name, 0) for sp in cur) for s in summaries]
             entries = [e for sp in cur for e in crcs.get(sp.name, [])]
             out.append(DeltaBucket(list(cur), sizes, [sp.name for sp in cur if sp.name in whole],
                                    combine_digest(entries) if entries else None))
 
         for spec in specs:
-            n = sum(s["sizes"].get(spec.name, 0) for s in summaries)
+            n = sum(s.sizes.get(spec.name, 0) for s in summaries)
             if cur and size + n > budget:
                 close()
                 cur, size = [], 0
@@ -372,19 +400,24 @@ class DeltaEncoding(Encoding):
 
     # ------------------------------------------------------------------ begin (rank 0) and the decision
 
-    def begin(self, plan, transport) -> dict:
+    def decide(self, plan, servers) -> Decision:
         from bridge.encodings.delta_send import delta_route
 
         enc = plan.encoded
-        self._into_real_sglang = not all(c.stages_updates for c in transport.servers.clients)
-        reason, via = enc.reason or self.force_reason, None
+        self._servers = servers
+        self._into_real_sglang = not all(c.stages_updates for c in servers.clients)
+        reason, via = enc.reason or plan.forced or self.anchor_next, None
         if reason is None:
-            reason, via = delta_route(transport.servers, self.base_version)
-        return {"reason": reason, "via": via}
+            reason, via = delta_route(servers, self.base_version)
+        return Decision(reason, via)
 
-    def decided(self, plan, decision: dict) -> None:
+    # ------------------------------------------------------------------ the buckets: an anchor's or the delta's
+
+    def buckets(self, plan) -> Transfer:
+        from bridge.encodings.delta_send import delta_buckets
+
         enc = plan.encoded
-        enc.reason, enc.via = decision["reason"], decision["via"]
+        enc.reason, enc.via = plan.decision.reason, plan.decision.via
         if self.rank == 0:
             if enc.reason is not None:
                 logger.info("version %d: an anchor (full sync): %s", plan.version, enc.reason)
@@ -393,42 +426,38 @@ class DeltaEncoding(Encoding):
                             "%.2f%% of the elements changed", plan.version, enc.base_version, fmt_bytes(enc.nbytes),
                             len(enc.buckets), 100 * enc.nbytes / max(1, enc.full_bytes), fmt_bytes(enc.full_bytes),
                             100 * enc.changed / max(1, enc.numel))
+        if enc.mode == "delta":
+            return Transfer(delta_buckets(self, plan, self._servers if self.rank == 0 else None))
+        return Transfer(gathered(plan), sent=self._sent)
 
-    def sends(self, plan) -> bool:
-        return plan.encoded is not None and plan.encoded.mode == "delta"
-
-    def transfer(self, plan, steps) -> None:
-        from bridge.encodings.delta_send import transfer
-
-        self._sender = transfer(self, plan, steps)
-
-    def settle(self) -> None:
-        if self._sender is not None:
-            self._sender.settle()
-
-    def transferred(self) -> None:
+    def _sent(self) -> None:
         """An anchor decided before diffing: the base takes the weights now, on a thread, while the servers take
-        the last bucket and the commit (the transfer's gathers are not slowed by it); ``committed`` waits."""
-        if self._stale is not None:
-            self._refresh, self._stale = self._pool.submit(self._copy_into_base, self._stale), None  # (copy_ frees the GIL)
+        the last bucket and the commit (the transfer's gathers are not slowed by it); ``end`` waits."""
+        if self._stale is not None:  # (copy_ frees the GIL)
+            self._refresh, self._stale = _in_background(self._copy_into_base, self._stale), None
 
     # ------------------------------------------------------------------ the end of a sync
 
     @torch.no_grad()
-    def committed(self, plan) -> None:
+    def end(self, plan, committed: bool) -> None:
+        if committed:
+            self._committed(plan)
+        else:
+            self._failed()
+        self._servers = None
+
+    def _committed(self, plan) -> None:
         enc = plan.encoded
         if self._refresh is not None:  # an anchor decided before diffing: its base copy ran beside the settle step
             self._refresh.result()
-        self.changes, self._sender, self.force_reason, self._into_real_sglang = {}, None, None, False
+        self.changes, self.anchor_next, self._into_real_sglang = {}, None, False
         self._refresh = None
         self.base_version = plan.version
         self.since_anchor = 0 if enc.mode == "anchor" else self.since_anchor + 1
         pieces = [(name, h.start, h.base) for name, h in self.base.items()]
-        self._crcs = self._pool.submit(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
+        self._crcs = _in_background(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
 
-    @torch.no_grad()
-    def failed(self, plan) -> None:
-        self._sender = None  # (plan is None when the sync failed before it was planned)
+    def _failed(self) -> None:
         self._stale = None
         if self._refresh is not None:  # the base was being overwritten with weights no server holds: drop it
             self._refresh.exception()
@@ -446,19 +475,16 @@ class DeltaEncoding(Encoding):
                 held.base[ch.positions.to(held.base.device, torch.int64)] = ch.old
         self.changes = {}
         if self._into_real_sglang:  # it loads buckets as they arrive: it may hold part of the failed sync
-            self.force_reason = self.force_reason or "the last sync failed, and real SGLang may hold part of it"
+            self.anchor_next = self.anchor_next or "the last sync failed, and real SGLang may hold part of it"
         self._into_real_sglang = False
 
-    def result(self, plan) -> dict:
-        enc = plan.encoded
-        if enc is None:
-            return {"encoding": "full"}
-        out: dict[str, Any] = {"encoding": enc.mode, "anchor_reason": enc.reason,
-                               "changed_fraction": enc.changed / max(1, enc.numel), "base_bytes": self.base_bytes}
-        if enc.mode == "delta":
-            out["bytes"] = sum(b.nbytes for b in enc.buckets)
-        return out
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+_base_thread: cf.ThreadPoolExecutor | None = None
 
+
+def _in_background(fn, *args) -> cf.Future:
+    """``fn(*args)`` on the delta's one thread for the life of the process (starting one per sync cost ms)."""
+    global _base_thread
+    if _base_thread is None:
+        _base_thread = cf.ThreadPoolExecutor(1, thread_name_prefix="wsync-base-crc")
+    return _base_thread.submit(fn, *args)

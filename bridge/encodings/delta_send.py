@@ -1,11 +1,12 @@
-"""How a delta moves: each rank encodes its own pieces, rank 0 receives them and sends each delta bucket.
+"""How a delta's buckets are formed: each rank encodes its own pieces, rank 0 receives them, and where they go.
 
-Per delta bucket (:class:`bridge.encodings.delta.DeltaBucket`), in one agreed step: every rank writes the
-records of its own pieces (its sizes are known to every rank since prepare); rank 0 writes its own at the
-start of the bucket's wire buffer and receives each other rank's straight after them (one point-to-point
-receive per rank on the gather group, no padding, no full tensor anywhere), then sends the buffer:
+Per delta bucket (:class:`bridge.encodings.delta.DeltaBucket`), in one agreed step of the publisher's loop:
+every rank writes the records of its own pieces (its sizes are known to every rank since prepare); rank 0
+writes its own at the start of the bucket's wire buffer and receives each other rank's straight after them
+(one point-to-point receive per rank on the gather group, no padding, no full tensor anywhere), then the
+publisher sends the buffer through rank 0's sink:
 
-* to the project's reference servers (``via="native"``), through the transport itself, as a bucket of one
+* to the project's reference servers (``via="native"``), through rank 0's sink (its transport), as a bucket of one
   uint8 tensor named :data:`DELTA_TENSOR` whose request carries the delta's table (``wsync_delta``: base
   version and digest, the layout of the trainer's pieces, names, dtypes, shapes). The broadcast transport
   broadcasts it on its group, the colocated one hands it over in a shared-memory file;
@@ -23,19 +24,18 @@ from __future__ import annotations
 import base64
 import json
 import pickle
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bridge.agreement import note_failure_time
 from bridge.buckets import Bucket
 from bridge.delta_codec import BITMASK, DELTA_TENSOR, write_record
-from bridge.failpoints import failpoint
+from bridge.encodings.base import Outgoing
 from bridge.tensors import ParamSpec, dtype_to_str
 from bridge.transports.sessions import bucket_answers
+from bridge.transports.sink import Sink
 
-__all__ = ["LOADER", "LoaderSender", "delta_route", "table", "transfer"]
+__all__ = ["LOADER", "LoaderSink", "delta_buckets", "delta_route", "table"]
 
 LOADER = "bridge.sglang_delta_loader.load_delta"
 """The loader real SGLang calls for a delta: ``--custom-weight-loader`` and ``load_format`` name it."""
@@ -82,43 +82,35 @@ def table(db, enc, version: int, first: bool) -> dict:
     return out
 
 
-def transfer(encoding, plan, steps) -> Any:
-    """Every rank: send ``plan``'s delta buckets, each in one agreed step; rank 0's sender (for ``settle``)."""
+def delta_buckets(encoding, plan, servers) -> list[Outgoing]:
+    """Every rank: ``plan``'s delta buckets, each gathered to rank 0 (its own records first, then each other
+    rank's); ``servers`` (rank 0): where the loader's sink sends them, for real SGLang."""
     enc = plan.encoded
-    sender = None
-    if encoding.rank == 0:
-        sender = NativeSender(steps["part"]) if enc.via == "native" else LoaderSender(steps["servers"], encoding.config)
-    last = len(enc.buckets) - 1
+    sink = LoaderSink(servers, encoding.config) if encoding.rank == 0 and enc.via == "loader" else None
+    out = []
     for j, db in enumerate(enc.buckets):
-        version = plan.version if j == last else None
-        steps["agreed"](f"delta {j}", lambda j=j, db=db, v=version: _one(encoding, plan, j, db, sender, v, steps))
-    return sender
+        extra = {"wsync_delta": table(db, enc, plan.version, j == 0)} if encoding.rank == 0 else {}
+        bucket = Bucket([ParamSpec(DELTA_TENSOR, (db.nbytes,), torch.uint8)], extra=extra)
+        out.append(Outgoing(f"delta {j}", bucket, lambda buf, dst, group, db=db: _fill(encoding, db, buf, dst, group),
+                            sink=sink))
+    return out
 
 
-def _one(encoding, plan, j: int, db, sender, version: int | None, steps) -> None:
-    rank = encoding.rank
-    own = db.sizes[rank]
-    group = steps["group"]()
-    try:
-        failpoint(f"delta:{j}", rank)
-        if rank != 0:
-            if own:
-                out = torch.empty(own, dtype=torch.uint8, device=_p2p_device(group))
-                _encode(encoding, db, out)
-                dist.send(out, dst=0, group=group)
-            return
-        bucket = Bucket([ParamSpec(DELTA_TENSOR, (db.nbytes,), torch.uint8)],
-                        extra={"wsync_delta": table(db, plan.encoded, plan.version, j == 0)})
-        buf = sender.buffer(j, bucket)
-        _encode(encoding, db, buf[:own])
-        buf[sum(db.sizes):].zero_()
-        _receive(buf, db.sizes, group)
-        sender.send(j, bucket, buf, version)
-    except BaseException as e:
-        # Leave the gather group, so that a rank waiting in a send or receive with this one fails at once.
-        note_failure_time(e)
-        steps["leave_group"]()
-        raise
+def _fill(encoding, db, buf: torch.Tensor | None, dst: int, group) -> None:
+    """Every rank: this rank's records of bucket ``db``; rank ``dst`` (0) writes its own at the start of ``buf``
+    and receives each other rank's straight after them, the others send theirs."""
+    own = db.sizes[encoding.rank]
+    if encoding.rank != dst:
+        if own:
+            out = torch.empty(own, dtype=torch.uint8, device=_p2p_device(group))
+            _encode(encoding, db, out)
+            dist.send(out, dst=dst, group=group)
+        return
+    if buf is None:  # (its sink gave no buffer: the step fails on this rank, which leaves the group)
+        return
+    _encode(encoding, db, buf[:own])
+    buf[sum(db.sizes):].zero_()
+    _receive(buf, db.sizes, group)
 
 
 def _p2p_device(group) -> torch.device:
@@ -157,24 +149,9 @@ def _encode(encoding, db, out: torch.Tensor) -> None:
         raise RuntimeError(f"encoded {at} bytes of a delta bucket, planned {out.numel()}")
 
 
-class NativeSender:
-    """Rank 0: a delta bucket goes through the transport's own part, as any bucket (reference servers)."""
-
-    def __init__(self, part):
-        self.part = part
-
-    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
-        return self.part.buffer(k, bucket)
-
-    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
-        self.part.send(k, bucket, buf, version)
-
-    def settle(self) -> None:
-        """(The publisher's settle step settles the transport.)"""
-
-
-class LoaderSender:
-    """Rank 0: each delta bucket as ``/update_weights_from_tensor`` to every server, for SGLang's loader."""
+class LoaderSink(Sink):
+    """Rank 0's sink of a delta for real SGLang: each delta bucket as ``/update_weights_from_tensor`` to every
+    server, for SGLang's loader, one in flight at most."""
 
     def __init__(self, servers, config):
         self.servers, self.config = servers, config
@@ -199,4 +176,7 @@ class LoaderSender:
             return
         (k, futures), self._inflight = self._inflight, None
         bucket_answers(self.servers.clients, futures, k, self.config.http_timeout, "http_timeout")
+
+    def abort(self, seconds: float) -> None:
+        self._inflight = None  # (the transport's abort gives the servers back)
 

@@ -1,4 +1,4 @@
-"""The lifecycle every transport follows, the per-rank part of a sync, and the server bookkeeping that
+"""The lifecycle every transport follows, which sink each rank uses, and the server bookkeeping that
 broadcast and colocated share.
 
 :class:`bridge.publisher.WeightPublisher` drives one sync as a fixed sequence of steps; after each
@@ -10,26 +10,26 @@ method        who       what
 ============  ========  ==================================================================================
 ``begin``     rank 0    open the sync: check the version, take the servers (one writer at a time,
                         :class:`ServerSessions`), connect (process group), pause generation, open update
-                        sessions. Nothing has moved yet. What it returns reaches every rank's part.
+                        sessions. Nothing has moved yet. What it returns reaches every rank's sink.
 ``buffer``    rank 0    the uint8 tensor bucket ``k`` is gathered into (every rank then gathers into it).
 ``send``      rank 0    put bucket ``k`` on its way; may return before it arrived (the gather of bucket
                         ``k+1`` overlaps it). The last bucket carries the version.
-``settle``    rank 0    wait until the bucket in flight arrived everywhere; raise if it did not. At most
+``settle``    rank 0    wait until every bucket sent arrived everywhere; raise if one did not. At most
                         one bucket is in flight, so rank 0 holds at most about two buckets.
 ``commit``    rank 0    make the version live on every server (end the session, or announce a snapshot),
-                        given what every rank's part reported at settle.
+                        given what every rank's sink reported at settle.
 ``abort``     rank 0    after a failure on any rank, at any step: leave every server serving its previous
                         version, unpaused, with no open session, and let go of it. Bounded in time, never
                         raises; returns a line saying what the servers serve now.
 ``close``     rank 0    release connections (the publisher is closed).
 ============  ========  ==================================================================================
 
-Every rank also has a :class:`RankPart`, made by ``Transport.rank_part``: which rank receives bucket
-``k`` (``owner``), and what that rank does with it (``buffer``, ``send``), what it reports at ``settle``,
-how it stops (``abort``). The default part sends every bucket from rank 0 through the transport's
-methods above; disk with ``disk_writers="all"`` gives every rank a part that writes its own shards
-(:class:`bridge.transports.disk.ShardWriter`), which is how a transport gives its ranks work of their
-own without the driver knowing it.
+Every rank also has a :class:`~bridge.transports.sink.Sink`, chosen by ``Transport.sink``: what receives
+the buckets gathered to that rank (``buffer``, ``send``, ``settle``, ``abort``), and which rank receives
+bucket ``k`` (``owner``). By default rank 0's sink is its transport (the methods above, one bucket in flight)
+and the other ranks receive nothing; disk with ``disk_writers="all"`` gives every rank a sink that writes its
+own shards (:class:`bridge.transports.disk.ShardWriter`), which is how a transport gives its ranks work of
+their own without the driver knowing it.
 
 A transport also declares, as class attributes: ``name`` and ``aliases`` (it registers itself with
 :func:`bridge.transports.register`), ``Options`` (a dataclass of its own settings, checked in its
@@ -61,6 +61,7 @@ import torch
 from bridge.buckets import Bucket
 from bridge.errors import ConfigError
 from bridge.log import get_logger
+from bridge.plan import Plan
 from bridge.transports.sessions import (  # noqa: F401 (re-exported: a transport of one file imports them from here)
     ServerSessions,
     bucket_answers,
@@ -68,34 +69,12 @@ from bridge.transports.sessions import (  # noqa: F401 (re-exported: a transport
     discard_session,
     pause_mode_for,
 )
+from bridge.transports.sink import Sink, TransportSink
 
-__all__ = ["NoOptions", "Plan", "RankPart", "ServerSessions", "SessionOptions", "Transport", "is_local", "option",
+__all__ = ["NoOptions", "Plan", "ServerSessions", "Sink", "SessionOptions", "Transport", "is_local", "option",
            "pause_mode_for"]
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class Plan:
-    """What one sync moves: known on every rank before the first byte moves."""
-
-    version: int
-    buckets: list[Bucket]
-    source: Any = None
-    """The :class:`bridge.sources.WeightSource` being published."""
-    retried: bool = False
-    """True when this republishes the last version with identical weights (a safe retry)."""
-    phases: dict[str, float] = field(default_factory=dict)
-    encoded: Any = None
-    """What the encoding (:mod:`bridge.encodings`) planned for this sync; None for ``full``."""
-    served_digest: str | None = None
-    """The digest of these weights as servers serve them (:mod:`bridge.labels`), when this sync took one."""
-    record_labels: list[str] = field(default_factory=list)
-    """Real SGLang servers whose label this sync records at commit, with ``served_digest`` (:mod:`bridge.labels`)."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
 
 
 def option(default: Any, help: str) -> Any:
@@ -150,7 +129,8 @@ class Transport:
     anything moves): any of :data:`bridge.sources.CAPABILITIES`."""
 
     encodings: tuple[str, ...] = ("full",)
-    """The encodings (:mod:`bridge.encodings`) this transport can carry."""
+    """The encodings (:mod:`bridge.encodings`) this transport can carry; an encoding of plain named tensors
+    (``Encoding.any_transport``: full, or a quantized one) goes through every transport."""
 
     sets_labels = True
     """The transport sets the servers' version labels itself at commit (broadcast, colocated); False when a
@@ -182,9 +162,10 @@ class Transport:
         """Checks of the server URLs themselves: the listed ones here, the ones a registry finds at each begin."""
 
     @classmethod
-    def rank_part(cls, config, transport: Transport | None, rank: int, world: int) -> RankPart:
-        """This rank's part of every sync (``transport`` is rank 0's, None on the other ranks)."""
-        return RankPart(transport)
+    def sink(cls, config, transport: Transport | None, rank: int, world: int) -> Sink:
+        """The sink this rank hands its buckets to, every sync (``transport`` is rank 0's, None on the other
+        ranks): the transport itself on rank 0, none elsewhere (they only take part in the gathers)."""
+        return TransportSink(transport) if transport is not None else Sink()
 
     @classmethod
     def commit_seconds(cls, config) -> float:
@@ -193,7 +174,7 @@ class Transport:
         return 3 * config.http_timeout
 
     def begin(self, plan: Plan) -> Any:
-        """Rank 0: open the sync; what it returns is handed to every rank's ``RankPart.begin``."""
+        """Rank 0: open the sync; what it returns is handed to every rank's ``Sink.begin``."""
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
         """Rank 0: a uint8 tensor of ``bucket.nbytes`` for bucket ``k`` (CPU by default)."""
@@ -204,10 +185,10 @@ class Transport:
         raise NotImplementedError
 
     def settle(self) -> None:
-        """Rank 0: wait for the bucket in flight, if any."""
+        """Rank 0: wait until every bucket sent arrived (the one in flight, if any); raise if one did not."""
 
     def commit(self, plan: Plan, reports: list) -> dict:
-        """Rank 0: make ``plan.version`` live; ``reports`` are what every rank's part returned at settle
+        """Rank 0: make ``plan.version`` live; ``reports`` are what every rank's sink returned at settle
         (rank order). Returns what :class:`PublishResult` reports (``servers``: url -> "ok" or its error;
         optionally ``path``, ``bytes`` and ``retried``)."""
         raise NotImplementedError
@@ -248,44 +229,6 @@ class Transport:
                                              seconds=getattr(cfg, "writer_lease", 10.0),
                                              lock_url=getattr(cfg, "writer_lock", None))
         return self._writer_lease
-
-
-class RankPart:
-    """One trainer rank's part of a sync, on every rank. This default sends every bucket from rank 0
-    through its transport; the other ranks only take part in the gathers."""
-
-    stops_before_abort = False
-    """True when every rank's part must have stopped (``abort``) before rank 0's transport aborts (its
-    files live in the folder rank 0 removes); the driver then waits for all of them."""
-
-    def __init__(self, transport: Transport | None = None):
-        self.transport = transport
-
-    def owner(self, k: int) -> int:
-        """The rank bucket ``k`` is gathered to (when the source can gather to any rank; else rank 0)."""
-        return 0
-
-    def begin(self, opened: Any, plan: Plan) -> None:
-        """A sync starts; ``opened`` is what rank 0's ``Transport.begin`` returned."""
-
-    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
-        """On the rank bucket ``k`` is gathered to: the buffer it is gathered into."""
-        return self.transport.buffer(k, bucket)
-
-    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
-        """On the rank bucket ``k`` was gathered to: pass it on (``version`` on the last bucket only)."""
-        self.transport.settle()  # bucket k-1 arrived first: one bucket in flight at most
-        self.transport.send(k, bucket, buf, version)
-
-    def settle(self) -> Any:
-        """Every bucket was handed on: wait for this rank's own work; what it returns reaches ``commit``."""
-        return None
-
-    def abort(self, seconds: float) -> None:
-        """The sync failed: stop this rank's work within ``seconds`` and remove what it made. Never raises."""
-
-    def close(self) -> None:
-        """The publisher is closed."""
 
 
 def is_local(url: str) -> bool:

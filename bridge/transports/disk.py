@@ -70,8 +70,9 @@ from bridge.errors import (
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger
 from bridge.tensors import dtype_from_str, host_buffer
-from bridge.transports.base import Plan, RankPart, Transport, option, remove_file
+from bridge.transports.base import Plan, Transport, option, remove_file
 from bridge.transports.registry import register
+from bridge.transports.sink import Sink, TransportSink
 
 __all__ = ["DiskOptions", "DiskTransport", "ShardWriter", "default_snapshot_root"]
 
@@ -174,9 +175,11 @@ class DiskTransport(Transport):
         return 3 * config.http_timeout + (config.wait_loaded_timeout if config.wait_loaded else 0.0)
 
     @classmethod
-    def rank_part(cls, config, transport, rank: int, world: int) -> RankPart:
+    def sink(cls, config, transport, rank: int, world: int) -> Sink:
         """With ``disk_writers="all"`` every rank writes the shards of its buckets; else rank 0 writes them."""
-        return ShardWriter(config, rank, world) if config.disk_writers == "all" else RankPart(transport)
+        if config.disk_writers == "all":
+            return ShardWriter(config, rank, world)
+        return TransportSink(transport) if transport is not None else Sink()
 
     def _key(self, leaf: str) -> str:
         return f"{self.names.trial_root(self.config.experiment, self.config.trial)}/{leaf}"
@@ -447,8 +450,8 @@ class DiskTransport(Transport):
                 for u, s in status.items()}, unloadable
 
 
-class ShardWriter(RankPart):
-    """Every rank's part of a disk sync with ``disk_writers="all"``: writes the shards of its buckets.
+class ShardWriter(Sink):
+    """Every rank's sink of a disk sync with ``disk_writers="all"``: writes the shards of its buckets.
 
     Driven by the publisher on every rank: ``begin`` (with rank 0's temporary directory), then for each
     bucket this rank owns ``buffer`` (the gather target) and ``send`` (write it in the background),
@@ -458,7 +461,6 @@ class ShardWriter(RankPart):
     stops_before_abort = True  # its files are in the temporary folder rank 0's abort removes
 
     def __init__(self, config, rank: int, world: int):
-        super().__init__()
         self.rank, self.world = rank, world
         self.wait_s = config.group_timeout
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="wsync-shard")

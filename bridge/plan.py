@@ -1,0 +1,65 @@
+"""What one sync moves, known on every rank before the first byte moves: :class:`Plan`, with what the encoding
+planned (:class:`Encoded`), and what the encoding reports of it (:class:`EncodingReport`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bridge.buckets import Bucket
+
+__all__ = ["Encoded", "EncodingReport", "Plan"]
+
+
+class Encoded:
+    """What an encoding (:mod:`bridge.encodings`) planned for one sync, the same on every rank: each encoding's
+    own dataclass derives from it (the delta's :class:`bridge.encodings.delta.DeltaPlan`)."""
+
+    def report(self) -> EncodingReport:
+        """What :class:`bridge.result.PublishResult` reports of the encoding of this sync."""
+        return EncodingReport()
+
+
+@dataclass
+class EncodingReport:
+    """What :class:`bridge.result.PublishResult` reports of the encoding of one sync."""
+
+    encoding: str = "full"
+    """What was sent: full, delta, or anchor (a full sync of the delta encoding)."""
+    anchor_reason: str | None = None
+    changed_fraction: float | None = None
+    base_bytes: int = 0
+    bytes: int | None = None
+    """The bytes on the wire when the encoding formed them (a delta); None: the transport's or the plan's count."""
+
+
+@dataclass
+class Plan:
+    """What one sync moves: known on every rank before the first byte moves."""
+
+    version: int
+    buckets: list[Bucket]
+    source: Any = None
+    """The :class:`bridge.sources.WeightSource` being published."""
+    retried: bool = False
+    """True when this republishes the last version with identical weights (a safe retry)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    forced: str | None = None
+    """Why this sync must send every tensor, decided by the publisher (a server refused the delta of this
+    version: :mod:`bridge.versions`); None otherwise."""
+    encoded: Encoded | None = None
+    """What the encoding planned for this sync; None for ``full``."""
+    decision: Any = None
+    """Rank 0's decision at begin (``Encoding.decide``, a dataclass of the encoding's), on every rank."""
+    served_digest: str | None = None
+    """The digest of these weights as servers serve them (:mod:`bridge.labels`), when this sync took one."""
+    record_labels: list[str] = field(default_factory=list)
+    """Real SGLang servers whose label this sync records at commit, with ``served_digest`` (:mod:`bridge.labels`)."""
+
+    def report(self) -> EncodingReport:
+        """What :class:`bridge.result.PublishResult` reports of the encoding of this sync."""
+        return self.encoded.report() if self.encoded is not None else EncodingReport()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
