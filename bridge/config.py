@@ -152,7 +152,7 @@ class PublisherConfig:
             registries = [self.server_registry] if self.server_registry else []
         else:
             registries = self.server_registry = list(self.server_registry)
-        from bridge.fleet.sources import check_registry_url
+        from bridge.fleet.discovery import check_registry_url
 
         for url in registries:
             check_registry_url(url)

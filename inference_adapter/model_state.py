@@ -8,7 +8,7 @@
 * :mod:`inference_adapter.generation` -- decoding, stop handling, pause/abort/retract (mixed in here).
 * :mod:`inference_adapter.weight_updates` -- :class:`WeightUpdates`, the component that owns the update
   session, staging, validation, and the distributed, shared-memory (``wsync_shm``) and disk update
-  paths; with :mod:`inference_adapter.checks` and :mod:`inference_adapter.checkpoint` beside it.
+  paths; with :mod:`inference_adapter.checks` and :mod:`inference_adapter.disk_reader` beside it.
 * :mod:`inference_adapter.groups` -- the trainers' process groups (owned by the weight updates).
 * :mod:`inference_adapter.wire` -- reading announced bytes off a group or /dev/shm, with the gloo
   byte-size check.

@@ -25,8 +25,8 @@ How an update travels:
   /dev/shm (or the temp dir) holding one flattened bucket, which is checked like a distributed bucket, copied
   out and staged in the session. Bad input answers 400, aborts the session and changes nothing. A
   descriptor's ``pid`` (the trainer's rank 0) makes that process the session's owner: once it is gone, the
-  watchdog discards the session and lifts the pause (see :class:`~inference_adapter.session.Session`).
-* Disk (``update_disk``): only what :mod:`inference_adapter.checkpoint` lets through, read and checked
+  watchdog discards the session and lifts the pause (see :class:`~inference_adapter.sessions.Session`).
+* Disk (``update_disk``): only what :mod:`inference_adapter.disk_reader` lets through, read and checked
   completely (every served parameter, shapes; dtypes are cast as SGLang casts them) before the swap.
 
 Refused on every path, beyond SGLang (:mod:`inference_adapter.checks`): weights holding NaN or Inf (in a
@@ -47,7 +47,6 @@ from bridge.buckets import Bucket, unflatten_bucket
 from bridge.errors import ConfigError
 from bridge.protocol import SESSION_REQUIRED_MESSAGE, SHM_LOAD_FORMAT, VERSION_GOES_BACK, ProtocolFeatures
 from bridge.tensors import ParamSpec, dtype_to_str
-from inference_adapter.checkpoint import CheckpointRefused, checkpoint_to_stage, missing_problem, read_checkpoint
 from inference_adapter.checks import (
     RunClaim,
     finite_checker,
@@ -57,11 +56,11 @@ from inference_adapter.checks import (
     version_problem,
 )
 from inference_adapter.delta import DeltaRefused, Deltas, delta_specs
+from inference_adapter.disk_reader import CheckpointRefused, checkpoint_to_stage, missing_problem, read_checkpoint
 from inference_adapter.errors import RequestError
 from inference_adapter.groups import TrainerGroups
-from inference_adapter.session import Session, session_owner
+from inference_adapter.sessions import Session, SessionControl, session_owner
 from inference_adapter.tensor_payload import PayloadRefused, named_tensors
-from inference_adapter.update_session import SessionControl
 from inference_adapter.weights import ServedWeights
 from inference_adapter.wire import (
     ReceiveTimeout,
@@ -96,7 +95,7 @@ class PauseControl(Protocol):
 
 class WeightUpdates(SessionControl):
     """Every weight operation of the server, one at a time under ``lock``, and the state they share. The
-    session and the writer lease are :class:`~inference_adapter.update_session.SessionControl`'s; every
+    session and the writer lease are :class:`~inference_adapter.sessions.SessionControl`'s; every
     weight change first asks the lease (:mod:`inference_adapter.writers`) whether its writer may make it.
 
     Args:

@@ -19,7 +19,7 @@ import torch
 
 from bridge import PublisherConfig, SyncError, WeightPublisher
 from bridge.client import ServerClient
-from bridge.fleet.sources import Registry
+from bridge.fleet.discovery import Registry
 from tests.sync_bodies import answers_within
 
 EXP = "fleet"

@@ -1,6 +1,6 @@
 """The fleet: where a publisher's servers come from, which of them answer, and which are in rotation.
 
-* :mod:`bridge.fleet.sources`: a fixed list, a registry in name resolution (etcd or a directory; servers
+* :mod:`bridge.fleet.discovery`: a fixed list, a registry in name resolution (etcd or a directory; servers
   keep their own entry alive with :class:`Registration`), or the workers of an ``sglang-router``/``smg``;
 * :mod:`bridge.fleet.router`: the routers' worker list (``GET/POST/DELETE /workers``);
 * :mod:`bridge.fleet.fleet`: :class:`Fleet`, which the publisher's rank 0 asks at the start of every
@@ -9,10 +9,10 @@
 
 from __future__ import annotations
 
+from bridge.fleet.discovery import check_registry_url, server_id, servers_prefix
 from bridge.fleet.fleet import Fleet, list_servers, registries_of
 from bridge.fleet.registration import Registration, answers_health
 from bridge.fleet.router import Router, normalize_url
-from bridge.fleet.sources import check_registry_url, server_id, servers_prefix
 
 __all__ = ["Fleet", "Registration", "Router", "answers_health", "check_registry_url", "list_servers", "normalize_url",
            "registries_of", "server_id", "servers_prefix"]

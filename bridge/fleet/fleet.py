@@ -3,7 +3,7 @@ rotation only while they serve the fleet's version.
 
 Rank 0 of a :class:`bridge.WeightPublisher` drives it:
 
-1. ``prepare`` (before anything moves): list the servers of every source (:mod:`bridge.fleet.sources`),
+1. ``prepare`` (before anything moves): list the servers of every source (:mod:`bridge.fleet.discovery`),
    probe each with a short timeout (``probe_timeout``), and exclude the ones that do not answer: each
    exclusion is logged once at WARNING, and a dead server is taken out of the router. A server that
    answers but whose weights may be torn (a failed sync on a server that does not stage, a failed
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from bridge.client import ServerClient, ServerGroup
 from bridge.errors import BridgeError, SyncError, SyncTimeout
-from bridge.fleet.sources import RouterServers, ServerSource, open_sources
+from bridge.fleet.discovery import RouterServers, ServerSource, open_sources
 from bridge.log import get_logger
 
 __all__ = ["Fleet", "list_servers", "registries_of"]

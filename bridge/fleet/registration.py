@@ -21,8 +21,8 @@ from collections.abc import Callable
 import requests
 
 from bridge.errors import BridgeError, ConfigError
+from bridge.fleet.discovery import check_registry_url, server_id, servers_prefix
 from bridge.fleet.router import normalize_url
-from bridge.fleet.sources import check_registry_url, server_id, servers_prefix
 from bridge.log import get_logger
 
 __all__ = ["DEFAULT_TTL_S", "MAX_TTL_S", "Registration", "answers_health"]
