@@ -22,6 +22,7 @@ import torch
 
 from bridge.encodings import encoding_class
 from bridge.errors import ConfigError
+from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 from bridge.tensors import dtype_from_str
 from bridge.transports.registry import option_fields, transport_class
 
@@ -62,9 +63,9 @@ class PublisherConfig:
     """A publish fails when fewer servers than this answer, or take the version (a dead one is excluded)."""
     probe_timeout: float = 5.0
     """Seconds each server has to answer the probe before every sync (at most ``http_timeout``)."""
-    experiment: str = "default"
+    experiment: str = DEFAULT_EXPERIMENT
     """Experiment name: part of the run id servers see and of the announcement keys."""
-    trial: str = "trial0"
+    trial: str = DEFAULT_TRIAL
     """Trial name: part of the run id servers see and of the announcement keys."""
     bucket_mb: float = field(default_factory=_default_bucket_mb)
     """Byte budget of one bucket, in MiB. Rank 0 holds at most about two buckets."""

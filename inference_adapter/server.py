@@ -65,6 +65,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Request
 
+from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 from bridge.presets import PRESETS
 
 # SGLang marks its control routes ADMIN_OPTIONAL (srt/utils/auth.py); the client sends the admin key on the same set.
@@ -111,8 +112,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--register", metavar="URL", help="while this server answers, keep an entry for it in this registry "
                    "(etcd://host:port or file:///dir) under wsync/<experiment>/<trial>/servers/<host:port>; deleted on a "
                    "clean exit, gone within --register-ttl after a crash")
-    g.add_argument("--experiment", default="default", help="the experiment whose publisher this server serves (default default)")
-    g.add_argument("--trial", default="trial0", help="the trial whose publisher this server serves (default trial0)")
+    g.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help=f"the experiment whose publisher this server serves (default {DEFAULT_EXPERIMENT})")
+    g.add_argument("--trial", default=DEFAULT_TRIAL, help=f"the trial whose publisher this server serves (default {DEFAULT_TRIAL})")
     g.add_argument("--register-ttl", type=float, default=10.0, help="seconds the entry outlives this server (at most 30; "
                    "default 10)")
     g.add_argument("--advertise-url", metavar="URL", help="the URL publishers reach this server at (default: "

@@ -63,7 +63,16 @@ from collections.abc import Callable, Sequence
 
 from bridge.errors import BridgeError, ConfigError, SnapshotError
 from bridge.log import fmt_bytes, get_logger, setup_logging
-from bridge.name_resolve import DEFAULT_URL, Announcement, NameResolve, WatchEvent, make_name_resolve, names
+from bridge.name_resolve import (
+    DEFAULT_EXPERIMENT,
+    DEFAULT_TRIAL,
+    DEFAULT_URL,
+    Announcement,
+    NameResolve,
+    WatchEvent,
+    make_name_resolve,
+    names,
+)
 from bridge.protocol import SNAPSHOT_INVALID
 from bridge.snapshot import verify_snapshot
 from bridge.subscriber import parse_announcement
@@ -392,8 +401,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``wsync watch``."""
     p.add_argument("--name-resolve", default=DEFAULT_URL, metavar="URL",
                    help="etcd://host:port, file:///dir or memory://name (default: %(default)s)")
-    p.add_argument("--experiment", default="default", help="experiment name the trainer publishes under (default: default, as wsync train)")
-    p.add_argument("--trial", default="trial0", help="trial name the trainer publishes under (default: trial0, as wsync train)")
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help=f"experiment name the trainer publishes under (default: {DEFAULT_EXPERIMENT}, as wsync train)")
+    p.add_argument("--trial", default=DEFAULT_TRIAL, help=f"trial name the trainer publishes under (default: {DEFAULT_TRIAL}, as wsync train)")
     p.add_argument("--server", action="append", required=True, metavar="URL", dest="servers",
                    help="a server to load every version into (repeat for several)")
     p.add_argument("--root", default="wsync", help="key root in name resolution (default: %(default)s)")

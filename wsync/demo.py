@@ -25,6 +25,7 @@ import tempfile
 
 from bridge.errors import BridgeError, ConfigError, SyncError
 from bridge.launch import start_ranks, under_torchrun
+from bridge.name_resolve import DEFAULT_TRIAL
 from wsync.train import add_model_arguments
 
 
@@ -129,7 +130,7 @@ def _start_watcher(name_resolve: str, urls: list[str]):
     from bridge.name_resolve import make_name_resolve
     from inference_adapter.watcher import DiskWatcher
 
-    watcher = DiskWatcher(make_name_resolve(name_resolve), "demo", "trial0", ServerGroup(urls))
+    watcher = DiskWatcher(make_name_resolve(name_resolve), "demo", DEFAULT_TRIAL, ServerGroup(urls))
     watcher.start()
     return watcher
 
@@ -153,7 +154,7 @@ def _trainer_main(spec: dict) -> int:
 
     transports = {"both": ["broadcast", "disk"], "all": transport_names()}.get(spec["transport"], [spec["transport"]])
     common = dict(servers=spec["servers"], serving_dtype=spec["serving_dtype"], progress=False, experiment="demo",
-                  trial="trial0")
+                  trial=DEFAULT_TRIAL)
     if spec["bucket_mb"]:
         common["bucket_mb"] = spec["bucket_mb"]
     # Where snapshots go and are announced, for each transport that takes those options (disk).

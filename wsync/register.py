@@ -15,14 +15,16 @@ import argparse
 import signal
 import threading
 
+from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, metavar="URL", help="the server to register, as publishers reach it")
     p.add_argument("--registry", required=True, metavar="URL",
                    help="where: etcd://host:port, or file:///dir on one host (a router is not a registry: see "
                         "docs/fleet.md)")
-    p.add_argument("--experiment", default="default", help="the experiment whose publisher the server serves")
-    p.add_argument("--trial", default="trial0", help="the trial whose publisher the server serves")
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="the experiment whose publisher the server serves")
+    p.add_argument("--trial", default=DEFAULT_TRIAL, help="the trial whose publisher the server serves")
     p.add_argument("--ttl", type=float, default=10.0, help="seconds the entry outlives this sidecar (at most 30)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between two /health checks")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO; env WSYNC_LOG_LEVEL)")

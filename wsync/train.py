@@ -12,6 +12,7 @@ import os
 
 from bridge.errors import ConfigError, ServerError
 from bridge.launch import run_ranks, under_torchrun
+from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 from bridge.name_resolve import user_folder as _user_folder
 
 # The publisher's default snapshot folder (bridge.transports.disk.default_snapshot_root), shown in --help.
@@ -63,8 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-root", metavar="DIR", default=None,
                    help="disk transport: where version directories are written, one folder per trial (old versions "
                         f"in it are removed) (default: {_DEFAULT_SNAPSHOT_ROOT})")
-    p.add_argument("--experiment", default="default", help="experiment name in announcement keys")
-    p.add_argument("--trial", default="trial0", help="trial name in announcement keys")
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="experiment name in announcement keys")
+    p.add_argument("--trial", default=DEFAULT_TRIAL, help="trial name in announcement keys")
     p.add_argument("--start-version", type=int, metavar="N",
                    help="version of the first publish (default: one past the newest version already announced "
                         "for --experiment/--trial (disk) or served (broadcast), else 1)")

@@ -43,6 +43,8 @@ from bridge.name_resolve.etcd import EtcdNameResolve
 from bridge.name_resolve.memory import MemoryNameResolve
 
 __all__ = [
+    "DEFAULT_EXPERIMENT",
+    "DEFAULT_TRIAL",
     "DEFAULT_URL",
     "user_folder",
     "Announcement",
@@ -71,6 +73,9 @@ def user_folder() -> str:
 
 
 DEFAULT_URL = "file://" + os.path.join(user_folder(), "name_resolve")
+
+DEFAULT_EXPERIMENT, DEFAULT_TRIAL = "default", "trial0"
+"""The run a publisher, a watcher and a server belong to when none is named (keys ``wsync/<experiment>/<trial>/``)."""
 
 
 def make_name_resolve(url: str | None = None) -> NameResolve:
