@@ -88,6 +88,10 @@ SNAPSHOT_INVALID = "snapshot_invalid"
 manifest (or whose manifest is not the announced one, ``wsync_manifest_sha256``); the disk watcher then
 falls back to the newest older announced version, as when it verifies a snapshot itself."""
 
+QUANTIZATION_MISMATCH = "quantization_mismatch"
+"""``wsync_reason`` of the reference server's 400 for FP8 bytes sent to a server that serves a tensor in bf16 (it was
+not started with ``--quantization fp8``), or bf16 bytes for a tensor it serves as FP8; nothing was applied."""
+
 DELTA_BASE_MISMATCH = "delta_base_mismatch"
 """``wsync_reason`` of the reference server's 400 for a delta whose base (version and digest) is not what it
 serves; nothing was applied, and the publisher answers with an anchor (a full sync)."""
