@@ -275,8 +275,9 @@ class WeightPublisher:
         def prepare():
             failpoint("prepare", self._rank)
             source.require(self._kind.source_needs, f"the {cfg.transport} transport")
-            specs = self._wire_specs(source)
-            mine.append(specs)
+            served = self._wire_specs(source)
+            mine.append(served)
+            specs = self._encoding.wire_specs(served)
             labels = None
             if self._rank == 0:
                 self._open_servers()
@@ -431,7 +432,7 @@ class WeightPublisher:
 
         def gather(bucket: Bucket, buf: torch.Tensor | None, dst: int) -> None:
             try:
-                source.gather(bucket, buf, self._gather_group, dst)
+                self._encoding.gather(source, bucket, buf, self._gather_group, dst)
             except BaseException as e:
                 # Failed inside the collective: leave the group now. Under gloo the ranks waiting in this
                 # gather with us get "connection closed" at once instead of waiting group_timeout, and do

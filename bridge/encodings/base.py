@@ -20,7 +20,9 @@ method        who       when / what
               rank
 ============  ========  ==================================================================================
 
-``transferred`` (every rank, as the settle step begins) says this rank's part of the transfer is done. ``run``
+``wire_specs`` (every rank, in the prepare step) may change what travels for the source's tensors (names, dtypes,
+shapes: the ``fp8`` encoding adds scales), and ``gather`` (every rank, in each bucket step of the publisher's loop)
+fills a bucket of those. ``transferred`` (every rank, as the settle step begins) says this rank's part of the transfer is done. ``run``
 wraps each ``publish()``. A retry of the last version is safe only with the weights it published:
 ``differs`` (every rank, on a retry, before ``prepare``) says why not; ``fingerprint`` (every rank, in the
 prepare step of a new version) starts taking what it will compare with, and ``fingerprinted`` (every rank,
@@ -65,6 +67,16 @@ class Encoding:
         """Every rank: run one ``publish()`` (the delta encoding runs it again, as an anchor, when a server
         refused a delta)."""
         return publish()
+
+    def wire_specs(self, specs: list) -> list:
+        """Every rank, in the prepare step: what travels for ``specs`` (the source's tensors in the serving dtype);
+        the buckets are planned from it and the servers' weights_spec is checked against it. Here: ``specs``."""
+        return specs
+
+    def gather(self, source, bucket, buf, group, dst: int) -> None:
+        """Every rank, in the publisher's step of bucket k: fill rank ``dst``'s ``buf`` with ``bucket`` (collective).
+        Here: the source's own gather (:meth:`bridge.sources.CheckedSource.gather`)."""
+        source.gather(bucket, buf, group, dst)
 
     def prepare(self, source, specs) -> Any:
         """Every rank: this rank's summary for :meth:`plan`."""

@@ -90,6 +90,8 @@ class Plan:
     """What the encoding (:mod:`bridge.encodings`) planned for this sync; None for ``full``."""
     served_digest: str | None = None
     """The digest of these weights as servers serve them (:mod:`bridge.labels`), when this sync took one."""
+    config_fields: dict = field(default_factory=dict)
+    """Fields the encoding adds to a snapshot's ``config.json`` (the ``fp8`` encoding's ``quantization_config``)."""
     record_labels: list[str] = field(default_factory=list)
     """Real SGLang servers whose label this sync records at commit, with ``served_digest`` (:mod:`bridge.labels`)."""
 

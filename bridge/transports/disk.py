@@ -214,8 +214,11 @@ class DiskTransport(Transport):
             self.servers.model_info()  # a server that is down fails the publish before anything is written
             self._check_disk_roots()
         self._clear_unannounced(plan.version, versions)
+        config = plan.source.model_config
+        if plan.config_fields and config is not None:
+            config = {**(config.to_dict() if hasattr(config, "to_dict") else dict(config)), **plan.config_fields}
         self.writer = SnapshotWriter(
-            self.root, plan.version, config=plan.source.model_config, tokenizer=plan.source.tokenizer,
+            self.root, plan.version, config=config, tokenizer=plan.source.tokenizer,
             dtype=dtype_from_str(self.config.serving_dtype), max_shard_bytes=max(1, self.config.bucket_bytes),
         )
         self._t_write = time.perf_counter()
