@@ -116,22 +116,44 @@ def _block_amax(rows: torch.Tensor, row0: int, n_blocks: int) -> torch.Tensor:
     if n == 0:
         return grid
     b0, b1 = row0 // BLOCK, -(-(row0 + n) // BLOCK)
+    if _aligned(rows, row0):  # no copy: max(amax, -amin) of each block of the view, in the rows' own dtype
+        lo, hi = torch.aminmax(rows.view(n, kb, BLOCK), dim=-1)  # one pass over contiguous rows of 128
+        grid[b0:b1] = torch.maximum(hi, lo.neg()).view(n // BLOCK, BLOCK, kb).amax(1).float()
+        return grid
     padded = torch.zeros((b1 - b0) * BLOCK, kb * BLOCK, dtype=torch.float32, device=rows.device)
     padded[row0 - b0 * BLOCK: row0 - b0 * BLOCK + n, :k] = rows.abs()
     grid[b0:b1] = padded.view(b1 - b0, BLOCK, kb, BLOCK).amax(dim=(1, 3))
     return grid
 
 
+def _aligned(rows: torch.Tensor, row0: int) -> bool:
+    """The rows start and end on block boundaries and the columns fill whole blocks (a view does)."""
+    return row0 % BLOCK == 0 and rows.shape[0] % BLOCK == 0 and rows.shape[1] % BLOCK == 0 and rows.is_contiguous()
+
+
 def _scales(amax: torch.Tensor) -> torch.Tensor:
     return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
 
 
-def _quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor) -> torch.Tensor:
-    """``rows`` (rows ``row0 ..`` of a weight) as e4m3fn with the full weight's block ``scale``."""
+def _quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows`` (rows ``row0 ..`` of a weight) as e4m3fn with the full weight's block ``scale`` (into ``out``)."""
     n, k = rows.shape
+    if _aligned(rows, row0):
+        # One block row at a time through a small fp32 buffer, the block's reciprocal broadcast over a view. No
+        # clamp: |w| <= absmax and 1/scale rounds to within 2**-23 of 448/absmax, so |w/scale| < 448.001, which
+        # rounds to 448 (the same bytes as clamping first).
+        b0, kb = row0 // BLOCK, k // BLOCK
+        inv = 1.0 / scale[b0: b0 + n // BLOCK]
+        out = torch.empty(n, k, dtype=FP8_DTYPE, device=rows.device) if out is None else out
+        tmp = torch.empty(BLOCK, kb, BLOCK, dtype=torch.float32, device=rows.device)
+        for b in range(n // BLOCK):
+            torch.mul(rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK), inv[b].view(1, kb, 1), out=tmp)
+            out[b * BLOCK: (b + 1) * BLOCK].copy_(tmp.view(BLOCK, k))
+        return out
     idx = torch.arange(row0, row0 + n, device=rows.device) // BLOCK
     per = scale[idx].repeat_interleave(BLOCK, dim=1)[:, :k]
-    return (rows.float() * (1.0 / per)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (rows.float() * (1.0 / per)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q if out is None else out.copy_(q)
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,14 +278,17 @@ class _Part:
             c = -(-spec.shape[0] // world)
             self.spans = [(r * c * cols, max(0, min(c, spec.shape[0] - r * c)) * cols) for r in range(world)]
         self.slot = -(-max(n for _, n in self.spans) * spec.dtype.itemsize // 8) * 8
-        local = shard.local
-        if local is None or self.spans[rank][1] == 0:
-            self.local = None
-        elif scale is not None:
-            rows = local.view(-1, spec.shape[1]).to(served)  # what a full sync serves, quantized
-            self.local = _quantize_rows(rows, shard.start // spec.shape[1], scale.to(rows.device))
-        else:
-            self.local = local.to(spec.dtype)
+        self.local = shard.local if shard.local is not None and self.spans[rank][1] else None
+        self.row0, self.scale, self.served = shard.start // max(1, cols), scale, served
+
+    def write(self, dst: torch.Tensor) -> None:
+        """This rank's bytes of the tensor into ``dst`` (uint8, exactly their size), quantized or cast on the way."""
+        out = dst.view(self.spec.dtype)
+        if self.scale is None:
+            out.copy_(self.local.reshape(-1))
+            return
+        rows = self.local.view(-1, self.spec.shape[1]).to(self.served)  # what a full sync serves, quantized
+        _quantize_rows(rows, self.row0, self.scale.to(rows.device), out=out.view(rows.shape))
 
 
 def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group, dst: int) -> None:
@@ -271,12 +296,11 @@ def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group
     device = next((p.local.device for p in parts if p.local is not None), torch.device("cpu"))
     if world > 1 and dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    send = torch.zeros(total, dtype=torch.uint8, device=device)
+    send = torch.empty(total, dtype=torch.uint8, device=device)  # (padding bytes are sent, never read)
     at = 0
     for p in parts:
         if p.local is not None:
-            n = p.local.numel() * p.spec.dtype.itemsize
-            send[at: at + n].copy_(p.local.reshape(-1).view(torch.uint8))
+            p.write(send[at: at + p.local.numel() * p.spec.dtype.itemsize])
         at += p.slot
     if world == 1:
         recv = [send]
