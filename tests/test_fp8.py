@@ -1,5 +1,5 @@
 """FP8 end to end: 2 trainer ranks publish with ``encoding="fp8"`` into reference servers started with
-``--quantization fp8``, over broadcast and disk, with a training step before every publish. After each one the
+``--quantization fp8``, over broadcast, colocated and disk, with a training step before every publish. After each one the
 served FP8 weights, their scales and the unquantized tensors must equal, bit for bit, a quantization of the
 trainer's own weights written here (not the project's function), and a greedy answer must equal that of a
 local model holding the dequantized weights. A server of the other kind refuses, naming the reason."""
@@ -118,6 +118,11 @@ def test_broadcast_fp8_is_bit_exact_after_every_publish(fp8_server):
     _assert_exact(rank0, fp8_server.url, 10)
     # Half the bytes: 1 byte per quantized element (+ scales) instead of 2.
     assert rank0[0]["bytes"] < 0.7 * sum(p.numel() * 2 for p in _tiny_params())
+
+
+def test_colocated_fp8_is_bit_exact(fp8_server):
+    rank0, _ = run_ranks(_publish_fp8, 2, args=(fp8_server.url, 3), kwargs=dict(transport="colocated"), timeout=300)
+    _assert_exact(rank0, fp8_server.url, 3)
 
 
 def test_disk_fp8_snapshot_is_bit_exact_and_an_fp8_checkpoint(fp8_server, tmp_path):
