@@ -107,8 +107,10 @@ def quantization_config(specs: Sequence[ParamSpec], rule: Fp8Rule) -> dict:
 # ---------------------------------------------------------------- the arithmetic
 
 
-def _block_amax(rows: torch.Tensor, row0: int, n_blocks: int) -> torch.Tensor:
-    """Absmax per 128x128 block of the full tensor's grid, over ``rows`` (its rows ``row0 ..``); 0 elsewhere."""
+def _block_amax(rows: torch.Tensor, row0: int, n_blocks: int, served: torch.dtype | None = None) -> torch.Tensor:
+    """Absmax per 128x128 block of the full tensor's grid, over ``rows`` (its rows ``row0 ..``) cast to ``served``
+    (default: their dtype); 0 elsewhere."""
+    served = served or rows.dtype
     k = rows.shape[1]
     kb = -(-k // BLOCK)
     grid = torch.zeros(n_blocks, kb, dtype=torch.float32, device=rows.device)
@@ -116,10 +118,13 @@ def _block_amax(rows: torch.Tensor, row0: int, n_blocks: int) -> torch.Tensor:
     if n == 0:
         return grid
     b0, b1 = row0 // BLOCK, -(-(row0 + n) // BLOCK)
-    if _aligned(rows, row0):  # no copy: max(amax, -amin) of each block of the view, in the rows' own dtype
-        lo, hi = torch.aminmax(rows.view(n, kb, BLOCK), dim=-1)  # one pass over contiguous rows of 128
-        grid[b0:b1] = torch.maximum(hi, lo.neg()).view(n // BLOCK, BLOCK, kb).amax(1).float()
+    if _aligned(rows, row0):
+        # No copy: max(amax, -amin) of each block, in the rows' own dtype, then cast: rounding to ``served`` is
+        # monotonic and symmetric, so the absmax of the cast values is the cast of the absmax.
+        v = rows.view(n, kb, BLOCK)  # (amax and amin over contiguous runs of 128: 3x faster here than aminmax)
+        grid[b0:b1] = torch.maximum(v.amax(-1), v.amin(-1).neg()).view(n // BLOCK, BLOCK, kb).amax(1).to(served).float()
         return grid
+    rows = rows.to(served)
     padded = torch.zeros((b1 - b0) * BLOCK, kb * BLOCK, dtype=torch.float32, device=rows.device)
     padded[row0 - b0 * BLOCK: row0 - b0 * BLOCK + n, :k] = rows.abs()
     grid[b0:b1] = padded.view(b1 - b0, BLOCK, kb, BLOCK).amax(dim=(1, 3))
@@ -135,8 +140,11 @@ def _scales(amax: torch.Tensor) -> torch.Tensor:
     return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
 
 
-def _quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows`` (rows ``row0 ..`` of a weight) as e4m3fn with the full weight's block ``scale`` (into ``out``)."""
+def _quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torch.Tensor | None = None,
+                   served: torch.dtype | None = None) -> torch.Tensor:
+    """``rows`` (rows ``row0 ..`` of a weight) cast to ``served`` (default: their dtype), as e4m3fn with the full
+    weight's block ``scale`` (into ``out``)."""
+    served = served or rows.dtype
     n, k = rows.shape
     if _aligned(rows, row0):
         # One block row at a time through a small fp32 buffer, the block's reciprocal broadcast over a view. No
@@ -146,10 +154,15 @@ def _quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torc
         inv = 1.0 / scale[b0: b0 + n // BLOCK]
         out = torch.empty(n, k, dtype=FP8_DTYPE, device=rows.device) if out is None else out
         tmp = torch.empty(BLOCK, kb, BLOCK, dtype=torch.float32, device=rows.device)
+        cast = None if rows.dtype == served else torch.empty(BLOCK, kb, BLOCK, dtype=served, device=rows.device)
         for b in range(n // BLOCK):
-            torch.mul(rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK), inv[b].view(1, kb, 1), out=tmp)
+            block = rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK)
+            if cast is not None:
+                block = cast.copy_(block)
+            torch.mul(block, inv[b].view(1, kb, 1), out=tmp)
             out[b * BLOCK: (b + 1) * BLOCK].copy_(tmp.view(BLOCK, k))
         return out
+    rows = rows.to(served)
     idx = torch.arange(row0, row0 + n, device=rows.device) // BLOCK
     per = scale[idx].repeat_interleave(BLOCK, dim=1)[:, :k]
     q = (rows.float() * (1.0 / per)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -250,10 +263,10 @@ def _agreed_scales(names, shards, by_name, world, group) -> dict[str, torch.Tens
         if sh.local is None:
             grids.append(torch.zeros(nb, -(-shape[1] // BLOCK), dtype=torch.float32))
         else:
-            grids.append(_block_amax(sh.local.view(-1, shape[1]).to(by_name[n].dtype), sh.start // shape[1], nb))
+            grids.append(_block_amax(sh.local.view(-1, shape[1]), sh.start // shape[1], nb, by_name[n].dtype))
     if not grids:
         return {}
-    flat = torch.cat([g.reshape(-1) for g in grids])
+    flat = torch.cat([g.reshape(-1).cpu() for g in grids])  # (1/16384 of the elements; some may be on a GPU)
     if world > 1:
         if dist.get_backend(group) == "nccl":
             flat = flat.cuda()
@@ -287,8 +300,8 @@ class _Part:
         if self.scale is None:
             out.copy_(self.local.reshape(-1))
             return
-        rows = self.local.view(-1, self.spec.shape[1]).to(self.served)  # what a full sync serves, quantized
-        _quantize_rows(rows, self.row0, self.scale.to(rows.device), out=out.view(rows.shape))
+        rows = self.local.view(-1, self.spec.shape[1])  # quantized from what a full sync serves (served)
+        _quantize_rows(rows, self.row0, self.scale.to(rows.device), out=out.view(rows.shape), served=self.served)
 
 
 def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group, dst: int) -> None:
