@@ -22,11 +22,11 @@ method        who       when / what
 
 ``wire_specs`` (every rank, in the prepare step) may change what travels for the source's tensors (names, dtypes,
 shapes: the ``fp8`` encoding adds scales), and ``gather`` (every rank, in each bucket step of the publisher's loop)
-fills a bucket of those. ``transferred`` (every rank, as the settle step begins) says this rank's part of the transfer is done. ``run``
-wraps each ``publish()``. A retry of the last version is safe only with the weights it published:
-``differs`` (every rank, on a retry, before ``prepare``) says why not; ``fingerprint`` (every rank, in the
-prepare step of a new version) starts taking what it will compare with, and ``fingerprinted`` (every rank,
-at settle) waits for it, as the weights may change once ``publish()`` returns.
+fills a bucket of those. ``transferred`` (every rank, as the settle step begins) says this rank's part of the
+transfer is done. ``run`` wraps each ``publish()``. A retry of the last version is safe only with the weights
+it published: ``differs`` (every rank, on a retry, before ``prepare``) says why not; ``fingerprint`` (every
+rank, in the prepare step of a new version) starts taking what it will compare with, and ``fingerprinted``
+(every rank, at settle) waits for it, as the weights may change once ``publish()`` returns.
 
 The ``full`` encoding (:mod:`bridge.encodings.full`) is this base class: it fingerprints a version by each
 rank's digest of its shards (taken on a thread while the buckets travel), does nothing at the other steps,
