@@ -1,6 +1,7 @@
 """The check before any byte moves: do the servers serve the model the trainer is about to send?
 
-Rank 0 runs it in the prepare step, after the fleet found the servers and before any is paused, so a
+Rank 0 runs it right after the prepare step (step "check"), once the fleet found the servers and the encoding
+planned what travels (``Plan.buckets``: a quantized encoding's dtypes and scales), before any is paused, so a
 mistake costs a few requests instead of a whole broadcast, a snapshot, or a 120 s wait for a load that
 never comes. The reference server lists what it serves (``/wsync/weights_spec``): every tensor's name,
 shape and dtype is compared, and every difference is named in full, with the fix. Real SGLang lists no
