@@ -1,22 +1,38 @@
 """The ``fp8`` encoding: every tensor, every sync, with the projections as block FP8 (:mod:`bridge.fp8`).
 
 What travels: :func:`bridge.fp8.fp8_wire_specs` of the serving-dtype specs (each quantized weight as
-``float8_e4m3fn`` and its fp32 ``<name>_scale_inv``, the rest as is), in the publisher's own bucket loop, so
-it works on every transport that sends full buckets (broadcast, colocated, disk). Each bucket is quantized
-on the trainer ranks that hold its rows as it is gathered (:func:`bridge.fp8.gather_fp8_bucket`), while the
-previous bucket travels. A disk snapshot's ``config.json`` carries the ``quantization_config`` SGLang and
-transformers load a block-FP8 checkpoint by. The servers must serve FP8 (``wsync serve --quantization fp8``,
-or SGLang started on an FP8 checkpoint); a server that serves bf16 refuses the sync before anything moves.
+``float8_e4m3fn`` and its fp32 ``<name>_scale_inv``, the rest as is), planned into buckets in ``plan`` (so the
+servers are checked against them before anything moves), so it works on every transport that carries plain
+named tensors. Each bucket is quantized on the trainer ranks that hold its rows as it is gathered
+(:func:`bridge.fp8.gather_fp8_bucket`), while the previous bucket travels; never the whole model on one rank.
+A disk snapshot's ``config.json`` carries the ``quantization_config`` SGLang and transformers load a block-FP8
+checkpoint by (``plan.config_fields``). The servers must serve FP8 (``wsync serve --quantization fp8``, or
+SGLang started on an FP8 checkpoint); a server that serves bf16 refuses the sync before anything moves.
 """
 
 from __future__ import annotations
 
-from bridge.encodings.base import Encoding
-from bridge.encodings.registry import register_encoding
-from bridge.errors import ConfigError
-from bridge.fp8 import Fp8Rule, fp8_wire_specs, gather_fp8_bucket, quantization_config
+from dataclasses import dataclass
 
-__all__ = ["Fp8Encoding"]
+from bridge.buckets import plan_buckets
+from bridge.encodings.base import Encoding, Outgoing, Transfer
+from bridge.encodings.registry import register_encoding
+from bridge.fp8 import Fp8Rule, fp8_wire_specs, gather_fp8_bucket, quantization_config
+from bridge.plan import Encoded, EncodingReport
+from bridge.tensors import ParamSpec
+
+__all__ = ["Fp8Encoding", "Fp8Plan"]
+
+
+@dataclass
+class Fp8Plan(Encoded):
+    """What the fp8 encoding planned for one sync: the serving-dtype spec of every tensor, by name (what each rank
+    casts its rows to before quantizing them)."""
+
+    served: dict[str, ParamSpec]
+
+    def report(self) -> EncodingReport:
+        return EncodingReport(encoding="fp8")
 
 
 @register_encoding
@@ -25,29 +41,28 @@ class Fp8Encoding(Encoding):
 
     def __init__(self, config, rank: int, world: int):
         super().__init__(config, rank, world)
-        self.rule = Fp8Rule(tuple(getattr(config, "fp8_skip", ()) or ()))
-        self._served: dict = {}
+        self.rule = Fp8Rule(tuple(config.fp8_skip or ()))
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
-        if "full" not in transport_cls.encodings:
-            raise ConfigError(f"the {transport_cls.name} transport cannot send the fp8 encoding (it sends "
-                              f"{', '.join(transport_cls.encodings)}); use broadcast, colocated or disk")
-        Fp8Rule(tuple(getattr(config, "fp8_skip", ()) or ()))  # a bad pattern: a ConfigError now
-
-    def wire_specs(self, specs: list) -> list:
-        self._served = {s.name: s for s in specs}
-        return fp8_wire_specs(specs, self.rule)
+        super().check_config(config, transport_cls)
+        Fp8Rule(tuple(config.fp8_skip or ()))  # a bad pattern: a ConfigError now
 
     def prepare(self, source, specs):
         source.require(("local_shards",), "the fp8 encoding (it quantizes each rank's own rows)")
         return None
 
     def plan(self, plan, summaries: list) -> None:
-        plan.config_fields = {"quantization_config": quantization_config(list(self._served.values()), self.rule)}
+        served = [s for b in plan.buckets for s in b.specs]
+        plan.buckets = plan_buckets(fp8_wire_specs(served, self.rule), self.config.bucket_bytes)
+        plan.config_fields = {"quantization_config": quantization_config(served, self.rule)}
+        plan.encoded = Fp8Plan({s.name: s for s in served})
 
-    def gather(self, source, bucket, buf, group, dst: int) -> None:
-        gather_fp8_bucket(source, bucket, buf, self._served, group, dst)
+    def buckets(self, plan) -> Transfer:
+        source, served = plan.source, plan.encoded.served
 
-    def result(self, plan) -> dict:
-        return {"encoding": "fp8"}
+        def fill(bucket):
+            return lambda buf, dst, group: gather_fp8_bucket(source, bucket, buf, served, group, dst)
+
+        return Transfer([Outgoing(f"bucket {k}", b, fill(b), to_owner=source.gathers_to_any_rank)
+                         for k, b in enumerate(plan.buckets)])
