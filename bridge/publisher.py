@@ -10,10 +10,11 @@ after each step every rank learns every rank's outcome (:mod:`bridge.agreement`)
 1. **prepare** (every rank): the wire specs and bucket plan, and the encoding's summary (``Encoding.prepare``,
    then ``plan`` with every rank's, which may plan the buckets again from what it sends); then, in a step
    "check", rank 0 asks the servers whether they serve what the plan sends (:mod:`bridge.preflight`). On a
-   retry of the last version each rank tells whether its shards still hold the weights it published then (:mod:`bridge.versions`: a digest of them, or the encoding's
-   ``differs`` for one that keeps them, the delta's base); with every rank's answer, every rank decides the
-   same thing: an older version, or the last version with other weights, is a :class:`VersionError` before
-   any byte moves; the last version with the same weights is a safe retry.
+   retry of the last version each rank tells whether its shards still hold the weights it published then
+   (:mod:`bridge.versions`: a digest of them, or the encoding's ``differs`` for one that keeps them, the
+   delta's base); with every rank's answer, every rank decides the same thing: an older version, or the
+   last version with other weights, is a :class:`VersionError` before any byte moves; the last version with
+   the same weights is a safe retry.
 2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot) and
    the encoding decides (``Encoding.decide``: a delta or an anchor, say), which every rank learns.
 3. **bucket k** (every rank): the encoding's buckets (``Encoding.buckets``), one agreed step each, in one
