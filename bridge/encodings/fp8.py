@@ -37,6 +37,8 @@ class Fp8Plan(Encoded):
 
 @register_encoding
 class Fp8Encoding(Encoding):
+    """Every tensor, every sync, the projections as block FP8 (see the module docstring)."""
+
     name = "fp8"
 
     def __init__(self, config, rank: int, world: int):
@@ -53,12 +55,14 @@ class Fp8Encoding(Encoding):
         return None
 
     def plan(self, plan, summaries: list) -> None:
+        """What travels: the FP8 tensors, in buckets of their own size; the snapshot's quantization_config."""
         served = [s for b in plan.buckets for s in b.specs]
         plan.buckets = plan_buckets(fp8_wire_specs(served, self.rule), self.config.bucket_bytes)
         plan.config_fields = {"quantization_config": quantization_config(served, self.rule)}
         plan.encoded = Fp8Plan({s.name: s for s in served})
 
     def buckets(self, plan) -> Transfer:
+        """Each bucket quantized on the ranks that hold its rows as it is gathered (every rank calls ``fill``)."""
         source, served = plan.source, plan.encoded.served
 
         def fill(bucket):
