@@ -101,6 +101,9 @@ class PublisherConfig:
     Measured on CPU (medium preset, 2 ranks): a delta of 4 % of the bytes took 0.29 of the full sync's time,
     one of 15 % took 1.26 of it; they cross near 12 %. Each rank estimates it from a sample first, so a sync
     that will be full skips the diff."""
+    fp8_skip: tuple = ()
+    """With ``encoding="fp8"``: regular expressions of module names to leave in the serving dtype besides the rule
+    of :mod:`bridge.fp8` (``layers\\.0\\.``, say); the servers must be started with the same ``--fp8-skip``."""
     options: Any = None
     """The transport's options (an instance of ``transport_class(transport).Options``); built from the
     flat keywords when not given."""

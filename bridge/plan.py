@@ -39,6 +39,9 @@ class Plan:
 
     version: int
     buckets: list[Bucket]
+    """What travels, bucket by bucket: planned from the source's tensors in the serving dtype; an encoding whose
+    tensors travel otherwise (a quantized one: other dtypes, added scales) plans them again from what it sends, in
+    its ``plan``. The servers are checked against them before anything moves (:mod:`bridge.preflight`)."""
     source: Any = None
     """The :class:`bridge.sources.WeightSource` being published."""
     retried: bool = False
@@ -51,6 +54,9 @@ class Plan:
     """What the encoding planned for this sync; None for ``full``."""
     decision: Any = None
     """Rank 0's decision at begin (``Encoding.decide``, a dataclass of the encoding's), on every rank."""
+    config_fields: dict[str, Any] = field(default_factory=dict)
+    """Fields the encoding adds to the model's ``config.json`` where a transport writes one (a disk snapshot: a
+    quantized encoding's ``quantization_config``, by which SGLang and transformers load it); :attr:`model_config`."""
     served_digest: str | None = None
     """The digest of these weights as servers serve them (:mod:`bridge.labels`), when this sync took one."""
     record_labels: list[str] = field(default_factory=list)
@@ -59,6 +65,15 @@ class Plan:
     def report(self) -> EncodingReport:
         """What :class:`bridge.result.PublishResult` reports of the encoding of this sync."""
         return self.encoded.report() if self.encoded is not None else EncodingReport()
+
+    @property
+    def model_config(self) -> Any:
+        """The source's model config with :attr:`config_fields` over it (a dict then), what a snapshot carries;
+        None without one."""
+        config = getattr(self.source, "model_config", None)
+        if not self.config_fields or config is None:
+            return config
+        return {**(config.to_dict() if hasattr(config, "to_dict") else dict(config)), **self.config_fields}
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,7 @@
 """The check before any byte moves: do the servers serve the model the trainer is about to send?
 
-Rank 0 runs it in the prepare step, after the fleet found the servers and before any is paused, so a
+Rank 0 runs it right after the prepare step (step "check"), once the fleet found the servers and the encoding
+planned what travels (``Plan.buckets``: a quantized encoding's dtypes and scales), before any is paused, so a
 mistake costs a few requests instead of a whole broadcast, a snapshot, or a 120 s wait for a load that
 never comes. The reference server lists what it serves (``/wsync/weights_spec``): every tensor's name,
 shape and dtype is compared, and every difference is named in full, with the fix. Real SGLang lists no
@@ -60,6 +61,15 @@ def _sglang(specs: Sequence[ParamSpec], c, serving_dtype: str) -> str | None:
 
 def mismatch(specs: Sequence[ParamSpec], spec: dict, serving_dtype: str) -> str | None:
     """Why a server serving ``spec`` (its ``/wsync/weights_spec``) cannot take ``specs``, or None."""
+    sent_fp8 = any(dtype_to_str(s.dtype) == "float8_e4m3fn" for s in specs)
+    served_fp8 = spec.get("quantization") == "fp8"
+    if sent_fp8 != served_fp8:
+        return ("quantization_mismatch: the trainer sends block FP8 (encoding='fp8') but it serves "
+                f"{spec.get('dtype')} unquantized; restart it with --quantization fp8, or publish with the full encoding"
+                if sent_fp8 else
+                f"quantization_mismatch: it serves block FP8 (--quantization fp8) but the trainer sends "
+                f"{dtype_to_str(specs[0].dtype) if specs else serving_dtype}; publish with encoding='fp8' (wsync train "
+                "--encoding fp8)")
     params, aliases = spec["params"], spec.get("aliases", {})
     sent = {aliases.get(s.name, s.name): s for s in specs}
     unknown = [s.name for s in specs if aliases.get(s.name, s.name) not in params]

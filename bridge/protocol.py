@@ -94,6 +94,10 @@ PICKLE_REFUSED = "pickle_refused"
 global outside SGLang 0.5.23's allowlist, a CUDA tensor, a handle of torch's ``file_descriptor`` strategy, or not
 SGLang's payload shape (:mod:`inference_adapter.tensor_payload`)."""
 
+QUANTIZATION_MISMATCH = "quantization_mismatch"
+"""``wsync_reason`` of the reference server's 400 for FP8 bytes sent to a server that serves a tensor in bf16 (it was
+not started with ``--quantization fp8``), or bf16 bytes for a tensor it serves as FP8; nothing was applied."""
+
 DELTA_BASE_MISMATCH = "delta_base_mismatch"
 """``wsync_reason`` of the reference server's 400 for a delta whose base (version and digest) is not what it
 serves; nothing was applied, and the publisher answers with an anchor (a full sync)."""

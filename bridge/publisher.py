@@ -8,11 +8,13 @@ after each step every rank learns every rank's outcome (:mod:`bridge.agreement`)
 ``_publish`` is these five steps, each one call:
 
 1. **prepare** (every rank): the wire specs and bucket plan, and the encoding's summary (``Encoding.prepare``,
-   then ``plan`` with every rank's). On a retry of the last version each rank tells whether its shards
-   still hold the weights it published then (:mod:`bridge.versions`: a digest of them, or the encoding's
-   ``differs`` for one that keeps them, the delta's base); with every rank's answer, every rank decides the
-   same thing: an older version, or the last version with other weights, is a :class:`VersionError` before
-   any byte moves; the last version with the same weights is a safe retry.
+   then ``plan`` with every rank's, which may plan the buckets again from what it sends); then, in a step
+   "check", rank 0 asks the servers whether they serve what the plan sends (:mod:`bridge.preflight`). On a
+   retry of the last version each rank tells whether its shards still hold the weights it published then
+   (:mod:`bridge.versions`: a digest of them, or the encoding's ``differs`` for one that keeps them, the
+   delta's base); with every rank's answer, every rank decides the same thing: an older version, or the
+   last version with other weights, is a :class:`VersionError` before any byte moves; the last version with
+   the same weights is a safe retry.
 2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot) and
    the encoding decides (``Encoding.decide``: a delta or an anchor, say), which every rank learns.
 3. **bucket k** (every rank): the encoding's buckets (``Encoding.buckets``), one agreed step each, in one
@@ -274,11 +276,10 @@ class WeightPublisher:
             source.require(self._kind.source_needs, f"the {cfg.transport} transport")
             specs = self._wire_specs(source)
             mine.append(specs)
-            labels = None
+            labels, servers = None, False
             if self._rank == 0:
                 self._open_servers()
-                if self._transport.servers is not None:  # before any server is paused or any byte moves
-                    check_servers_serve(specs, self._transport.servers.clients, cfg.serving_dtype)
+                servers = self._transport.servers is not None  # checked once the encoding planned what travels
                 labels = None if retry else self._served_labels(version, specs)
             if self._sink is None:
                 self._sink = self._kind.sink(cfg, self._transport, self._rank, self._agree.world)
@@ -289,20 +290,38 @@ class WeightPublisher:
             ours = specs if self._rank == 0 else None  # rank 0's are used
             if not retry:
                 versions.fingerprint(source)
-            return ours, differs, summary, labels
+            return ours, differs, summary, labels, servers
 
         results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
         specs = results[0][0]
         plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source, forced=forced)
         self._encoding.plan(plan, [r[2] for r in results])
         if retry:
-            why = [f"rank {r}: {d}" for r, (_, d, _, _) in enumerate(results) if d]
+            why = [f"rank {r}: {d}" for r, (_, d, _, _, _) in enumerate(results) if d]
             if why:
                 raise versions.refused(version, why)
             plan.retried = True
-        if results[0][3] is not None:
-            self._check_labels(plan, mine[0], results[0][3])
+        labels, servers = results[0][3], results[0][4]
+        if servers or labels is not None:
+            self._check(plan, mine[0], labels)
         return self._with_gather_group(plan)
+
+    def _check(self, plan: Plan, specs: list[ParamSpec], labels: dict | None) -> None:
+        """Step "check", once the encoding planned what travels (``plan.buckets``), before any server is paused:
+        rank 0 checks that the servers serve it (:mod:`bridge.preflight`), and every rank adds its part of the
+        digest the servers that already serve this version are compared with (:meth:`_check_labels`)."""
+        from bridge.labels import local_digest_part
+
+        def check():
+            if self._rank == 0 and self._transport.servers is not None:
+                sent = [s for b in plan.buckets for s in b.specs]
+                check_servers_serve(sent, self._transport.servers.clients, self.config.serving_dtype)
+            return local_digest_part(plan.source, specs) if labels is not None else None
+
+        cfg = self.config
+        parts = self._agree.step("check", check, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
+        if labels is not None:
+            self._check_labels(plan, parts, labels)
 
     def _begin(self, plan: Plan) -> None:
         """Step "begin" (rank 0): the transport opens the sync and the encoding decides; every rank's sink starts."""
@@ -375,15 +394,13 @@ class WeightPublisher:
                                     "the trainer that labelled it could not take the digest of its weights")
         return {"check": check, "record": record} if check or record else None
 
-    def _check_labels(self, plan: Plan, specs: list[ParamSpec], labels: dict) -> None:
-        """Every rank, after the prepare step: the digest of these weights as servers serve them (each rank adds
-        its own rows), compared with what the servers that already serve this version serve. Other weights, or
+    def _check_labels(self, plan: Plan, parts: list, labels: dict) -> None:
+        """Every rank, in the check step: the digest of these weights as servers serve them (``parts``: each rank's
+        of its own rows), compared with what the servers that already serve this version serve. Other weights, or
         weights that cannot be compared, are a VersionError on every rank before anything moves; the same
         weights are a safe retry (:mod:`bridge.labels`)."""
-        from bridge.labels import local_digest_part, refusal
+        from bridge.labels import refusal
 
-        parts = self._agree.step("label check", lambda: local_digest_part(plan.source, specs),
-                                 timeout=self.config.group_timeout + SLACK_S)
         digest = None if any(p is None for p in parts) else f"{sum(parts) % (1 << 64):016x}"
         problems = []
         for url, (served, why) in labels["check"].items():

@@ -23,6 +23,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 _ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}
 

@@ -97,7 +97,9 @@ def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
         if not t.is_floating_point() or not t.numel():
             continue
         mask = _EXPONENT_MASKS.get(t.dtype)
-        if mask is None:
+        if t.dtype == torch.float8_e4m3fn:  # no Inf; NaN is S.1111.111 (torch.isfinite has no fp8 kernel)
+            finite = not bool((t.reshape(-1).view(torch.uint8).bitwise_and(0x7F) == 0x7F).any())
+        elif mask is None:
             finite = bool(torch.isfinite(t).all())
         else:
             int_dtype, bits = mask

@@ -14,7 +14,8 @@ import os
 import torch
 
 from bridge.errors import SnapshotError
-from bridge.protocol import SNAPSHOT_INVALID
+from bridge.fp8 import FP8_DTYPE, SCALE_SUFFIX
+from bridge.protocol import QUANTIZATION_MISMATCH, SNAPSHOT_INVALID
 from bridge.tensors import dtype_to_str
 from inference_adapter.weights import ServedWeights
 
@@ -53,8 +54,16 @@ def checkpoint_to_stage(tensors: dict[str, torch.Tensor],
     problems, staged = [], {}
     for n, t in tensors.items():
         target = weights.target(n)
-        if target is None:
+        fp8 = FP8_DTYPE in (t.dtype, getattr(target, "dtype", None))
+        if target is None and n.endswith(SCALE_SUFFIX) and weights.target(n.removesuffix(SCALE_SUFFIX)) is not None:
+            problems.append(f"{QUANTIZATION_MISMATCH}: checkpoint tensor {n!r} is an FP8 block scale, but this server "
+                            "serves its weight unquantized (it was not started with --quantization fp8)")
+        elif target is None:
             problems.append(f"checkpoint tensor {n!r} is not a parameter of the served model")
+        elif fp8 and t.dtype != target.dtype:
+            problems.append(f"{QUANTIZATION_MISMATCH}: checkpoint tensor {n!r} is {dtype_to_str(t.dtype)}, served as "
+                            f"{dtype_to_str(target.dtype)}: an FP8 checkpoint needs a server started with --quantization "
+                            "fp8, and such a server an FP8 checkpoint (a publisher's encoding='fp8')")
         elif tuple(t.shape) != tuple(target.shape):
             problems.append(f"checkpoint tensor {n!r} has shape {list(t.shape)}, the served one {list(target.shape)}")
         elif t.is_floating_point() != target.is_floating_point():

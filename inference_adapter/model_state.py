@@ -112,6 +112,7 @@ class ModelState(GenerationMixin):
         receive_timeout: float = 10.0,
         disk_roots: list[str] | None = None,
         allow_version_rollback: bool = False,
+        quantization: str | None = None,
     ):
         self.model = model.eval()
         for p in self.model.parameters():
@@ -121,7 +122,9 @@ class ModelState(GenerationMixin):
         self.disk_roots = _disk_roots(disk_roots, model_path)
         self.tokenizer_path = tokenizer_path
         self._served_model_name = served_model_name
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = next(p for p in self.model.parameters() if p.dtype.itemsize > 1).dtype
+        self.quantization = quantization
+        """``fp8`` when the projections are served as block FP8 (``--quantization fp8``), else None."""
         self.log = _VersionLog(logging.getLogger("inference_adapter.server"), self)
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = _eos_token_ids(self.model, tokenizer)
@@ -221,7 +224,7 @@ class ModelState(GenerationMixin):
         """Project extension: what the server serves, for a publisher's check before any byte moves: each
         tensor's shape and dtype by HF name, the aliases it accepts (a tied head) and the serving dtype."""
         w = self.weights
-        return {"dtype": dtype_to_str(self.dtype), "model_type": w.model_type,
+        return {"dtype": dtype_to_str(self.dtype), "model_type": w.model_type, "quantization": self.quantization,
                 "params": {n: {"shape": list(t.shape), "dtype": dtype_to_str(t.dtype)} for n, t in w.params.items()},
                 "aliases": dict(w.aliases)}
 

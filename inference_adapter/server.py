@@ -87,6 +87,11 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000, SGLang's)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype the weights are served in; distributed updates must send exactly this dtype (default bfloat16)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="serve the projections as block FP8 (e4m3, 128x128 scales, bridge/fp8.py): updates must send them "
+                        "as FP8 with their _scale_inv (a publisher's encoding='fp8'); default: the --dtype weights")
+    p.add_argument("--fp8-skip", action="append", default=None, metavar="REGEX",
+                   help="with --quantization fp8: a module-name pattern to keep in --dtype (repeat; the publisher's fp8_skip)")
     p.add_argument("--weight-version", default="default", help="initial weight version reported on /model_info and every generation (default 'default')")
     p.add_argument("--protocol-version", default="0.5.23",
                    help="SGLang version whose HTTP protocol to emulate, e.g. 0.5.23, 0.5.10.post1, 0.5.2 (default 0.5.23)")
@@ -215,10 +220,15 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, tok, model_path, tok_path = load_model(model=args.model, preset=args.preset, seed=args.seed,
                                                   dtype=getattr(torch, args.dtype))
+    if args.quantization == "fp8":
+        from bridge.fp8 import Fp8Rule, quantize_module
+
+        quantize_module(model, Fp8Rule(tuple(args.fp8_skip or ())))
     state = ModelState(model, tok, model_path=model_path, tokenizer_path=tok_path, weight_version=args.weight_version,
                        protocol_version=args.protocol_version, group_timeout=args.group_timeout,
                        served_model_name=args.served_model_name, receive_timeout=args.receive_timeout,
-                       disk_roots=args.disk_roots, allow_version_rollback=args.allow_version_rollback)
+                       disk_roots=args.disk_roots, allow_version_rollback=args.allow_version_rollback,
+                       quantization=args.quantization)
     n = sum(p.numel() for p in model.parameters())
     state.log.info("loaded %s (%s, %.2f M params, %s) in %.1f s", model_path, type(model).__name__, n / 1e6, args.dtype,
                    time.perf_counter() - t0)

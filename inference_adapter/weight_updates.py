@@ -45,7 +45,14 @@ import torch
 
 from bridge.buckets import Bucket, unflatten_bucket
 from bridge.errors import ConfigError
-from bridge.protocol import SESSION_REQUIRED_MESSAGE, SHM_LOAD_FORMAT, VERSION_GOES_BACK, ProtocolFeatures
+from bridge.fp8 import FP8_DTYPE, SCALE_SUFFIX
+from bridge.protocol import (
+    QUANTIZATION_MISMATCH,
+    SESSION_REQUIRED_MESSAGE,
+    SHM_LOAD_FORMAT,
+    VERSION_GOES_BACK,
+    ProtocolFeatures,
+)
 from bridge.tensors import ParamSpec, dtype_to_str
 from inference_adapter.checks import (
     RunClaim,
@@ -263,6 +270,12 @@ class WeightUpdates(SessionControl):
             if s.name in seen:
                 problems.append(f"tensor {s.name!r} appears twice in one request")
             seen.add(s.name)
+            if target is None and s.name.endswith(SCALE_SUFFIX) and self.weights.target(s.name.removesuffix(SCALE_SUFFIX)) is not None:
+                problems.append(f"{QUANTIZATION_MISMATCH}: tensor {s.name!r} is an FP8 block scale, but this server "
+                                f"serves {s.name.removesuffix(SCALE_SUFFIX)!r} unquantized ({dtype_to_str(self.weights.target(s.name.removesuffix(SCALE_SUFFIX)).dtype)}; "
+                                "it was not started with --quantization fp8): publish with the full encoding, or "
+                                "restart the server with --quantization fp8")
+                continue
             if target is None:
                 problems.append(
                     f"tensor {s.name!r} is not a parameter of the served model ({self.weights.model_type}; names are "
@@ -272,7 +285,9 @@ class WeightUpdates(SessionControl):
             if tuple(target.shape) != s.shape:
                 problems.append(f"tensor {s.name!r} has shape {list(s.shape)} but the served parameter has shape "
                                 f"{list(target.shape)}; the trainer's model is not the served one (or it sent a shard: send full tensors)")
-            if target.dtype != s.dtype:
+            if target.dtype != s.dtype and FP8_DTYPE in (target.dtype, s.dtype):
+                problems.append(_quantization_problem(s, target))
+            elif target.dtype != s.dtype:
                 problems.append(f"tensor {s.name!r} is sent as {dtype_to_str(s.dtype)} but served as "
                                 f"{dtype_to_str(target.dtype)}; cast to {dtype_to_str(target.dtype)} before sending")
         if flattened:
@@ -320,7 +335,7 @@ class WeightUpdates(SessionControl):
                 self.groups.drop(group_name, "it was sent an invalid request too large to receive and discard")
                 raise self._refuse(_DISTRIBUTED, join_problems(problems), abort_why=problems[0],
                                    outcome=f" The {nbytes}-byte broadcast was not received; group {group_name} was "
-                                           "destroyed.")
+                                           "destroyed.", reason=_reason(problems))
             try:
                 received = self._receive(pg, specs, flattened, tag=f"{group_name}|{names}|{dtypes}|{shapes}",
                                          group_name=group_name)
@@ -329,7 +344,8 @@ class WeightUpdates(SessionControl):
                 received = []
             if problems:
                 raise self._refuse(_DISTRIBUTED, join_problems(problems), abort_why=problems[0],
-                                   tail=" (The broadcast was received and discarded; the group is still usable.)")
+                                   tail=" (The broadcast was received and discarded; the group is still usable.)",
+                                   reason=_reason(problems))
             received, check = self._from_delta(_DISTRIBUTED, wsync_delta, received, table)
             return self._stage(received, weight_version, nbytes, t0, group_name, run, check)
 
@@ -418,7 +434,7 @@ class WeightUpdates(SessionControl):
             if desc["nbytes"] != nbytes:
                 problems.append(f"nbytes is {desc['nbytes']} but names/dtypes/shapes describe {nbytes} bytes")
             if problems:
-                raise self._refuse(_TENSOR, join_problems(problems))
+                raise self._refuse(_TENSOR, join_problems(problems), reason=_reason(problems))
             try:
                 buf = read_shm(desc["path"], nbytes)
             except WireError as e:
@@ -477,7 +493,23 @@ class WeightUpdates(SessionControl):
             staged, problems = checkpoint_to_stage(tensors, self.weights)
             problems += [p for p in [non_finite_problem(staged), missing_problem(tensors, staged, self.weights)] if p]
             if problems:
-                raise self._refused(_DISK, f"{model_path}: {join_problems(problems)}")
+                raise self._refused(_DISK, f"{model_path}: {join_problems(problems)}", reason=_reason(problems))
             self._swap(staged, weight_version if self.features.weight_version else None, run, model_path=model_path)
             self.log.info("loaded %s from disk in %.2f s", model_path, time.perf_counter() - t0)
         return "Succeeded to update model weights."
+
+
+def _quantization_problem(s: ParamSpec, target: torch.Tensor) -> str:
+    """The named refusal of a tensor sent quantized to a server that serves it unquantized, or the other way."""
+    if s.dtype == FP8_DTYPE:
+        return (f"{QUANTIZATION_MISMATCH}: tensor {s.name!r} is sent as FP8 ({dtype_to_str(s.dtype)}) but this server "
+                f"serves it as {dtype_to_str(target.dtype)} (it was not started with --quantization fp8): publish "
+                "with the full encoding, or restart the server with --quantization fp8")
+    return (f"{QUANTIZATION_MISMATCH}: tensor {s.name!r} is sent as {dtype_to_str(s.dtype)} but this server serves it "
+            "as block FP8 (float8_e4m3fn with its _scale_inv; started with --quantization fp8): publish with "
+            "encoding='fp8' (wsync train --encoding fp8)")
+
+
+def _reason(problems: list[str]) -> str | None:
+    """``wsync_reason`` of a refusal for these problems: :data:`QUANTIZATION_MISMATCH` when one names it."""
+    return QUANTIZATION_MISMATCH if any(p.startswith(QUANTIZATION_MISMATCH) for p in problems) else None

@@ -696,3 +696,63 @@ def test_preflight_says_once_what_a_silent_sglang_model_cannot_tell(server, capl
     said = [r.getMessage() for r in caplog.records if "for none of" in r.getMessage()]
     assert len(said) == 1 and "Qwen2" in said[0], caplog.text
     assert server.alive()
+
+# ---------------------------------------------------------------------------------------------- FP8
+
+
+def _publish_fp8_snapshot(nr_url: str, root: str) -> str:
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine("small")  # its q/k/v and gate/up are multiples of 128 rows, as SGLang's stacked FP8 layers need
+    pub = WeightPublisher(PublisherConfig(transport="disk", name_resolve=nr_url, snapshot_root=root, experiment="fp8",
+                                          trial="t0", encoding="fp8", progress=False))
+    try:
+        return pub.publish(engine, version=1).path
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_fp8_layer_is_what_sglang_fp8_linear_method_registers_and_loads(tmp_path):
+    """What a 2-rank ``encoding="fp8"`` publish sends for layer 0 (its snapshot's tensors and quantization_config) has
+    the names, dtypes and shapes SGLang 0.5.23's ``Fp8LinearMethod.create_weights`` registers for that config's
+    block FP8 (q/k/v and gate/up stacked), and SGLang's own ``load_weights`` takes every one bit-exact."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from bridge.snapshot import read_snapshot
+    from tests.sglang_harness import sglang_dir
+
+    _need("0.5.23")
+    path, _ = run_ranks(_publish_fp8_snapshot, 2, args=(f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")), timeout=300)
+    sent = {n.removeprefix("model.layers.0."): t for n, t in read_snapshot(path).items() if n.startswith("model.layers.0.")}
+    with open(os.path.join(path, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    torch.save({"quantization_config": qc, "tensors": {"model.layers.0." + n: t.clone() for n, t in sent.items()}},
+               tmp_path / "payload.pt")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "tests.sglang_harness.fp8_layers", "--sglang-dir", sglang_dir("0.5.23"),
+                          "--model", path, "--payload", str(tmp_path / "payload.pt")], cwd=root, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("FP8_LAYERS ")]
+    assert run.returncode == 0 and lines, f"exit {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    got = json.loads(lines[-1].removeprefix("FP8_LAYERS "))
+    assert got["methods"] == ["Fp8LinearMethod"], got["methods"]
+    stacked = {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"], "mlp.gate_up_proj": ["gate_proj", "up_proj"],
+               "self_attn.o_proj": ["o_proj"], "mlp.down_proj": ["down_proj"]}
+    want = {}
+    for sglang_name, parts in stacked.items():
+        module = sglang_name.split(".")[0]
+        for leaf in ("weight", "weight_scale_inv", "bias"):
+            pieces = [sent.get(f"{module}.{p}.{leaf}") for p in parts]
+            if all(t is not None for t in pieces):
+                want[f"{sglang_name}.{leaf}"] = torch.cat(pieces)
+    shapes = {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in want.items()}
+    assert got["registered"] == shapes, f"SGLang registers {got['registered']}, the publisher sends {shapes}"
+    assert shapes["self_attn.qkv_proj.weight"]["dtype"] == "float8_e4m3fn"
+    assert shapes["mlp.down_proj.weight_scale_inv"] == {"dtype": "float32", "shape": [4, 12]}  # [512, 1536] in blocks
+    assert sorted(got["loaded"]) == sorted(want)
+    bad = [n for n, t in want.items() if got["sha"][n] != tensor_checksum(t)]
+    assert not bad, f"SGLang's weight loading did not take these bit-exact: {bad}"

@@ -79,12 +79,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--encoding", default="full", choices=encoding_names(),
                    help="full: every tensor each sync; delta (broadcast, colocated): what changed since the version "
-                        "the servers serve, with a full sync (an anchor) when needed")
+                        "the servers serve, with a full sync (an anchor) when needed; fp8: every tensor, the "
+                        "projections as block FP8 (servers started with --quantization fp8; docs/fp8.md)")
     p.add_argument("--delta-anchor-every", type=int, default=None, metavar="N",
                    help="--encoding delta: a full sync at least every N versions (default: 50)")
     p.add_argument("--delta-max-fraction", type=float, default=None, metavar="F",
                    help="--encoding delta: send a full sync when the delta is over this fraction of the full bytes "
                         "(default: 0.1)")
+    p.add_argument("--fp8-skip", action="append", default=None, metavar="REGEX",
+                   help="--encoding fp8: a module-name pattern to keep in the serving dtype (repeat; the servers' --fp8-skip)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO; env WSYNC_LOG_LEVEL)")
     add_transport_options(p)
 
@@ -276,6 +279,8 @@ def publisher_config(args: argparse.Namespace, servers: list[str]):
         new_run=args.new_run, encoding=args.encoding, server_registry=args.server_registry or None,
         min_servers=args.min_servers,
     )
+    if args.fp8_skip:
+        kw["fp8_skip"] = tuple(args.fp8_skip)
     for name in ("bucket_mb", "delta_anchor_every", "delta_max_fraction"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

@@ -1,7 +1,8 @@
-"""How a sync's bytes are formed: every tensor (``full``) or what changed since the served base (``delta``).
+"""How a sync's bytes are formed: every tensor (``full``), what changed since the served base (``delta``), or
+every tensor with the projections as block FP8 (``fp8``).
 
-See :mod:`bridge.encodings.base` for what an encoding does at each step of a sync, and
-:mod:`bridge.encodings.delta` for the delta encoding.
+See :mod:`bridge.encodings.base` for what an encoding does at each step of a sync, :mod:`bridge.encodings.delta`
+for the delta encoding and :mod:`bridge.encodings.fp8` for the FP8 one.
 """
 
 from bridge.encodings.base import Encoding, Outgoing, Transfer, gathered

@@ -11,7 +11,10 @@ method            who       when / what
 ``prepare``       every     the prepare step, before anything moves: this rank's summary (a small picklable
                   rank      dataclass; every rank receives every rank's)
 ``plan``          every     after prepare, given every rank's summary, identically on every rank: sets
-                  rank      ``plan.encoded`` (an :class:`~bridge.plan.Encoded` dataclass, or None)
+                  rank      ``plan.encoded`` (an :class:`~bridge.plan.Encoded` dataclass, or None); an
+                            encoding whose tensors travel otherwise than in the serving dtype plans
+                            ``plan.buckets`` again from what it sends (the servers are checked against
+                            them), and may add ``plan.config_fields`` to a snapshot's ``config.json``
 ``decide``        rank 0    the begin step, servers paused: this sync's decision (``plan.decision`` on every
                             rank; a delta or an anchor, say)
 ``buckets``       every     after begin: the buckets to send (:class:`Transfer`)
@@ -116,7 +119,8 @@ class Encoding:
         return None
 
     def plan(self, plan: Plan, summaries: list) -> None:
-        """Every rank: what every rank's summary says, the same on every rank, into ``plan.encoded``."""
+        """Every rank: what every rank's summary says, the same on every rank, into ``plan.encoded``; and what
+        travels (``plan.buckets``, ``plan.config_fields``) when it is not the serving-dtype tensors."""
 
     def decide(self, plan: Plan, servers) -> Any:
         """Rank 0, once the servers are paused (``servers``: the :class:`bridge.client.ServerGroup`, or None):

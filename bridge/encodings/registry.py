@@ -2,8 +2,8 @@
 
 An encoding module decorates its :class:`~bridge.encodings.base.Encoding` subclass with
 :func:`register_encoding`; ``PublisherConfig(encoding=...)`` and ``wsync train --encoding`` read the names
-from here. The project's own: ``full`` (every tensor, every sync) and ``delta`` (what changed since the
-version the servers serve).
+from here. The project's own: ``full`` (every tensor, every sync), ``delta`` (what changed since the
+version the servers serve) and ``fp8`` (every tensor, projections as block FP8).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["encoding_class", "encoding_names", "register_encoding"]
 
-BUILTIN = ("bridge.encodings.full", "bridge.encodings.delta")
+BUILTIN = ("bridge.encodings.full", "bridge.encodings.delta", "bridge.encodings.fp8")
 """The project's own encodings, in the order they are listed."""
 
 _classes: dict[str, type[Encoding]] = {}

@@ -218,7 +218,7 @@ class DiskTransport(Transport):
             self._check_disk_roots()
         self._clear_unannounced(plan.version, versions)
         self.writer = SnapshotWriter(
-            self.root, plan.version, config=plan.source.model_config, tokenizer=plan.source.tokenizer,
+            self.root, plan.version, config=plan.model_config, tokenizer=plan.source.tokenizer,
             dtype=dtype_from_str(self.config.serving_dtype), max_shard_bytes=max(1, self.config.bucket_bytes),
         )
         self._t_write = time.perf_counter()

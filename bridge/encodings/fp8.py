@@ -1,0 +1,72 @@
+"""The ``fp8`` encoding: every tensor, every sync, with the projections as block FP8 (:mod:`bridge.fp8`).
+
+What travels: :func:`bridge.fp8.fp8_wire_specs` of the serving-dtype specs (each quantized weight as
+``float8_e4m3fn`` and its fp32 ``<name>_scale_inv``, the rest as is), planned into buckets in ``plan`` (so the
+servers are checked against them before anything moves), so it works on every transport that carries plain
+named tensors. Each bucket is quantized on the trainer ranks that hold its rows as it is gathered
+(:func:`bridge.fp8.gather_fp8_bucket`), while the previous bucket travels; never the whole model on one rank.
+A disk snapshot's ``config.json`` carries the ``quantization_config`` SGLang and transformers load a block-FP8
+checkpoint by (``plan.config_fields``). The servers must serve FP8 (``wsync serve --quantization fp8``, or
+SGLang started on an FP8 checkpoint); a server that serves bf16 refuses the sync before anything moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bridge.buckets import plan_buckets
+from bridge.encodings.base import Encoding, Outgoing, Transfer
+from bridge.encodings.registry import register_encoding
+from bridge.fp8 import Fp8Rule, fp8_wire_specs, gather_fp8_bucket, quantization_config
+from bridge.plan import Encoded, EncodingReport
+from bridge.tensors import ParamSpec
+
+__all__ = ["Fp8Encoding", "Fp8Plan"]
+
+
+@dataclass
+class Fp8Plan(Encoded):
+    """What the fp8 encoding planned for one sync: the serving-dtype spec of every tensor, by name (what each rank
+    casts its rows to before quantizing them)."""
+
+    served: dict[str, ParamSpec]
+
+    def report(self) -> EncodingReport:
+        return EncodingReport(encoding="fp8")
+
+
+@register_encoding
+class Fp8Encoding(Encoding):
+    """Every tensor, every sync, the projections as block FP8 (see the module docstring)."""
+
+    name = "fp8"
+
+    def __init__(self, config, rank: int, world: int):
+        super().__init__(config, rank, world)
+        self.rule = Fp8Rule(tuple(config.fp8_skip or ()))
+
+    @classmethod
+    def check_config(cls, config, transport_cls) -> None:
+        super().check_config(config, transport_cls)
+        Fp8Rule(tuple(config.fp8_skip or ()))  # a bad pattern: a ConfigError now
+
+    def prepare(self, source, specs):
+        source.require(("local_shards",), "the fp8 encoding (it quantizes each rank's own rows)")
+        return None
+
+    def plan(self, plan, summaries: list) -> None:
+        """What travels: the FP8 tensors, in buckets of their own size; the snapshot's quantization_config."""
+        served = [s for b in plan.buckets for s in b.specs]
+        plan.buckets = plan_buckets(fp8_wire_specs(served, self.rule), self.config.bucket_bytes)
+        plan.config_fields = {"quantization_config": quantization_config(served, self.rule)}
+        plan.encoded = Fp8Plan({s.name: s for s in served})
+
+    def buckets(self, plan) -> Transfer:
+        """Each bucket quantized on the ranks that hold its rows as it is gathered (every rank calls ``fill``)."""
+        source, served = plan.source, plan.encoded.served
+
+        def fill(bucket):
+            return lambda buf, dst, group: gather_fp8_bucket(source, bucket, buf, served, group, dst)
+
+        return Transfer([Outgoing(f"bucket {k}", b, fill(b), to_owner=source.gathers_to_any_rank)
+                         for k, b in enumerate(plan.buckets)])

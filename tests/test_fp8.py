@@ -1,0 +1,203 @@
+"""FP8 end to end: 2 trainer ranks publish with ``encoding="fp8"`` into reference servers started with
+``--quantization fp8``, over broadcast, colocated and disk, with a training step before every publish. After each one the
+served FP8 weights, their scales and the unquantized tensors must equal, bit for bit, a quantization of the
+trainer's own weights written here (not the project's function), and a greedy answer must equal that of a
+local model holding the dequantized weights. A server of the other kind refuses, naming the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from tests import sync_bodies as sb
+from tests.dist_utils import run_ranks
+
+pytestmark = pytest.mark.slow
+
+FP8 = ["--quantization", "fp8"]
+PROJ = re.compile(r"\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight$")  # the tiny preset's projections
+
+
+def _expected(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The served tensors for the trainer's weights: projections as e4m3fn with fp32 128x128 block scales
+    (absmax floored at 1e-4, over 448; the weight times the scale's reciprocal, clamped to +-448), the rest
+    in bf16."""
+    out = {}
+    for n, t in full.items():
+        w = t.to(torch.bfloat16)
+        if not PROJ.search(n):
+            out[n] = w
+            continue
+        rows, cols = w.shape
+        nb, kb = -(-rows // 128), -(-cols // 128)
+        padded = torch.zeros(nb * 128, kb * 128)
+        padded[:rows, :cols] = w.float()
+        scale = padded.abs().view(nb, 128, kb, 128).amax(dim=(1, 3)).clamp(min=1e-4) / 448
+        per = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+        out[n] = (w.float() * (1.0 / per)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[n + "_scale_inv"] = scale
+    return out
+
+
+def _check(engine, url: str, version: int) -> dict:
+    """Rank 0: every served tensor against :func:`_expected`, the version, and a greedy answer against a local
+    bf16 model holding the dequantized weights (collective)."""
+    from transformers import AutoModelForCausalLM
+
+    from bridge.client import ServerClient
+    from bridge.protocol import tensor_checksum
+
+    full = {s.name: t for s, t in engine.iter_full_tensors()}
+    if engine.rank != 0:
+        return {}
+    want = _expected(full)
+    c = ServerClient(url)
+    got = c.weights_checksum(list(want))
+    local = AutoModelForCausalLM.from_config(engine.model_config, dtype=torch.bfloat16).eval()
+    deq = {}
+    for n, t in want.items():
+        if n.endswith("_scale_inv"):
+            continue
+        s = want.get(n + "_scale_inv")
+        if s is not None:
+            per = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]]
+            t = (t.float() * per).to(torch.bfloat16)
+        deq[n] = t
+    local.load_state_dict(deq, strict=False)
+    local.tie_weights()
+    prompt = [1] + [b + 3 for b in b"rev hello="]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = local.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)[0, len(prompt):].tolist()
+    out = c.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 6})
+    differ = [n for n, t in want.items() if got["checksums"].get(n) != tensor_checksum(t)]
+    return dict(version=c.model_info()["weight_version"], differ=differ, n=len(want),
+                scales=sum(n.endswith("_scale_inv") for n in want), answer_equal=out["output_ids"] == expected)
+
+
+def _publish_fp8(url: str, versions: int, **config) -> list[dict]:
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(servers=[url], encoding="fp8", bucket_mb=0.1, progress=False, **config))
+    out = []
+    try:
+        for v in range(1, versions + 1):
+            sb.train_step(engine, v)
+            res = pub.publish(engine, version=v)
+            out.append(dict(version=v, encoding=res.encoding, bytes=res.bytes, buckets=res.buckets, path=res.path,
+                            servers=res.servers, check=_check(engine, url, v)))
+    finally:
+        pub.close()
+        engine.destroy()
+    return out
+
+
+def _assert_exact(rank0: list[dict], url: str, versions: int) -> None:
+    assert [r["version"] for r in rank0] == list(range(1, versions + 1))
+    for r in rank0:
+        chk = r["check"]
+        assert r["encoding"] == "fp8" and r["servers"] == {url: "ok"}, r
+        assert chk["scales"] == 14 and chk["n"] > chk["scales"], chk  # 7 projections in each of 2 layers
+        assert chk["differ"] == [], f"v{r['version']}: served tensors differ from the quantized trainer: {chk['differ']}"
+        assert chk["version"] == str(r["version"]) and chk["answer_equal"], chk
+    assert rank0[0]["buckets"] > 2, "the test needs several buckets (and a quantized weight in more than one)"
+
+
+@pytest.fixture(scope="module")
+def fp8_server(server_factory):
+    return server_factory(extra_args=FP8)
+
+
+def test_broadcast_fp8_is_bit_exact_after_every_publish(fp8_server):
+    rank0, _ = run_ranks(_publish_fp8, 2, args=(fp8_server.url, 10), timeout=300)
+    _assert_exact(rank0, fp8_server.url, 10)
+    # Half the bytes: 1 byte per quantized element (+ scales) instead of 2.
+    assert rank0[0]["bytes"] < 0.7 * sum(p.numel() * 2 for p in _tiny_params())
+
+
+def test_colocated_fp8_is_bit_exact(fp8_server):
+    rank0, _ = run_ranks(_publish_fp8, 2, args=(fp8_server.url, 3), kwargs=dict(transport="colocated"), timeout=300)
+    _assert_exact(rank0, fp8_server.url, 3)
+
+
+def test_disk_fp8_snapshot_is_bit_exact_and_an_fp8_checkpoint(fp8_server, tmp_path):
+    from bridge.client import ServerGroup
+    from inference_adapter.watcher import DiskWatcher
+
+    nr_url, root = f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")
+    watcher = DiskWatcher(nr_url, "fp8", "t0", ServerGroup([fp8_server.url]))
+    watcher.start()
+    try:
+        rank0, _ = run_ranks(_publish_fp8, 2, args=(fp8_server.url, 4), timeout=300, kwargs=dict(
+            transport="disk", name_resolve=nr_url, snapshot_root=root, experiment="fp8", trial="t0",
+            keep_snapshots=2, wait_loaded_timeout=60))
+    finally:
+        watcher.stop()
+    _assert_exact(rank0, fp8_server.url, 4)
+    with open(os.path.join(rank0[-1]["path"], "config.json")) as f:
+        q = json.load(f)["quantization_config"]
+    assert q == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                 "modules_to_not_convert": ["model.embed_tokens", "lm_head"]}, q
+    from bridge.snapshot import read_snapshot
+
+    tensors = read_snapshot(rank0[-1]["path"])
+    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].dtype == torch.float32
+    assert tensors["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16
+
+
+def _tiny_params():
+    from bridge.presets import build_model
+
+    return list(build_model("tiny").parameters())
+
+
+def _publish_once(url: str, encoding: str) -> str:
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import BridgeError
+
+    engine = sb.engine()
+    pub = WeightPublisher(PublisherConfig(servers=[url], encoding=encoding, progress=False))
+    try:
+        pub.publish(engine, version=1)
+        return "published"
+    except BridgeError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_each_kind_of_server_refuses_the_other_kind_of_bytes(fp8_server, ref_server):
+    """A publisher checks first (nothing moves); a bucket sent anyway is refused by the server, with
+    ``wsync_reason: quantization_mismatch``, and nothing is applied."""
+    from bridge.errors import ServerError
+    from bridge.fp8 import quantize
+    from bridge.protocol import QUANTIZATION_MISMATCH
+    from tests.fixtures_server import Trainer
+
+    errors = run_ranks(_publish_once, 2, args=(ref_server.url, "fp8"), timeout=120)
+    assert all("quantization_mismatch" in e and "--quantization fp8" in e and "nothing was sent" in e for e in errors), errors
+    errors = run_ranks(_publish_once, 2, args=(fp8_server.url, "full"), timeout=120)
+    assert all("quantization_mismatch" in e and "encoding='fp8'" in e for e in errors), errors
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    w = torch.randn(128, 256, dtype=torch.bfloat16)
+    q, s = quantize(w)
+    for server, tensors, says in (
+        (fp8_server, [(name, w)], "serves it as block FP8"),
+        (ref_server, [(name, q), (name + "_scale_inv", s)], "not started with --quantization fp8"),
+    ):
+        c = server.client
+        before = c.weights_checksum([name])["checksums"]
+        c.begin_weight_update()  # (the refusal aborts the session)
+        with Trainer([c]) as t:
+            (answer,) = t.send(tensors, flattened=True, weight_version="99")
+        assert isinstance(answer, ServerError) and answer.reason == QUANTIZATION_MISMATCH, answer
+        assert says in str(answer) and "Nothing was applied" in str(answer), answer
+        assert c.weights_checksum([name])["checksums"] == before
