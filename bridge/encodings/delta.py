@@ -29,24 +29,25 @@ instead, in the same ``publish()`` call. How the bytes move: :mod:`bridge.encodi
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from bridge.delta_codec import (
-    BITMASK,
     DENSE,
+    HEADER_BYTES,
     INTS,
-    SPARSE64,
     choose,
     combine_digest,
     differing_lanes,
+    encode_sparse,
     flatnonzero,
-    pack_bits,
     piece_crc,
     record_nbytes,
 )
+from bridge.delta_cost import SyncCosts
 from bridge.encodings.base import Encoding
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError, DeltaBaseMismatch
@@ -117,8 +118,7 @@ class _Change:
     nbytes: int
     positions: torch.Tensor | None = None  # the changed positions (None: dense)
     old: torch.Tensor | None = None  # what was overwritten: at the positions, or all (dense); None: new tensor
-    values: torch.Tensor | None = None  # the new values at the positions (None: dense, they are the base)
-    bits: torch.Tensor | None = None  # a bitmask record's packed bits
+    body: torch.Tensor | None = None  # the record after its header (delta_codec.encode_sparse; None: dense)
 
 
 @dataclass
@@ -146,6 +146,7 @@ class DeltaEncoding(Encoding):
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
         self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
+        self.costs, self._t0, self._diff_s = SyncCosts(), 0.0, 0.0  # what syncs cost: the anchor decision
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
@@ -199,6 +200,7 @@ class DeltaEncoding(Encoding):
     @torch.no_grad()
     def prepare(self, source, specs: list[ParamSpec]) -> dict:
         source.require(("local_shards",), "the delta encoding")
+        self._t0, self._diff_s = time.perf_counter(), 0.0
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
         self.changes, self.probes, self._refresh, self._stale = {}, {}, None, None
         shards = source.local_shards(specs)
@@ -208,7 +210,7 @@ class DeltaEncoding(Encoding):
             reason, changed, numel = skip
             self._stale = [sh for sh in shards if sh.local is not None]
             return {"skip": reason, "sizes": {}, "whole": whole, "changed": changed, "numel": numel, "fresh": False,
-                    "crcs": crcs, "probes": {}}
+                    "crcs": crcs, "probes": {}, "costs": self.costs.state()}
         sizes, changed, numel, fresh = {}, 0, 0, False
         for sh in shards:
             if sh.local is None:
@@ -221,8 +223,9 @@ class DeltaEncoding(Encoding):
             sizes[sh.spec.name] = ch.nbytes
             changed += ch.count
             fresh |= ch.old is None
+        self._diff_s = time.perf_counter() - self._t0
         return {"skip": None, "sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh,
-                "crcs": crcs, "probes": self.probes}
+                "crcs": crcs, "probes": self.probes, "costs": self.costs.state()}
 
     def _anchor_ahead(self, owned: list) -> tuple[str, int, int] | None:
         """(why, estimated changed elements, elements) when this rank knows before diffing that the sync will be
@@ -246,7 +249,14 @@ class DeltaEncoding(Encoding):
         if est > cfg.delta_max_fraction * full:
             return (f"the delta would be about {est / max(1, full):.0%} of the full bytes (from a sample of 1 block "
                     f"in {_SAMPLE_EVERY}), over delta_max_fraction={cfg.delta_max_fraction:g}"), changed, numel
-        return None
+        why = self._costlier_than_full(self.costs.state(), est / max(1, full), diff_spent=False)
+        return None if why is None else (f"{why}; from a sample of 1 block in {_SAMPLE_EVERY}", changed, numel)
+
+    def _costlier_than_full(self, costs: dict, fraction: float, diff_spent: bool, full_bytes: int = 0) -> str | None:
+        """Why a delta of ``fraction`` of the full bytes would take longer than the full sync, at what the last
+        syncs cost (:mod:`bridge.delta_cost`), or None. ``delta_max_fraction`` bounds it from above."""
+        full = full_bytes or self.costs.full_bytes
+        return SyncCosts.verdict(costs, fraction * full, full, diff_spent) if full else None
 
     @torch.no_grad()
     def _copy_into_base(self, owned: list) -> None:
@@ -270,26 +280,20 @@ class DeltaEncoding(Encoding):
         count = positions.numel()
         if not count:
             return None
-        kind, nbytes = choose(n, count, itemsize)
         bits = held.base.view(INTS[itemsize])
         first = int(positions[0])
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
+        values = new.index_select(0, positions)
+        kind, body = encode_sparse(n, positions, values)
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
             old = held.base.clone()
             held.base.copy_(new)
-            return _Change(kind, count, nbytes, old=old)
+            return _Change(kind, count, record_nbytes(DENSE, n, n, itemsize), old=old)
         old = held.base.index_select(0, positions)
-        values = new.index_select(0, positions)
         bits.index_copy_(0, positions, values.view(bits.dtype))  # the base moves where it changed (the rest is equal)
-        packed = None
-        if kind == BITMASK:
-            mask = self._scratch("mask", n, torch.bool, new.device)
-            mask.zero_()
-            mask[positions] = True
-            packed = pack_bits(mask)
-        if kind != SPARSE64:  # (kept for the undo: half the bytes)
+        if n < 2**31:  # (kept for the undo: half the bytes)
             positions = positions.to(torch.int32)
-        return _Change(kind, count, nbytes, positions, old, values, packed)
+        return _Change(kind, count, HEADER_BYTES + body.numel(), positions, old, body)
 
     def _changed(self, new: torch.Tensor, base: torch.Tensor, itemsize: int) -> torch.Tensor:
         """The int64 positions where ``new`` and ``base`` (flat, same dtype) differ bit for bit, increasing.
@@ -348,6 +352,8 @@ class DeltaEncoding(Encoding):
         elif total > cfg.delta_max_fraction * plan.nbytes:
             enc.reason = (f"the delta ({fmt_bytes(total)}) is {total / max(1, plan.nbytes):.0%} of the full "
                           f"{fmt_bytes(plan.nbytes)}, over delta_max_fraction={cfg.delta_max_fraction:g}")
+        else:  # rank 0's measurements, so that every rank decides alike
+            enc.reason = self._costlier_than_full(summaries[0]["costs"], total / max(1, plan.nbytes), True, plan.nbytes)
         plan.encoded = enc
 
     def _buckets(self, specs: list[ParamSpec], summaries: list[dict], whole: set, crcs: dict) -> list[DeltaBucket]:
@@ -423,6 +429,10 @@ class DeltaEncoding(Encoding):
         self._refresh = None
         self.base_version = plan.version
         self.since_anchor = 0 if enc.mode == "anchor" else self.since_anchor + 1
+        if not plan.retried:
+            self.costs.full_bytes = enc.full_bytes
+            self.costs.record(enc.mode, enc.full_bytes if enc.mode == "anchor" else enc.nbytes,
+                              time.perf_counter() - self._t0, self._diff_s)
         pieces = [(name, h.start, h.base) for name, h in self.base.items()]
         self._crcs = self._pool.submit(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
 
