@@ -120,23 +120,32 @@ def record_nbytes(kind: int, length: int, count: int, itemsize: int, entries: in
     raise DeltaFormatError(f"unknown record kind {kind}")
 
 
-def _distances(positions: torch.Tensor) -> torch.Tensor:
-    """int64 distances between consecutive changed positions, the first from -1 (so every one is >= 1)."""
-    return torch.diff(positions.to(torch.int64), prepend=positions.new_full((1,), -1, dtype=torch.int64))
+def _distances(positions: torch.Tensor):
+    """int64 distances between consecutive changed positions (numpy), the first from -1 (so all are >= 1)."""
+    import numpy
+
+    return numpy.diff(positions.detach().cpu().numpy().astype(numpy.int64, copy=False), prepend=-1)
 
 
-def _escapes(length: int, count: int, distances: torch.Tensor | None) -> dict[int, int]:
+def _escapes(length: int, count: int, distances) -> dict[int, int]:
     """Escape gaps each gap kind needs: counted from the distances, or expected for ``count`` changes spread at
     random over ``length`` elements (a distance over ``j * M`` has probability ``(1 - p) ** (j * M)``)."""
     if distances is not None:
-        d1 = distances - 1
-        return {k: int(torch.div(d1, m, rounding_mode="floor").sum()) for k, m in _GAP_MAX.items()}
+        top = int(distances.max()) if len(distances) else 0
+        return {k: 0 if top <= m else int(((distances[distances > m] - 1) // m).sum()) for k, m in _GAP_MAX.items()}
     p = count / max(1, length)
     out = {}
     for k, m in _GAP_MAX.items():
         q = (1 - p) ** m if p < 1 else 0.0
-        out[k] = math.ceil(count * q / (1 - q)) if q < 1 else length
+        out[k] = round(count * q / (1 - q)) if q < 1 else length
     return out
+
+
+def _smallest(length: int, count: int, itemsize: int, escapes: dict[int, int]) -> tuple[int, int]:
+    sparse = SPARSE32 if length < 2**31 else SPARSE64
+    sizes = [(k, record_nbytes(k, length, count, itemsize)) for k in (sparse, BITMASK, DENSE)]
+    sizes += [(k, record_nbytes(k, length, count, itemsize, count + escapes[k])) for k in GAP_KINDS]
+    return min(sizes, key=lambda kb: kb[1])
 
 
 def choose(length: int, count: int, itemsize: int, positions: torch.Tensor | None = None) -> tuple[int, int]:
@@ -144,36 +153,47 @@ def choose(length: int, count: int, itemsize: int, positions: torch.Tensor | Non
 
     Given the changed ``positions`` (increasing, relative to the piece) the gap kinds' sizes are exact; without
     them they are what changes spread at random would take (an estimate, from a count alone)."""
-    sparse = SPARSE32 if length < 2**31 else SPARSE64
-    sizes = [(k, record_nbytes(k, length, count, itemsize)) for k in (sparse, BITMASK, DENSE)]
-    escapes = _escapes(length, count, None if positions is None else _distances(positions))
-    sizes += [(k, record_nbytes(k, length, count, itemsize, count + escapes[k])) for k in GAP_KINDS]
-    return min(sizes, key=lambda kb: kb[1])
+    return _smallest(length, count, itemsize,
+                     _escapes(length, count, None if positions is None else _distances(positions)))
 
 
-def _gap_entries(kind: int, positions: torch.Tensor) -> torch.Tensor:
-    """A gap kind's gaps (escapes included) of increasing positions, vectorized."""
-    m = _GAP_MAX[kind]
-    d = _distances(positions)
-    esc = torch.div(d - 1, m, rounding_mode="floor")
-    at = torch.cumsum(esc + 1, 0) - 1  # where each change's own gap goes; the escapes before it stay 0
-    entries = torch.zeros(int(at[-1]) + 1 if at.numel() else 0, dtype=torch.int64, device=positions.device)
-    entries[at] = d - m * esc
-    return entries.to(GAP_KINDS[kind])
+def _gap_entries(kind: int, distances) -> torch.Tensor:
+    """A gap kind's gaps (escapes included) of the distances between changes, vectorized (numpy)."""
+    import numpy
+
+    m, dtype = _GAP_MAX[kind], GAP_KINDS[kind]
+    np_dtype = {torch.uint8: numpy.uint8, torch.uint16: numpy.uint16, torch.uint32: numpy.uint32}[dtype]
+    if not len(distances) or int(distances.max()) <= m:
+        return torch.from_numpy(distances.astype(np_dtype))
+    esc = (distances - 1) // m
+    at = numpy.cumsum(esc + 1) - 1  # where each change's own gap goes; the escapes before it stay 0
+    entries = numpy.zeros(int(at[-1]) + 1, dtype=np_dtype)
+    entries[at] = distances - m * esc
+    return torch.from_numpy(entries)
 
 
 def _gap_positions(kind: int, entries: torch.Tensor) -> torch.Tensor:
-    """The int64 positions that gaps mark (the inverse of :func:`_gap_entries`)."""
+    """The int64 positions that gaps mark (the inverse of :func:`_gap_entries`), with numpy where it is."""
+    np = _numpy(entries.device.type == "cpu")
+    if np is not None:
+        e = entries.numpy().astype(np.int64)
+        if e.size and not e.min():
+            return torch.from_numpy((np.cumsum(np.where(e == 0, _GAP_MAX[kind], e)) - 1)[e != 0])
+        return torch.from_numpy(np.cumsum(e) - 1)
     e = entries.to(torch.int64)
     step = torch.where(e == 0, _GAP_MAX[kind], e)
     return (torch.cumsum(step, 0) - 1)[e != 0]
 
 
 def _planes(values: torch.Tensor, count: int, itemsize: int, inverse: bool = False) -> torch.Tensor:
-    """``count`` values of ``itemsize`` bytes as byte planes (byte 0 of each, then byte 1...), or back."""
+    """``count`` values of ``itemsize`` bytes (a CPU uint8 tensor) as byte planes (byte 0 of each, then byte
+    1...), or back."""
     if itemsize == 1 or not count:
         return values
     shape = (itemsize, count) if inverse else (count, itemsize)
+    np = _numpy()
+    if np is not None:
+        return torch.from_numpy(np.ascontiguousarray(values.numpy().reshape(shape).T).reshape(-1))
     return values.view(shape).t().contiguous().view(-1)
 
 
@@ -190,37 +210,36 @@ def encode_sparse(length: int, positions: torch.Tensor, values: torch.Tensor,
     """(kind, body) of a changed piece: the smallest kind of :func:`choose` given its ``positions`` (int,
     increasing, relative to the piece) and new ``values`` there, compressed when zstd saves at least
     :data:`ZSTD_MIN_GAIN` (``zstd``); ``body`` is the record's bytes after its header, on the CPU, for
-    :func:`write_record`. For ``DENSE``, (``DENSE``, None): the record is the piece itself."""
+    :func:`write_record`. For ``DENSE``, (``DENSE``, None): the record is the piece itself. The trainer's
+    side: it needs numpy (each section is built in one vectorized pass, the body in one copy)."""
+    import numpy as np
+
     count, itemsize = positions.numel(), values.element_size()
-    kind, nbytes = choose(length, count, itemsize, positions)
+    distances = _distances(positions)
+    kind, nbytes = _smallest(length, count, itemsize, _escapes(length, count, distances))
     if kind == DENSE:
         return DENSE, None
-    body = torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8)
-    vals = _pad8(count * itemsize)
     if kind == BITMASK:
         mask = torch.zeros(length, dtype=torch.bool, device=positions.device)
         mask[positions.to(torch.int64)] = True
-        head = pack_bits(mask).cpu()
+        head = [pack_bits(mask).cpu().numpy()]
     elif kind in GAP_KINDS:
-        entries = _gap_entries(kind, positions).cpu()
-        body[:8].view(torch.int64)[0] = entries.numel()
-        head = torch.cat([body[:8], entries.view(torch.uint8)])
+        entries = _gap_entries(kind, distances).numpy()
+        head = [np.array([entries.size], dtype=np.int64).view(np.uint8), entries.view(np.uint8)]
     else:
-        head = positions.to(torch.int32 if kind == SPARSE32 else torch.int64).cpu().view(torch.uint8)
-    body[: head.numel()].copy_(head)
-    raw = values.detach().reshape(-1).cpu().contiguous().view(torch.uint8)
-    body[body.numel() - vals : body.numel() - vals + count * itemsize].copy_(raw)
-    if not zstd:
-        return kind, body
-    planes = body.clone()
-    planes[body.numel() - vals : body.numel() - vals + count * itemsize] = _planes(raw, count, itemsize)
-    frame = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(planes.numpy())
-    if 16 + _pad8(len(frame)) > (1 - ZSTD_MIN_GAIN) * body.numel():
-        return kind, body
-    out = torch.zeros(16 + _pad8(len(frame)), dtype=torch.uint8)
-    out[:16].view(torch.int64).copy_(torch.tensor([body.numel(), len(frame)], dtype=torch.int64))
-    out[16 : 16 + len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
-    return kind | ZSTD, out
+        head = [positions.detach().cpu().numpy().astype(np.int32 if kind == SPARSE32 else np.int64).view(np.uint8)]
+    n_head = sum(h.size for h in head)
+    vals = values.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy()
+    pads = [np.zeros(_pad8(n_head) - n_head, np.uint8), np.zeros(_pad8(vals.size) - vals.size, np.uint8)]
+    if zstd and count:
+        planes = _planes(torch.from_numpy(vals), count, itemsize).numpy()
+        z = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=nbytes - HEADER_BYTES)
+        frame = b"".join([z.compress(part) for part in (*head, pads[0], planes, pads[1])] + [z.flush()])
+        if 16 + _pad8(len(frame)) <= (1 - ZSTD_MIN_GAIN) * (nbytes - HEADER_BYTES):
+            ext = np.array([nbytes - HEADER_BYTES, len(frame)], dtype=np.int64).view(np.uint8)
+            tail = np.zeros(_pad8(len(frame)) - len(frame), np.uint8)
+            return kind | ZSTD, torch.from_numpy(np.concatenate([ext, np.frombuffer(frame, np.uint8), tail]))
+    return kind, torch.from_numpy(np.concatenate([*head, pads[0], vals, pads[1]]))
 
 
 def _inflate(frame: torch.Tensor, raw: int, kind: int, count: int, itemsize: int, where: str) -> torch.Tensor:
@@ -306,7 +325,7 @@ def changed_positions(new: torch.Tensor, old: torch.Tensor, kind: int, mask: tor
     if mask is None:
         mask = _as_ints(new) != _as_ints(old)
     if kind in GAP_KINDS:
-        return _gap_entries(kind, flatnonzero(mask))
+        return _gap_entries(kind, _distances(flatnonzero(mask)))
     if kind in (SPARSE32, SPARSE64):
         return flatnonzero(mask).to(torch.int32 if kind == SPARSE32 else torch.int64)
     return pack_bits(mask)

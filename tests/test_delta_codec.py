@@ -139,3 +139,23 @@ def test_malformed_new_records_are_refused_with_their_reason():
     broken[HEADER_BYTES + 16 + 4 :] ^= 0x5A  # the zstd frame corrupted
     with pytest.raises(DeltaFormatError, match="zstd"):
         list(iter_records(broken, [torch.bfloat16], [4096]))
+
+
+def test_the_cost_model_sends_a_delta_where_its_bytes_and_diff_cost_less_than_the_full_sync():
+    """bridge.delta_cost: the same 12 % delta, whose diff the last delta's costs put at 0.16 s, goes over a
+    link that moved the full bytes in 4 s, not over one that moved them in 0.05 s (its diff alone costs more);
+    nothing is decided before a full sync was measured; a diff already spent no longer counts."""
+    from bridge.delta_cost import SyncCosts
+
+    full = 97_000_000
+    unmeasured = SyncCosts()
+    assert SyncCosts.verdict(unmeasured.state(), 0.12 * full, full, diff=(48_000_000, 5_000_000)) is None
+    for full_s, delta_goes in ((4.0, True), (0.05, False)):
+        costs = SyncCosts()
+        costs.record("anchor", full, full_s + 0.2, (0.2, 0.1, 48_000_000, 1))  # (a diff before an anchor: not its cost)
+        costs.record("delta", 2_000_000, 0.3, (0.08, 0.02, 48_000_000, 1_000_000))  # 1.25 ns/element, 20 ns/change
+        why = SyncCosts.verdict(costs.state(), 0.12 * full, full, diff=(48_000_000, 5_000_000))
+        assert (why is None) == delta_goes, (full_s, why)
+        if why is not None:
+            assert "its diff, 0.160 s" in why and "the full sync 0.050 s" in why, why
+            assert SyncCosts.verdict(costs.state(), 0.12 * full, full) is None  # the diff spent

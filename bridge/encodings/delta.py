@@ -146,7 +146,7 @@ class DeltaEncoding(Encoding):
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
         self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
-        self.costs, self._t0, self._diff_s = SyncCosts(), 0.0, 0.0  # what syncs cost: the anchor decision
+        self.costs, self._t0, self._diff = SyncCosts(), 0.0, [0.0, 0.0, 0, 0]  # what syncs cost: the anchor decision
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
@@ -200,7 +200,7 @@ class DeltaEncoding(Encoding):
     @torch.no_grad()
     def prepare(self, source, specs: list[ParamSpec]) -> dict:
         source.require(("local_shards",), "the delta encoding")
-        self._t0, self._diff_s = time.perf_counter(), 0.0
+        self._t0, self._diff = time.perf_counter(), [0.0, 0.0, 0, 0]  # (diff s, encoding s, elements, changed)
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
         self.changes, self.probes, self._refresh, self._stale = {}, {}, None, None
         shards = source.local_shards(specs)
@@ -211,7 +211,7 @@ class DeltaEncoding(Encoding):
             self._stale = [sh for sh in shards if sh.local is not None]
             return {"skip": reason, "sizes": {}, "whole": whole, "changed": changed, "numel": numel, "fresh": False,
                     "crcs": crcs, "probes": {}, "costs": self.costs.state()}
-        sizes, changed, numel, fresh = {}, 0, 0, False
+        sizes, changed, numel, fresh, t_diff = {}, 0, 0, False, time.perf_counter()
         for sh in shards:
             if sh.local is None:
                 continue
@@ -223,7 +223,7 @@ class DeltaEncoding(Encoding):
             sizes[sh.spec.name] = ch.nbytes
             changed += ch.count
             fresh |= ch.old is None
-        self._diff_s = time.perf_counter() - self._t0
+        self._diff[0], self._diff[2:] = time.perf_counter() - t_diff, [numel, changed]
         return {"skip": None, "sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh,
                 "crcs": crcs, "probes": self.probes, "costs": self.costs.state()}
 
@@ -249,14 +249,15 @@ class DeltaEncoding(Encoding):
         if est > cfg.delta_max_fraction * full:
             return (f"the delta would be about {est / max(1, full):.0%} of the full bytes (from a sample of 1 block "
                     f"in {_SAMPLE_EVERY}), over delta_max_fraction={cfg.delta_max_fraction:g}"), changed, numel
-        why = self._costlier_than_full(self.costs.state(), est / max(1, full), diff_spent=False)
+        why = self._costlier_than_full(self.costs.state(), est / max(1, full), diff=(numel, changed))
         return None if why is None else (f"{why}; from a sample of 1 block in {_SAMPLE_EVERY}", changed, numel)
 
-    def _costlier_than_full(self, costs: dict, fraction: float, diff_spent: bool, full_bytes: int = 0) -> str | None:
+    def _costlier_than_full(self, costs: dict, fraction: float, diff=None, full_bytes: int = 0) -> str | None:
         """Why a delta of ``fraction`` of the full bytes would take longer than the full sync, at what the last
-        syncs cost (:mod:`bridge.delta_cost`), or None. ``delta_max_fraction`` bounds it from above."""
+        syncs cost (:mod:`bridge.delta_cost`), or None; ``diff``: (elements, changed) still to diff, None once
+        diffed. ``delta_max_fraction`` bounds it from above."""
         full = full_bytes or self.costs.full_bytes
-        return SyncCosts.verdict(costs, fraction * full, full, diff_spent) if full else None
+        return SyncCosts.verdict(costs, fraction * full, full, diff) if full else None
 
     @torch.no_grad()
     def _copy_into_base(self, owned: list) -> None:
@@ -283,8 +284,9 @@ class DeltaEncoding(Encoding):
         bits = held.base.view(INTS[itemsize])
         first = int(positions[0])
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
-        values = new.index_select(0, positions)
+        values, t = new.index_select(0, positions), time.perf_counter()
         kind, body = encode_sparse(n, positions, values)
+        self._diff[1] += time.perf_counter() - t
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
             old = held.base.clone()
             held.base.copy_(new)
@@ -353,7 +355,7 @@ class DeltaEncoding(Encoding):
             enc.reason = (f"the delta ({fmt_bytes(total)}) is {total / max(1, plan.nbytes):.0%} of the full "
                           f"{fmt_bytes(plan.nbytes)}, over delta_max_fraction={cfg.delta_max_fraction:g}")
         else:  # rank 0's measurements, so that every rank decides alike
-            enc.reason = self._costlier_than_full(summaries[0]["costs"], total / max(1, plan.nbytes), True, plan.nbytes)
+            enc.reason = self._costlier_than_full(summaries[0]["costs"], total / max(1, plan.nbytes), None, plan.nbytes)
         plan.encoded = enc
 
     def _buckets(self, specs: list[ParamSpec], summaries: list[dict], whole: set, crcs: dict) -> list[DeltaBucket]:
@@ -432,7 +434,7 @@ class DeltaEncoding(Encoding):
         if not plan.retried:
             self.costs.full_bytes = enc.full_bytes
             self.costs.record(enc.mode, enc.full_bytes if enc.mode == "anchor" else enc.nbytes,
-                              time.perf_counter() - self._t0, self._diff_s)
+                              time.perf_counter() - self._t0, tuple(self._diff))
         pieces = [(name, h.start, h.base) for name, h in self.base.items()]
         self._crcs = self._pool.submit(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
 
