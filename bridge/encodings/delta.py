@@ -3,17 +3,18 @@
 Every trainer rank keeps the serving-dtype bytes of its own shard as last committed, *the base*: 2 bytes
 per parameter of its shard in bf16, on the parameters' device (``base_bytes``). At each publish, in the
 prepare step, a rank casts its shard, compares it bit for bit with the base, and for each tensor it holds
-picks the smallest of indices + values, bitmask + values, or the dense piece (:mod:`bridge.delta_codec`);
+picks the smallest record (gaps, indices or bitmask + values, zstd where it pays; :mod:`bridge.delta_codec`);
 it writes the new bytes into the base at once and keeps what it overwrote (an undo log: the changed
 positions and old values of each tensor, or a copy of a tensor that changed almost entirely), so a failed
 sync puts the base back exactly and a committed one only drops the log. The base therefore moves only when
-a publish commits. During a sync a rank also holds the new values at the changed positions (what its records
-carry) and two scratch buffers as large as its largest piece (the cast piece and its change mask).
+a publish commits. During a sync a rank also holds its encoded records (no larger than the changed values and
+their positions) and two scratch buffers as large as its largest piece (the cast piece and its change mask).
 
 Every rank learns every rank's encoded sizes, so all of them plan the same *delta buckets* (whole tensors,
 up to ``bucket_mb`` of encoded bytes each) and decide alike whether this sync must be an *anchor*, a full
 sync: there is no base yet; every ``delta_anchor_every`` versions; the delta is over ``delta_max_fraction``
-of the full bytes. Rank 0, once the servers are paused, also sends an anchor when a server is out of
+of the full bytes or costs more than a full sync (:meth:`DeltaEncoding._costlier_than_full`). Rank 0, once the
+servers are paused, also sends an anchor when a server is out of
 rotation (:mod:`bridge.fleet`: restarted, newly joined, on another version, torn or held paused; the anchor
 repairs it), when the servers are of two kinds (reference server and real SGLang), when real SGLang was not
 started with the loader (``--custom-weight-loader``) or does not report the base version, and after a failed
