@@ -147,7 +147,7 @@ class DeltaEncoding(Encoding):
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
         self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
-        self.costs, self._t0, self._diff = SyncCosts(), 0.0, [0.0, 0.0, 0, 0]  # what syncs cost: the anchor decision
+        self.costs, self._t0, self._timed = SyncCosts(), 0.0, [0.0, 0.0, 0, 0]  # what syncs cost: the anchor decision
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
@@ -201,7 +201,7 @@ class DeltaEncoding(Encoding):
     @torch.no_grad()
     def prepare(self, source, specs: list[ParamSpec]) -> dict:
         source.require(("local_shards",), "the delta encoding")
-        self._t0, self._diff = time.perf_counter(), [0.0, 0.0, 0, 0]  # (diff s, encoding s, elements, changed)
+        self._t0, self._timed = time.perf_counter(), [0.0, 0.0, 0, 0]  # (diff s, encoding s, elements, changed)
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
         self.changes, self.probes, self._refresh, self._stale = {}, {}, None, None
         shards = source.local_shards(specs)
@@ -224,7 +224,7 @@ class DeltaEncoding(Encoding):
             sizes[sh.spec.name] = ch.nbytes
             changed += ch.count
             fresh |= ch.old is None
-        self._diff[0], self._diff[2:] = time.perf_counter() - t_diff, [numel, changed]
+        self._timed[0], self._timed[2:] = time.perf_counter() - t_diff, [numel, changed]
         return {"skip": None, "sizes": sizes, "whole": whole, "changed": changed, "numel": numel, "fresh": fresh,
                 "crcs": crcs, "probes": self.probes, "costs": self.costs.state()}
 
@@ -287,7 +287,7 @@ class DeltaEncoding(Encoding):
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
         values, t = new.index_select(0, positions), time.perf_counter()
         kind, body = encode_sparse(n, positions, values)
-        self._diff[1] += time.perf_counter() - t
+        self._timed[1] += time.perf_counter() - t
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
             old = held.base.clone()
             held.base.copy_(new)
@@ -435,7 +435,7 @@ class DeltaEncoding(Encoding):
         if not plan.retried:
             self.costs.full_bytes = enc.full_bytes
             self.costs.record(enc.mode, enc.full_bytes if enc.mode == "anchor" else enc.nbytes,
-                              time.perf_counter() - self._t0, tuple(self._diff))
+                              time.perf_counter() - self._t0, tuple(self._timed))
         pieces = [(name, h.start, h.base) for name, h in self.base.items()]
         self._crcs = self._pool.submit(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
 
