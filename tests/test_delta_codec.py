@@ -159,3 +159,20 @@ def test_the_cost_model_sends_a_delta_where_its_bytes_and_diff_cost_less_than_th
         if why is not None:
             assert "its diff, 0.160 s" in why and "the full sync 0.050 s" in why, why
             assert SyncCosts.verdict(costs.state(), 0.12 * full, full) is None  # the diff spent
+
+
+def test_the_cost_model_learns_what_delta_bytes_cost_from_the_last_deltas():
+    """Where the servers' scattered writes cost more per byte than the link (loopback): two measured deltas,
+    2 MB in 0.2 s and 20 MB in 1.1 s after their diff, put a 12 % delta of 97 MB at 0.1 + 0.58 s, over the
+    full sync's 0.5 s, though its bytes at the full sync's rate alone would take 0.06 s."""
+    from bridge.delta_cost import SyncCosts
+
+    full, costs = 97_000_000, SyncCosts()
+    costs.record("anchor", full, 0.5, (0.0, 0.0, 48_000_000, 0))
+    for nbytes, seconds in ((2_000_000, 0.2), (20_000_000, 1.1)):
+        costs.record("delta", nbytes, seconds + 0.05, (0.05, 0.0, 48_000_000, 1))
+    state = costs.state()
+    assert abs(state["fixed"] - 0.1) < 1e-9 and abs(state["per_byte"] - 0.05e-6) < 1e-15, state
+    why = SyncCosts.verdict(state, 0.12 * full, full)
+    assert why is not None and "the delta would take about 0.682 s" in why, why
+    assert SyncCosts.verdict(state, 0.02 * full, full) is None  # 0.197 s
