@@ -13,8 +13,9 @@ sync ``full_bytes * s_per_byte``: a delta goes when that is shorter. ``diff`` is
 encode * changed``. ``fixed`` and ``per_byte`` are a least-squares line through the last deltas' (bytes,
 seconds after the diff), which AdamW's first steps spread widely (its per-byte cost includes the servers'
 scattered writes, which a link rate does not see); until two deltas of different sizes are measured,
-``fixed`` is 0 and ``per_byte`` the larger of the full sync's and the last deltas' seconds per byte (their
-fixed work counted per byte: a larger delta is overestimated, so the full sync wins the doubt). So on a slow link nearly any delta under
+``fixed`` is 0 and ``per_byte`` the full sync's (the last deltas' own seconds per byte would count their
+fixed work per byte, and on a small model call every delta slower than the full sync). So the first delta
+much larger than the ones before is priced at the link's rate; once it is measured, the line prices it. So on a slow link nearly any delta under
 ``delta_max_fraction`` (the upper bound) goes, and on a fast one (NCCL between GPUs, loopback) only one
 whose saved bytes outweigh its diff and writes. Before diffing (each rank, from a sample that estimates
 the changed elements) the diff counts; once diffed, it is spent and only the rest counts. Each figure is
@@ -62,7 +63,7 @@ class SyncCosts:
 
         fixed, per_byte = _line(list(self._sent))
         return {"s_per_byte": med(self._full), "compare": med(self._compare) or 0.0, "encode": med(self._encode) or 0.0,
-                "fixed": fixed, "per_byte": per_byte, "delta_s_per_byte": med([y / x for x, y in self._sent if x])}
+                "fixed": fixed, "per_byte": per_byte}
 
     @staticmethod
     def verdict(state: dict, delta_bytes: float, full_bytes: int, diff: tuple[int, int] | None = None) -> str | None:
@@ -74,10 +75,7 @@ class SyncCosts:
             return None
         diff_s = 0.0 if diff is None else state["compare"] * diff[0] + state["encode"] * diff[1]
         sent = state.get("per_byte")
-        if sent is None:
-            delta_s = diff_s + delta_bytes * max(per_byte, state.get("delta_s_per_byte") or 0.0)
-        else:
-            delta_s = diff_s + state["fixed"] + delta_bytes * sent
+        delta_s = diff_s + (delta_bytes * per_byte if sent is None else state["fixed"] + delta_bytes * sent)
         full_s = full_bytes * per_byte
         if delta_s < full_s:
             return None

@@ -158,8 +158,7 @@ def test_the_cost_model_sends_a_delta_where_its_bytes_and_diff_cost_less_than_th
         assert (why is None) == delta_goes, (full_s, why)
         if why is not None:
             assert "its diff, 0.160 s" in why and "the full sync 0.050 s" in why, why
-            spent = SyncCosts.verdict(costs.state(), 0.12 * full, full)  # the diff spent: only the rest counts
-            assert spent is not None and "its diff" not in spent and "about 1.280 s" in spent, spent
+            assert SyncCosts.verdict(costs.state(), 0.12 * full, full) is None  # the diff spent: only the bytes count
 
 
 def test_the_cost_model_learns_what_delta_bytes_cost_from_the_last_deltas():
