@@ -91,16 +91,18 @@ class PublisherConfig:
     encoding: str = "full"
     """How each sync's bytes are formed (:mod:`bridge.encodings`): ``full``, every tensor; ``delta`` (broadcast
     and colocated), what changed since the version the servers serve, with a full sync (an anchor) when
-    there is no base, a server is on another version, the delta is too large, or every
+    there is no base, a server is on another version, the delta would cost more than a full sync, or every
     ``delta_anchor_every`` versions."""
     delta_anchor_every: int = 50
     """With ``encoding="delta"``: at least every this many versions, a full sync. At 2-10 % delta bytes an
     anchor every 50 versions adds about 2 % to the bytes moved on average."""
-    delta_max_fraction: float = 0.1
-    """With ``encoding="delta"``: a delta larger than this fraction of the full bytes is sent as a full sync.
-    Measured on CPU (medium preset, 2 ranks): a delta of 4 % of the bytes took 0.29 of the full sync's time,
-    one of 15 % took 1.26 of it; they cross near 12 %. Each rank estimates it from a sample first, so a sync
-    that will be full skips the diff."""
+    delta_max_fraction: float = 0.5
+    """With ``encoding="delta"``: a delta larger than this fraction of the full bytes is always sent as a
+    full sync. Below it the measured costs decide (:mod:`bridge.delta_cost`: the delta's bytes at what the
+    last syncs paid per byte, plus its diff, against the last full syncs' time), since where a delta pays
+    depends on the link: on CPU loopback one of 15 % of the bytes took 1.26 of the full sync's time, over a
+    200 Mbit/s link far less. Each rank estimates it from a sample first, so a sync that will be full skips
+    the diff."""
     fp8_skip: tuple = ()
     """With ``encoding="fp8"``: regular expressions of module names to leave in the serving dtype besides the rule
     of :mod:`bridge.fp8` (``layers\\.0\\.``, say); the servers must be started with the same ``--fp8-skip``."""

@@ -1,6 +1,6 @@
 """The byte format of a delta: what changed in a tensor since the base a server serves, and how to apply it.
 
-This module needs only torch and the standard library: trainer ranks encode with it, the reference
+This module needs only torch and the standard library (and ``zstandard`` for ``ZSTD`` records): trainer ranks encode with it, the reference
 server applies with it, and the loader real SGLang imports (:mod:`bridge.sglang_delta_loader`) decodes with
 it inside SGLang's scheduler process.
 
@@ -23,11 +23,21 @@ kind               sections
 ``BITMASK`` (3)    ``ceil(length / 8)`` bytes, bit ``i % 8`` of byte ``i // 8`` set where element ``i``
                    changed (little-endian bit order), then ``count`` values in position order
 ``DENSE`` (4)      ``length`` values: the whole piece
+``GAPS8`` (5)      one int64 ``entries``, then ``entries`` uint8 *gaps*, then ``count`` values in position
+``GAPS16`` (6)     order; uint16 gaps; uint32 gaps. Reading the gaps from a position ``p = -1``: a gap
+``GAPS32`` (7)     ``g > 0`` moves ``p`` by ``g`` and marks ``p`` changed, a gap 0 (the escape) moves it by
+                   the type's largest value ``M`` (255, 65535, 2**32 - 1) and marks nothing, so a distance
+                   ``d`` between changes is ``(d - 1) // M`` zeros and then ``d - M * ((d - 1) // M)``
+kind | ``ZSTD``     (16 | any of the above but ``DENSE``): two int64, ``raw`` and ``stored``, then ``stored``
+                   bytes of one zstd frame whose content is the base kind's sections (``raw`` bytes) with its
+                   values section written as byte planes (byte 0 of every value, then byte 1, ...)
 =================  ======================================================================================
 
 A header whose ``kind`` is 0 ends the buffer (what follows is padding). The encoder picks, per record,
-the smallest of the three (:func:`choose`); values are the new bytes, never a difference, so applying a
-record is a plain assignment and the result is bit-exact.
+the smallest (:func:`choose`, exact when given the positions), then compresses it with zstd level 1 where
+that saves at least :data:`ZSTD_MIN_GAIN` of it (:func:`encode_sparse`); values are the new bytes, never a
+difference, so applying a record is a plain assignment and the result is bit-exact. zstd (the
+``zstandard`` package) is needed only to write or read a ``ZSTD`` record.
 
 The base is named by a digest (:func:`combine_digest`): CRC32 of each piece's bytes, the pieces cut as
 the trainer's ranks hold them (:func:`pieces_of`: FSDP2 row chunks of ``world`` ranks, or the whole
@@ -44,8 +54,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "BITMASK", "DELTA_TENSOR", "DENSE", "HEADER_BYTES", "KIND_NAMES", "SPARSE32", "SPARSE64", "DeltaFormatError", "Record",
-    "INTS", "apply_record", "changed_positions", "choose", "combine_digest", "differing_lanes", "flatnonzero",
+    "BITMASK", "DELTA_TENSOR", "DENSE", "GAPS8", "GAPS16", "GAPS32", "GAP_KINDS", "HEADER_BYTES", "KIND_NAMES", "SPARSE32",
+    "SPARSE64", "ZSTD", "ZSTD_MIN_GAIN", "DeltaFormatError", "Record", "INTS", "apply_record", "encode_sparse", "changed_positions", "choose", "combine_digest", "differing_lanes", "flatnonzero",
     "iter_records", "pack_bits", "pieces_of", "piece_crc", "record_nbytes", "unpack_bits", "write_record",
 ]
 
@@ -53,8 +63,18 @@ DELTA_TENSOR = "wsync.delta"
 """The name a delta bucket travels under: one uint8 tensor (the records), beside its table."""
 
 SPARSE32, SPARSE64, BITMASK, DENSE = 1, 2, 3, 4
-KIND_NAMES = {SPARSE32: "indices+values", SPARSE64: "indices+values", BITMASK: "bitmask+values", DENSE: "dense"}
+GAPS8, GAPS16, GAPS32 = 5, 6, 7
+ZSTD = 16
+"""A flag on a record's kind: its sections are one zstd frame (see the module docstring)."""
+GAP_KINDS = {GAPS8: torch.uint8, GAPS16: torch.uint16, GAPS32: torch.uint32}
+_GAP_MAX = {GAPS8: 2**8 - 1, GAPS16: 2**16 - 1, GAPS32: 2**32 - 1}
+KIND_NAMES = {SPARSE32: "indices+values", SPARSE64: "indices+values", BITMASK: "bitmask+values", DENSE: "dense",
+              GAPS8: "gaps+values", GAPS16: "gaps+values", GAPS32: "gaps+values"}
 HEADER_BYTES = 48
+ZSTD_LEVEL = 1
+ZSTD_MIN_GAIN = 0.03
+"""A record is compressed only when zstd saves at least this fraction of its bytes (else decoding it would
+cost time for next to nothing)."""
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
@@ -77,9 +97,18 @@ def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
 
-def record_nbytes(kind: int, length: int, count: int, itemsize: int) -> int:
-    """Bytes of one record (header and padded sections)."""
+def record_nbytes(kind: int, length: int, count: int, itemsize: int, entries: int | None = None,
+                  stored: int = 0) -> int:
+    """Bytes of one record (header and padded sections); ``entries``: a gap kind's gaps (``count`` when
+    None: no escape), ``stored``: a ``ZSTD`` record's compressed bytes."""
     values = _pad8(count * itemsize)
+    if kind & ZSTD and kind & ~ZSTD not in (SPARSE32, SPARSE64, BITMASK, *GAP_KINDS):
+        raise DeltaFormatError(f"unknown record kind {kind}")
+    if kind & ZSTD:
+        return HEADER_BYTES + 16 + _pad8(stored)
+    if kind in GAP_KINDS:
+        width = GAP_KINDS[kind].itemsize
+        return HEADER_BYTES + 8 + _pad8((count if entries is None else entries) * width) + values
     if kind == SPARSE32:
         return HEADER_BYTES + _pad8(4 * count) + values
     if kind == SPARSE64:
@@ -91,11 +120,145 @@ def record_nbytes(kind: int, length: int, count: int, itemsize: int) -> int:
     raise DeltaFormatError(f"unknown record kind {kind}")
 
 
-def choose(length: int, count: int, itemsize: int) -> tuple[int, int]:
-    """The smallest encoding of ``count`` changed elements among ``length``: (kind, record bytes)."""
+def _distances(positions: torch.Tensor):
+    """int64 distances between consecutive changed positions (numpy), the first from -1 (so all are >= 1)."""
+    import numpy
+
+    return numpy.diff(positions.detach().cpu().numpy().astype(numpy.int64, copy=False), prepend=-1)
+
+
+def _escapes(length: int, count: int, distances) -> dict[int, int]:
+    """Escape gaps each gap kind needs: counted from the distances, or expected for ``count`` changes spread at
+    random over ``length`` elements (a distance over ``j * M`` has probability ``(1 - p) ** (j * M)``)."""
+    if distances is not None:
+        top = int(distances.max()) if len(distances) else 0
+        return {k: 0 if top <= m else int(((distances[distances > m] - 1) // m).sum()) for k, m in _GAP_MAX.items()}
+    p = count / max(1, length)
+    out = {}
+    for k, m in _GAP_MAX.items():
+        q = (1 - p) ** m if p < 1 else 0.0
+        out[k] = round(count * q / (1 - q)) if q < 1 else length
+    return out
+
+
+def _smallest(length: int, count: int, itemsize: int, escapes: dict[int, int]) -> tuple[int, int]:
     sparse = SPARSE32 if length < 2**31 else SPARSE64
-    return min(((k, record_nbytes(k, length, count, itemsize)) for k in (sparse, BITMASK, DENSE)),
-               key=lambda kb: kb[1])
+    sizes = [(k, record_nbytes(k, length, count, itemsize)) for k in (sparse, BITMASK, DENSE)]
+    sizes += [(k, record_nbytes(k, length, count, itemsize, count + escapes[k])) for k in GAP_KINDS]
+    return min(sizes, key=lambda kb: kb[1])
+
+
+def choose(length: int, count: int, itemsize: int, positions: torch.Tensor | None = None) -> tuple[int, int]:
+    """The smallest encoding of ``count`` changed elements among ``length``: (kind, record bytes), before zstd.
+
+    Given the changed ``positions`` (increasing, relative to the piece) the gap kinds' sizes are exact; without
+    them they are what changes spread at random would take (an estimate, from a count alone)."""
+    return _smallest(length, count, itemsize,
+                     _escapes(length, count, None if positions is None else _distances(positions)))
+
+
+def _gap_entries(kind: int, distances) -> torch.Tensor:
+    """A gap kind's gaps (escapes included) of the distances between changes, vectorized (numpy)."""
+    import numpy
+
+    m, dtype = _GAP_MAX[kind], GAP_KINDS[kind]
+    np_dtype = {torch.uint8: numpy.uint8, torch.uint16: numpy.uint16, torch.uint32: numpy.uint32}[dtype]
+    if not len(distances) or int(distances.max()) <= m:
+        return torch.from_numpy(distances.astype(np_dtype))
+    esc = (distances - 1) // m
+    at = numpy.cumsum(esc + 1) - 1  # where each change's own gap goes; the escapes before it stay 0
+    entries = numpy.zeros(int(at[-1]) + 1, dtype=np_dtype)
+    entries[at] = distances - m * esc
+    return torch.from_numpy(entries)
+
+
+def _gap_positions(kind: int, entries: torch.Tensor) -> torch.Tensor:
+    """The int64 positions that gaps mark (the inverse of :func:`_gap_entries`), with numpy where it is."""
+    np = _numpy(entries.device.type == "cpu")
+    if np is not None:
+        e = entries.numpy().astype(np.int64)
+        if e.size and not e.min():
+            return torch.from_numpy((np.cumsum(np.where(e == 0, _GAP_MAX[kind], e)) - 1)[e != 0])
+        return torch.from_numpy(np.cumsum(e) - 1)
+    e = entries.to(torch.int64)
+    step = torch.where(e == 0, _GAP_MAX[kind], e)
+    return (torch.cumsum(step, 0) - 1)[e != 0]
+
+
+def _planes(values: torch.Tensor, count: int, itemsize: int, inverse: bool = False) -> torch.Tensor:
+    """``count`` values of ``itemsize`` bytes (a CPU uint8 tensor) as byte planes (byte 0 of each, then byte
+    1...), or back."""
+    if itemsize == 1 or not count:
+        return values
+    shape = (itemsize, count) if inverse else (count, itemsize)
+    np = _numpy()
+    if np is not None:
+        return torch.from_numpy(np.ascontiguousarray(values.numpy().reshape(shape).T).reshape(-1))
+    return values.view(shape).t().contiguous().view(-1)
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError:
+        raise DeltaFormatError("a ZSTD delta record needs the zstandard package: pip install zstandard") from None
+    return zstandard
+
+
+def encode_sparse(length: int, positions: torch.Tensor, values: torch.Tensor,
+                  zstd: bool = True) -> tuple[int, torch.Tensor | None]:
+    """(kind, body) of a changed piece: the smallest kind of :func:`choose` given its ``positions`` (int,
+    increasing, relative to the piece) and new ``values`` there, compressed when zstd saves at least
+    :data:`ZSTD_MIN_GAIN` (``zstd``); ``body`` is the record's bytes after its header, on the CPU, for
+    :func:`write_record`. For ``DENSE``, (``DENSE``, None): the record is the piece itself. The trainer's
+    side: it needs numpy (each section is built in one vectorized pass, the body in one copy)."""
+    import numpy as np
+
+    count, itemsize = positions.numel(), values.element_size()
+    distances = _distances(positions)
+    kind, nbytes = _smallest(length, count, itemsize, _escapes(length, count, distances))
+    if kind == DENSE:
+        return DENSE, None
+    if kind == BITMASK:
+        mask = torch.zeros(length, dtype=torch.bool, device=positions.device)
+        mask[positions.to(torch.int64)] = True
+        head = [pack_bits(mask).cpu().numpy()]
+    elif kind in GAP_KINDS:
+        entries = _gap_entries(kind, distances).numpy()
+        head = [np.array([entries.size], dtype=np.int64).view(np.uint8), entries.view(np.uint8)]
+    else:
+        head = [positions.detach().cpu().numpy().astype(np.int32 if kind == SPARSE32 else np.int64).view(np.uint8)]
+    n_head = sum(h.size for h in head)
+    vals = values.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy()
+    pads = [np.zeros(_pad8(n_head) - n_head, np.uint8), np.zeros(_pad8(vals.size) - vals.size, np.uint8)]
+    if zstd and count:
+        planes = _planes(torch.from_numpy(vals), count, itemsize).numpy()
+        z = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=nbytes - HEADER_BYTES)
+        frame = b"".join([z.compress(part) for part in (*head, pads[0], planes, pads[1])] + [z.flush()])
+        if 16 + _pad8(len(frame)) <= (1 - ZSTD_MIN_GAIN) * (nbytes - HEADER_BYTES):
+            ext = np.array([nbytes - HEADER_BYTES, len(frame)], dtype=np.int64).view(np.uint8)
+            tail = np.zeros(_pad8(len(frame)) - len(frame), np.uint8)
+            return kind | ZSTD, torch.from_numpy(np.concatenate([ext, np.frombuffer(frame, np.uint8), tail]))
+    return kind, torch.from_numpy(np.concatenate([*head, pads[0], vals, pads[1]]))
+
+
+def _inflate(frame: torch.Tensor, raw: int, kind: int, count: int, itemsize: int, where: str) -> torch.Tensor:
+    """A ``ZSTD`` record's sections as the base kind wrote them (values back from byte planes)."""
+    try:
+        body = _zstd().ZstdDecompressor().decompress(frame.numpy().tobytes(), max_output_size=raw)
+    except DeltaFormatError:
+        raise
+    except Exception as e:  # zstandard.ZstdError: a corrupt frame
+        raise DeltaFormatError(f"{where}: its zstd frame does not decompress: {e}") from None
+    if len(body) != raw:
+        raise DeltaFormatError(f"{where}: its zstd frame holds {len(body)} bytes, the record says {raw}")
+    out = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    vals = _pad8(count * itemsize)
+    if raw < vals:
+        raise DeltaFormatError(f"{where}: {raw} bytes cannot hold {count} values")
+    at = raw - vals
+    out[at : at + count * itemsize] = _planes(out[at : at + count * itemsize], count, itemsize, inverse=True)
+    return out
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -158,26 +321,34 @@ def differing_lanes(new_words: torch.Tensor, base_words: torch.Tensor, words: to
 
 
 def changed_positions(new: torch.Tensor, old: torch.Tensor, kind: int, mask: torch.Tensor | None = None):
-    """What to keep of a changed piece for its record: int positions (sparse kinds) or packed bits."""
+    """What to keep of a changed piece for its record: int positions (sparse kinds), packed bits, or gaps."""
     if mask is None:
         mask = _as_ints(new) != _as_ints(old)
+    if kind in GAP_KINDS:
+        return _gap_entries(kind, _distances(flatnonzero(mask)))
     if kind in (SPARSE32, SPARSE64):
         return flatnonzero(mask).to(torch.int32 if kind == SPARSE32 else torch.int64)
     return pack_bits(mask)
 
 
 def write_record(out: torch.Tensor, tensor: int, kind: int, start: int, piece: torch.Tensor,
-                 positions: torch.Tensor | None, count: int, values: torch.Tensor | None = None) -> int:
+                 positions: torch.Tensor | None, count: int, values: torch.Tensor | None = None,
+                 body: torch.Tensor | None = None) -> int:
     """Write one record into the uint8 tensor ``out`` (8-byte aligned, long enough); its byte size.
 
     ``piece`` is the tensor's new values over ``[start, start + length)`` (flat), ``positions`` what
     :func:`changed_positions` gave for ``kind`` (None for ``DENSE``); ``values``, when given, the new values
-    at the changed positions (else taken from ``piece``)."""
+    at the changed positions (else taken from ``piece``). ``body``, when given, is what :func:`encode_sparse`
+    made for ``kind`` (then ``positions`` and ``values`` are not used)."""
     length, itemsize = piece.numel(), piece.element_size()
-    nbytes = record_nbytes(kind, length, count, itemsize)
     header = torch.tensor([tensor, kind, start, length, count, itemsize], dtype=torch.int64)
     out[:HEADER_BYTES].view(torch.int64).copy_(header)
     at = HEADER_BYTES
+    if body is not None:
+        out[at : at + body.numel()].copy_(body)
+        return at + body.numel()
+    entries = positions.numel() if kind in GAP_KINDS else None
+    nbytes = record_nbytes(kind, length, count, itemsize, entries)
     if kind == DENSE:
         out[at : at + length * itemsize].view(piece.dtype).copy_(piece)
         return nbytes
@@ -187,6 +358,13 @@ def write_record(out: torch.Tensor, tensor: int, kind: int, start: int, piece: t
         if values is None:
             values = piece[unpack_bits(positions.cpu(), length).to(piece.device)]
         at += _pad8(n)
+    elif kind in GAP_KINDS:
+        out[at : at + 8].view(torch.int64).fill_(entries)
+        width = positions.element_size()
+        out[at + 8 : at + 8 + entries * width].copy_(positions.view(torch.uint8))
+        if values is None:
+            values = piece.index_select(0, _gap_positions(kind, positions.cpu()).to(piece.device))
+        at += 8 + _pad8(entries * width)
     else:
         width = positions.element_size()
         out[at : at + count * width].view(positions.dtype).copy_(positions)
@@ -203,11 +381,12 @@ class Record:
 
     tensor: int
     kind: int
+    """The kind whose sections these are (a gap kind's gaps decoded to positions, ``ZSTD`` undone)."""
     start: int
     length: int
     count: int
     positions: torch.Tensor | None
-    """int32/int64 positions (sparse kinds), packed bits (``BITMASK``), None (``DENSE``)."""
+    """int32/int64 positions (sparse and gap kinds: decoded), packed bits (``BITMASK``), None (``DENSE``)."""
     values: torch.Tensor
     """The new values (``count`` of them, or ``length`` for ``DENSE``), as raw bytes until typed by
     :func:`iter_records`."""
@@ -246,13 +425,37 @@ def iter_records(buf: torch.Tensor, dtypes: Sequence[torch.dtype], numels: Seque
         if not (0 <= start and 0 <= length and start + length <= numel and 0 <= count <= length):
             raise DeltaFormatError(f"{where}: elements [{start}, {start + length}) with {count} changed do not fit "
                                    f"tensor {tensor} of {numel} elements")
-        size = record_nbytes(kind, length, count, itemsize)
-        if at + size > n:
-            raise DeltaFormatError(f"{where} needs {size} bytes, {n - at} are left")
-        body, at = buf[at + HEADER_BYTES : at + size], at + size
-        positions, values = _sections(body, kind, length, count, itemsize, where)
-        yield Record(tensor, kind, start, length, count, positions, values.view(dtype))
+        body, size = _body(buf, at, kind, length, count, itemsize, where)
+        at += size
+        positions, values = _sections(body, kind & ~ZSTD, length, count, itemsize, where)
+        yield Record(tensor, kind & ~ZSTD, start, length, count, positions, values.view(dtype))
         i += 1
+
+
+def _body(buf: torch.Tensor, at: int, kind: int, length: int, count: int, itemsize: int, where: str):
+    """(the record's sections as its base kind wrote them, the record's bytes)."""
+    n = buf.numel()
+    entries, stored, raw = None, 0, 0
+    if kind & ZSTD or kind in GAP_KINDS:
+        ext = (16 if kind & ZSTD else 8)
+        if at + HEADER_BYTES + ext > n:
+            raise DeltaFormatError(f"{where} runs past the buffer")
+        fields = buf[at + HEADER_BYTES : at + HEADER_BYTES + ext].view(torch.int64).tolist()
+        if kind & ZSTD:
+            raw, stored = fields
+            if not (0 <= stored and 0 <= raw <= 8 + 8 * length + _pad8(count * itemsize)):
+                raise DeltaFormatError(f"{where}: a zstd frame of {stored} bytes for {raw} is out of range")
+        else:
+            entries = fields[0]
+            if not count <= entries <= count + length:
+                raise DeltaFormatError(f"{where}: {entries} gaps cannot mark {count} changes in {length} elements")
+    size = record_nbytes(kind, length, count, itemsize, entries, stored)
+    if at + size > n:
+        raise DeltaFormatError(f"{where} needs {size} bytes, {n - at} are left")
+    if kind & ZSTD:
+        start = at + HEADER_BYTES + 16
+        return _inflate(buf[start : start + stored], raw, kind & ~ZSTD, count, itemsize, where), size
+    return buf[at + HEADER_BYTES : at + size], size
 
 
 def _sections(body: torch.Tensor, kind: int, length: int, count: int, itemsize: int, where: str):
@@ -260,11 +463,26 @@ def _sections(body: torch.Tensor, kind: int, length: int, count: int, itemsize: 
         return None, body[: length * itemsize]
     if kind == BITMASK:
         nb = (length + 7) // 8
+        if body.numel() < _pad8(nb) + count * itemsize:
+            raise DeltaFormatError(f"{where}: its sections hold {body.numel()} bytes, too few")
         positions, values = body[:nb], body[_pad8(nb) : _pad8(nb) + count * itemsize]
         if int(unpack_bits(positions, length).sum()) != count:
             raise DeltaFormatError(f"{where}: the bitmask sets another number of elements than its count {count}")
         return positions, values
+    if kind in GAP_KINDS:
+        entries = int(body[:8].view(torch.int64)[0]) if body.numel() >= 8 else -1
+        width = GAP_KINDS[kind].itemsize
+        at = 8 + _pad8(max(0, entries) * width)
+        if entries < count or body.numel() < at + count * itemsize:
+            raise DeltaFormatError(f"{where}: its gaps and values do not fit its {body.numel()} bytes")
+        positions = _gap_positions(kind, body[8 : 8 + entries * width].view(GAP_KINDS[kind]))
+        if positions.numel() != count or (count and int(positions[-1]) >= length):
+            raise DeltaFormatError(f"{where}: its gaps mark {positions.numel()} positions up to "
+                                   f"{int(positions[-1]) if positions.numel() else -1}; it changes {count} of {length}")
+        return positions, body[at : at + count * itemsize]
     width = 4 if kind == SPARSE32 else 8
+    if body.numel() < _pad8(count * width) + count * itemsize:
+        raise DeltaFormatError(f"{where}: its sections hold {body.numel()} bytes, too few")
     positions = body[: count * width].view(torch.int32 if width == 4 else torch.int64)
     if count and (int(positions[0]) < 0 or int(positions[-1]) >= length
                   or (count > 1 and not bool((positions[1:] > positions[:-1]).all()))):

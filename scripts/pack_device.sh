@@ -18,8 +18,8 @@ CACHE="${WSYNC_SGLANG_CACHE:-$HOME/.cache/wsync/sglang}"
 VERSIONS=(0.5.23 0.5.6)
 
 WHEELS=(
-    # the project: trainer (tensordict), protocol (pydantic), reference server (fastapi, uvicorn)
-    tensordict==0.15.3 pyvers==0.2.3 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.13.4
+    # the project: trainer (tensordict), protocol (pydantic), reference server (fastapi, uvicorn), delta (zstandard)
+    zstandard==0.25.0 tensordict==0.15.3 pyvers==0.2.3 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.13.4
     pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 opentelemetry-api==1.45.2
     python-multipart==0.0.34 orjson==3.11.7
     # SGLang's receive code (module-level imports of 0.5.23 and 0.5.6)

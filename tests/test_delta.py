@@ -140,6 +140,44 @@ def test_a_delta_to_a_server_on_another_base_is_refused_before_any_weight_change
     assert got["checksums"][name] == tensor_checksum(new)
 
 
+def test_the_server_applies_every_record_kind_bit_exact(server, tiny_model_dir):
+    """One delta bucket by hand whose tensors each travel in another kind (gaps in 8 and 16 bits, with and
+    without zstd, int positions, a bitmask, dense): the reference server serves the new bytes exactly."""
+    from bridge.delta_codec import BITMASK, DENSE, GAPS8, GAPS16, SPARSE32, ZSTD, encode_sparse
+
+    c = ServerClient(server.url)
+    shapes = _shapes(tiny_model_dir)
+    names = sorted((n for n in shapes if len(shapes[n]) == 2), key=lambda n: -torch.Size(shapes[n]).numel())[:6]
+    g = torch.Generator().manual_seed(5)
+    base = {n: torch.randn(shapes[n], generator=g).to(torch.bfloat16) for n in names}
+    _put(c, base, "300")
+    digest = combine_digest([(n, 0, t.numel(), piece_crc(t.reshape(-1), 0, t.numel())) for n, t in base.items()])
+    out, at, new, kinds = torch.zeros(1 << 22, dtype=torch.uint8), 0, {}, []
+    plan = ((GAPS8, 100, False), (GAPS8 | ZSTD, 100, True), (GAPS16, 1000, False), (SPARSE32, 5000, False),
+            (BITMASK, 3, False), (DENSE, 1, False))
+    for i, (n, (want, every, zstd)) in enumerate(zip(names, plan)):
+        a = base[n].reshape(-1)
+        b = a.clone()
+        b.view(torch.int16)[torch.arange(i, b.numel(), every)] ^= 3  # a small step's change: the low bits
+        pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
+        if want & ZSTD or want in (GAPS8, GAPS16):
+            kind, body = encode_sparse(b.numel(), pos, b[pos], zstd=zstd)
+            at += write_record(out[at:], i, kind, 0, b, None, pos.numel(), body=body)
+        else:
+            kind = want
+            at += write_record(out[at:], i, kind, 0, b, changed_positions(b, a, kind) if kind != DENSE else None,
+                               pos.numel())
+        kinds.append(kind)
+        new[n] = b.view(base[n].shape)
+    assert kinds == [k for k, _, _ in plan], kinds
+    table = {"base_version": "300", "base_digest": digest, "world": 1, "whole": [], "names": names,
+             "dtypes": ["bfloat16"] * len(names), "shapes": [list(shapes[n]) for n in names]}
+    _put(c, {DELTA_TENSOR: out[:at].clone()}, "301", table)
+    got = c.weights_checksum(names)
+    assert got["weight_version"] == "301"
+    assert got["checksums"] == {n: tensor_checksum(t) for n, t in new.items()}
+
+
 # ------------------------------------------------------------------ through the publisher, on 2 trainer ranks
 
 
@@ -406,3 +444,54 @@ def test_anchors_decided_before_the_diff_refresh_the_base(server):
     assert "every 3 versions" in rows[3]["reason"] and "from a sample" in rows[7]["reason"], rows
     assert rows[6]["reason"] == "no base yet", rows[6]  # v7 after its failed try
     assert all(r["equal"] == {server.url: True} for r in rows), rows  # v5: a delta on the base refreshed at v4
+
+
+def _small_at_lr_1e6(url: str):
+    """Every rank: preset small, an anchor, 5 warm-up steps at lr 1e-6 (each published), then 3 steps at lr 1e-6
+    and one at 1e-5, each published; what each publish sent, and whether the server serves the trainer's bytes."""
+    from bridge import PublisherConfig, WeightPublisher
+    from trainer import EngineConfig, FSDPEngine, OptimizerConfig
+
+    engine = FSDPEngine(EngineConfig(preset="small", optimizer=OptimizerConfig(lr=1e-6)))
+    engine.initialize()
+    pub = WeightPublisher(PublisherConfig(transport="broadcast", servers=[url], bucket_mb=32, encoding="delta",
+                                          group_timeout=60, http_timeout=60, progress=False))
+    rows = []
+    try:
+        for v, lr in enumerate([None] + [1e-6] * 8 + [1e-5], start=1):
+            if lr is not None:  # one AdamW step on 2 random sequences of 64 tokens per rank (as wsync bench)
+                for group in engine.optimizer.param_groups:
+                    group["lr"] = lr
+                ids = torch.randint(3, engine.model_config.vocab_size, (2, 64),
+                                    generator=torch.Generator().manual_seed(100 * v + engine.rank))
+                engine.train_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            res = pub.publish(engine, version=v)
+            rows.append(dict(version=v, lr=lr, encoding=res.encoding, reason=res.anchor_reason, bytes=res.bytes,
+                             changed=res.changed_fraction))
+        from tests import sync_bodies as sb
+
+        final = sb.check_served(engine, [url], len(rows))
+    finally:
+        pub.close()
+        engine.destroy()
+    return rows, final
+
+
+def test_small_at_lr_1e6_moves_at_most_3_percent(server_factory):
+    """Issue 36: on preset small, after 5 warm-up steps at lr 1e-6, every delta moves at most 3 % of the full
+    bytes and nothing but a delta goes unless the measured costs say the full sync is as fast (on loopback
+    with 2 shared cores the diff costs about what the full sync does, so that can happen; over a link it does
+    not: docs/benchmark.md); never the fixed fraction. At lr 1e-5 what goes is a delta, or an anchor the
+    measured costs chose. The server ends bit-exact."""
+    srv = server_factory(preset="small")
+    (rows, final), _ = run_ranks(_small_at_lr_1e6, 2, args=(srv.url,), timeout=600)
+    full, sent = rows[0]["bytes"], [(r["version"], r["encoding"], r["reason"]) for r in rows]
+    assert rows[0]["encoding"] == "anchor", rows[0]
+    measured = rows[6:9]
+    assert any(r["encoding"] == "delta" for r in measured), sent
+    for r in measured:
+        # (the target is 5 %; int32 positions + values took 4.1 % here, gaps + zstd take about 2 %)
+        assert r["bytes"] <= 0.03 * full if r["encoding"] == "delta" else "delta_cost" in r["reason"], (sent, r, full)
+    last = rows[9]
+    assert last["encoding"] == "delta" or "delta_cost" in last["reason"], last
+    assert final[srv.url]["tensors_equal"], final

@@ -92,7 +92,7 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}
 import sglang.srt.layers.linear as linear
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.models.qwen2 import Qwen2ForCausalLM
-from bridge.delta_codec import DELTA_TENSOR, changed_positions, choose, write_record
+from bridge.delta_codec import DELTA_TENSOR, encode_sparse, write_record
 from bridge.sglang_delta_loader import load_delta
 
 H, HEADS, KV, HD, INTER = 64, 4, 2, 16, 96
@@ -121,15 +121,16 @@ g = torch.Generator().manual_seed(0)
 old = {hf(n): torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
 new = {}
 for n, t in old.items():
-    t2 = t.clone(); mask = torch.rand(t.shape, generator=g) < (0.02 if "weight" in n else 0.9)
-    t2[mask] = torch.randn(int(mask.sum()), generator=g).to(torch.bfloat16); new[n] = t2
+    t2 = t.clone(); mask = torch.rand(t.shape, generator=g) < (0.3 if "down" in n else 0.02 if "weight" in n else 0.9)
+    t2.view(torch.int16)[mask] ^= 3; new[n] = t2  # a small step's change: the low bits
 names = list(new)
-out, at = torch.zeros(1 << 20, dtype=torch.uint8), 0
-for i, n in enumerate(names):
+out, at, kinds = torch.zeros(1 << 20, dtype=torch.uint8), 0, []
+for i, n in enumerate(names):  # the encoder's choice (zstd only where it pays: down_proj's 30 %)
     a, b = old[n].reshape(-1), new[n].reshape(-1)
-    count = int((a.view(torch.int16) != b.view(torch.int16)).sum())
-    kind, nb = choose(b.numel(), count, 2)
-    at += write_record(out[at:], i, kind, 0, b, changed_positions(b, a, kind) if kind != 4 else None, count)
+    pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
+    kind, body = encode_sparse(b.numel(), pos, b[pos])
+    kinds.append(kind)
+    at += write_record(out[at:], i, kind, 0, b, None, pos.numel(), body=body)
 table = {"names": names, "dtypes": ["bfloat16"] * len(names), "shapes": [list(new[n].shape) for n in names], "version": "2"}
 payload = [(DELTA_TENSOR + ".table", torch.frombuffer(bytearray(json.dumps(table).encode()), dtype=torch.uint8)),
            (DELTA_TENSOR + ".records", out[:at].clone())]
@@ -142,14 +143,15 @@ for r in (0, 1):
     a, b = dict(served.named_parameters()), dict(direct.named_parameters())
     report[r] = {n: torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)) for n in a}
     report[r]["_sliced"] = list(a["model.layers.0.self_attn.qkv_proj.weight"].shape)
+report["_kinds"] = kinds
 print("REPORT " + json.dumps(report))
 '''
 
 
 def test_the_loader_applies_deltas_to_sglangs_tp_slices_as_its_load_weights_would():
     """SGLang's own QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear built for 2 TP ranks: on
-    each rank, the base loaded by SGLang's Qwen2 ``load_weights``, then a delta through the loader, equals the
-    new weights loaded by ``load_weights`` directly, bit for bit."""
+    each rank, the base loaded by SGLang's Qwen2 ``load_weights``, then a delta through the loader (gap and
+    zstd records among its kinds), equals the new weights loaded by ``load_weights`` directly, bit for bit."""
     _need()
     code = _TP_CHECK.replace("ROOT", repr(ROOT)).replace("SGLANG_DIR", repr(sglang_dir("0.5.23")))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -158,6 +160,8 @@ def test_the_loader_applies_deltas_to_sglangs_tp_slices_as_its_load_weights_woul
     import json
 
     report = json.loads(line[len("REPORT "):])
+    kinds = report.pop("_kinds")
+    assert 5 in kinds and any(k & 16 for k in kinds), kinds  # gaps of 8 bits, and zstd, among them
     for rank, params in report.items():
         sliced = params.pop("_sliced")
         assert sliced[0] == (4 * 16 + 2 * 2 * 16) // 2, f"rank {rank}: qkv_proj is not a TP slice: {sliced}"

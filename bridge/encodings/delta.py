@@ -3,17 +3,18 @@
 Every trainer rank keeps the serving-dtype bytes of its own shard as last committed, *the base*: 2 bytes
 per parameter of its shard in bf16, on the parameters' device (``base_bytes``). At each publish, in the
 prepare step, a rank casts its shard, compares it bit for bit with the base, and for each tensor it holds
-picks the smallest of indices + values, bitmask + values, or the dense piece (:mod:`bridge.delta_codec`);
+picks the smallest record (gaps, indices or bitmask + values, zstd where it pays; :mod:`bridge.delta_codec`);
 it writes the new bytes into the base at once and keeps what it overwrote (an undo log: the changed
 positions and old values of each tensor, or a copy of a tensor that changed almost entirely), so a failed
 sync puts the base back exactly and a committed one only drops the log. The base therefore moves only when
-a publish commits. During a sync a rank also holds the new values at the changed positions (what its records
-carry) and two scratch buffers as large as its largest piece (the cast piece and its change mask).
+a publish commits. During a sync a rank also holds its encoded records (no larger than the changed values and
+their positions) and two scratch buffers as large as its largest piece (the cast piece and its change mask).
 
 Every rank learns every rank's encoded sizes, so all of them plan the same *delta buckets* (whole tensors,
 up to ``bucket_mb`` of encoded bytes each) and decide alike whether this sync must be an *anchor*, a full
 sync: there is no base yet; every ``delta_anchor_every`` versions; the delta is over ``delta_max_fraction``
-of the full bytes. Rank 0, once the servers are paused, also sends an anchor when a server is out of
+of the full bytes or costs more than a full sync (:meth:`DeltaEncoding._costlier_than_full`). Rank 0, once the
+servers are paused, also sends an anchor when a server is out of
 rotation (:mod:`bridge.fleet`: restarted, newly joined, on another version, torn or held paused; the anchor
 repairs it), when the servers are of two kinds (reference server and real SGLang), when real SGLang was not
 started with the loader (``--custom-weight-loader``) or does not report the base version, and after a failed
@@ -29,23 +30,24 @@ instead, in the same ``publish()`` call. How the bytes move: :mod:`bridge.encodi
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from bridge.delta_codec import (
-    BITMASK,
     DENSE,
+    HEADER_BYTES,
     INTS,
-    SPARSE64,
     choose,
     combine_digest,
     differing_lanes,
+    encode_sparse,
     flatnonzero,
-    pack_bits,
     piece_crc,
     record_nbytes,
 )
+from bridge.delta_cost import SyncCosts
 from bridge.encodings.base import Encoding, Transfer, gathered
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError
@@ -90,6 +92,8 @@ class DeltaSummary:
     """(name, start, length, CRC32) of each of this rank's base pieces, as last committed."""
     probes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """name -> [(flat position, base bits)]: base values the SGLang loader checks before it applies."""
+    costs: dict = field(default_factory=dict)
+    """What this rank measured syncs to cost (:class:`bridge.delta_cost.SyncCosts`); rank 0's decide for every rank."""
 
 
 @dataclass
@@ -157,8 +161,7 @@ class _Change:
     nbytes: int
     positions: torch.Tensor | None = None  # the changed positions (None: dense)
     old: torch.Tensor | None = None  # what was overwritten: at the positions, or all (dense); None: new tensor
-    values: torch.Tensor | None = None  # the new values at the positions (None: dense, they are the base)
-    bits: torch.Tensor | None = None  # a bitmask record's packed bits
+    body: torch.Tensor | None = None  # the record after its header (delta_codec.encode_sparse; None: dense)
 
 
 @dataclass
@@ -187,6 +190,7 @@ class DeltaEncoding(Encoding):
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
         self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
+        self.costs, self._t0, self._timed = SyncCosts(), 0.0, [0.0, 0.0, 0, 0]  # what syncs cost: the anchor decision
 
     @classmethod
     def check_config(cls, config, transport_cls) -> None:
@@ -227,6 +231,7 @@ class DeltaEncoding(Encoding):
     @torch.no_grad()
     def prepare(self, source, specs: list[ParamSpec]) -> DeltaSummary:
         source.require(("local_shards",), "the delta encoding")
+        self._t0, self._timed = time.perf_counter(), [0.0, 0.0, 0, 0]  # (diff s, encoding s, elements, changed)
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
         self.changes, self.probes, self._refresh, self._stale = {}, {}, None, None
         shards = source.local_shards(specs)
@@ -235,8 +240,9 @@ class DeltaEncoding(Encoding):
         if skip is not None:  # an anchor for sure: no diff; the base becomes the weights once they are sent
             reason, changed, numel = skip
             self._stale = [sh for sh in shards if sh.local is not None]
-            return DeltaSummary(skip=reason, whole=whole, changed=changed, numel=numel, crcs=crcs)
-        sizes, changed, numel, fresh = {}, 0, 0, False
+            return DeltaSummary(skip=reason, whole=whole, changed=changed, numel=numel, crcs=crcs,
+                                costs=self.costs.state())
+        sizes, changed, numel, fresh, t_diff = {}, 0, 0, False, time.perf_counter()
         for sh in shards:
             if sh.local is None:
                 continue
@@ -248,8 +254,9 @@ class DeltaEncoding(Encoding):
             sizes[sh.spec.name] = ch.nbytes
             changed += ch.count
             fresh |= ch.old is None
+        self._timed[0], self._timed[2:] = time.perf_counter() - t_diff, [numel, changed]
         return DeltaSummary(skip=None, sizes=sizes, whole=whole, changed=changed, numel=numel, fresh=fresh, crcs=crcs,
-                            probes=self.probes)
+                            probes=self.probes, costs=self.costs.state())
 
     def _anchor_ahead(self, owned: list) -> tuple[str, int, int] | None:
         """(why, estimated changed elements, elements) when this rank knows before diffing that the sync will be
@@ -273,7 +280,15 @@ class DeltaEncoding(Encoding):
         if est > cfg.delta_max_fraction * full:
             return (f"the delta would be about {est / max(1, full):.0%} of the full bytes (from a sample of 1 block "
                     f"in {_SAMPLE_EVERY}), over delta_max_fraction={cfg.delta_max_fraction:g}"), changed, numel
-        return None
+        why = self._costlier_than_full(self.costs.state(), est / max(1, full), diff=(numel, changed))
+        return None if why is None else (f"{why}; from a sample of 1 block in {_SAMPLE_EVERY}", changed, numel)
+
+    def _costlier_than_full(self, costs: dict, fraction: float, diff=None, full_bytes: int = 0) -> str | None:
+        """Why a delta of ``fraction`` of the full bytes would take longer than the full sync, at what the last
+        syncs cost (:mod:`bridge.delta_cost`), or None; ``diff``: (elements, changed) still to diff, None once
+        diffed. ``delta_max_fraction`` bounds it from above."""
+        full = full_bytes or self.costs.full_bytes
+        return SyncCosts.verdict(costs, fraction * full, full, diff) if full else None
 
     @torch.no_grad()
     def _copy_into_base(self, owned: list) -> None:
@@ -297,26 +312,21 @@ class DeltaEncoding(Encoding):
         count = positions.numel()
         if not count:
             return None
-        kind, nbytes = choose(n, count, itemsize)
         bits = held.base.view(INTS[itemsize])
         first = int(positions[0])
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
+        values, t = new.index_select(0, positions), time.perf_counter()
+        kind, body = encode_sparse(n, positions, values)
+        self._timed[1] += time.perf_counter() - t
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
             old = held.base.clone()
             held.base.copy_(new)
-            return _Change(kind, count, nbytes, old=old)
+            return _Change(kind, count, record_nbytes(DENSE, n, n, itemsize), old=old)
         old = held.base.index_select(0, positions)
-        values = new.index_select(0, positions)
         bits.index_copy_(0, positions, values.view(bits.dtype))  # the base moves where it changed (the rest is equal)
-        packed = None
-        if kind == BITMASK:
-            mask = self._scratch("mask", n, torch.bool, new.device)
-            mask.zero_()
-            mask[positions] = True
-            packed = pack_bits(mask)
-        if kind != SPARSE64:  # (kept for the undo: half the bytes)
+        if n < 2**31:  # (kept for the undo: half the bytes)
             positions = positions.to(torch.int32)
-        return _Change(kind, count, nbytes, positions, old, values, packed)
+        return _Change(kind, count, HEADER_BYTES + body.numel(), positions, old, body)
 
     def _changed(self, new: torch.Tensor, base: torch.Tensor, itemsize: int) -> torch.Tensor:
         """The int64 positions where ``new`` and ``base`` (flat, same dtype) differ bit for bit, increasing.
@@ -376,6 +386,8 @@ class DeltaEncoding(Encoding):
         elif total > cfg.delta_max_fraction * plan.nbytes:
             enc.reason = (f"the delta ({fmt_bytes(total)}) is {total / max(1, plan.nbytes):.0%} of the full "
                           f"{fmt_bytes(plan.nbytes)}, over delta_max_fraction={cfg.delta_max_fraction:g}")
+        else:  # rank 0's measurements, so that every rank decides alike
+            enc.reason = self._costlier_than_full(summaries[0].costs, total / max(1, plan.nbytes), None, plan.nbytes)
         plan.encoded = enc
 
     def _buckets(self, specs: list[ParamSpec], summaries: list[DeltaSummary], whole: set, crcs: dict) -> list[DeltaBucket]:
@@ -454,6 +466,10 @@ class DeltaEncoding(Encoding):
         self._refresh = None
         self.base_version = plan.version
         self.since_anchor = 0 if enc.mode == "anchor" else self.since_anchor + 1
+        if not plan.retried:
+            self.costs.full_bytes = enc.full_bytes
+            self.costs.record(enc.mode, enc.full_bytes if enc.mode == "anchor" else enc.nbytes,
+                              time.perf_counter() - self._t0, tuple(self._timed))
         pieces = [(name, h.start, h.base) for name, h in self.base.items()]
         self._crcs = _in_background(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
 

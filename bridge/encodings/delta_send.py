@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.buckets import Bucket
-from bridge.delta_codec import BITMASK, DELTA_TENSOR, write_record
+from bridge.delta_codec import DELTA_TENSOR, write_record
 from bridge.encodings.base import Outgoing
 from bridge.tensors import ParamSpec, dtype_to_str
 from bridge.transports.sessions import bucket_answers
@@ -143,8 +143,7 @@ def _encode(encoding, db, out: torch.Tensor) -> None:
         if ch is None:
             continue
         held = encoding.base[spec.name]
-        at += write_record(out[at:], i, ch.kind, held.start, held.base, ch.bits if ch.kind == BITMASK else ch.positions,
-                           ch.count, ch.values)
+        at += write_record(out[at:], i, ch.kind, held.start, held.base, None, ch.count, body=ch.body)
     if at != out.numel():
         raise RuntimeError(f"encoded {at} bytes of a delta bucket, planned {out.numel()}")
 
