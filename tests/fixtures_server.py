@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.client import ServerClient
+from bridge.errors import ServerError
 from bridge.process_group import destroy_custom_process_group, find_free_port, init_custom_process_group
 from bridge.tensors import dtype_to_str
 from inference_adapter import launcher
@@ -54,9 +55,16 @@ def _launch(**kw) -> LaunchedServer:
     if not kw.pop("default_disk_roots", False) and "--disk-root" not in extra:
         extra += ["--disk-root", tempfile.gettempdir()]
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **kw.pop("env", {})}
-    if kw.get("use_sglang"):
-        return launch_server(extra_args=extra, env=env, ready_timeout=kw.pop("ready_timeout", 240.0), **kw)
-    return launch_forked(extra_args=extra, env=env, ready_timeout=kw.pop("ready_timeout", 240.0), **kw)
+    launch = launch_server if kw.get("use_sglang") else launch_forked
+    ready_timeout = kw.pop("ready_timeout", 240.0)
+    # A free port is found, closed, then bound by the server: another process (the other xdist worker's
+    # servers, ranks, routers) may take it in between. A port the test did not choose is chosen again.
+    for attempt in range(3):
+        try:
+            return launch(extra_args=extra, env=env, ready_timeout=ready_timeout, **kw)
+        except ServerError as e:
+            if kw.get("port") or "address already in use" not in str(e) or attempt == 2:
+                raise
 
 
 class ForkedProcess:
