@@ -8,6 +8,8 @@ Each step is a function of the config alone, run identically on every rank:
   process group (created here, and owned by the engine, when the caller has not initialised one);
 - :func:`load_model`: the model in float32 master weights and its tokenizer, from the directory or a
   preset;
+- :func:`apply_lora`: with ``EngineConfig(lora=...)``, the PEFT LoRA wrapper (before sharding): the base
+  weights frozen, the adapter's matrices the only trainable parameters;
 - :func:`shard_model`: ``fully_shard`` on each decoder layer and then on the root.
 """
 
@@ -29,7 +31,7 @@ from bridge.process_group import find_free_port
 from bridge.tensors import dtype_from_str
 from trainer.config import EngineConfig
 
-__all__ = ["Placement", "check_model_dir", "join_process_group", "load_model", "load_tokenizer", "shard_model"]
+__all__ = ["Placement", "apply_lora", "check_model_dir", "join_process_group", "load_model", "load_tokenizer", "shard_model"]
 
 logger = get_logger(__name__)
 
@@ -125,6 +127,29 @@ def load_tokenizer(path: str):
     except (OSError, ValueError, TypeError) as e:
         logger.warning("no tokenizer in %s (%s); saved checkpoints will not include one", path, e)
         return None
+
+
+def apply_lora(model: torch.nn.Module, cfg: EngineConfig) -> torch.nn.Module:
+    """The model wrapped by ``peft.get_peft_model`` with ``cfg.lora`` (unchanged when ``cfg.lora`` is None).
+
+    PEFT freezes every base parameter and adds ``lora_A``/``lora_B`` beside each targeted linear layer;
+    it runs before ``fully_shard`` so that the adapter's matrices are sharded with their layer.
+
+    Raises:
+        ConfigError: no module of the model matches ``target_modules``.
+    """
+    if cfg.lora is None:
+        return model
+    import peft
+
+    try:
+        return peft.get_peft_model(model, cfg.lora.peft_config())
+    except ValueError as e:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(
+            f"lora.target_modules {list(cfg.lora.target_modules)} match no layer of the model ({e}); "
+            f"its linear layers are {', '.join(linear)}"
+        ) from None
 
 
 def shard_model(model: torch.nn.Module, cfg: EngineConfig, placement: Placement) -> None:

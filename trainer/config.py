@@ -17,10 +17,12 @@ from bridge.errors import ConfigError
 from bridge.presets import PRESETS
 from bridge.tensors import dtype_from_str
 
-__all__ = ["EngineConfig", "OptimizerConfig"]
+__all__ = ["EngineConfig", "LoraConfig", "OptimizerConfig"]
 
 SCHEDULES = ("constant", "linear", "cosine")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LORA_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every projection of a Qwen2/Llama-style decoder layer: the default LoRA targets."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +85,44 @@ class OptimizerConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """A PEFT LoRA adapter trained instead of the full weights: the base weights stay frozen and only
+    the adapter's ``lora_A``/``lora_B`` matrices are in the optimizer (see ``FSDPEngine.initialize``)."""
+
+    rank: int = 16
+    """The adapter's rank ``r``: each targeted ``W`` becomes ``W + (alpha / r) * B @ A`` with ``A`` [r, in]."""
+    alpha: float = 32.0
+    """PEFT's ``lora_alpha``: the adapter's output is scaled by ``alpha / rank``."""
+    target_modules: tuple[str, ...] = LORA_ALL_LINEAR
+    """Names of the linear modules that get an adapter (PEFT matches a module whose name ends with one)."""
+    dropout: float = 0.0
+    """PEFT's ``lora_dropout`` on the adapter's input during training."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str):
+            self.target_modules = tuple(m for m in self.target_modules.split(",") if m)
+        self.target_modules = tuple(self.target_modules)
+        if not (isinstance(self.rank, int) and self.rank >= 1):
+            raise ConfigError(f"lora.rank must be an integer >= 1, got {self.rank!r}")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ConfigError(f"lora.alpha must be a positive finite number, got {self.alpha!r}")
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise ConfigError(
+                f"lora.target_modules must name at least one module (e.g. {','.join(LORA_ALL_LINEAR)}), "
+                f"got {self.target_modules!r}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+
+    def peft_config(self):
+        """The ``peft.LoraConfig`` of this adapter (a causal LM, no bias terms trained)."""
+        import peft
+
+        return peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(self.target_modules),
+                               lora_dropout=self.dropout, bias="none", task_type="CAUSAL_LM")
+
+
+@dataclass(kw_only=True, slots=True)
 class EngineConfig:
     """The FSDP2 engine: which model, how it is sharded, and how it is trained."""
 
@@ -103,6 +143,8 @@ class EngineConfig:
     """Seed of the preset's initial weights and of torch's RNG on every rank."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """AdamW, clipping and learning-rate schedule."""
+    lora: LoraConfig | None = None
+    """Train a PEFT LoRA adapter on frozen base weights instead of the full weights (None: full training)."""
     init_timeout: float = 1800.0
     """Seconds the default process group waits for its peers (rendezvous and every collective)."""
 
@@ -122,3 +164,5 @@ class EngineConfig:
             raise ConfigError(f"init_timeout must be > 0 seconds, got {self.init_timeout}")
         if not isinstance(self.optimizer, OptimizerConfig):
             raise ConfigError(f"optimizer must be an OptimizerConfig, got {type(self.optimizer).__name__}")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ConfigError(f"lora must be a LoraConfig or None, got {type(self.lora).__name__}")

@@ -42,9 +42,10 @@ from bridge.errors import ConfigError
 from bridge.log import get_logger
 from bridge.tensors import ParamSpec
 from trainer.batch_plan import BatchPlan, plan_batch
-from trainer.build import check_model_dir, join_process_group, load_model, shard_model
+from trainer.build import apply_lora, check_model_dir, join_process_group, load_model, shard_model
 from trainer.config import EngineConfig
 from trainer.data import loss_token_count, next_token_loss
+from trainer.lora import adapter_config_dict, adapter_name, base_name, is_adapter_param
 from trainer.optim import build_optimizer, build_scheduler
 
 __all__ = ["FSDPEngine", "LossFn", "LossWeightFn"]
@@ -99,6 +100,7 @@ class FSDPEngine:
         # Recorded before fully_shard, which renames the class to FSDP<name>.
         self._model_config.architectures = [type(model).__name__]
         self._generation_config = getattr(model, "generation_config", None)
+        model = apply_lora(model, cfg)
         self._find_tied_names(model)
         pad = getattr(self._tokenizer, "pad_token_id", None)
         if pad is None:
@@ -108,7 +110,8 @@ class FSDPEngine:
         shard_model(model, cfg, placement)
         self._model = model
         self._param_index: dict[str, torch.Tensor] | None = None
-        self._optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+        # Under LoRA only the adapter requires a gradient: the frozen base weights never reach AdamW.
+        self._optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
         self._scheduler = build_scheduler(self._optimizer, cfg.optimizer)
         if self.rank == 0:
             n_params = sum(s.numel for s in self.param_specs())
@@ -122,7 +125,8 @@ class FSDPEngine:
     def _find_tied_names(self, model: torch.nn.Module) -> None:
         from bridge.sources import tied_embedding_names
 
-        self._tied_input_name, self._tied_output_name = tied_embedding_names(model) or (None, None)
+        tied = tied_embedding_names(model)
+        self._tied_input_name, self._tied_output_name = (base_name(tied[0]), base_name(tied[1])) if tied else (None, None)
 
     def upload_weights(self, meta):
         """Publish the current weights as ``meta.version`` (collective: every rank calls it).
@@ -370,12 +374,13 @@ class FSDPEngine:
         """HF names, global shapes and dtypes of the parameters, in the same order on every rank.
 
         Read from DTensor metadata; nothing is gathered. The tied output head (``lm_head.weight`` when
-        it shares the embedding) is left out, as SGLang expects.
+        it shares the embedding) is left out, as SGLang expects. Under LoRA these are the frozen base
+        weights under their HF names (PEFT's wrapper names taken off); the adapter is :meth:`adapter_specs`.
         """
         self._check_initialized()
         return [
             ParamSpec(name, tuple(p.shape), p.dtype)
-            for name, p in self._model.named_parameters()  # FSDP2 adds no prefix to the HF names
+            for name, p in self._params_by_name().items()  # FSDP2 adds no prefix to the HF names
             if name != self._tied_output_name
         ]
 
@@ -413,7 +418,8 @@ class FSDPEngine:
         """Name -> parameter (DTensor under FSDP2), built once: the parameter objects outlive every step,
         and rebuilding the map per bucket was most of the per-tensor gather on a 339-tensor model."""
         if self._param_index is None:
-            self._param_index = dict(self._model.named_parameters(remove_duplicate=False))
+            self._param_index = {base_name(n): p for n, p in self._model.named_parameters(remove_duplicate=False)
+                                 if not is_adapter_param(n)}
         return self._param_index
 
     def gather_bucket(self, bucket, out: torch.Tensor | None, group=None, dst: int = 0) -> None:
@@ -461,6 +467,55 @@ class FSDPEngine:
             )
         return param.full_tensor().contiguous()
 
+    # ------------------------------------------------------------------ the LoRA adapter
+
+    @property
+    def lora(self) -> bool:
+        """True when the engine trains a LoRA adapter (``EngineConfig(lora=...)``) on frozen base weights."""
+        return self.config.lora is not None
+
+    def adapter_specs(self) -> list[ParamSpec]:
+        """The adapter's parameters as PEFT's ``adapter_model.safetensors`` names them, with global shapes
+        and dtypes, in the same order on every rank (no communication).
+
+        Raises:
+            ConfigError: the engine trains no adapter.
+        """
+        return [ParamSpec(name, tuple(p.shape), p.dtype) for name, p in self._adapter_params().items()]
+
+    def adapter_config(self) -> dict:
+        """The adapter's PEFT ``adapter_config.json`` as a dict (``base_model_name_or_path`` the model path)."""
+        self._adapter_params()
+        return adapter_config_dict(self._model, base_model=self.config.model_path or f"wsync-preset-{self.config.preset}")
+
+    def gather_adapter(self, dtype: torch.dtype | None = None, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """Collective: the adapter's full tensors (``adapter_specs`` names, cast to ``dtype`` when given)
+        on rank ``dst``, None on the others.
+
+        An adapter is small (rank 16 on every projection of an 8B model: tens of MB), so it travels as one
+        bucket through :func:`bridge.sources.gather_bucket_into`, the full sync's flat gathers: ``dst``
+        holds the bucket's buffer and nothing more; the tensors returned are views of it.
+        """
+        from bridge.buckets import Bucket, unflatten_bucket
+        from bridge.sources import gather_bucket_into
+
+        params = self._adapter_params()
+        specs = self.adapter_specs()
+        if dtype is not None:
+            specs = [ParamSpec(s.name, s.shape, dtype) for s in specs]
+        bucket = Bucket(sorted(specs, key=lambda s: -s.dtype.itemsize))  # aligned offsets (one dtype: kept order)
+        out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device) if self.rank == dst else None
+        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, dst=dst)
+        if out is None:
+            return None
+        return dict(unflatten_bucket(out, bucket.specs))
+
+    def _adapter_params(self) -> dict[str, torch.Tensor]:
+        self._check_initialized()
+        if not self.lora:
+            raise ConfigError("this engine trains no LoRA adapter; create it with EngineConfig(lora=LoraConfig(...))")
+        return {adapter_name(n): p for n, p in self._model.named_parameters() if is_adapter_param(n)}
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, path: str | os.PathLike, weight_format: str = "hf", with_optim: bool = False) -> None:
@@ -469,6 +524,9 @@ class FSDPEngine:
         from trainer import checkpoint
 
         self._check_initialized()
+        if self.lora and weight_format == "hf":
+            raise ConfigError("an engine training a LoRA adapter saves in weight_format='dcp' (model and adapter); "
+                              "the adapter alone goes out by an adapter publish (docs/lora.md)")
         checkpoint.save(self, path, weight_format, with_optim)
 
     def load(self, path: str | os.PathLike, weight_format: str = "hf", with_optim: bool = False) -> None:

@@ -41,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"], help="FSDP2 mixed-precision compute dtype")
     p.add_argument("--cpu-offload", action="store_true", help="offload parameters to CPU (FSDP2 CPUOffloadPolicy)")
     p.add_argument("--seed", type=int, default=0, help="seed for model init and data")
+    g = p.add_argument_group("LoRA", "train a PEFT LoRA adapter on frozen base weights (docs/lora.md)")
+    g.add_argument("--lora-rank", type=int, default=None, metavar="R", help="train a LoRA adapter of rank R (default: full training)")
+    g.add_argument("--lora-alpha", type=float, default=None, metavar="A", help="LoRA alpha (default: 2 x rank)")
+    g.add_argument("--lora-target-modules", default=None, metavar="NAMES",
+                   help="comma-separated module names that get an adapter (default: every projection)")
     p.add_argument("--save", metavar="DIR", help="save the trained model here at the end")
     p.add_argument("--save-format", default="hf", choices=["hf", "dcp"], help="format of --save")
     from bridge.transports import transport_names
@@ -141,6 +146,9 @@ def check_arguments(args: argparse.Namespace) -> None:
                           f"make one with `wsync make-model DIR` or pass --preset")
     if args.start_version is not None and args.start_version < 1:
         raise ConfigError(f"--start-version must be >= 1, got {args.start_version}")
+    if args.lora_rank is None and (args.lora_alpha is not None or args.lora_target_modules is not None):
+        raise ConfigError("--lora-alpha and --lora-target-modules configure a LoRA adapter; add --lora-rank R")
+    _lora_config(args)  # checks the LoRA flags' values
     if args.publish == "none":
         return
     from bridge.transports import transport_class
@@ -262,10 +270,24 @@ def build_engine(args: argparse.Namespace):
             lr=args.lr, weight_decay=args.weight_decay, schedule=args.schedule, warmup_steps=args.warmup_steps,
             total_steps=args.steps, max_grad_norm=args.max_grad_norm,
         ),
+        lora=_lora_config(args),
     )
     engine = FSDPEngine(cfg)
     engine.initialize()
     return engine
+
+
+def _lora_config(args: argparse.Namespace):
+    """The :class:`trainer.LoraConfig` of the ``--lora-*`` flags, or None without ``--lora-rank``."""
+    from trainer.config import LORA_ALL_LINEAR, LoraConfig
+
+    if args.lora_rank is None:
+        return None
+    try:
+        return LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank,
+                          target_modules=args.lora_target_modules or LORA_ALL_LINEAR)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (flags --lora-rank/--lora-alpha/--lora-target-modules)") from None
 
 
 def publisher_config(args: argparse.Namespace, servers: list[str]):
