@@ -13,6 +13,11 @@ or, through disk snapshots announced in name resolution::
     pub = WeightPublisher(PublisherConfig(transport="disk", name_resolve="etcd://127.0.0.1:2379",
                                           experiment="exp", trial="t0", snapshot_root="/shared/ckpt"))
 
+A LoRA adapter alone (``EngineConfig(lora=...)`` on the trainer; docs/lora.md), by disk or, on one host, by tensors::
+
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy", via="disk", servers=["http://127.0.0.1:30000"]))
+    result = pub.publish(engine, version=step)            # collective; servers serve it as lora_path="policy"
+
 Serving side: :class:`ServerGroup` asks which version each server serves (``weight_versions()``);
 :class:`VersionSubscriber` yields each announced version; ``inference_adapter.DiskWatcher`` applies them.
 
@@ -28,6 +33,9 @@ import importlib
 # name -> module; imported on first use so ``import bridge`` stays light (no etcd, no HTTP stack).
 _EXPORTS = {
     "Announcement": "bridge.name_resolve",
+    "AdapterPublishResult": "bridge.adapters",
+    "AdapterPublisher": "bridge.adapters",
+    "AdapterPublisherConfig": "bridge.adapters",
     "BridgeError": "bridge.errors",
     "Bucket": "bridge.buckets",
     "ConfigError": "bridge.errors",

@@ -119,3 +119,75 @@ def test_lora_config_refusals():
     with pytest.raises(ConfigError, match="lora must be a LoraConfig"):
         EngineConfig(preset="tiny", lora={"rank": 4})
     assert LoraConfig(target_modules="q_proj,v_proj").target_modules == ("q_proj", "v_proj")
+
+
+# ---------------------------------------------------------------------------------------------- publish
+
+
+def _disk_without_servers(root: str, nr_url: str):
+    """Two versions by disk with no server to tell, then a third whose gather fails on rank 1 only."""
+    import os
+
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy", via="disk", root=root, name_resolve=nr_url))
+    try:
+        results = []
+        for version in (1, 2):
+            train_step(engine, seed=version)
+            results.append(pub.publish(engine, version=version))
+        train_step(engine, seed=3)
+        os.environ["WSYNC_FAILPOINTS"] = "adapter:gather@1=OSError"
+        try:
+            pub.publish(engine, version=3)
+        except Exception as e:  # compared across ranks by the test
+            failed = f"{type(e).__name__}: {e}"
+        else:
+            failed = None
+        os.environ.pop("WSYNC_FAILPOINTS")
+        mine = engine.gather_adapter()
+        return dict(results=results, failed=failed, last=pub.last_version,
+                    mine={n: t.clone() for n, t in mine.items()} if mine is not None else None)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_disk_publish_writes_peft_dirs_and_a_fault_changes_nothing(tmp_path):
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from bridge.adapters import adapter_key
+    from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL, make_name_resolve
+    from bridge.protocol import tensor_checksum
+
+    nr_url = f"file://{tmp_path}/nr"
+    root = str(tmp_path / "adapters")
+    rank0, rank1 = run_ranks(_disk_without_servers, 2, args=(root, nr_url), timeout=180)
+    assert rank0["failed"] and rank0["failed"] == rank1["failed"], "every rank raises the same error"
+    assert "adapter:gather" in rank0["failed"] and "rank 1" in rank0["failed"], rank0["failed"]
+    assert rank0["last"] == rank1["last"] == 2
+    v2 = rank0["results"][1]
+    assert v2.path == os.path.join(root, "policy", "v2") and v2.version == 2
+    assert sorted(os.listdir(os.path.join(root, "policy"))) == ["v1", "v2"], "nothing of the failed v3 is left"
+    on_disk = load_file(os.path.join(v2.path, "adapter_model.safetensors"))
+    assert {n: tensor_checksum(t) for n, t in on_disk.items()} == v2.checksums
+    config = json.loads(open(os.path.join(v2.path, "adapter_config.json")).read())
+    assert config["r"] == 4 and config["peft_type"] == "LORA"
+    nr = make_name_resolve(nr_url)
+    try:
+        assert json.loads(nr.get(adapter_key(DEFAULT_EXPERIMENT, DEFAULT_TRIAL, "policy", 2)))["path"] == v2.path
+        with pytest.raises(Exception, match="3"):
+            nr.get(adapter_key(DEFAULT_EXPERIMENT, DEFAULT_TRIAL, "policy", 3))
+    finally:
+        nr.close()
+    import peft
+
+    from bridge.presets import build_model
+
+    loaded = peft.PeftModel.from_pretrained(build_model("tiny", 0), v2.path)  # PEFT's own loader reads it
+    assert loaded.peft_config["default"].r == 4

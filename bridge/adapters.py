@@ -1,0 +1,403 @@
+"""Publishing a LoRA adapter alone: its tensors gathered from their FSDP shards, loaded by the servers under a
+stable name, the version as the adapter's weight version (issue 37).
+
+An adapter is small (rank 16 on every projection of an 8B model: tens of MB against 16 GB of weights), so
+it does not go through the full-weight encodings: :class:`AdapterPublisher` gathers it in one flat gather
+(the source's ``gather_adapter``), and then, on rank 0:
+
+- by disk (``via="disk"``): writes a PEFT adapter directory (``adapter_model.safetensors`` +
+  ``adapter_config.json``) atomically, into a temporary directory renamed into place
+  (``<root>/<name>/v<version>``), tells every server ``/load_lora_adapter`` with that path, then
+  announces it in name resolution under :func:`adapter_key` (the commit: a version announced is served);
+- by tensors, on one host (``via="tensors"``): ``/load_lora_adapter_from_tensors`` with the PEFT config
+  and the tensors (the payload as the server's SGLang version takes it).
+
+The servers replace the adapter under its name in one step (the reference server's ``wsync_replace``): a
+client asking for the adapter by name never finds it missing. A publish is collective and every rank raises
+the same error (:mod:`bridge.agreement`); a failure after some server took the new version loads the
+previous version back into those servers, so every server keeps serving the previous adapter.
+
+The source (the FSDP2 engine in ``trainer/`` with ``EngineConfig(lora=...)``) offers ``adapter_specs()``,
+``adapter_config()`` and the collective ``gather_adapter(dtype)``.
+
+Fault points (:mod:`bridge.failpoints`): ``adapter:prepare``, ``adapter:gather`` (after the gather),
+``adapter:write`` (disk, before the write), ``adapter:rename`` (disk, after the files were written, before
+the rename), ``adapter:load`` and ``adapter:load:<i>`` (before server ``i`` is told), ``adapter:announce``
+(disk) and ``adapter:commit``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bridge.agreement import Agreement
+from bridge.errors import BridgeError, ConfigError, VersionError
+from bridge.failpoints import failpoint
+from bridge.log import get_logger
+from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
+from bridge.protocol import tensor_checksum
+from bridge.tensors import dtype_from_str
+
+__all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key", "write_adapter_dir"]
+
+logger = get_logger(__name__)
+
+VIAS = ("disk", "tensors")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+SLACK_S = 5.0
+"""Added to each step's bound: the exchange itself, on a loaded machine."""
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+def adapter_key(experiment: str, trial: str, name: str, version: int, root: str = "wsync") -> str:
+    """``<root>/<experiment>/<trial>/lora_adapters/<name>/<version>``: the announcement of one adapter version
+    (a JSON object: ``name``, ``version``, ``path``, ``checksums``)."""
+    from bridge.name_resolve import names
+
+    return f"{names.trial_root(experiment, trial, root)}/lora_adapters/{name}/{version}"
+
+
+@dataclass(kw_only=True, slots=True)
+class AdapterPublisherConfig:
+    """Where and how an adapter goes. Checked when built."""
+
+    name: str
+    """The adapter's stable name on the servers (SGLang's ``lora_name``; what ``lora_path`` asks for)."""
+    via: str = "disk"
+    """``disk`` (a PEFT adapter directory, any host that sees ``root``) or ``tensors`` (servers on this host)."""
+    servers: Sequence[str] = ()
+    """Base URLs of the servers that serve the adapter."""
+    root: str | None = None
+    """Disk: the folder of the adapter directories, ``<root>/<name>/v<version>`` (default: a folder under
+    the temporary directory, per experiment and trial)."""
+    keep: int = 3
+    """Disk: adapter directories kept, the newest ones (at least 2: the previous one is the way back)."""
+    name_resolve: str | None = None
+    """Disk: where versions are announced (etcd://, file://, memory://; default: the project's default)."""
+    experiment: str = DEFAULT_EXPERIMENT
+    trial: str = DEFAULT_TRIAL
+    dtype: str | None = None
+    """The dtype the adapter travels and is served in (default: the trainer's, float32)."""
+    http_timeout: float = 60.0
+    """Seconds one server call may take."""
+    gather_timeout: float = 120.0
+    """Seconds the gather step may take on every rank."""
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigError(f"adapter name must be letters, digits, '.', '_' or '-' (a path component), got {self.name!r}")
+        if self.via not in VIAS:
+            raise ConfigError(f"via must be one of {', '.join(VIAS)} (an adapter goes by disk or, on one host, by "
+                              f"tensors), got {self.via!r}")
+        self.servers = [str(s) for s in self.servers]
+        if self.via == "tensors" and not self.servers:
+            raise ConfigError("via='tensors' sends the adapter to servers: give servers=[URL, ...]")
+        if self.keep < 2:
+            raise ConfigError(f"keep must be >= 2 (the previous adapter is what a failed publish goes back to), got {self.keep}")
+        if self.dtype is not None:
+            dtype_from_str(self.dtype)  # raises ConfigError naming the dtype
+        for what in ("http_timeout", "gather_timeout"):
+            if not getattr(self, what) > 0:
+                raise ConfigError(f"{what} must be a positive number of seconds, got {getattr(self, what)}")
+        if self.root is None:
+            import tempfile
+
+            self.root = os.path.join(tempfile.gettempdir(), f"wsync_{os.getuid()}", "adapters", self.experiment, self.trial)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterPublishResult:
+    """What one adapter publish did (the same on every rank)."""
+
+    name: str
+    version: int
+    via: str
+    bytes: int
+    seconds: float
+    path: str | None
+    """Disk: the adapter directory the servers loaded."""
+    checksums: dict[str, str]
+    """sha256 of every tensor as sent (:func:`bridge.protocol.tensor_checksum`)."""
+
+
+@dataclass(slots=True)
+class _Published:
+    """Rank 0's record of a version the servers serve: what a failed publish loads back."""
+
+    version: int
+    path: str | None
+    config: dict
+    tensors: dict[str, torch.Tensor] | None
+
+
+class AdapterPublisher:
+    """Publishes versions of one LoRA adapter (see the module docstring). Collective: every rank builds it
+    and calls :meth:`publish` with the same version."""
+
+    def __init__(self, config: AdapterPublisherConfig | None = None, **kwargs):
+        if config is None:
+            config = AdapterPublisherConfig(**kwargs)
+        elif kwargs:
+            raise ConfigError("pass either an AdapterPublisherConfig or keyword arguments, not both")
+        self.config = config
+        self._agree = Agreement.of_default_group()
+        self._rank = self._agree.rank
+        self._last: int | None = None
+        self._served: _Published | None = None  # rank 0
+        self._clients = None  # rank 0, built at the first publish
+        self._nr = None  # rank 0, disk
+        self._took: list = []  # rank 0: the servers that loaded the version being published
+        self._announced: str | None = None  # rank 0: its announcement key, once made
+
+    @property
+    def last_version(self) -> int | None:
+        return self._last
+
+    def publish(self, source, version: int) -> AdapterPublishResult:
+        """Publish ``source``'s adapter as ``version`` (collective: every trainer rank calls it).
+
+        Raises (the same error on every rank):
+            VersionError: ``version`` is not above the last one published.
+            ConfigError: the source has no adapter, or a setting is wrong.
+            SyncError / SyncTimeout / SnapshotError / NameResolveError: the publish failed; every server
+                serves the previous adapter version.
+        """
+        t0 = time.perf_counter()
+        cfg = self.config
+        specs = self._step("adapter:prepare", lambda: self._prepare(source, version), SLACK_S)[0]
+        dtype = dtype_from_str(cfg.dtype) if cfg.dtype is not None else None
+        got = self._step("adapter:gather", lambda: _gathered(source, dtype), cfg.gather_timeout, collective=True)[0]
+        tensors, adapter_config = got if got is not None else (None, None)
+        nbytes = sum(s[1] for s in specs)
+        path = None
+        if cfg.via == "disk":
+            path = self._step("adapter:write", lambda: self._write(version, tensors, adapter_config), cfg.http_timeout)[0]
+        new = _Published(version, path, adapter_config, tensors if cfg.via == "tensors" else None)
+        self._took, self._announced = [], None
+        undo = lambda: self._undo(new)  # noqa: E731
+        self._step("adapter:load", lambda: self._load_all(new), cfg.http_timeout * (1 + len(cfg.servers)), undo)
+        if cfg.via == "disk":
+            self._step("adapter:announce", lambda: self._announce(new), cfg.http_timeout, undo)
+        checksums = self._step("adapter:commit", lambda: self._commit(new), SLACK_S, undo)[0]
+        self._last = version
+        return AdapterPublishResult(cfg.name, version, cfg.via, nbytes, time.perf_counter() - t0, path, checksums)
+
+    def close(self) -> None:
+        """Close the server connections and name resolution (the servers keep serving the adapter)."""
+        for c in self._clients or ():
+            c.close()
+        if self._nr is not None:
+            self._nr.close()
+        self._clients = self._nr = None
+
+    def __enter__(self) -> AdapterPublisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- steps
+
+    def _step(self, name: str, fn, bound: float, undo=None, collective: bool = False) -> list:
+        """``fn`` on every rank (it checks ``rank == 0`` itself), agreed; the failure point ``name`` first (after
+        ``fn`` for a ``collective`` one, which every rank must join). On a failure of any rank, ``undo()`` runs
+        on every rank before the error is raised."""
+
+        def run():
+            if not collective:
+                failpoint(name, self._rank)
+            out = fn()
+            if collective:
+                failpoint(name, self._rank)
+            return out
+
+        try:
+            return self._agree.step(name, run, timeout=bound + SLACK_S)
+        except BridgeError as e:
+            if undo is not None:
+                undo()
+            raise type(e)(f"adapter {self.config.name!r}: publish failed at {name}: {e}") from None
+
+    def _prepare(self, source, version: int) -> list[tuple[str, int]]:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigError(f"version must be an int >= 0, got {version!r}")
+        if self._last is not None and version <= self._last:
+            raise VersionError(f"adapter {self.config.name!r}: version {version} is not above the last one published "
+                               f"({self._last}); publish a higher version")
+        if not callable(getattr(source, "gather_adapter", None)):
+            raise ConfigError(f"{type(source).__name__} has no LoRA adapter to publish (no gather_adapter); train one "
+                              "with EngineConfig(lora=LoraConfig(...))")
+        dtype = dtype_from_str(self.config.dtype) if self.config.dtype is not None else None
+        return [(s.name, s.nbytes if dtype is None else s.nbytes // s.dtype.itemsize * dtype.itemsize)
+                for s in source.adapter_specs()]
+
+    def _write(self, version: int, tensors, adapter_config) -> str | None:
+        if self._rank != 0:
+            return None
+        folder = os.path.join(self.config.root, self.config.name)
+        return write_adapter_dir(folder, version, tensors, adapter_config)
+
+    def _servers(self):
+        if self._clients is None:
+            from bridge.client import ServerClient
+
+            cfg = self.config
+            self._clients = [ServerClient(u, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key, timeout=cfg.http_timeout)
+                             for u in cfg.servers]
+        return self._clients
+
+    def _load_all(self, new: _Published) -> None:
+        """Rank 0: every server loads ``new`` (the ones that did are recorded, for :meth:`_undo`)."""
+        if self._rank != 0:
+            return
+        for i, client in enumerate(self._servers()):
+            failpoint(f"adapter:load:{i}", 0)
+            self._took.append(client)  # before the call: a server that timed out may have loaded it
+            self._load(client, new)
+
+    def _load(self, client, p: _Published) -> None:
+        """One server loads ``p`` under the stable name, replacing what it serves there in one step
+        (:class:`bridge.client.lora.LoraRoutes`)."""
+        name = self.config.name
+        if p.path is not None:
+            client.load_adapter_from_path(name, p.path, version=str(p.version), replace=True)
+        else:
+            client.load_adapter_from_tensors(name, p.config, p.tensors, version=str(p.version), replace=True,
+                                             checksums=_checksums(p.tensors))
+
+    def _load_back(self, clients) -> str:
+        """Load the previous version into ``clients``; a clause for the error saying what they serve now."""
+        if not clients:
+            return ""
+        prev = self._served
+        failed = []
+        for client in clients:
+            try:
+                if prev is None:
+                    client.unload_adapter(self.config.name)
+                else:
+                    self._load(client, prev)
+            except BaseException as e:  # report it; the error raised is the publish's own
+                failed.append(f"{client.url}: {e}")
+        what = f"version {prev.version}" if prev is not None else "no adapter"
+        if failed:
+            return f"; could not put {what} back on {'; '.join(failed)}"
+        return f"; {len(clients)} server(s) that had loaded it serve {what} again"
+
+    def _undo(self, new: _Published) -> None:
+        """After a failed step of any rank: on rank 0, the servers that loaded ``new`` load the previous version
+        back, its announcement and its directory are removed. Never raises (what failed is logged)."""
+        if self._rank != 0:
+            return
+        status = self._load_back(self._took)
+        self._took = []
+        if self._announced is not None:
+            try:
+                self._nr.delete(self._announced)
+            except Exception as e:  # reported; the publish's own error is raised
+                status += f"; could not remove the announcement {self._announced}: {e}"
+            self._announced = None
+        if new.path is not None and (self._served is None or self._served.path != new.path):
+            shutil.rmtree(new.path, ignore_errors=True)
+        if status:
+            logger.warning("adapter %r version %d not published%s", self.config.name, new.version, status)
+
+    def _announce(self, new: _Published) -> None:
+        if self._rank != 0:
+            return
+        from bridge.name_resolve import DEFAULT_URL, make_name_resolve
+
+        cfg = self.config
+        if self._nr is None:
+            self._nr = make_name_resolve(cfg.name_resolve or DEFAULT_URL)
+        failpoint("adapter:announce", 0)
+        value = {"name": cfg.name, "version": new.version, "path": new.path}
+        key = adapter_key(cfg.experiment, cfg.trial, cfg.name, new.version)
+        self._nr.add(key, json.dumps(value), replace=True)
+        self._announced = key
+
+    def _commit(self, new: _Published) -> dict[str, str] | None:
+        if self._rank != 0:
+            return None
+        self._served, self._took, self._announced = new, [], None
+        if new.path is not None:
+            _remove_old(os.path.dirname(new.path), self.config.keep)
+        tensors = new.tensors
+        if tensors is None:
+            from safetensors.torch import load_file
+
+            tensors = load_file(os.path.join(new.path, ADAPTER_FILE))
+        return _checksums(tensors)
+
+
+def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: tensor_checksum(t) for n, t in tensors.items()}
+
+
+def _gathered(source, dtype):
+    """The collective gather: ``(tensors on the CPU, PEFT config)`` on rank 0, None elsewhere."""
+    tensors = source.gather_adapter(dtype)
+    if tensors is None:
+        return None
+    return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}, source.adapter_config()
+
+
+def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> str:
+    """Write a PEFT adapter directory ``<folder>/v<version>`` atomically (temporary directory, fsync, rename);
+    its path. A directory of that version already there (a failed publish's) is replaced.
+
+    Raises:
+        SnapshotError: the write failed (the disk is full, the folder is not writable).
+    """
+    from safetensors.torch import save_file
+
+    from bridge.errors import SnapshotError
+
+    final = os.path.join(folder, f"v{version}")
+    tmp = os.path.join(folder, f".tmp-v{version}-{uuid.uuid4().hex[:12]}")
+    try:
+        os.makedirs(tmp)
+        save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(adapter_config, f, indent=2, sort_keys=True)
+        for name in (ADAPTER_FILE, CONFIG_FILE, ""):
+            _fsync(os.path.join(tmp, name) if name else tmp, directory=not name)
+        failpoint("adapter:rename", 0)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(folder, directory=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise SnapshotError(f"could not write adapter version {version} into {folder}: {e}; free space or choose "
+                                "another root") from None
+        raise
+    return final
+
+
+def _fsync(path: str, *, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_old(folder: str, keep: int) -> None:
+    """Keep the ``keep`` newest ``v<version>`` directories of ``folder``."""
+    versions = sorted(int(d[1:]) for d in os.listdir(folder) if d.startswith("v") and d[1:].isdigit())
+    for v in versions[:-keep]:
+        shutil.rmtree(os.path.join(folder, f"v{v}"), ignore_errors=True)
