@@ -55,9 +55,11 @@ def _probe_batch():
     return TensorDict(input_ids=ids, attention_mask=torch.ones_like(ids), batch_size=[1])
 
 
-def peft_oracle(adapter: dict[str, torch.Tensor], config: dict, base: dict[str, torch.Tensor] | None = None):
+def peft_oracle(adapter: dict[str, torch.Tensor], config: dict, base: dict[str, torch.Tensor] | None = None,
+                dtype: torch.dtype = torch.float32):
     """The trainer's own model with the adapter, unsharded in this process: the tiny preset's base
-    weights (or ``base``) wrapped by PEFT from ``config``, the adapter's tensors loaded by PEFT's own loader."""
+    weights (or ``base``) in ``dtype`` wrapped by PEFT from ``config`` (which keeps the adapter in float32),
+    the adapter's tensors loaded by PEFT's own loader."""
     import peft
 
     from bridge.presets import build_model
@@ -66,6 +68,7 @@ def peft_oracle(adapter: dict[str, torch.Tensor], config: dict, base: dict[str, 
     if base is not None:
         model.load_state_dict(base, strict=False)
         model.tie_weights()
+    model.to(dtype)
     pm = peft.get_peft_model(model, peft.LoraConfig.from_peft_type(**{k: v for k, v in config.items()
                                                                       if k not in ("peft_type", "inference_mode")}, peft_type="LORA"))
     result = peft.set_peft_model_state_dict(pm, adapter)
@@ -191,3 +194,161 @@ def test_disk_publish_writes_peft_dirs_and_a_fault_changes_nothing(tmp_path):
 
     loaded = peft.PeftModel.from_pretrained(build_model("tiny", 0), v2.path)  # PEFT's own loader reads it
     assert loaded.peft_config["default"].r == 4
+
+
+# ------------------------------------------------------------------------------- into the reference server
+
+PROMPT = [1] + [b + 3 for b in b"rev hello="]
+ROUNDS = 3  # publishes per transport: training steps between them, the tiny preset, rank 4 on every projection
+
+
+def _expected_greedy(adapter: dict[str, torch.Tensor], config: dict) -> list[int]:
+    """The trainer's own model with the adapter, as the server serves it: the base in bfloat16 (the server's
+    dtype; the base never changes under LoRA), the adapter in its own dtype (PEFT's default upcast)."""
+    pm = peft_oracle(adapter, config, dtype=torch.bfloat16)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+    return out[0, len(PROMPT):].tolist()
+
+
+def _check_served(engine, url: str, name: str, version: int) -> dict | None:
+    """Rank 0: the served adapter's checksums against the trainer's own (gathered now), its version, and its
+    greedy answer against the trainer's PEFT model (collective: every rank calls it)."""
+    from bridge.client import ServerClient
+    from bridge.protocol import tensor_checksum
+
+    mine = engine.gather_adapter()
+    config = engine.adapter_config()
+    if mine is None:
+        return None
+    c = ServerClient(url)
+    try:
+        served = c.adapter_checksums(name)
+        out = c.generate(input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 8}, lora_path=name)
+    finally:
+        c.close()
+    want = {n: tensor_checksum(t) for n, t in mine.items()}
+    return dict(tensors_equal=served["checksums"] == want, n_tensors=len(want), version=served["wsync_lora_version"],
+                answer_version=out["meta_info"].get("wsync_lora_version"), want_version=str(version),
+                greedy_equal=out["output_ids"] == _expected_greedy({n: t.clone() for n, t in mine.items()}, config))
+
+
+def _publish_into(url: str, via: str, root: str, nr_url: str, fault: str):
+    """ROUNDS publishes with a training step before each, each checked; then one more with ``fault`` armed,
+    which must leave the last version serving (checked against the adapter as it was then)."""
+    import os
+    import time
+
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    name = f"policy-{via}"
+    pub = AdapterPublisher(AdapterPublisherConfig(name=name, via=via, servers=[url], root=root, name_resolve=nr_url))
+    checks, results = [], []
+    try:
+        for version in range(1, ROUNDS + 1):
+            train_step(engine, seed=version)
+            results.append(pub.publish(engine, version=version))
+            checks.append(_check_served(engine, url, name, version))
+        before = _check_served(engine, url, name, ROUNDS)  # the adapter as served; training moves it next
+        fault_at = time.time()
+        train_step(engine, seed=ROUNDS + 1)
+        os.environ["WSYNC_FAILPOINTS"] = fault
+        try:
+            pub.publish(engine, version=ROUNDS + 1)
+        except Exception as e:  # compared across ranks by the test
+            failed = f"{type(e).__name__}: {e}"
+        else:
+            failed = None
+        os.environ.pop("WSYNC_FAILPOINTS")
+        served_after = None
+        if engine.rank == 0:
+            from bridge.client import ServerClient
+
+            c = ServerClient(url)
+            served_after = c.adapter_checksums(name)
+            c.close()
+        return dict(checks=checks, results=results, failed=failed, fault_at=fault_at, before=before,
+                    served_after=served_after)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+@pytest.fixture(scope="module")
+def lora_server(server_factory):
+    return server_factory(extra_args=["--enable-lora"])
+
+
+def _generate_while(url: str, name: str, stop, seen: list, errors: list) -> None:
+    """A client thread: generations with the adapter until ``stop``; (time, version) of each answer, and every
+    error once the adapter was first served (before that the name is rightly unknown)."""
+    import time
+
+    from bridge.client import ServerClient
+
+    c = ServerClient(url)
+    try:
+        while not stop.is_set():
+            try:
+                out = c.generate(input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 4}, lora_path=name)
+                seen.append((time.time(), int(out["meta_info"]["wsync_lora_version"])))
+            except Exception as e:  # counted by the test
+                if seen:
+                    errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("via,fault", [("disk", "adapter:announce@0=RuntimeError"),
+                                       ("tensors", "adapter:commit@1=RuntimeError")])
+def test_adapter_publishes_into_the_reference_server(lora_server, tmp_path, via, fault):
+    """ROUNDS adapter publishes (2 ranks): the served adapter bit-equal to the trainer's, its greedy answer the
+    trainer's PEFT model's, the version reported on each answer; 4 client threads meanwhile see no error and
+    versions that only go up; a fault after the server loaded the next version leaves the previous one."""
+    import threading
+
+    stop, threads, seen, errors = threading.Event(), [], [[] for _ in range(4)], []
+    for i in range(4):
+        threads.append(threading.Thread(target=_generate_while, args=(lora_server.url, f"policy-{via}", stop, seen[i], errors),
+                                        daemon=True))
+        threads[-1].start()
+    try:
+        rank0, rank1 = run_ranks(_publish_into, 2, args=(lora_server.url, via, str(tmp_path / "adapters"),
+                                                          f"file://{tmp_path}/nr", fault), timeout=240)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    for version, check in enumerate(rank0["checks"], 1):
+        assert check["tensors_equal"] and check["n_tensors"] == 28, (version, check)
+        assert check["version"] == check["answer_version"] == check["want_version"], check
+        assert check["greedy_equal"], f"version {version}: the served answer is not the trainer's PEFT model's"
+    assert rank0["failed"] and rank0["failed"] == rank1["failed"], "every rank raises the same error"
+    assert rank0["served_after"]["wsync_lora_version"] == str(ROUNDS), "the previous adapter serves after the fault"
+    assert rank0["before"]["tensors_equal"]
+    assert rank0["served_after"]["checksums"] == {n: c for n, c in rank0["results"][-1].checksums.items()}
+    assert not errors, f"{len(errors)} client errors while adapters were published: {errors[:3]}"
+    for s in seen:
+        versions = [v for t, v in s if t < rank0["fault_at"]]
+        assert versions == sorted(versions), f"versions went down for a client: {versions}"
+    assert any(s for s in seen), "the client threads got no answer"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lora-alpha", "3"], "add --lora-rank R"),
+    (["--lora-rank", "0"], "lora.rank must be an integer >= 1"),
+    (["--publish-adapter", "p"], "train one with --lora-rank R"),
+    (["--lora-rank", "4", "--publish-adapter", "p", "--publish", "broadcast", "--server", "http://127.0.0.1:1"],
+     "--publish-adapter goes by --publish disk"),
+    (["--lora-rank", "4", "--publish-adapter", "a/b", "--publish", "disk"], "adapter name must be"),
+])
+def test_train_lora_flags_refused(argv, message):
+    from wsync.cli import build_parser
+    from wsync.train import check_arguments
+
+    args = build_parser().parse_args(["train", *argv])
+    with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
+        check_arguments(args)

@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-alpha", type=float, default=None, metavar="A", help="LoRA alpha (default: 2 x rank)")
     g.add_argument("--lora-target-modules", default=None, metavar="NAMES",
                    help="comma-separated module names that get an adapter (default: every projection)")
+    g.add_argument("--publish-adapter", default=None, metavar="NAME",
+                   help="publish the adapter alone under NAME after every step: with --publish disk a PEFT "
+                        "directory under --snapshot-root, announced in --name-resolve; with --publish colocated by "
+                        "tensors to servers on this host (they serve it as lora_path=NAME)")
     p.add_argument("--save", metavar="DIR", help="save the trained model here at the end")
     p.add_argument("--save-format", default="hf", choices=["hf", "dcp"], help="format of --save")
     from bridge.transports import transport_names
@@ -122,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _rank_main(args)
     check_arguments(args)
-    if args.publish != "none":
+    if args.publish != "none" and args.publish_adapter is None:
         args.start_version = _first_version(args)
     run_ranks(args.nproc, ["train", *_argv_of(args)])
     return 0
@@ -149,6 +153,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.lora_rank is None and (args.lora_alpha is not None or args.lora_target_modules is not None):
         raise ConfigError("--lora-alpha and --lora-target-modules configure a LoRA adapter; add --lora-rank R")
     _lora_config(args)  # checks the LoRA flags' values
+    if args.publish_adapter is not None:
+        _adapter_config(args)  # checks the adapter publish's flags
     if args.publish == "none":
         return
     from bridge.transports import transport_class
@@ -290,6 +296,22 @@ def _lora_config(args: argparse.Namespace):
         raise ConfigError(f"{e} (flags --lora-rank/--lora-alpha/--lora-target-modules)") from None
 
 
+def _adapter_config(args: argparse.Namespace):
+    """The :class:`bridge.AdapterPublisherConfig` of ``--publish-adapter`` and the publish flags."""
+    from bridge import AdapterPublisherConfig
+
+    if args.lora_rank is None:
+        raise ConfigError("--publish-adapter publishes a LoRA adapter; train one with --lora-rank R")
+    vias = {"disk": "disk", "colocated": "tensors"}
+    if args.publish not in vias:
+        raise ConfigError(f"--publish-adapter goes by --publish disk or, to servers on this host, --publish colocated; "
+                          f"got --publish {args.publish}")
+    root = os.path.join(args.snapshot_root, "adapters") if args.snapshot_root else None
+    return AdapterPublisherConfig(name=args.publish_adapter, via=vias[args.publish], servers=args.server, root=root,
+                                  name_resolve=args.name_resolve, experiment=args.experiment, trial=args.trial,
+                                  api_key=args.api_key, admin_api_key=args.admin_api_key)
+
+
 def publisher_config(args: argparse.Namespace, servers: list[str]):
     """The :class:`bridge.PublisherConfig` the flags describe (its checks raise ``ConfigError``)."""
     from bridge import PublisherConfig
@@ -315,8 +337,11 @@ def publisher_config(args: argparse.Namespace, servers: list[str]):
 
 
 def build_publisher(args: argparse.Namespace, servers: list[str]):
-    from bridge import WeightPublisher
+    """The publisher of ``--publish``: an :class:`bridge.AdapterPublisher` with ``--publish-adapter``."""
+    from bridge import AdapterPublisher, WeightPublisher
 
+    if args.publish_adapter is not None:
+        return AdapterPublisher(_adapter_config(args))
     return WeightPublisher(publisher_config(args, servers))
 
 
@@ -334,8 +359,11 @@ def _rank_main(args: argparse.Namespace) -> int:
                     f"lr {stats['lr']:.2e}{'' if stats['update_successful'] else '  (step skipped: non-finite grad norm)'}")
             if publisher is not None:
                 res = publisher.publish(engine, version=(args.start_version or 1) + step - 1)
-                line += f"  | published v{res.version}: {res.bytes / 2**20:.1f} MiB in {res.seconds:.2f} s ({res.gbps:.2f} GB/s)"
-                if res.encoding != "full":
+                if args.publish_adapter is not None:
+                    line += f"  | adapter {res.name} v{res.version}: {res.bytes / 2**20:.2f} MiB in {res.seconds:.2f} s"
+                else:
+                    line += f"  | published v{res.version}: {res.bytes / 2**20:.1f} MiB in {res.seconds:.2f} s ({res.gbps:.2f} GB/s)"
+                if args.publish_adapter is None and res.encoding != "full":
                     line += f" {res.encoding}" + (f" ({res.anchor_reason})" if res.anchor_reason else "")
             if engine.rank == 0:
                 print(line, flush=True)
