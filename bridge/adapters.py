@@ -190,8 +190,8 @@ class AdapterPublisher:
         self._step("adapter:load", lambda: self._load_all(new), cfg.http_timeout * (1 + len(cfg.servers)), undo)
         if cfg.via == "disk":
             self._step("adapter:announce", lambda: self._announce(new), cfg.http_timeout, undo)
-        checksums = self._step("adapter:commit", lambda: self._commit(new), SLACK_S, undo)[0]
-        self._last = version
+        checksums = self._step("adapter:commit", lambda: self._checksums_of(new), SLACK_S, undo)[0]
+        self._committed(new)
         return AdapterPublishResult(cfg.name, version, cfg.via, nbytes, time.perf_counter() - t0, path, checksums)
 
     def close(self) -> None:
@@ -328,18 +328,25 @@ class AdapterPublisher:
         self._nr.add(key, json.dumps(value), replace=True)
         self._announced = key
 
-    def _commit(self, new: _Published) -> dict[str, str] | None:
+    def _checksums_of(self, new: _Published) -> dict[str, str] | None:
+        """Rank 0: the checksums of what was published (read back from the directory for disk)."""
         if self._rank != 0:
             return None
-        self._served, self._took, self._announced = new, [], None
-        if new.path is not None:
-            _remove_old(os.path.dirname(new.path), self.config.keep)
         tensors = new.tensors
         if tensors is None:
             from safetensors.torch import load_file
 
             tensors = load_file(os.path.join(new.path, ADAPTER_FILE))
         return _checksums(tensors)
+
+    def _committed(self, new: _Published) -> None:
+        """Every rank agreed: ``new`` is the version served (what a later failure goes back to)."""
+        self._last = new.version
+        if self._rank != 0:
+            return
+        self._served, self._took, self._announced = new, [], None
+        if new.path is not None:
+            _remove_old(os.path.dirname(new.path), self.config.keep)
 
 
 def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
