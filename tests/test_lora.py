@@ -252,6 +252,12 @@ def _publish_into(url: str, via: str, root: str, nr_url: str, fault: str):
             train_step(engine, seed=version)
             results.append(pub.publish(engine, version=version))
             checks.append(_check_served(engine, url, name, version))
+        base = None
+        if via == "disk":  # the base model's full sync beside the adapter's: HF names, and the adapter survives it
+            from bridge import PublisherConfig, WeightPublisher
+
+            with WeightPublisher(PublisherConfig(servers=[url], group_timeout=20, progress=False)) as full:
+                base = full.publish(engine, version=1).version
         before = _check_served(engine, url, name, ROUNDS)  # the adapter as served; training moves it next
         fault_at = time.time()
         train_step(engine, seed=ROUNDS + 1)
@@ -271,7 +277,7 @@ def _publish_into(url: str, via: str, root: str, nr_url: str, fault: str):
             served_after = c.adapter_checksums(name)
             c.close()
         return dict(checks=checks, results=results, failed=failed, fault_at=fault_at, before=before,
-                    served_after=served_after)
+                    served_after=served_after, base=base)
     finally:
         pub.close()
         engine.destroy()
@@ -328,7 +334,9 @@ def test_adapter_publishes_into_the_reference_server(lora_server, tmp_path, via,
         assert check["greedy_equal"], f"version {version}: the served answer is not the trainer's PEFT model's"
     assert rank0["failed"] and rank0["failed"] == rank1["failed"], "every rank raises the same error"
     assert rank0["served_after"]["wsync_lora_version"] == str(ROUNDS), "the previous adapter serves after the fault"
-    assert rank0["before"]["tensors_equal"]
+    before = rank0["before"]
+    assert before["tensors_equal"] and before["greedy_equal"] and before["version"] == str(ROUNDS), before
+    assert rank0["base"] == (1 if via == "disk" else None), "the full sync of the base beside the adapter"
     assert rank0["served_after"]["checksums"] == {n: c for n, c in rank0["results"][-1].checksums.items()}
     assert not errors, f"{len(errors)} client errors while adapters were published: {errors[:3]}"
     for s in seen:
