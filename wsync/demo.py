@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serving-dtype", default="bfloat16", help="dtype the servers serve")
     p.add_argument("--max-new-tokens", type=int, default=12, help="length of the greedy answers compared")
     p.add_argument("--log-level", default="WARNING", help="log level of the demo's processes")
+    p.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter (rank 8 on every projection) and publish only the adapter, by disk and by "
+                        "tensors (--transport disk, colocated, or both); the servers serve it as lora_path=policy")
     # Internal: set when the demo re-runs itself as a trainer rank under torchrun.
     p.add_argument("--_trainer-spec", dest="trainer_spec", help=argparse.SUPPRESS)
 
@@ -94,17 +97,18 @@ def _driver(args: argparse.Namespace) -> int:
         for i in range(args.servers):
             servers.append(launch_server(
                 model=model_dir, dtype=args.serving_dtype, log_path=os.path.join(workdir, f"server{i}.log"),
-                extra_args=["--log-level", args.log_level], disk_roots=[snapshot_root],
+                extra_args=["--log-level", args.log_level, *(["--enable-lora"] if args.lora else [])],
+                disk_roots=[snapshot_root],
             ))
         urls = [s.url for s in servers]
         print(f"  servers ready: {', '.join(urls)}", flush=True)
-        if args.transport in ("disk", "both", "all"):
+        if args.transport in ("disk", "both", "all") and not args.lora:  # the trainer tells the servers of an adapter
             watcher = _start_watcher(name_resolve, urls)
         spec = dict(
             model=model_dir, steps=args.steps, transport=args.transport, servers=urls, name_resolve=name_resolve,
             snapshot_root=snapshot_root, lr=args.lr, batch_size=args.batch_size,
             bucket_mb=args.bucket_mb, serving_dtype=args.serving_dtype, max_new_tokens=args.max_new_tokens,
-            json=os.path.abspath(args.json) if args.json else None, log_level=args.log_level,
+            json=os.path.abspath(args.json) if args.json else None, log_level=args.log_level, lora=args.lora,
         )
         trainer = start_ranks(args.nproc, ["demo", "--_trainer-spec", json.dumps(spec)],
                               env={"WSYNC_LOG_LEVEL": args.log_level})
@@ -139,17 +143,51 @@ def _start_watcher(name_resolve: str, urls: list[str]):
 
 
 def _trainer_main(spec: dict) -> int:
-    import torch.distributed as dist
-
-    from bridge import PublisherConfig, WeightPublisher
-    from trainer import EngineConfig, FSDPEngine, OptimizerConfig
+    from trainer import EngineConfig, FSDPEngine, LoraConfig, OptimizerConfig
     from wsync.tasks import make_batch
 
     assert under_torchrun()
     engine = FSDPEngine(EngineConfig(
         model_path=spec["model"], optimizer=OptimizerConfig(lr=spec["lr"], schedule="constant", max_grad_norm=1.0),
+        lora=LoraConfig(rank=LORA_RANK, alpha=2.0 * LORA_RANK) if spec.get("lora") else None,
     ))
     engine.initialize()
+    pubs = _adapter_publishers(spec) if spec.get("lora") else _publishers(spec)
+    table = _Table(spec["servers"]) if engine.rank == 0 else None
+    records, ok, answerer = [], True, {}
+    per_rank = max(1, spec["batch_size"] // engine.world_size)
+    try:
+        for step in range(1, spec["steps"] + 1):
+            stats = engine.train_batch(make_batch(engine.tokenizer, per_rank, seed=step * 1009 + engine.rank))
+            reference = _trainer_answer(engine, spec, answerer)  # collective gather; rank 0 gets the answer
+            for transport, pub in pubs.items():
+                res = pub.publish(engine, version=step)
+                if engine.rank != 0:
+                    continue
+                served = _ask_servers(pub.servers, engine.tokenizer, spec["max_new_tokens"]) if not spec.get("lora") else \
+                    _ask_for_adapter(answerer, spec, pub.config.name, engine.tokenizer)
+                row_ok = all(s["version"] == str(step) and s["answer"] == reference for s in served.values())
+                ok &= row_ok
+                rec = dict(step=step, loss=stats["loss"], lr=stats["lr"], transport=transport, version=step,
+                           sync_seconds=res.seconds, gbps=getattr(res, "gbps", res.bytes / max(res.seconds, 1e-9) / 1e9),
+                           bytes=res.bytes, trainer_answer=reference, servers=served, ok=row_ok)
+                records.append(rec)
+                table.row(rec)
+        if engine.rank == 0:
+            _summary(spec, records, ok)
+    finally:
+        for pub in pubs.values():
+            pub.close()
+    return _finish(engine, ok)
+
+
+LORA_RANK = 8
+ADAPTER = "policy"
+
+
+def _publishers(spec: dict) -> dict:
+    """transport -> WeightPublisher of the full weights."""
+    from bridge import PublisherConfig, WeightPublisher
     from bridge.transports import transport_names
 
     transports = {"both": ["broadcast", "disk"], "all": transport_names()}.get(spec["transport"], [spec["transport"]])
@@ -164,37 +202,33 @@ def _trainer_main(spec: dict) -> int:
         own = PublisherConfig.keywords(transport)
         return PublisherConfig(transport=transport, **common, **{k: v for k, v in disk.items() if k in own})
 
-    pubs = {t: WeightPublisher(config(t)) for t in transports}
-    table = _Table(spec["servers"]) if engine.rank == 0 else None
-    records, ok, answerer = [], True, {}
-    per_rank = max(1, spec["batch_size"] // engine.world_size)
-    try:
-        for step in range(1, spec["steps"] + 1):
-            stats = engine.train_batch(make_batch(engine.tokenizer, per_rank, seed=step * 1009 + engine.rank))
-            reference = _trainer_answer(engine, spec, answerer)  # collective gather; rank 0 gets the answer
-            for transport, pub in pubs.items():
-                res = pub.publish(engine, version=step)
-                if engine.rank != 0:
-                    continue
-                served = _ask_servers(pub.servers, engine.tokenizer, spec["max_new_tokens"])
-                row_ok = all(s["version"] == str(step) and s["answer"] == reference for s in served.values())
-                ok &= row_ok
-                rec = dict(step=step, loss=stats["loss"], lr=stats["lr"], transport=transport, version=step,
-                           sync_seconds=res.seconds, gbps=res.gbps, bytes=res.bytes, trainer_answer=reference,
-                           servers=served, ok=row_ok)
-                records.append(rec)
-                table.row(rec)
-        if engine.rank == 0:
-            verdict = "every server served the trainer's latest version with identical answers" if ok else "MISMATCH"
-            print(f"\nwsync demo: {len(records)} syncs over {spec['steps']} steps; {verdict}", flush=True)
-            if spec["json"]:
-                with open(spec["json"], "w") as f:
-                    json.dump({"ok": ok, "steps": spec["steps"], "transport": spec["transport"],
-                               "servers": spec["servers"], "syncs": records}, f, indent=2)
-                print(f"wsync demo: wrote {spec['json']}", flush=True)
-    finally:
-        for pub in pubs.values():
-            pub.close()
+    return {t: WeightPublisher(config(t)) for t in transports}
+
+
+def _adapter_publishers(spec: dict) -> dict:
+    """via -> AdapterPublisher of the adapter alone: disk (``--transport disk``), tensors (``colocated``), or both."""
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+
+    vias = {"disk": ["disk"], "colocated": ["tensors"]}.get(spec["transport"], ["disk", "tensors"])
+    root = os.path.join(spec["snapshot_root"], "adapters")
+    return {via: AdapterPublisher(AdapterPublisherConfig(
+        name=f"{ADAPTER}-{via}" if len(vias) > 1 else ADAPTER, via=via, servers=spec["servers"], root=root,
+        name_resolve=spec["name_resolve"], experiment="demo", trial=DEFAULT_TRIAL)) for via in vias}
+
+
+def _summary(spec: dict, records: list, ok: bool) -> None:
+    verdict = "every server served the trainer's latest version with identical answers" if ok else "MISMATCH"
+    print(f"\nwsync demo: {len(records)} syncs over {spec['steps']} steps; {verdict}", flush=True)
+    if spec["json"]:
+        with open(spec["json"], "w") as f:
+            json.dump({"ok": ok, "steps": spec["steps"], "transport": spec["transport"], "lora": bool(spec.get("lora")),
+                       "servers": spec["servers"], "syncs": records}, f, indent=2)
+        print(f"wsync demo: wrote {spec['json']}", flush=True)
+
+
+def _finish(engine, ok: bool) -> int:
+    import torch.distributed as dist
+
     ok_all = [ok]
     if dist.is_initialized():
         dist.broadcast_object_list(ok_all, src=0)
@@ -219,6 +253,7 @@ def _trainer_answer(engine, spec: dict, cache: dict) -> str | None:
     for s, full in engine.iter_full_tensors():
         if full is not None:
             state[s.name] = full.to(dtype)
+    adapter = engine.gather_adapter() if engine.lora else None  # collective
     if engine.rank != 0:
         return None
     model = cache.get("model")
@@ -228,11 +263,44 @@ def _trainer_answer(engine, spec: dict, cache: dict) -> str | None:
     model.load_state_dict(state, strict=False)
     if getattr(engine.model_config, "tie_word_embeddings", False):
         model.tie_weights()
+    if adapter is not None:
+        model = _with_adapter(cache, model, engine.adapter_config(), adapter)
     ids = torch.tensor([prompt_ids(engine.tokenizer)])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=spec["max_new_tokens"], pad_token_id=engine.tokenizer.pad_token_id)
     return engine.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def _with_adapter(cache: dict, model, config: dict, adapter: dict):
+    """``model`` wrapped by PEFT (made once) with ``adapter`` loaded by PEFT's own loader: what the servers serve."""
+    import peft
+
+    pm = cache.get("peft")
+    if pm is None:
+        known = set(peft.LoraConfig.__dataclass_fields__)
+        lora = peft.LoraConfig(**{k: v for k, v in config.items() if k in known and k not in ("peft_type", "inference_mode")})
+        pm = cache["peft"] = peft.get_peft_model(model, lora).eval()
+    peft.set_peft_model_state_dict(pm, {n: t.clone() for n, t in adapter.items()})
+    return pm
+
+
+def _ask_for_adapter(cache: dict, spec: dict, name: str, tokenizer) -> dict:
+    """Each server's greedy answer with the adapter ``name`` (``lora_path``) and the adapter version it reports."""
+    from bridge.client import ServerGroup
+    from wsync.tasks import prompt_ids
+
+    servers = cache.get("servers")
+    if servers is None:
+        servers = cache["servers"] = ServerGroup(spec["servers"])
+    body = dict(input_ids=prompt_ids(tokenizer), sampling_params={"temperature": 0, "max_new_tokens": spec["max_new_tokens"]},
+                lora_path=name)
+    outs = servers.map(lambda c: c.generate(**body))
+    return {c.url: {"version": o["meta_info"].get("wsync_lora_version"), "completion_tokens": len(o["output_ids"]),
+                    "weight_versions": [{"version": o["meta_info"].get("wsync_lora_version"), "start": 0,
+                                         "end": len(o["output_ids"])}],
+                    "answer": tokenizer.decode(o["output_ids"], skip_special_tokens=True)}
+            for c, o in zip(servers.clients, outs)}
 
 
 def _ask_servers(servers, tokenizer, max_new_tokens: int) -> dict:
