@@ -379,3 +379,48 @@ def test_demo_lora_end_to_end(tmp_path):
         assert s["bytes"] > 0
         for served in s["servers"].values():
             assert served["version"] == str(s["step"]) and served["answer"] == s["trainer_answer"]
+
+
+def _fault_between_servers(urls: list[str], fault: str):
+    """Version 1 into both servers, then version 2 with ``fault`` armed between the servers' loads."""
+    import os
+
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-two", via="tensors", servers=urls))
+    try:
+        train_step(engine, seed=1)
+        first = pub.publish(engine, version=1)
+        train_step(engine, seed=2)
+        os.environ["WSYNC_FAILPOINTS"] = fault
+        try:
+            pub.publish(engine, version=2)
+        except Exception as e:  # compared across ranks by the test
+            failed = f"{type(e).__name__}: {e}"
+        else:
+            failed = None
+        os.environ.pop("WSYNC_FAILPOINTS")
+        served = None
+        if engine.rank == 0:
+            served = {}
+            for u in urls:
+                c = ServerClient(u)
+                served[u] = c.adapter_checksums("policy-two")
+                c.close()
+        return dict(first=first.checksums, failed=failed, served=served)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_a_fault_between_two_servers_puts_the_previous_adapter_back(lora_server, server_factory):
+    """Server 0 loaded version 2 when the publish failed before server 1: server 0 goes back to version 1."""
+    second = server_factory(extra_args=["--enable-lora"])
+    urls = [lora_server.url, second.url]
+    rank0, rank1 = run_ranks(_fault_between_servers, 2, args=(urls, "adapter:load:1@0=RuntimeError"), timeout=120)
+    assert rank0["failed"] and rank0["failed"] == rank1["failed"] and "adapter:load" in rank0["failed"]
+    for url, served in rank0["served"].items():
+        assert served["wsync_lora_version"] == "1" and served["checksums"] == rank0["first"], url
