@@ -79,8 +79,16 @@ def _lora_config(config_dict: dict, name: str):
     known = set(LoraConfig.__dataclass_fields__)
     try:
         cfg = LoraConfig(**{k: v for k, v in config_dict.items() if k in known and k != "peft_type"})
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # a boundary: whatever the config holds, the answer is a 400 naming it
         raise RequestError(f"LoRA adapter {name}: PEFT refuses its config ({e})") from None
+    if isinstance(cfg.r, bool) or not isinstance(cfg.r, int) or cfg.r < 1 or isinstance(cfg.lora_alpha, bool) \
+            or not isinstance(cfg.lora_alpha, (int, float)) or not math.isfinite(cfg.lora_alpha):
+        raise RequestError(f"LoRA adapter {name}: r must be a positive integer and lora_alpha a finite number, got "
+                           f"r={cfg.r!r}, lora_alpha={cfg.lora_alpha!r}")
+    tm = cfg.target_modules
+    if not (isinstance(tm, str) or (isinstance(tm, (list, set, tuple)) and tm and all(isinstance(m, str) for m in tm))):
+        raise RequestError(f"LoRA adapter {name}: target_modules must be module-name suffixes or a regex (PEFT's "
+                           f"adapter_config), got {tm!r}")
     unsupported = [(cfg.use_dora, "DoRA adapters"), (bool(cfg.modules_to_save), "modules_to_save"),
                    (cfg.bias != "none", f"bias={cfg.bias!r}"), (bool(cfg.rank_pattern), "rank_pattern"),
                    (bool(cfg.alpha_pattern), "alpha_pattern")]
@@ -206,6 +214,11 @@ class ServedAdapters:
                 f"LoRA adapter '{name}' contains target modules [{module.rsplit('.', 1)[-1]!r}] that are not included "
                 f"in the specified --lora-target-modules {sorted(self.target_modules)}. Please update "
                 "--lora-target-modules to include all required modules, or use 'all' to enable all supported modules.")
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        if not check_target_module_exists(cfg, module):
+            raise RequestError(f"LoRA adapter {name}: tensors for {module!r}, which its config's target_modules "
+                               f"{cfg.target_modules!r} does not name; send the config the adapter was trained with")
         if set(ab) != {"lora_A", "lora_B"}:
             raise RequestError(f"LoRA adapter {name}: module {module!r} has {sorted(ab)}, needs lora_A and lora_B")
         a, b = ab["lora_A"], ab["lora_B"]
@@ -216,6 +229,8 @@ class ServedAdapters:
             if not bool(torch.isfinite(t).all()):
                 raise RequestError(f"LoRA adapter {name}: {module}.{what} holds NaN or Inf")
         r = int(a.shape[0])
+        if r != cfg.r:
+            raise RequestError(f"LoRA adapter {name}: {module}.lora_A has rank {r}, its config says r={cfg.r}")
         if list(a.shape) != [r, lin.in_features] or list(b.shape) != [lin.out_features, r] or a.dtype != b.dtype:
             raise RequestError(f"LoRA adapter {name}: {module} has lora_A {list(a.shape)} {a.dtype} and lora_B "
                                f"{list(b.shape)} {b.dtype}; this model's module needs [r, {lin.in_features}] and "
@@ -261,23 +276,48 @@ def using(adapter: Adapter | None) -> Iterator[None]:
         _local.adapter = prev
 
 
-def adapter_from_dir(path: str, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(adapter_config, tensors)`` of a PEFT adapter directory (``save_pretrained``'s output)."""
-    from safetensors.torch import load_file
+_MAX_CONFIG_BYTES = 1 << 20
 
-    if not os.path.isdir(path):
+
+def adapter_from_dir(path: str, name: str, roots: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(adapter_config, tensors)`` of a PEFT adapter directory (``save_pretrained``'s output).
+
+    As a disk weight update: the directory, symlinks resolved, must lie under one of ``roots`` (``--disk-root``),
+    and each file must be a regular file directly inside it (opened without blocking: a FIFO never freezes the
+    server)."""
+    from safetensors.torch import load as load_safetensors
+
+    from bridge.errors import SnapshotError
+    from bridge.snapshot.manifest import open_entry, under_roots
+
+    try:
+        real = os.path.realpath(path)
+        is_dir = os.path.isdir(real)
+    except (ValueError, OSError) as e:  # an embedded NUL byte, a name too long
+        raise RequestError(f"LoRA adapter {name}: lora_path {path!r} is not a usable path ({e})") from None
+    if not is_dir:
         raise RequestError(f"LoRA adapter {name}: {path} is not a directory; give a PEFT adapter directory "
                            "(adapter_config.json and adapter_model.safetensors)")
-    cfg_file, weights = os.path.join(path, "adapter_config.json"), os.path.join(path, "adapter_model.safetensors")
-    for f in (cfg_file, weights):
-        if not os.path.isfile(f):
-            raise RequestError(f"LoRA adapter {name}: {path} has no {os.path.basename(f)}; save the adapter with "
-                               "PEFT's save_pretrained (safetensors)")
+    if not under_roots(real, roots):
+        raise RequestError(f"LoRA adapter {name}: {path} (resolved: {real}) is outside the directories this server "
+                           f"loads from ({', '.join(roots)}); start the server with --disk-root naming it")
+    data = {}
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            fd = open_entry(real, f)
+        except FileNotFoundError:
+            raise RequestError(f"LoRA adapter {name}: {path} has no {f}; save the adapter with PEFT's "
+                               "save_pretrained (safetensors)") from None
+        except SnapshotError as e:
+            raise RequestError(f"LoRA adapter {name}: {e}") from None
+        with os.fdopen(fd, "rb") as fh:
+            data[f] = fh.read(_MAX_CONFIG_BYTES + 1) if f.endswith(".json") else fh.read()
     try:
-        with open(cfg_file) as fh:
-            config = json.load(fh)
-        tensors = load_file(weights)
-    except (OSError, ValueError) as e:
+        if len(data["adapter_config.json"]) > _MAX_CONFIG_BYTES:
+            raise ValueError(f"adapter_config.json is over {_MAX_CONFIG_BYTES} bytes")
+        config = json.loads(data["adapter_config.json"])
+        tensors = load_safetensors(data["adapter_model.safetensors"])
+    except Exception as e:  # a boundary: whatever the files hold, the answer is a 400 naming it
         raise RequestError(f"LoRA adapter {name}: {path} does not load ({type(e).__name__}: {e})") from None
     return config, tensors
 

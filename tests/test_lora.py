@@ -284,8 +284,14 @@ def _publish_into(url: str, via: str, root: str, nr_url: str, fault: str):
 
 
 @pytest.fixture(scope="module")
-def lora_server(server_factory):
-    return server_factory(extra_args=["--enable-lora"])
+def adapter_root(tmp_path_factory) -> str:
+    """Where the adapter directories of this module's publishes go: the LoRA servers' --disk-root."""
+    return str(tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def lora_server(server_factory, adapter_root):
+    return server_factory(extra_args=["--enable-lora"], disk_roots=[adapter_root])
 
 
 def _generate_while(url: str, name: str, stop, seen: list, errors: list) -> None:
@@ -310,7 +316,7 @@ def _generate_while(url: str, name: str, stop, seen: list, errors: list) -> None
 
 @pytest.mark.parametrize("via,fault", [("disk", "adapter:announce@0=RuntimeError"),
                                        ("tensors", "adapter:commit@1=RuntimeError")])
-def test_adapter_publishes_into_the_reference_server(lora_server, tmp_path, via, fault):
+def test_adapter_publishes_into_the_reference_server(lora_server, adapter_root, tmp_path, via, fault):
     """ROUNDS adapter publishes (2 ranks): the served adapter bit-equal to the trainer's, its greedy answer the
     trainer's PEFT model's, the version reported on each answer; 4 client threads meanwhile see no error and
     versions that only go up; a fault after the server loaded the next version leaves the previous one."""
@@ -322,7 +328,7 @@ def test_adapter_publishes_into_the_reference_server(lora_server, tmp_path, via,
                                         daemon=True))
         threads[-1].start()
     try:
-        rank0, rank1 = run_ranks(_publish_into, 2, args=(lora_server.url, via, str(tmp_path / "adapters"),
+        rank0, rank1 = run_ranks(_publish_into, 2, args=(lora_server.url, via, adapter_root,
                                                           f"file://{tmp_path}/nr", fault), timeout=240)
     finally:
         stop.set()

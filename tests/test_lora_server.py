@@ -69,8 +69,14 @@ def _gen(client, lora: str | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lora_server(server_factory):
-    return server_factory(extra_args=["--enable-lora", "--max-lora-rank", str(MAX_RANK)])
+def adapter_root(tmp_path_factory) -> str:
+    """Where the tests save adapters: the server's --disk-root (adapter directories load only from there)."""
+    return str(tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def lora_server(server_factory, adapter_root):
+    return server_factory(extra_args=["--enable-lora", "--max-lora-rank", str(MAX_RANK), "--disk-root", adapter_root])
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +84,15 @@ def adapters():
     return {seed: _adapter(seed) for seed in (1, 2, 3, 4)}
 
 
-def test_adapter_by_path_and_by_tensors_gives_peft_answer(lora_server, adapters, tmp_path):
+def test_adapter_by_path_and_by_tensors_gives_peft_answer(lora_server, adapters, adapter_root):
     from bridge.presets import build_model
     from tests.fixtures_server import greedy
 
     c = lora_server.client
-    _save(1, str(tmp_path / "a1"))
-    out = c.load_adapter_from_path("by-path", str(tmp_path / "a1"), version="7")
-    assert out["success"] and out["loaded_adapters"]["by-path"] == str(tmp_path / "a1"), out
+    a1 = os.path.join(adapter_root, "a1")
+    _save(1, a1)
+    out = c.load_adapter_from_path("by-path", a1, version="7")
+    assert out["success"] and out["loaded_adapters"]["by-path"] == a1, out
     cfg2, t2, want2 = adapters[2]
     out = c.load_adapter_from_tensors("by-tensors", cfg2, t2, version="3",
                                       checksums={n: tensor_checksum(t) for n, t in t2.items()})
@@ -113,7 +120,7 @@ def test_adapter_by_path_and_by_tensors_gives_peft_answer(lora_server, adapters,
 
 
 def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_server, server_factory, adapters,
-                                                                         tmp_path):
+                                                                         adapter_root, tmp_path):
     c = lora_server.client
     cfg, t, want = adapters[1]
     c.load_adapter_from_tensors("kept", cfg, t, version="1")
@@ -130,7 +137,10 @@ def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_se
     with pytest.raises(ServerError, match="holds NaN or Inf"):
         c.load_adapter_from_tensors("kept", adapters[2][0], nan, version="2", replace=True)
     with pytest.raises(ServerError, match="no adapter_config.json"):
-        c.load_adapter_from_path("kept", str(tmp_path), version="2", replace=True)
+        c.load_adapter_from_path("kept", adapter_root, version="2", replace=True)
+    _save(2, str(tmp_path / "outside"))
+    with pytest.raises(ServerError, match="is outside the directories this server loads from"):
+        c.load_adapter_from_path("kept", str(tmp_path / "outside"), version="2", replace=True)
     with pytest.raises(ServerError, match=r"\[LORA-CHECK\] rank0 adapter sync MISMATCH"):
         c.load_adapter_from_tensors("kept", *adapters[2][:2], version="2", replace=True,
                                     checksums={n: "0" * 64 for n in adapters[2][1]})
@@ -150,7 +160,7 @@ def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_se
             call()
 
 
-def test_swap_under_four_generating_threads(lora_server, adapters, tmp_path):
+def test_swap_under_four_generating_threads(lora_server, adapters, adapter_root):
     """Replacing the adapter while 4 threads generate with it: no error, each answer is exactly the answer of the
     version it reports (never half of one), and each thread sees versions only go up."""
     c = lora_server.client
@@ -172,8 +182,8 @@ def test_swap_under_four_generating_threads(lora_server, adapters, tmp_path):
         for v in (2, 3, 4):
             _wait_for(lambda: all(len(s) >= 1 for s in seen) or errors, 60)
             if v == 3:
-                _save(3, str(tmp_path / "v3"))
-                c.load_adapter_from_path("live", str(tmp_path / "v3"), version=str(v), replace=True)
+                _save(3, os.path.join(adapter_root, "v3"))
+                c.load_adapter_from_path("live", os.path.join(adapter_root, "v3"), version=str(v), replace=True)
             else:
                 c.load_adapter_from_tensors("live", *adapters[v][:2], version=str(v), replace=True)
             counts = [len(s) for s in seen]
@@ -241,3 +251,69 @@ def test_client_bodies_pass_sglang_own_structs_and_unpickler(version, adapters, 
     got = json.loads(rc.stdout.strip().splitlines()[-1])
     assert got["checksums"] == {n: tensor_checksum(x) for n, x in t.items()}
     assert got["lora_name"] == "a" and got["config_dict"] == cfg
+
+
+def test_bad_bodies_are_refused_and_change_nothing(lora_server, adapters, adapter_root):
+    """Wrong types, encodings, payloads and files on every LoRA route: a 4xx naming what was wrong, never a 5xx,
+    and the adapter served before still serving, bit for bit."""
+    import base64
+    import pickle
+
+    import requests
+
+    c = lora_server.client
+    cfg, t, want = adapters[1]
+    c.load_adapter_from_tensors("steady", cfg, t, version="1")
+    bad_dir = os.path.join(adapter_root, "bad")
+    os.makedirs(os.path.join(bad_dir, "adapter_config.json"), exist_ok=True)  # a directory where a file belongs
+    fifo_dir = os.path.join(adapter_root, "fifo")
+    os.makedirs(fifo_dir, exist_ok=True)
+    with open(os.path.join(fifo_dir, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    if not os.path.exists(os.path.join(fifo_dir, "adapter_model.safetensors")):
+        os.mkfifo(os.path.join(fifo_dir, "adapter_model.safetensors"))  # would block a reader that waits on it
+    evil = base64.b64encode(pickle.dumps(os.getcwd)).decode()
+    from bridge.client.lora import tensors_body
+
+    good, held = tensors_body(ProtocolFeatures.from_version("0.5.23"), 1, "steady", cfg, t)
+    entry = good["serialized_named_tensors"]
+    tb = {"lora_name": "steady", "config_dict": cfg, "wsync_replace": True}
+    cases = [
+        ("/load_lora_adapter", b"{"), ("/load_lora_adapter", b"[]"), ("/load_lora_adapter", {"lora_name": 1}),
+        ("/load_lora_adapter", {"lora_name": "steady", "lora_path": 5}),
+        ("/load_lora_adapter", {"lora_name": "steady", "lora_path": "a\x00b", "wsync_replace": True}),
+        ("/load_lora_adapter", {"lora_name": "steady", "lora_path": bad_dir, "wsync_replace": True}),
+        ("/load_lora_adapter", {"lora_name": "steady", "lora_path": fifo_dir, "wsync_replace": True}),
+        ("/load_lora_adapter", {"lora_name": "steady", "lora_path": "/", "wsync_replace": "yes"}),
+        ("/load_lora_adapter_from_tensors", {**tb, "serialized_named_tensors": ["not base64!"]}),
+        ("/load_lora_adapter_from_tensors", {**tb, "serialized_named_tensors": [base64.b64encode(b"junk").decode()]}),
+        ("/load_lora_adapter_from_tensors", {**tb, "serialized_named_tensors": [evil]}),
+        ("/load_lora_adapter_from_tensors", {**tb, "serialized_named_tensors": []}),
+        ("/load_lora_adapter_from_tensors", {**tb, "serialized_named_tensors": "abc"}),
+        ("/load_lora_adapter_from_tensors", {**tb, "config_dict": {**cfg, "r": "x"}, "serialized_named_tensors": entry}),
+        ("/load_lora_adapter_from_tensors", {**tb, "config_dict": {**cfg, "lora_alpha": "x"},
+                                             "serialized_named_tensors": entry}),
+        ("/load_lora_adapter_from_tensors", {**tb, "config_dict": {**cfg, "target_modules": 5},
+                                             "serialized_named_tensors": entry}),
+        ("/load_lora_adapter_from_tensors", {**tb, "config_dict": {**cfg, "use_dora": True},
+                                             "serialized_named_tensors": entry}),
+        ("/load_lora_adapter_from_tensors", {**tb, "config_dict": [], "serialized_named_tensors": entry}),
+        ("/load_lora_adapter_from_tensors", {**tb, "load_format": "direct", "serialized_named_tensors": [evil]}),
+        ("/load_lora_adapter_from_tensors", {**tb, "wsync_lora_version": {"a": 1}, "serialized_named_tensors": [evil]}),
+        ("/unload_lora_adapter", {"lora_name": None}), ("/unload_lora_adapter", b"\xff"),
+        ("/wsync/lora_checksum", {"lora_name": "nope"}), ("/wsync/lora_checksum", {}),
+        ("/generate", {"input_ids": PROMPT, "lora_path": 5}),
+        ("/generate", {"input_ids": [PROMPT, PROMPT], "lora_path": ["steady"]}),
+    ]
+    problems = []
+    for route, body in cases:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = requests.post(lora_server.url + route, data=data, headers={"Content-Type": "application/json"}, timeout=60)
+        if not 400 <= r.status_code < 500:
+            problems.append(f"{route} {body!r:.120}: HTTP {r.status_code} {r.text[:200]}")
+    del held
+    assert not problems, "\n".join(problems)
+    r = _gen(c, "steady")
+    assert r["output_ids"] == want and r["meta_info"]["wsync_lora_version"] == "1"
+    assert c.adapter_checksums("steady")["checksums"] == {n: tensor_checksum(x) for n, x in t.items()}
+    c.unload_adapter("steady")

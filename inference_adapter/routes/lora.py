@@ -54,7 +54,7 @@ async def load_lora_adapter(request: Request, state: Served):
 
     def load():
         state.adapters.require_enabled()
-        config, tensors = adapter_from_dir(req.lora_path, req.lora_name)
+        config, tensors = adapter_from_dir(req.lora_path, req.lora_name, state.disk_roots)
         return _publish(state, req, config, tensors, req.lora_path)
 
     return await run_in_threadpool(_answer, state, load)
