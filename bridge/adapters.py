@@ -42,6 +42,7 @@ import torch
 from bridge.agreement import Agreement
 from bridge.errors import BridgeError, ConfigError, VersionError
 from bridge.failpoints import failpoint
+from bridge.interrupts import held
 from bridge.log import get_logger
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 from bridge.protocol import tensor_checksum
@@ -174,12 +175,18 @@ class AdapterPublisher:
             SyncError / SyncTimeout / SnapshotError / NameResolveError: the publish failed; every server
                 serves the previous adapter version.
         """
+        with held(self._rank):  # Ctrl-C / SIGTERM: the step ends and every rank cleans up, then it takes effect
+            return self._publish(source, version)
+
+    def _publish(self, source, version: int) -> AdapterPublishResult:
         t0 = time.perf_counter()
         cfg = self.config
         specs = self._step("adapter:prepare", lambda: self._prepare(source, version), SLACK_S)[0]
         dtype = dtype_from_str(cfg.dtype) if cfg.dtype is not None else None
-        got = self._step("adapter:gather", lambda: _gathered(source, dtype), cfg.gather_timeout, collective=True)[0]
-        tensors, adapter_config = got if got is not None else (None, None)
+        got: dict = {}  # rank 0: the adapter, kept here (a step's result travels through the ranks' store)
+        self._step("adapter:gather", lambda: got.update(_gathered(source, dtype) or {}), cfg.gather_timeout,
+                   collective=True)
+        tensors, adapter_config = got.get("tensors"), got.get("config")
         nbytes = sum(s[1] for s in specs)
         path = None
         if cfg.via == "disk":
@@ -228,7 +235,10 @@ class AdapterPublisher:
         except BridgeError as e:
             if undo is not None:
                 undo()
-            raise type(e)(f"adapter {self.config.name!r}: publish failed at {name}: {e}") from None
+            error = type(e)(f"adapter {self.config.name!r}: publish failed at {name}: {e}")
+            if e.interrupt is not None:  # raised in the step on this rank: it ends the program, after the undo
+                raise e.interrupt from error
+            raise error from None
 
     def _prepare(self, source, version: int) -> list[tuple[str, int]]:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -353,12 +363,12 @@ def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {n: tensor_checksum(t) for n, t in tensors.items()}
 
 
-def _gathered(source, dtype):
-    """The collective gather: ``(tensors on the CPU, PEFT config)`` on rank 0, None elsewhere."""
+def _gathered(source, dtype) -> dict | None:
+    """The collective gather: ``{"tensors": on the CPU, "config": the PEFT config}`` on rank 0, None elsewhere."""
     tensors = source.gather_adapter(dtype)
     if tensors is None:
         return None
-    return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}, source.adapter_config()
+    return {"tensors": {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}, "config": source.adapter_config()}
 
 
 def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> str:

@@ -430,3 +430,24 @@ def test_a_fault_between_two_servers_puts_the_previous_adapter_back(lora_server,
     assert rank0["failed"] and rank0["failed"] == rank1["failed"] and "adapter:load" in rank0["failed"]
     for url, served in rank0["served"].items():
         assert served["wsync_lora_version"] == "1" and served["checksums"] == rank0["first"], url
+
+
+def _big_adapter(root: str):
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from trainer import EngineConfig, FSDPEngine, LoraConfig
+
+    engine = FSDPEngine(EngineConfig(preset="small", lora=LoraConfig(rank=16))).initialize()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="big", via="disk", root=root, name_resolve="memory://big"))
+    try:
+        res = pub.publish(engine, version=1)
+        return res.bytes
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_an_adapter_larger_than_the_ranks_store_messages(tmp_path):
+    """The small preset's rank-16 adapter (9.3 MiB in float32) is more than one message of the trainer ranks'
+    key-value store takes (8 MiB): the adapter must never travel through the agreement's exchange."""
+    nbytes = run_ranks(_big_adapter, 2, args=(str(tmp_path),), timeout=180)
+    assert nbytes[0] == nbytes[1] > 8 << 20
