@@ -32,11 +32,13 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, out_path: str) -> N
     url = spec["url"]
     pubs = {
         "full-broadcast": WeightPublisher(PublisherConfig(servers=[url], progress=False, serving_dtype="bfloat16")),
-        "adapter-tensors": AdapterPublisher(AdapterPublisherConfig(name="bench-tensors", via="tensors", servers=[url])),
-        "adapter-disk": AdapterPublisher(AdapterPublisherConfig(name="bench-disk", via="disk", servers=[url],
+        "adapter-tensors": AdapterPublisher(AdapterPublisherConfig(name="bench-tensors", via="tensors", servers=[url],
+                                                                   dtype=spec["dtype"])),
+        "adapter-disk": AdapterPublisher(AdapterPublisherConfig(name="bench-disk", via="disk", servers=[url], dtype=spec["dtype"],
                                                                 root=spec["root"], name_resolve="memory://bench-lora")),
     }
     times: dict[str, list[float]] = {k: [] for k in pubs}
+    phases: dict[str, list[dict]] = {k: [] for k in pubs}
     nbytes: dict[str, int] = {}
     for r in range(spec["repeats"] + 1):
         for name, pub in pubs.items():
@@ -46,12 +48,13 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, out_path: str) -> N
             seconds = time.perf_counter() - t0
             if r > 0:
                 times[name].append(seconds)
+                phases[name].append(getattr(res, "phases", None) or {})
             nbytes[name] = res.bytes
     for pub in pubs.values():
         pub.close()
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"times": times, "bytes": nbytes}, f)
+            json.dump({"times": times, "bytes": nbytes, "phases": phases}, f)
     engine.destroy()
 
 
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank on every projection")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default=None, help="the adapter's wire and serving dtype (default: the trainer's, float32)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     root = tempfile.mkdtemp(prefix="wsync-bench-lora-")
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                            log_path=os.path.join(root, "server.log"))
     out = os.path.join(root, "times.json")
     try:
-        spec = dict(preset=args.preset, rank=args.rank, repeats=args.repeats, url=server.url, root=root)
+        spec = dict(preset=args.preset, rank=args.rank, repeats=args.repeats, url=server.url, root=root, dtype=args.dtype)
         mp.start_processes(_rank_main, args=(args.nproc, find_free_port(), spec, out), nprocs=args.nproc,
                            start_method="fork")
     finally:
@@ -84,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, ts in data["times"].items():
         med = statistics.median(ts)
-        rows.append(dict(method=name, seconds=med, bytes=data["bytes"][name], fraction_of_full=med / full))
-        print(f"{name:>16}  {med:8.3f} s  {data['bytes'][name] / 2**20:9.2f} MiB  {100 * med / full:6.1f} % of the full sync")
+        steps = {k: statistics.median(ph.get(k, 0.0) for ph in data["phases"][name]) for k in data["phases"][name][0]}
+        rows.append(dict(method=name, seconds=med, bytes=data["bytes"][name], fraction_of_full=med / full, phases=steps))
+        print(f"{name:>16}  {med:8.3f} s  {data['bytes'][name] / 2**20:9.2f} MiB  {100 * med / full:6.1f} % of the full sync"
+              + ("  (" + ", ".join(f"{k} {v:.3f}" for k, v in steps.items()) + ")" if steps else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(preset=args.preset, rank=args.rank, nproc=args.nproc, repeats=args.repeats, rows=rows), f, indent=2)
+            json.dump(dict(preset=args.preset, rank=args.rank, nproc=args.nproc, repeats=args.repeats, dtype=args.dtype,
+                           rows=rows), f, indent=2)
     return 0
 
 

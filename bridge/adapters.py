@@ -35,6 +35,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +132,8 @@ class AdapterPublishResult:
     """Disk: the adapter directory the servers loaded."""
     checksums: dict[str, str]
     """sha256 of every tensor as sent (:func:`bridge.protocol.tensor_checksum`)."""
+    phases: dict[str, float]
+    """Seconds of each step on this rank (rank 0's: the gather, the write, the servers' loads...)."""
 
 
 @dataclass(slots=True)
@@ -141,6 +144,13 @@ class _Published:
     path: str | None
     config: dict
     tensors: dict[str, torch.Tensor] | None
+    pending_checksums: Future | None
+    """sha256 of every tensor, computed once on rank 0 in the background (the servers check them when the adapter
+    goes by tensors; the result reports them)."""
+
+    @property
+    def checksums(self) -> dict[str, str] | None:
+        return self.pending_checksums.result() if self.pending_checksums is not None else None
 
 
 class AdapterPublisher:
@@ -161,6 +171,7 @@ class AdapterPublisher:
         self._nr = None  # rank 0, disk
         self._took: list = []  # rank 0: the servers that loaded the version being published
         self._announced: str | None = None  # rank 0: its announcement key, once made
+        self._phases: dict[str, float] = {}
 
     @property
     def last_version(self) -> int | None:
@@ -181,25 +192,27 @@ class AdapterPublisher:
     def _publish(self, source, version: int) -> AdapterPublishResult:
         t0 = time.perf_counter()
         cfg = self.config
+        self._phases = {}
         specs = self._step("adapter:prepare", lambda: self._prepare(source, version), SLACK_S)[0]
         dtype = dtype_from_str(cfg.dtype) if cfg.dtype is not None else None
         got: dict = {}  # rank 0: the adapter, kept here (a step's result travels through the ranks' store)
         self._step("adapter:gather", lambda: got.update(_gathered(source, dtype) or {}), cfg.gather_timeout,
                    collective=True)
-        tensors, adapter_config = got.get("tensors"), got.get("config")
+        tensors, adapter_config, checksums = got.get("tensors"), got.get("config"), got.get("checksums")
         nbytes = sum(s[1] for s in specs)
         path = None
         if cfg.via == "disk":
             path = self._step("adapter:write", lambda: self._write(version, tensors, adapter_config), cfg.http_timeout)[0]
-        new = _Published(version, path, adapter_config, tensors if cfg.via == "tensors" else None)
+        new = _Published(version, path, adapter_config, tensors if cfg.via == "tensors" else None, checksums)
         self._took, self._announced = [], None
         undo = lambda: self._undo(new)  # noqa: E731
         self._step("adapter:load", lambda: self._load_all(new), cfg.http_timeout * (1 + len(cfg.servers)), undo)
         if cfg.via == "disk":
             self._step("adapter:announce", lambda: self._announce(new), cfg.http_timeout, undo)
-        checksums = self._step("adapter:commit", lambda: self._checksums_of(new), SLACK_S, undo)[0]
+        checksums = self._step("adapter:commit", lambda: new.checksums, SLACK_S, undo)[0]
         self._committed(new)
-        return AdapterPublishResult(cfg.name, version, cfg.via, nbytes, time.perf_counter() - t0, path, checksums)
+        return AdapterPublishResult(cfg.name, version, cfg.via, nbytes, time.perf_counter() - t0, path, checksums,
+                                    dict(self._phases))
 
     def close(self) -> None:
         """Close the server connections and name resolution (the servers keep serving the adapter)."""
@@ -230,6 +243,7 @@ class AdapterPublisher:
                 failpoint(name, self._rank)
             return out
 
+        t0 = time.perf_counter()
         try:
             return self._agree.step(name, run, timeout=bound + SLACK_S)
         except BridgeError as e:
@@ -239,6 +253,8 @@ class AdapterPublisher:
             if e.interrupt is not None:  # raised in the step on this rank: it ends the program, after the undo
                 raise e.interrupt from error
             raise error from None
+        finally:
+            self._phases[name.removeprefix("adapter:")] = time.perf_counter() - t0
 
     def _prepare(self, source, version: int) -> list[tuple[str, int]]:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -285,7 +301,7 @@ class AdapterPublisher:
             client.load_adapter_from_path(name, p.path, version=str(p.version), replace=True)
         else:
             client.load_adapter_from_tensors(name, p.config, p.tensors, version=str(p.version), replace=True,
-                                             checksums=_checksums(p.tensors))
+                                             checksums=p.checksums)
 
     def _load_back(self, clients) -> str:
         """Load the previous version into ``clients``; a clause for the error saying what they serve now."""
@@ -338,17 +354,6 @@ class AdapterPublisher:
         self._nr.add(key, json.dumps(value), replace=True)
         self._announced = key
 
-    def _checksums_of(self, new: _Published) -> dict[str, str] | None:
-        """Rank 0: the checksums of what was published (read back from the directory for disk)."""
-        if self._rank != 0:
-            return None
-        tensors = new.tensors
-        if tensors is None:
-            from safetensors.torch import load_file
-
-            tensors = load_file(os.path.join(new.path, ADAPTER_FILE))
-        return _checksums(tensors)
-
     def _committed(self, new: _Published) -> None:
         """Every rank agreed: ``new`` is the version served (what a later failure goes back to)."""
         self._last = new.version
@@ -357,6 +362,9 @@ class AdapterPublisher:
         self._served, self._took, self._announced = new, [], None
         if new.path is not None:
             _remove_old(os.path.dirname(new.path), self.config.keep)
+
+
+_CHECKSUMS = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-checksums")
 
 
 def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -368,7 +376,10 @@ def _gathered(source, dtype) -> dict | None:
     tensors = source.gather_adapter(dtype)
     if tensors is None:
         return None
-    return {"tensors": {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}, "config": source.adapter_config()}
+    # Views of the gathered buffer, which they keep alive: copied only when the gather ran on a GPU.
+    tensors = {n: t.detach().to("cpu") for n, t in tensors.items()}
+    # sha256 of 18 MiB takes ~60 ms: computed beside the disk write and the servers' loads (hashlib leaves the GIL).
+    return {"tensors": tensors, "config": source.adapter_config(), "checksums": _CHECKSUMS.submit(_checksums, tensors)}
 
 
 def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> str:
