@@ -76,7 +76,8 @@ def adapter_root(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def lora_server(server_factory, adapter_root):
-    return server_factory(extra_args=["--enable-lora", "--max-lora-rank", str(MAX_RANK), "--disk-root", adapter_root])
+    return server_factory(extra_args=["--enable-lora", "--max-lora-rank", str(MAX_RANK), "--disk-root", adapter_root],
+                          strict_versions=True)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,38 @@ def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_se
                  lambda: plain.client.unload_adapter("x"), lambda: _gen(plain.client, "x")):
         with pytest.raises(ServerError, match="LoRA is not enabled. Please set `--enable-lora` to enable LoRA."):
             call()
+
+
+def test_older_version_and_another_writer_are_refused(lora_server, adapters):
+    """The weights' rules hold for adapters: a replacement older than the served version of that name is refused
+    unless it starts a new run, and while another writer holds the server's lease nothing changes."""
+    from bridge.client import ServerClient
+    from bridge.errors import VersionError
+    from bridge.protocol import ANOTHER_WRITER
+
+    c = lora_server.client
+    c.load_adapter_from_tensors("ruled", *adapters[1][:2], version="5")
+    with pytest.raises(VersionError, match="wsync_lora_version 4 is older than the served version 5"):
+        c.load_adapter_from_tensors("ruled", *adapters[2][:2], version="4", replace=True)
+    other = ServerClient(lora_server.url)
+    other.name_writer("other-writer")
+    other.take_writer_lease(60)
+    try:
+        for call in (lambda: c.load_adapter_from_tensors("ruled", *adapters[2][:2], version="6", replace=True),
+                     lambda: c.unload_adapter("ruled")):
+            with pytest.raises(ServerError, match="another writer holds this server") as ei:
+                call()
+            assert ei.value.status == 409 and ei.value.reason == ANOTHER_WRITER
+        other.load_adapter_from_tensors("ruled", *adapters[2][:2], version="6", replace=True)  # the holder may
+    finally:
+        other.release_writer_lease()
+    assert _gen(c, "ruled")["meta_info"]["wsync_lora_version"] == "6"
+    restarted = ServerClient(lora_server.url)
+    restarted.claim_run("another-run")
+    restarted.load_adapter_from_tensors("ruled", *adapters[1][:2], version="1", replace=True)  # a new run may go back
+    r = _gen(c, "ruled")
+    assert r["meta_info"]["wsync_lora_version"] == "1" and r["output_ids"] == adapters[1][2]
+    c.unload_adapter("ruled")
 
 
 def test_swap_under_four_generating_threads(lora_server, adapters, adapter_root):

@@ -91,10 +91,13 @@ class LoraRoutes:
     """LoRA adapter routes of one server (mixed into :class:`bridge.client.ServerClient`)."""
 
     def _lora_body(self, body: dict, version: str | None, replace: bool) -> dict:
+        """The project's fields, to the reference server only: the version, ``wsync_replace``, and the run and
+        writer (:meth:`claim_run`, :meth:`name_writer`: the weights' version rule and one writer at a time)."""
         if self.is_reference_server:
             if version is not None:
                 body["wsync_lora_version"] = str(version)
             body["wsync_replace"] = bool(replace)
+            self._with_run(body)
         elif replace:
             self._unload_if_loaded(body["lora_name"])
         return body
@@ -139,7 +142,8 @@ class LoraRoutes:
 
     def unload_adapter(self, name: str, timeout: float | None = None) -> dict:
         """``/unload_lora_adapter``; ServerError (SGLang's "does not exist") if no adapter has that name."""
-        return self._http.call("POST", "/unload_lora_adapter", {"lora_name": str(name)}, timeout=timeout)
+        body = self._with_run({"lora_name": str(name)}) if self.is_reference_server else {"lora_name": str(name)}
+        return self._http.call("POST", "/unload_lora_adapter", body, timeout=timeout)
 
     def adapter_checksums(self, name: str) -> dict:
         """Project extension, reference server only: ``/wsync/lora_checksum``: ``{"lora_name",
