@@ -172,6 +172,8 @@ def test_older_version_and_another_writer_are_refused(lora_server, adapters):
     c.load_adapter_from_tensors("ruled", *adapters[1][:2], version="5")
     with pytest.raises(VersionError, match="wsync_lora_version 4 is older than the served version 5"):
         c.load_adapter_from_tensors("ruled", *adapters[2][:2], version="4", replace=True)
+    c.load_adapter_from_tensors("ruled", *adapters[2][:2], version="4", replace=True, rollback=True)  # an undo may
+    assert _gen(c, "ruled")["meta_info"]["wsync_lora_version"] == "4"
     other = ServerClient(lora_server.url)
     other.name_writer("other-writer")
     other.take_writer_lease(60)
