@@ -120,6 +120,30 @@ def test_adapter_by_path_and_by_tensors_gives_peft_answer(lora_server, adapters,
         c.unload_adapter(name)
 
 
+def test_openai_routes_take_the_adapter_as_sglang_does(lora_server, adapters):
+    """``model: "<served>:<adapter>"`` (or ``lora_path``) picks the adapter on /v1/completions and
+    /v1/chat/completions, streamed or not, as SGLang's ``_resolve_lora_path``; the answer is /generate's."""
+    import requests
+
+    c = lora_server.client
+    c.load_adapter_from_tensors("oa", *adapters[2][:2], version="9")
+    want = _gen(c, "oa")["text"]
+    served = c.model_info()["served_model_name"]
+    common = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    for extra in ({"model": f"{served}:oa"}, {"model": "anything:oa"}, {"model": served, "lora_path": "oa"}):
+        r = requests.post(lora_server.url + "/v1/completions", json={**common, **extra}, timeout=60).json()
+        assert r["choices"][0]["text"] == want, (extra, r)
+        assert r["metadata"]["wsync_lora_version"] == "9"
+    chunks = requests.post(lora_server.url + "/v1/completions", json={**common, "model": f"{served}:oa",
+                                                                      "stream": True}, timeout=60).text
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in chunks.splitlines()
+             if line.startswith("data: {")]
+    assert "".join(texts) == want
+    r = requests.post(lora_server.url + "/v1/completions", json={**common, "model": f"{served}:nope"}, timeout=60)
+    assert r.status_code == 400 and "not loaded: nope" in r.json()["message"]
+    c.unload_adapter("oa")
+
+
 def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_server, server_factory, adapters,
                                                                          adapter_root, tmp_path):
     c = lora_server.client
