@@ -42,7 +42,8 @@ from bridge.protocol import VERSION_GOES_BACK, tensor_checksum
 from inference_adapter.checks import RunClaim, version_number
 from inference_adapter.errors import RequestError
 
-__all__ = ["LORA_DISABLED", "Adapter", "ServedAdapters", "adapter_from_dir", "build_adapter", "using"]
+__all__ = ["LORA_DISABLED", "Adapter", "ServedAdapters", "adapter_from_dir", "build_adapter", "parse_lora_paths",
+           "preload", "using"]
 
 LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 """SGLang's refusal of every adapter route on a server started without ``--enable-lora``."""
@@ -334,6 +335,34 @@ def adapter_from_dir(path: str, name: str, roots: list[str]) -> tuple[dict, dict
     except Exception as e:  # a boundary: whatever the files hold, the answer is a 400 naming it
         raise RequestError(f"LoRA adapter {name}: {path} does not load ({type(e).__name__}: {e})") from None
     return config, tensors
+
+
+def parse_lora_paths(items: list[str]) -> list[tuple[str, str, bool]]:
+    """SGLang's ``--lora-paths`` items as ``(name, path, pinned)``: ``name=path``, ``path`` (named by itself), or
+    the JSON object ``{"lora_name", "lora_path", "pinned"}``; ValueError naming a bad one."""
+    out = []
+    for raw in items:
+        item = raw.strip()
+        if item.startswith("{") and item.endswith("}"):
+            try:
+                obj = json.loads(item)
+                out.append((str(obj["lora_name"]), str(obj["lora_path"]), bool(obj.get("pinned", False))))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-paths {raw!r}: a JSON item needs 'lora_name' and 'lora_path' ({e})") from None
+        else:
+            name, _, path = item.partition("=")
+            out.append((name, path, False) if path else (item, item, False))
+    return out
+
+
+def preload(adapters: ServedAdapters, items: list[tuple[str, str, bool]]) -> None:
+    """Load ``--lora-paths`` at start (version ``"default"``); the operator named each directory, so it is its
+    own root. RequestError naming the first that does not load."""
+    for name, path, pinned in items:
+        root = os.path.realpath(path)
+        config, tensors = adapter_from_dir(path, name, [root])
+        adapters.load(build_adapter(adapters, name, config, tensors, version=None, path=path, pinned=pinned),
+                      replace=False)
 
 
 def build_adapter(adapters: ServedAdapters, name: str, config: dict, tensors: dict, *, version: str | None,

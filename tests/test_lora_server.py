@@ -269,6 +269,17 @@ def _wait_for(cond, bound_s: float) -> None:
         time.sleep(0.02)
 
 
+def test_lora_paths_serve_adapters_from_the_start(server_factory, adapters, adapter_root):
+    """SGLang's ``--lora-paths`` (``NAME=DIR``, ``DIR``, JSON) load at start, without --enable-lora."""
+    boot = os.path.join(adapter_root, "boot")
+    _save(3, boot)
+    s = server_factory(extra_args=["--lora-paths", f"first={boot}", json.dumps({"lora_name": "second",
+                                                                                "lora_path": boot})])
+    for name in ("first", "second"):
+        r = _gen(s.client, name)
+        assert r["output_ids"] == adapters[3][2] and r["meta_info"]["wsync_lora_version"] == "default"
+
+
 def test_older_dialects_choose_the_body(server_factory, adapters):
     """0.5.8 takes one string ``serialized_tensors``; 0.5.7 has no route, refused before anything is sent."""
     old = server_factory(extra_args=["--enable-lora", "--protocol-version", "0.5.8"])
