@@ -387,3 +387,30 @@ def test_bad_bodies_are_refused_and_change_nothing(lora_server, adapters, adapte
     assert r["output_ids"] == want and r["meta_info"]["wsync_lora_version"] == "1"
     assert c.adapter_checksums("steady")["checksums"] == {n: tensor_checksum(x) for n, x in t.items()}
     c.unload_adapter("steady")
+
+
+@pytest.mark.sglang_code
+def test_lora_gates_are_each_installed_releases():
+    """``ProtocolFeatures.lora_from_tensors`` and ``lora_tensors_per_rank`` say what each installed release's own
+    source has: the route in its ``http_server.py``, the field in its ``LoadLoRAAdapterFromTensorsReqInput``."""
+    import ast
+
+    from tests.sglang_harness import ALL_VERSIONS, installed, sglang_dir
+
+    seen = {}
+    for v in ALL_VERSIONS:
+        assert installed(v), f"SGLang {v} is not installed: run scripts/install_sglang.sh"
+        src = os.path.join(sglang_dir(v), "sglang", "srt")
+        with open(os.path.join(src, "entrypoints", "http_server.py")) as f:
+            route = '"/load_lora_adapter_from_tensors"' in f.read()
+        with open(os.path.join(src, "managers", "io_struct.py")) as f:
+            tree = ast.parse(f.read())
+        fields = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == "LoadLoRAAdapterFromTensorsReqInput":
+                fields = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+        f = ProtocolFeatures.from_version(v)
+        seen[v] = (route, "serialized_named_tensors" in fields)
+        assert seen[v] == (f.lora_from_tensors, f.lora_from_tensors and f.lora_tensors_per_rank), (v, seen[v], fields)
+        assert not route or {"serialized_named_tensors", "serialized_tensors"} & fields
+    assert seen["0.5.8"] == (True, False) and seen["0.5.23"] == (True, True) and seen["0.5.7"] == (False, False)
