@@ -38,10 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bridge.protocol import tensor_checksum
+from bridge.protocol import VERSION_GOES_BACK, tensor_checksum
+from inference_adapter.checks import RunClaim, version_number
 from inference_adapter.errors import RequestError
 
-__all__ = ["LORA_DISABLED", "Adapter", "ServedAdapters", "adapter_from_dir", "build_adapter", "using"]
+__all__ = ["LORA_DISABLED", "Adapter", "ServedAdapters", "adapter_from_dir", "build_adapter", "parse_lora_paths",
+           "preload", "using"]
 
 LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 """SGLang's refusal of every adapter route on a server started without ``--enable-lora``."""
@@ -60,6 +62,8 @@ class Adapter:
     version: str
     path: str
     pinned: bool
+    run_id: str | None
+    """The ``wsync_run_id`` of the load (None: none given)."""
     rank: int
     config: dict
     tensors: dict[str, torch.Tensor]
@@ -149,12 +153,23 @@ class ServedAdapters:
 
     # ------------------------------------------------------------------ changes
 
-    def load(self, adapter: Adapter, replace: bool) -> dict:
-        """Publish a built adapter under its name; SGLang's refusals (already loaded, unless ``replace``)."""
+    def load(self, adapter: Adapter, replace: bool, run: RunClaim | None = None, allow_rollback: bool = False) -> dict:
+        """Publish a built adapter under its name; SGLang's refusals (already loaded, unless ``replace``), and the
+        weights' version rule: a replacement older than the served version of that name is refused unless the
+        load starts a new run (:class:`~inference_adapter.checks.RunClaim`) or ``allow_rollback``."""
         with self._lock:
-            if adapter.name in self._by_name and not replace:
+            old = self._by_name.get(adapter.name)
+            if old is not None and not replace:
                 raise RequestError(f"Failed to load LoRA adapter {adapter.name} because it is already loaded; "
                                    "unload it first, or send wsync_replace=true to replace it atomically")
+            if old is not None and not allow_rollback and not (run or RunClaim()).starts_new_run(old.run_id):
+                was, now = version_number(old.version), version_number(adapter.version)
+                if was is not None and now is not None and now < was:
+                    raise RequestError(
+                        f"Failed to load LoRA adapter {adapter.name}: wsync_lora_version {adapter.version} is older "
+                        f"than the served version {old.version}; a restarted trainer must not replace a newer adapter. "
+                        "To start a new run, send wsync_new_run=true or a wsync_run_id other than the served one's",
+                        reason=VERSION_GOES_BACK)
             self._by_name[adapter.name] = adapter
             self._by_name.move_to_end(adapter.name)
             while self.max_loaded is not None and len(self._by_name) > self.max_loaded:
@@ -179,7 +194,7 @@ class ServedAdapters:
     # ------------------------------------------------------------------ building
 
     def build(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor], *, version: str, path: str,
-              pinned: bool) -> Adapter:
+              pinned: bool, run_id: str | None = None) -> Adapter:
         """A complete, checked :class:`Adapter` (nothing published); RequestError naming what is wrong."""
         self.require_enabled()
         cfg = _lora_config(config_dict, name)
@@ -201,7 +216,7 @@ class ServedAdapters:
                 f"LoRA adapter {name} with rank {max(rank, cfg.r)} is incompatible with the current LoRA memory pool "
                 f"configuration. Please ensure that the LoRA adapter's rank is within the configured `--max-lora-rank` "
                 f"({self.max_rank}) and that the target modules are included in `--lora-target-modules`.")
-        return Adapter(name=name, version=str(version), path=path, pinned=bool(pinned), rank=rank,
+        return Adapter(name=name, version=str(version), path=path, pinned=bool(pinned), run_id=run_id, rank=rank,
                        config=dict(config_dict), tensors={k: t for k, t in tensors.items()}, modules=modules)
 
     def _module(self, name: str, module: str, ab: dict[str, torch.Tensor], cfg) -> tuple:
@@ -322,8 +337,36 @@ def adapter_from_dir(path: str, name: str, roots: list[str]) -> tuple[dict, dict
     return config, tensors
 
 
+def parse_lora_paths(items: list[str]) -> list[tuple[str, str, bool]]:
+    """SGLang's ``--lora-paths`` items as ``(name, path, pinned)``: ``name=path``, ``path`` (named by itself), or
+    the JSON object ``{"lora_name", "lora_path", "pinned"}``; ValueError naming a bad one."""
+    out = []
+    for raw in items:
+        item = raw.strip()
+        if item.startswith("{") and item.endswith("}"):
+            try:
+                obj = json.loads(item)
+                out.append((str(obj["lora_name"]), str(obj["lora_path"]), bool(obj.get("pinned", False))))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-paths {raw!r}: a JSON item needs 'lora_name' and 'lora_path' ({e})") from None
+        else:
+            name, _, path = item.partition("=")
+            out.append((name, path, False) if path else (item, item, False))
+    return out
+
+
+def preload(adapters: ServedAdapters, items: list[tuple[str, str, bool]]) -> None:
+    """Load ``--lora-paths`` at start (version ``"default"``); the operator named each directory, so it is its
+    own root. RequestError naming the first that does not load."""
+    for name, path, pinned in items:
+        root = os.path.realpath(path)
+        config, tensors = adapter_from_dir(path, name, [root])
+        adapters.load(build_adapter(adapters, name, config, tensors, version=None, path=path, pinned=pinned),
+                      replace=False)
+
+
 def build_adapter(adapters: ServedAdapters, name: str, config: dict, tensors: dict, *, version: str | None,
-                  path: str, pinned: bool) -> Adapter:
+                  path: str, pinned: bool, run_id: str | None = None) -> Adapter:
     """:meth:`ServedAdapters.build` with the version defaulted."""
     return adapters.build(name, config, tensors, version=version if version is not None else "default", path=path,
-                          pinned=pinned)
+                          pinned=pinned, run_id=run_id)

@@ -76,7 +76,8 @@ def adapter_root(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def lora_server(server_factory, adapter_root):
-    return server_factory(extra_args=["--enable-lora", "--max-lora-rank", str(MAX_RANK), "--disk-root", adapter_root])
+    return server_factory(extra_args=["--enable-lora", "--max-lora-rank", str(MAX_RANK), "--disk-root", adapter_root],
+                          strict_versions=True)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +120,30 @@ def test_adapter_by_path_and_by_tensors_gives_peft_answer(lora_server, adapters,
         c.unload_adapter(name)
 
 
+def test_openai_routes_take_the_adapter_as_sglang_does(lora_server, adapters):
+    """``model: "<served>:<adapter>"`` (or ``lora_path``) picks the adapter on /v1/completions and
+    /v1/chat/completions, streamed or not, as SGLang's ``_resolve_lora_path``; the answer is /generate's."""
+    import requests
+
+    c = lora_server.client
+    c.load_adapter_from_tensors("oa", *adapters[2][:2], version="9")
+    want = _gen(c, "oa")["text"]
+    served = c.model_info()["served_model_name"]
+    common = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    for extra in ({"model": f"{served}:oa"}, {"model": "anything:oa"}, {"model": served, "lora_path": "oa"}):
+        r = requests.post(lora_server.url + "/v1/completions", json={**common, **extra}, timeout=60).json()
+        assert r["choices"][0]["text"] == want, (extra, r)
+        assert r["metadata"]["wsync_lora_version"] == "9"
+    chunks = requests.post(lora_server.url + "/v1/completions", json={**common, "model": f"{served}:oa",
+                                                                      "stream": True}, timeout=60).text
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in chunks.splitlines()
+             if line.startswith("data: {")]
+    assert "".join(texts) == want
+    r = requests.post(lora_server.url + "/v1/completions", json={**common, "model": f"{served}:nope"}, timeout=60)
+    assert r.status_code == 400 and "not loaded: nope" in r.json()["message"]
+    c.unload_adapter("oa")
+
+
 def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_server, server_factory, adapters,
                                                                          adapter_root, tmp_path):
     c = lora_server.client
@@ -158,6 +183,40 @@ def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_se
                  lambda: plain.client.unload_adapter("x"), lambda: _gen(plain.client, "x")):
         with pytest.raises(ServerError, match="LoRA is not enabled. Please set `--enable-lora` to enable LoRA."):
             call()
+
+
+def test_older_version_and_another_writer_are_refused(lora_server, adapters):
+    """The weights' rules hold for adapters: a replacement older than the served version of that name is refused
+    unless it starts a new run, and while another writer holds the server's lease nothing changes."""
+    from bridge.client import ServerClient
+    from bridge.errors import VersionError
+    from bridge.protocol import ANOTHER_WRITER
+
+    c = lora_server.client
+    c.load_adapter_from_tensors("ruled", *adapters[1][:2], version="5")
+    with pytest.raises(VersionError, match="wsync_lora_version 4 is older than the served version 5"):
+        c.load_adapter_from_tensors("ruled", *adapters[2][:2], version="4", replace=True)
+    c.load_adapter_from_tensors("ruled", *adapters[2][:2], version="4", replace=True, rollback=True)  # an undo may
+    assert _gen(c, "ruled")["meta_info"]["wsync_lora_version"] == "4"
+    other = ServerClient(lora_server.url)
+    other.name_writer("other-writer")
+    other.take_writer_lease(60)
+    try:
+        for call in (lambda: c.load_adapter_from_tensors("ruled", *adapters[2][:2], version="6", replace=True),
+                     lambda: c.unload_adapter("ruled")):
+            with pytest.raises(ServerError, match="another writer holds this server") as ei:
+                call()
+            assert ei.value.status == 409 and ei.value.reason == ANOTHER_WRITER
+        other.load_adapter_from_tensors("ruled", *adapters[2][:2], version="6", replace=True)  # the holder may
+    finally:
+        other.release_writer_lease()
+    assert _gen(c, "ruled")["meta_info"]["wsync_lora_version"] == "6"
+    restarted = ServerClient(lora_server.url)
+    restarted.claim_run("another-run")
+    restarted.load_adapter_from_tensors("ruled", *adapters[1][:2], version="1", replace=True)  # a new run may go back
+    r = _gen(c, "ruled")
+    assert r["meta_info"]["wsync_lora_version"] == "1" and r["output_ids"] == adapters[1][2]
+    c.unload_adapter("ruled")
 
 
 def test_swap_under_four_generating_threads(lora_server, adapters, adapter_root):
@@ -208,6 +267,17 @@ def _wait_for(cond, bound_s: float) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"not reached within {bound_s} s"
         time.sleep(0.02)
+
+
+def test_lora_paths_serve_adapters_from_the_start(server_factory, adapters, adapter_root):
+    """SGLang's ``--lora-paths`` (``NAME=DIR``, ``DIR``, JSON) load at start, without --enable-lora."""
+    boot = os.path.join(adapter_root, "boot")
+    _save(3, boot)
+    s = server_factory(extra_args=["--lora-paths", f"first={boot}", json.dumps({"lora_name": "second",
+                                                                                "lora_path": boot})])
+    for name in ("first", "second"):
+        r = _gen(s.client, name)
+        assert r["output_ids"] == adapters[3][2] and r["meta_info"]["wsync_lora_version"] == "default"
 
 
 def test_older_dialects_choose_the_body(server_factory, adapters):
@@ -317,3 +387,30 @@ def test_bad_bodies_are_refused_and_change_nothing(lora_server, adapters, adapte
     assert r["output_ids"] == want and r["meta_info"]["wsync_lora_version"] == "1"
     assert c.adapter_checksums("steady")["checksums"] == {n: tensor_checksum(x) for n, x in t.items()}
     c.unload_adapter("steady")
+
+
+@pytest.mark.sglang_code
+def test_lora_gates_are_each_installed_releases():
+    """``ProtocolFeatures.lora_from_tensors`` and ``lora_tensors_per_rank`` say what each installed release's own
+    source has: the route in its ``http_server.py``, the field in its ``LoadLoRAAdapterFromTensorsReqInput``."""
+    import ast
+
+    from tests.sglang_harness import ALL_VERSIONS, installed, sglang_dir
+
+    seen = {}
+    for v in ALL_VERSIONS:
+        assert installed(v), f"SGLang {v} is not installed: run scripts/install_sglang.sh"
+        src = os.path.join(sglang_dir(v), "sglang", "srt")
+        with open(os.path.join(src, "entrypoints", "http_server.py")) as f:
+            route = '"/load_lora_adapter_from_tensors"' in f.read()
+        with open(os.path.join(src, "managers", "io_struct.py")) as f:
+            tree = ast.parse(f.read())
+        fields = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == "LoadLoRAAdapterFromTensorsReqInput":
+                fields = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+        f = ProtocolFeatures.from_version(v)
+        seen[v] = (route, "serialized_named_tensors" in fields)
+        assert seen[v] == (f.lora_from_tensors, f.lora_from_tensors and f.lora_tensors_per_rank), (v, seen[v], fields)
+        assert not route or {"serialized_named_tensors", "serialized_tensors"} & fields
+    assert seen["0.5.8"] == (True, False) and seen["0.5.23"] == (True, True) and seen["0.5.7"] == (False, False)

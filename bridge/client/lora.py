@@ -90,11 +90,17 @@ def tensors_body(features: ProtocolFeatures, tp_size: int, name: str, config: Ma
 class LoraRoutes:
     """LoRA adapter routes of one server (mixed into :class:`bridge.client.ServerClient`)."""
 
-    def _lora_body(self, body: dict, version: str | None, replace: bool) -> dict:
+    def _lora_body(self, body: dict, version: str | None, replace: bool, rollback: bool = False) -> dict:
+        """The project's fields, to the reference server only: the version, ``wsync_replace``, and the run and
+        writer (:meth:`claim_run`, :meth:`name_writer`: the weights' version rule and one writer at a time);
+        ``rollback``: this load goes back to an older version on purpose (``wsync_new_run`` for this request)."""
         if self.is_reference_server:
             if version is not None:
                 body["wsync_lora_version"] = str(version)
             body["wsync_replace"] = bool(replace)
+            self._with_run(body)
+            if rollback:
+                body["wsync_new_run"] = True
         elif replace:
             self._unload_if_loaded(body["lora_name"])
         return body
@@ -107,39 +113,45 @@ class LoraRoutes:
                 raise
 
     def load_adapter_from_path(self, name: str, path: str, *, version: str | None = None, replace: bool = False,
-                               pinned: bool = False, timeout: float | None = None) -> dict:
+                               pinned: bool = False, rollback: bool = False, timeout: float | None = None) -> dict:
         """``/load_lora_adapter``: the PEFT adapter directory ``path`` (as the server's host sees it) as ``name``.
+
+        ``rollback``: put an older version back on purpose (a failed publish's undo); without it the reference
+        server refuses a version older than the one it serves under that name (``VersionError``) unless the
+        client claims a new run (:meth:`claim_run`).
 
         Returns SGLang's answer ``{"success", "error_message", "loaded_adapters"}``; a refusal raises
         ServerError with the server's words (LoRA disabled, already loaded, rank over ``--max-lora-rank``...).
         """
         body = self._lora_body({"lora_name": str(name), "lora_path": str(path), "pinned": bool(pinned)}, version,
-                               replace)
+                               replace, rollback)
         return self._http.call("POST", "/load_lora_adapter", body, timeout=timeout)
 
     def load_adapter_from_tensors(self, name: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                                   *, version: str | None = None, replace: bool = False, pinned: bool = False,
-                                  checksums: Mapping[str, str] | None = None, timeout: float | None = None) -> dict:
+                                  checksums: Mapping[str, str] | None = None, rollback: bool = False,
+                                  timeout: float | None = None) -> dict:
         """``/load_lora_adapter_from_tensors``: ``tensors`` (PEFT's names, ``get_peft_model_state_dict``) with
         ``config`` (the adapter_config as a dict), in the body of the server's SGLang version; the tensors stay
         this process's until the answer (same host only).
 
         ``checksums`` (0.5.20+): ``{name: sha256}`` of each tensor's bytes (:func:`bridge.protocol.tensor_checksum`),
-        checked by the server before it loads anything.
+        checked by the server before it loads anything. ``rollback``: as for :meth:`load_adapter_from_path`.
 
         Raises:
             ConfigError: the server's version has no such route (< 0.5.8), before anything is sent.
         """
         body, held = tensors_body(self.features, self.tp_size, name, config, tensors, pinned=pinned,
                                   checksums=checksums, url=self.url)
-        body = self._lora_body(body, version, replace)
+        body = self._lora_body(body, version, replace, rollback)
         out = self._http.call("POST", "/load_lora_adapter_from_tensors", body, timeout=timeout)
         del held
         return out
 
     def unload_adapter(self, name: str, timeout: float | None = None) -> dict:
         """``/unload_lora_adapter``; ServerError (SGLang's "does not exist") if no adapter has that name."""
-        return self._http.call("POST", "/unload_lora_adapter", {"lora_name": str(name)}, timeout=timeout)
+        body = self._with_run({"lora_name": str(name)}) if self.is_reference_server else {"lora_name": str(name)}
+        return self._http.call("POST", "/unload_lora_adapter", body, timeout=timeout)
 
     def adapter_checksums(self, name: str) -> dict:
         """Project extension, reference server only: ``/wsync/lora_checksum``: ``{"lora_name",

@@ -26,6 +26,7 @@ from bridge.protocol import (
     LoadLoRAAdapterReq,
     PauseGenerationReq,
     ProtocolFeatures,
+    UnloadLoRAAdapterReq,
     UpdateWeightFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
@@ -34,7 +35,8 @@ from bridge.protocol import (
 from inference_adapter.checks import RunClaim
 from inference_adapter.errors import RequestError
 
-__all__ = ["BeginBody", "DiskBody", "DistributedBody", "LeaseBody", "LoraPathBody", "LoraTensorsBody", "PauseBody",
+__all__ = ["BeginBody", "DiskBody", "DistributedBody", "LeaseBody", "LoraPathBody", "LoraTensorsBody", "LoraUnloadBody",
+           "PauseBody",
            "TensorBody", "VersionBody", "WriterBody"]
 
 
@@ -231,11 +233,11 @@ class _LoraFields(BaseModel):
         return self
 
 
-class LoraPathBody(LoadLoRAAdapterReq, _LoraFields):
+class LoraPathBody(LoadLoRAAdapterReq, _LoraFields, _RunFields):
     """``/load_lora_adapter``: a PEFT adapter directory, by name."""
 
 
-class LoraTensorsBody(LoadLoRAAdapterFromTensorsReq, _LoraFields):
+class LoraTensorsBody(LoadLoRAAdapterFromTensorsReq, _LoraFields, _RunFields):
     """``/load_lora_adapter_from_tensors`` in the emulated version's shape: 0.5.20+ ``serialized_named_tensors``
     (one entry per TP rank, ``load_format``, ``expected_checksums``), 0.5.8 one string ``serialized_tensors``;
     the other shape's fields are dropped before validation, as that version's struct has no such field."""
@@ -256,3 +258,7 @@ class LoraTensorsBody(LoadLoRAAdapterFromTensorsReq, _LoraFields):
             raise RequestError("/load_lora_adapter_from_tensors needs serialized_named_tensors (one entry per TP rank; "
                                "serialized_tensors, one string, on SGLang 0.5.8-0.5.19)")
         return self
+
+
+class LoraUnloadBody(UnloadLoRAAdapterReq, _RunFields):
+    """``/unload_lora_adapter``, with the writer (one writer at a time)."""

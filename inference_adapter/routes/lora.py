@@ -14,11 +14,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from bridge.protocol import UnloadLoRAAdapterReq, tensor_checksum
+from bridge.protocol import tensor_checksum
 from inference_adapter.errors import RequestError
 from inference_adapter.lora import adapter_from_dir, build_adapter
 from inference_adapter.model_state import ModelState
-from inference_adapter.routes.bodies import LoraPathBody, LoraTensorsBody
+from inference_adapter.routes.bodies import LoraPathBody, LoraTensorsBody, LoraUnloadBody
 from inference_adapter.routes.common import Served, absent, parse
 from inference_adapter.tensor_payload import PayloadRefused, adapter_tensors
 
@@ -41,8 +41,11 @@ def _answer(state: ModelState, fn) -> JSONResponse:
 
 def _publish(state: ModelState, req, config: dict, tensors: dict, path: str):
     a = build_adapter(state.adapters, req.lora_name, config, tensors, version=req.wsync_lora_version, path=path,
-                      pinned=req.pinned)
-    loaded = state.adapters.load(a, replace=req.wsync_replace)
+                      pinned=req.pinned, run_id=req.run.run_id)
+    # One writer at a time (inference_adapter.writers), checked as the adapter is published: 409 another_writer.
+    state.updates.writers.check(req.run.writer, f"Failed to load LoRA adapter {a.name}")
+    loaded = state.adapters.load(a, replace=req.wsync_replace, run=req.run,
+                                 allow_rollback=state.updates.allow_version_rollback)
     state.log.info("LoRA adapter %s loaded (rank %d, %d modules, version %s, from %s)", a.name, a.rank,
                    len(a.modules), a.version, path)
     return loaded, {"wsync_lora_version": a.version}
@@ -97,8 +100,14 @@ def _check_expected(expected: dict[str, str] | None, tensors: dict) -> None:
 
 @router.post("/unload_lora_adapter")
 async def unload_lora_adapter(request: Request, state: Served):
-    req = await parse(request, UnloadLoRAAdapterReq)
-    return await run_in_threadpool(_answer, state, lambda: (state.adapters.unload(req.lora_name), {}))
+    req = await parse(request, LoraUnloadBody)
+
+    def unload():
+        state.adapters.require_enabled()
+        state.updates.writers.check(req.run.writer, f"Failed to unload LoRA adapter {req.lora_name}")
+        return state.adapters.unload(req.lora_name), {}
+
+    return await run_in_threadpool(_answer, state, unload)
 
 
 class _ChecksumBody(BaseModel):
