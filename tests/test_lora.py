@@ -451,3 +451,33 @@ def test_an_adapter_larger_than_the_ranks_store_messages(tmp_path):
     key-value store takes (8 MiB): the adapter must never travel through the agreement's exchange."""
     nbytes = run_ranks(_big_adapter, 2, args=(str(tmp_path),), timeout=180)
     assert nbytes[0] == nbytes[1] > 8 << 20
+
+
+def _dcp_roundtrip(path: str):
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    try:
+        train_step(engine, seed=1)
+        saved = engine.gather_adapter()
+        saved = {n: t.clone() for n, t in saved.items()} if saved is not None else None
+        engine.save(path, weight_format="dcp", with_optim=True)
+        train_step(engine, seed=2)
+        engine.load(path, weight_format="dcp", with_optim=True)
+        loaded = engine.gather_adapter()
+        try:
+            engine.save(path + "-hf")
+        except ConfigError as e:
+            refused = str(e)
+        else:
+            refused = None
+        return dict(same=saved is None or all(torch.equal(saved[n], loaded[n]) for n in saved), refused=refused)
+    finally:
+        engine.destroy()
+
+
+def test_a_lora_engine_checkpoints_in_dcp(tmp_path):
+    """A DCP checkpoint brings the adapter back bit for bit; an HF save is refused (it would mix PEFT's names in)."""
+    for out in run_ranks(_dcp_roundtrip, 2, args=(str(tmp_path / "ckpt"),), timeout=120):
+        assert out["same"]
+        assert out["refused"] and "weight_format='dcp'" in out["refused"]
