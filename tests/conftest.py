@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 # (``--durations`` prints the current figures).
 LONGEST_FIRST = ("test_readme.py", "test_multihost.py", "test_sglang_code.py", "test_interrupts.py",
                  "test_sglang_versions.py", "test_faults.py", "test_cuda_ipc.py", "test_cli.py",
-                 "test_delta_sglang.py", "test_fleet.py", "test_disk_sync.py", "test_broadcast.py",
+                 "test_lora.py", "test_delta_sglang.py", "test_fleet.py", "test_disk_sync.py", "test_broadcast.py",
                  "test_name_resolve.py", "test_bench.py")
 
 
