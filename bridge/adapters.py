@@ -215,7 +215,11 @@ class AdapterPublisher:
                                     dict(self._phases))
 
     def close(self) -> None:
-        """Close the server connections and name resolution (the servers keep serving the adapter)."""
+        """Close the server connections and name resolution (the servers keep serving the adapter). Collective
+        when the publisher published: rank 0 waits (a few seconds at most) until every rank is done with it."""
+        if self._last is not None:
+            self._agree.finish(SLACK_S)
+            self._last = None
         for c in self._clients or ():
             c.close()
         if self._nr is not None:
@@ -265,9 +269,42 @@ class AdapterPublisher:
         if not callable(getattr(source, "gather_adapter", None)):
             raise ConfigError(f"{type(source).__name__} has no LoRA adapter to publish (no gather_adapter); train one "
                               "with EngineConfig(lora=LoraConfig(...))")
+        if self._rank == 0 and self._served is None and self.config.via == "disk":
+            self._served = self._newest_announced()
+            if self._served is not None and version <= self._served.version:
+                raise VersionError(f"adapter {self.config.name!r}: version {version} is not above version "
+                                   f"{self._served.version} announced for {self.config.experiment}/{self.config.trial}; "
+                                   "publish a higher version (or use a new trial)")
         dtype = dtype_from_str(self.config.dtype) if self.config.dtype is not None else None
         return [(s.name, s.nbytes if dtype is None else s.nbytes // s.dtype.itemsize * dtype.itemsize)
                 for s in source.adapter_specs()]
+
+    def _names(self):
+        """Rank 0: name resolution, opened once."""
+        if self._nr is None:
+            from bridge.name_resolve import DEFAULT_URL, make_name_resolve
+
+            self._nr = make_name_resolve(self.config.name_resolve or DEFAULT_URL)
+        return self._nr
+
+    def newest_announced_version(self) -> int | None:
+        """Disk: the newest version of this adapter announced for the experiment and trial (by any run), or None."""
+        newest = self._newest_announced()
+        return newest.version if newest is not None else None
+
+    def _newest_announced(self) -> _Published | None:
+        """Before this publisher's first publish: the newest version of the adapter announced (by an earlier run)
+        whose directory is still there, which the servers serve and a failed publish loads back; None if none."""
+        from bridge.name_resolve import names
+
+        cfg = self.config
+        prefix = adapter_key(cfg.experiment, cfg.trial, cfg.name, 0).rsplit("/", 1)[0]
+        found = sorted((v, k) for k in self._names().find_subtree(prefix) if (v := names.version_of(k)) is not None)
+        for version, key in reversed(found):
+            path = json.loads(self._names().get(key)).get("path")
+            if path and os.path.isfile(os.path.join(path, ADAPTER_FILE)):
+                return _Published(version, path, {}, None, None)
+        return None
 
     def _write(self, version: int, tensors, adapter_config) -> str | None:
         if self._rank != 0:
@@ -343,15 +380,11 @@ class AdapterPublisher:
     def _announce(self, new: _Published) -> None:
         if self._rank != 0:
             return
-        from bridge.name_resolve import DEFAULT_URL, make_name_resolve
-
         cfg = self.config
-        if self._nr is None:
-            self._nr = make_name_resolve(cfg.name_resolve or DEFAULT_URL)
         failpoint("adapter:announce", 0)
         value = {"name": cfg.name, "version": new.version, "path": new.path}
         key = adapter_key(cfg.experiment, cfg.trial, cfg.name, new.version)
-        self._nr.add(key, json.dumps(value), replace=True)
+        self._names().add(key, json.dumps(value), replace=True)
         self._announced = key
 
     def _committed(self, new: _Published) -> None:

@@ -194,6 +194,21 @@ class Agreement:
         except Exception as e:  # the store is gone too: the others time out, as for a dead rank
             logger.debug("could not tell the other ranks that rank %d left: %s", self.rank, e)
 
+    def finish(self, timeout: float) -> None:
+        """The last meeting of these ranks: the other ranks say they are done with every exchange, and rank 0,
+        which hosts the store under torchrun, waits for them (at most ``timeout``), so that it does not exit and
+        take the store away while another rank still reads the last step's outcomes. Never raises."""
+        if self.world == 1:
+            return
+        key = f"{self._ns}/finished/{{}}"
+        try:
+            if self.rank != 0:
+                self._store.set(key.format(self.rank), b"1")
+            else:
+                self._store.wait([key.format(r) for r in range(1, self.world)], timedelta(seconds=timeout))
+        except (RuntimeError, dist.DistError) as e:  # a rank that died or left: nothing more to wait for
+            logger.debug("rank %d: the last meeting of the ranks ended early: %s", self.rank, e)
+
     def _key(self, seq: int, rank: int) -> str:
         return f"{self._ns}/{seq}/{rank}"
 

@@ -481,3 +481,50 @@ def test_a_lora_engine_checkpoints_in_dcp(tmp_path):
     for out in run_ranks(_dcp_roundtrip, 2, args=(str(tmp_path / "ckpt"),), timeout=120):
         assert out["same"]
         assert out["refused"] and "weight_format='dcp'" in out["refused"]
+
+
+def _one_run(url: str, root: str, nr_url: str, versions: list[int], fault: str | None):
+    """A trainer run publishing ``versions`` of "policy-restart" by disk; ``fault`` armed for the last one."""
+    import os
+
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-restart", via="disk", servers=[url], root=root,
+                                                  name_resolve=nr_url))
+    out = dict(results=[], failed=[])
+    try:
+        for i, version in enumerate(versions):
+            train_step(engine, seed=version)
+            if fault and i == len(versions) - 1:
+                os.environ["WSYNC_FAILPOINTS"] = fault
+            try:
+                out["results"].append(pub.publish(engine, version=version))
+            except Exception as e:  # compared by the test
+                out["failed"].append(f"{type(e).__name__}: {e}")
+            os.environ.pop("WSYNC_FAILPOINTS", None)
+        if engine.rank == 0:
+            c = ServerClient(url)
+            out["served"] = c.adapter_checksums("policy-restart")
+            c.close()
+        return out
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_a_restarted_trainer_that_fails_puts_the_last_runs_adapter_back(lora_server, adapter_root, tmp_path):
+    """Run 1 publishes versions 1 and 2; run 2, a new trainer, is refused version 2 and then fails version 3 after
+    the server loaded it: the server serves run 1's version 2 again, found through its announcement."""
+    nr_url = f"file://{tmp_path}/nr"
+    first, _ = run_ranks(_one_run, 2, args=(lora_server.url, adapter_root, nr_url, [1, 2], None), timeout=120)
+    assert first["failed"] == [] and first["served"]["wsync_lora_version"] == "2"
+    second, _ = run_ranks(_one_run, 2, args=(lora_server.url, adapter_root, nr_url, [2, 3], "adapter:announce@0=RuntimeError"),
+                          timeout=120)
+    refused, failed = second["failed"]
+    assert refused.startswith("VersionError") and "version 2 is not above version 2 announced" in refused, refused
+    assert "adapter:announce" in failed, failed
+    assert second["served"]["wsync_lora_version"] == "2", "run 1's last adapter serves again"
+    assert second["served"]["checksums"] == first["results"][-1].checksums

@@ -128,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     if args.publish != "none" and args.publish_adapter is None:
         args.start_version = _first_version(args)
+    elif args.publish_adapter is not None and args.publish == "disk" and args.start_version is None:
+        args.start_version = _first_adapter_version(args)
     run_ranks(args.nproc, ["train", *_argv_of(args)])
     return 0
 
@@ -193,6 +195,19 @@ def _first_version(args: argparse.Namespace) -> int:
                           f"must increase; pass --start-version {newest + 1} (or leave it out to continue there), "
                           f"or a new --trial{restart}")
     return args.start_version
+
+
+def _first_adapter_version(args: argparse.Namespace) -> int:
+    """One past the newest version of ``--publish-adapter`` announced for the trial (a rerun continues), else 1."""
+    from bridge import AdapterPublisher
+
+    with AdapterPublisher(_adapter_config(args)) as pub:
+        newest = pub.newest_announced_version()
+    if newest is None:
+        return 1
+    print(f"wsync train: adapter {args.publish_adapter} version {newest} is already announced for {args.experiment}/"
+          f"{args.trial}; publishing versions {newest + 1}..{newest + args.steps} (--start-version N chooses)", flush=True)
+    return newest + 1
 
 
 def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
