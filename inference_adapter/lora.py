@@ -146,7 +146,11 @@ class ServedAdapters:
 
     def checksums(self, name: str) -> dict:
         """``{"lora_name", "wsync_lora_version", "checksums": {tensor name: sha256}, "dtypes"}`` of one adapter."""
-        a = self.acquire(name)
+        self.require_enabled()
+        with self._lock:
+            a = self._by_name.get(name)
+        if a is None:
+            raise RequestError(f"LoRA with name {name} does not exist. Loaded LoRAs: {self.names()}")
         return {"lora_name": a.name, "wsync_lora_version": a.version,
                 "checksums": {n: tensor_checksum(t) for n, t in a.tensors.items()},
                 "dtypes": {n: str(t.dtype).removeprefix("torch.") for n, t in a.tensors.items()}}

@@ -370,6 +370,8 @@ def test_bad_bodies_are_refused_and_change_nothing(lora_server, adapters, adapte
         ("/load_lora_adapter_from_tensors", {**tb, "config_dict": [], "serialized_named_tensors": entry}),
         ("/load_lora_adapter_from_tensors", {**tb, "load_format": "direct", "serialized_named_tensors": [evil]}),
         ("/load_lora_adapter_from_tensors", {**tb, "wsync_lora_version": {"a": 1}, "serialized_named_tensors": [evil]}),
+        ("/load_lora_adapter_from_tensors", {**tb, "lora_name": "", "serialized_named_tensors": entry}),
+        ("/load_lora_adapter_from_tensors", {**tb, "wsync_lora_version": "a\nb", "serialized_named_tensors": entry}),
         ("/unload_lora_adapter", {"lora_name": None}), ("/unload_lora_adapter", b"\xff"),
         ("/wsync/lora_checksum", {"lora_name": "nope"}), ("/wsync/lora_checksum", {}),
         ("/generate", {"input_ids": PROMPT, "lora_path": 5}),

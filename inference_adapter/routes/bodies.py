@@ -32,7 +32,7 @@ from bridge.protocol import (
     UpdateWeightsFromTensorReq,
     UpdateWeightVersionReq,
 )
-from inference_adapter.checks import RunClaim
+from inference_adapter.checks import RunClaim, version_problem
 from inference_adapter.errors import RequestError
 
 __all__ = ["BeginBody", "DiskBody", "DistributedBody", "LeaseBody", "LoraPathBody", "LoraTensorsBody", "LoraUnloadBody",
@@ -224,10 +224,14 @@ class _LoraFields(BaseModel):
     @model_validator(mode="after")
     def _check_lora_fields(self):
         v = self.wsync_lora_version
-        if v is not None and not (isinstance(v, (str, int)) and not isinstance(v, bool) and str(v).strip()
-                                  and len(str(v)) <= 256):
-            raise RequestError(f"wsync_lora_version must be a non-empty version label (a string or an integer of "
-                               f"at most 256 characters), got {v!r}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (str, int))):
+            raise RequestError(f"wsync_lora_version must be a version label (a string or an integer), got {v!r}")
+        if v is not None:
+            self.wsync_lora_version = str(v)
+        problem = version_problem(self.wsync_lora_version, "wsync_lora_version") or version_problem(
+            getattr(self, "lora_name", None), "lora_name", example="the adapter's name")
+        if problem:
+            raise RequestError(problem)
         if not isinstance(self.wsync_replace, bool):
             raise RequestError(f"wsync_replace must be true or false, got {self.wsync_replace!r}")
         return self
