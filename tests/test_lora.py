@@ -528,3 +528,34 @@ def test_a_restarted_trainer_that_fails_puts_the_last_runs_adapter_back(lora_ser
     assert "adapter:announce" in failed, failed
     assert second["served"]["wsync_lora_version"] == "2", "run 1's last adapter serves again"
     assert second["served"]["checksums"] == first["results"][-1].checksums
+
+
+def _bf16_once(url: str):
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from bridge.protocol import tensor_checksum
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-bf16", via="tensors", servers=[url], dtype="bfloat16"))
+    try:
+        train_step(engine, seed=1)
+        res = pub.publish(engine, version=1)
+        mine = engine.gather_adapter(torch.bfloat16)
+        if mine is None:
+            return None
+        c = ServerClient(url)
+        served = c.adapter_checksums("policy-bf16")
+        c.close()
+        return dict(bytes=res.bytes, want={n: tensor_checksum(t) for n, t in mine.items()}, served=served)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_an_adapter_served_in_bfloat16(lora_server):
+    """``dtype="bfloat16"``: half the bytes, and the server holds the trainer's adapter cast to bfloat16 bit for bit."""
+    out, _ = run_ranks(_bf16_once, 2, args=(lora_server.url,), timeout=120)
+    assert out["served"]["checksums"] == out["want"] and set(out["served"]["dtypes"].values()) == {"bfloat16"}
+    in_out = [(128, 128), (128, 64), (128, 64), (128, 128), (128, 256), (128, 256), (256, 128)]  # q k v o gate up down
+    assert out["bytes"] == 2 * sum(LORA["rank"] * (i + o) * 2 for i, o in in_out)  # 2 layers, A and B, 2 bytes each
