@@ -267,7 +267,7 @@ class _Bench:
 
     def _publish_broadcast(self, load_format: str, bucket_mb: float) -> dict | None:
         cfg = self.broadcast.config
-        cfg.load_format, cfg.bucket_mb = load_format, bucket_mb
+        cfg.options.load_format, cfg.bucket_mb = load_format, bucket_mb
         gather = _gather_name(cfg.bucket_bytes, self.wire_device, per_tensor=load_format == "per_tensor")
         return self._publish(self.broadcast, gather)
 
