@@ -12,7 +12,7 @@ import argparse
 
 from bridge.options import OptionField
 
-__all__ = ["add_config_flags", "config_keywords", "negatable"]
+__all__ = ["add_config_flags", "config_keywords", "negatable", "setting_default"]
 
 
 def _fields() -> list[OptionField]:
@@ -22,15 +22,17 @@ def _fields() -> list[OptionField]:
 
 
 def add_config_flags(p: argparse.ArgumentParser, *, rename: dict[str, str] | None = None,
-                     none: dict[str, str] | None = None) -> None:
-    """One flag per setting of a publisher. ``rename``: a flag name instead of the field's (``transport`` ->
+                     none: dict[str, str] | None = None, only: tuple[str, ...] | None = None) -> None:
+    """One flag per setting of a publisher (``only``: those settings alone). ``rename``: a flag name instead of the field's (``transport`` ->
     ``publish``); ``none``: a setting whose flag also takes ``none``, its default, which means what the text
     says (``wsync train --publish none``: no publisher)."""
     rename, none = rename or {}, none or {}
+    fields = [o for o in _fields() if only is None or o.name in only]
     shared = p.add_argument_group("publishing", "how and where the weights are published (bridge.PublisherConfig)")
-    owned = p.add_argument_group("transport and encoding options", "each transport's and encoding's own settings "
-                                                                  "(one of another transport or encoding is refused)")
-    for o in _fields():
+    if any(o.kind for o in fields):
+        owned = p.add_argument_group("transport and encoding options", "each transport's and encoding's own "
+                                     "settings (one of another transport or encoding is refused)")
+    for o in fields:
         g = owned if o.kind else shared
         flag = "--" + rename.get(o.name, o.flag)
         where = f"{'/'.join(o.owners)} {o.kind}: " if o.kind else ""
@@ -49,6 +51,11 @@ def add_config_flags(p: argparse.ArgumentParser, *, rename: dict[str, str] | Non
         if "choices" not in kw:
             kw["metavar"] = o.metavar or o.type.__name__.upper()
         g.add_argument(flag, type=o.type, **kw)
+
+
+def setting_default(name: str) -> object:
+    """The default of the setting ``name``, as its field declares it (for a command that needs the value itself)."""
+    return next(o.default for o in _fields() if o.name == name)
 
 
 def negatable() -> set[str]:
