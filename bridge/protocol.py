@@ -49,10 +49,13 @@ __all__ = [
     "GenerateReq",
     "GetWeightsByNameReq",
     "InitWeightsUpdateGroupReq",
+    "LoadLoRAAdapterFromTensorsReq",
+    "LoadLoRAAdapterReq",
     "MemoryOccupationReq",
     "PauseGenerationReq",
     "ProtocolFeatures",
     "SamplingParams",
+    "UnloadLoRAAdapterReq",
     "UpdateWeightFromDiskReq",
     "UpdateWeightVersionReq",
     "UpdateWeightsFromDistributedReq",
@@ -223,6 +226,19 @@ class ProtocolFeatures:
         )
 
     @property
+    def lora_from_tensors(self) -> bool:
+        """>= 0.5.8: ``/load_lora_adapter_from_tensors`` exists (0.5.7's source has no such route)."""
+        return self.release >= (0, 5, 8)
+
+    @property
+    def lora_tensors_per_rank(self) -> bool:
+        """>= 0.5.20: ``/load_lora_adapter_from_tensors`` takes ``serialized_named_tensors`` (one base64 entry per TP
+        rank, with ``load_format`` and ``expected_checksums``); 0.5.8 takes one string ``serialized_tensors``. The
+        change (SGLang PR 32580) lies between 0.5.8 and 0.5.20, the installed releases on either side of it, so
+        the gate starts at the first installed release that has the list."""
+        return self.release >= (0, 5, 20)
+
+    @property
     def server_info_route(self) -> str:
         return "/server_info" if self.info_routes else "/get_server_info"
 
@@ -238,7 +254,8 @@ ADMIN_ROUTES = frozenset({
     "/update_weights_from_disk", "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
     "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/weights_checker", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
-    "/wsync/abort_weight_update", "/wsync/writer_lease",
+    "/wsync/abort_weight_update", "/wsync/writer_lease", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
+    "/unload_lora_adapter", "/wsync/lora_checksum",
 })
 
 
@@ -363,6 +380,38 @@ class UpdateWeightsFromTensorReq(_Req):
     torch_empty_cache: bool = False
 
 
+class LoadLoRAAdapterReq(_Req):
+    """SGLang's ``LoadLoRAAdapterReqInput`` (``/load_lora_adapter``); ``pinned`` from 0.5.1."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class LoadLoRAAdapterFromTensorsReq(_Req):
+    """SGLang 0.5.20+'s ``LoadLoRAAdapterFromTensorsReqInput``; 0.5.8's has ``serialized_tensors: str`` instead of
+    the per-TP-rank list and no ``load_format``/``expected_checksums``
+    (:attr:`ProtocolFeatures.lora_tensors_per_rank`)."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str] | None = None
+    serialized_tensors: str | None = None
+    pinned: bool = False
+    added_tokens_config: dict[str, Any] | None = None
+    lora_id: str | None = None
+    load_format: str | None = None
+    expected_checksums: dict[str, str] | None = None
+
+
+class UnloadLoRAAdapterReq(_Req):
+    """SGLang's ``UnloadLoRAAdapterReqInput`` (``/unload_lora_adapter``)."""
+
+    lora_name: str
+    lora_id: str | None = None
+
+
 class UpdateWeightFromDiskReq(_Req):
     model_path: str
     load_format: str | None = None
@@ -455,3 +504,5 @@ class GenerateReq(BaseModel):
     return_logprob: bool | list[bool] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
+    # The LoRA adapter (its name) each prompt runs with; None: the base model (SGLang's GenerateReqInput.lora_path).
+    lora_path: str | list[str | None] | None = None

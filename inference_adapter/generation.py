@@ -34,6 +34,7 @@ import torch
 
 from bridge.protocol import SamplingParams
 from inference_adapter.errors import RequestError
+from inference_adapter.lora import using
 
 __all__ = ["GenerationMixin", "add_weight_versions", "weight_version_spans"]
 
@@ -94,13 +95,24 @@ class GenerationMixin:
         self._released: set[str] = set()  # memory tags released (/release_memory_occupation), not yet resumed
 
     def generate(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str | None = None,
-                 watch: Callable[[str, bool, int], None] | None = None) -> dict:
+                 watch: Callable[[str, bool, int], None] | None = None, adapter=None) -> dict:
         """Decode one prompt; SGLang's result shape ``{"text", "output_ids", "meta_info"}``.
+
+        ``adapter`` (an :class:`inference_adapter.lora.Adapter`, taken when the request came): every forward of
+        this generation runs with it, and ``meta_info.wsync_lora_version`` reports its version.
 
         ``watch`` (a streamed answer): called on the generating thread after each token with the text so far
         that may be sent (:meth:`_Decode.sendable`), whether that token finished the generation, and the token; such a generation keeps its tokens across a weight change
         under any pause mode, as SGLang's do, since what it sent cannot be taken back.
         """
+        with using(adapter):
+            out = self._generate(prompt, sp, return_logprob, rid, watch)
+        if adapter is not None:
+            out["meta_info"]["wsync_lora_version"] = adapter.version
+        return out
+
+    def _generate(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str | None,
+                  watch: Callable[[str, bool, int], None] | None) -> dict:
         t0 = time.perf_counter()
         self.check_sampling(prompt, sp)
         max_new = min(sp.max_new_tokens, self.context_length - len(prompt))

@@ -33,6 +33,7 @@ from bridge.tensors import dtype_to_str
 from inference_adapter.checks import version_problem
 from inference_adapter.errors import RequestError
 from inference_adapter.generation import GenerationMixin
+from inference_adapter.lora import ServedAdapters
 from inference_adapter.weight_updates import WeightUpdates
 from inference_adapter.weights import ServedWeights
 
@@ -113,6 +114,7 @@ class ModelState(GenerationMixin):
         disk_roots: list[str] | None = None,
         allow_version_rollback: bool = False,
         quantization: str | None = None,
+        lora: dict | None = None,
     ):
         self.model = model.eval()
         for p in self.model.parameters():
@@ -135,6 +137,8 @@ class ModelState(GenerationMixin):
         if problem:
             raise ConfigError(problem)
         self.weights = ServedWeights(self.model, str(weight_version), model_path)
+        self.adapters = ServedAdapters(self.model, **(lora or {}))
+        """LoRA adapters (``--enable-lora``; :mod:`inference_adapter.lora`), apart from the base weights."""
         self._init_generation()
         self.weights.on_version_change.append(self._record_version_change)
         self.updates = WeightUpdates(

@@ -112,6 +112,20 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="name reported on /model_info (default: the model path)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice / OMP_NUM_THREADS)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
+    lo = p.add_argument_group("LoRA", "serve PEFT LoRA adapters by name (SGLang's flags; docs/lora.md)")
+    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters: /load_lora_adapter, "
+                    "/load_lora_adapter_from_tensors, /unload_lora_adapter, and lora_path in /generate")
+    lo.add_argument("--max-lora-rank", type=int, default=64, help="the largest adapter rank loaded (default 64; "
+                    "SGLang needs it given when no --lora-paths are)")
+    lo.add_argument("--max-loaded-loras", type=int, default=None, help="adapters loaded at once; beyond it the least "
+                    "recently used unpinned one is unloaded, as SGLang does (default: no limit)")
+    lo.add_argument("--max-loras-per-batch", type=int, default=8, help="accepted for SGLang's command lines; the "
+                    "reference server runs any number of adapters side by side")
+    lo.add_argument("--lora-paths", nargs="+", default=None, metavar="NAME=DIR", help="PEFT adapter directories to "
+                    "serve from the start: NAME=DIR, DIR (named by itself) or {\"lora_name\", \"lora_path\", \"pinned\"}; "
+                    "implies --enable-lora")
+    lo.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME", help="module-name suffixes an "
+                    "adapter may adapt (q_proj, ...; 'all' or none given: every Linear)")
     g = p.add_argument_group("registration", "be found by publishers (PublisherConfig(server_registry=URL), wsync train "
                                              "--server-registry URL)")
     g.add_argument("--register", metavar="URL", help="while this server answers, keep an entry for it in this registry "
@@ -228,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
                        protocol_version=args.protocol_version, group_timeout=args.group_timeout,
                        served_model_name=args.served_model_name, receive_timeout=args.receive_timeout,
                        disk_roots=args.disk_roots, allow_version_rollback=args.allow_version_rollback,
-                       quantization=args.quantization)
+                       quantization=args.quantization, lora=_lora_args(args))
+    _preload_adapters(state, args)
     n = sum(p.numel() for p in model.parameters())
     state.log.info("loaded %s (%s, %.2f M params, %s) in %.1f s", model_path, type(model).__name__, n / 1e6, args.dtype,
                    time.perf_counter() - t0)
@@ -252,6 +267,31 @@ def run(args: argparse.Namespace) -> int:
         if follower is not None:
             follower.join(5.0)
     return 0
+
+
+def _lora_args(args: argparse.Namespace) -> dict:
+    """:class:`inference_adapter.lora.ServedAdapters`' settings from the LoRA flags."""
+    from bridge.errors import ConfigError
+
+    if args.max_lora_rank < 1 or (args.max_loaded_loras is not None and args.max_loaded_loras < 1):
+        raise ConfigError("--max-lora-rank and --max-loaded-loras must be at least 1")
+    return dict(enabled=args.enable_lora or bool(args.lora_paths), max_rank=args.max_lora_rank,
+                max_loaded=args.max_loaded_loras, target_modules=args.lora_target_modules)
+
+
+def _preload_adapters(state, args: argparse.Namespace) -> None:
+    """``--lora-paths``: served before the first request; ConfigError naming the one that does not load."""
+    from bridge.errors import ConfigError
+    from inference_adapter.errors import RequestError
+    from inference_adapter.lora import parse_lora_paths, preload
+
+    if not args.lora_paths:
+        return
+    try:
+        preload(state.adapters, parse_lora_paths(args.lora_paths))
+    except (ValueError, RequestError) as e:
+        raise ConfigError(f"--lora-paths: {getattr(e, 'message', e)}") from None
+    state.log.info("serving LoRA adapters %s", state.adapters.names())
 
 
 def _exit_on_sigterm(signum, frame) -> None:

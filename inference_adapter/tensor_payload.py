@@ -35,7 +35,7 @@ import torch
 
 from bridge.protocol import PICKLE_REFUSED
 
-__all__ = ["SGLANG_ALLOWED_GLOBALS", "PayloadRefused", "named_tensors"]
+__all__ = ["SGLANG_ALLOWED_GLOBALS", "PayloadRefused", "adapter_tensors", "named_tensors"]
 
 
 def _globals(spec: dict[str, str]) -> frozenset[tuple[str, str]]:
@@ -238,3 +238,26 @@ def named_tensors(entry: str | bytes, load_format: str | None) -> list[tuple[str
     if not all(isinstance(n, str) for n, _ in pairs):
         raise PayloadRefused("a tensor name is not a string")
     return [(n, t.clone()) for n, t in pairs]
+
+
+def adapter_tensors(entry: str | bytes, load_format: str | None) -> dict[str, torch.Tensor]:
+    """The tensors of one ``/load_lora_adapter_from_tensors`` entry, copied out of the sender's shared memory.
+
+    SGLang's ``TpModelWorker.load_lora_adapter_from_tensors``: with ``"flattened_bucket"`` the flattened dict,
+    else the unpickled object itself, which SGLang's ``Engine`` makes a dict ``{name: tensor}`` (a list of
+    ``(name, tensor)`` pairs, 0.5.8's ``serialized_tensors``, is taken too)."""
+    if load_format == "flattened_bucket":
+        return {n: t.clone() for n, t in named_tensors(entry, load_format)}
+    if load_format is not None:
+        raise PayloadRefused(f"load_format {load_format!r} is not one of None, 'flattened_bucket'")
+    payload = _unpickle(entry)
+    if isinstance(payload, dict):
+        items = list(payload.items())
+    elif isinstance(payload, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in payload):
+        items = [tuple(p) for p in payload]
+    else:
+        raise PayloadRefused("with no load_format the entry must be a dict {name: tensor} (SGLang's Engine sends "
+                             "MultiprocessingSerializer.serialize(dict))")
+    if not all(isinstance(n, str) for n, _ in items):
+        raise PayloadRefused("a tensor name is not a string")
+    return {n: _cpu_tensor(t, f"tensor {n!r}").clone() for n, t in items}

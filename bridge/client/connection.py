@@ -120,9 +120,10 @@ def _normalize_url(url: str) -> str:
 
 
 def _message(data: Any, r: requests.Response) -> str:
-    """The server's own words: SGLang answers ``message``, FastAPI ``detail``, others ``error``."""
+    """The server's own words: SGLang answers ``message`` (``error_message`` on its LoRA routes), FastAPI
+    ``detail``, others ``error``."""
     if isinstance(data, dict):
-        for key in ("message", "error", "detail"):
+        for key in ("message", "error_message", "error", "detail"):
             v = data.get(key)
             if isinstance(v, dict):
                 v = v.get("message") or v

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bridge.client.connection import Connection
+from bridge.client.lora import LoraRoutes
 from bridge.client.updates import WeightUpdateRoutes
 from bridge.errors import BridgeError, ConfigError, ServerError, SessionAlreadyOpen, SyncTimeout
 from bridge.log import get_logger
@@ -23,7 +24,7 @@ logger = get_logger(__package__)
 _PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class ServerClient(WeightUpdateRoutes):
+class ServerClient(WeightUpdateRoutes, LoraRoutes):
     """One inference server (real SGLang or the reference server).
 
     Args:

@@ -22,18 +22,22 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, model_v
 from bridge.protocol import (
     BeginWeightUpdateReq,
     ContinueGenerationReq,
+    LoadLoRAAdapterFromTensorsReq,
+    LoadLoRAAdapterReq,
     PauseGenerationReq,
     ProtocolFeatures,
+    UnloadLoRAAdapterReq,
     UpdateWeightFromDiskReq,
     UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
     UpdateWeightVersionReq,
 )
-from inference_adapter.checks import RunClaim
+from inference_adapter.checks import RunClaim, version_problem
 from inference_adapter.errors import RequestError
 
-__all__ = ["BeginBody", "DiskBody", "DistributedBody", "LeaseBody", "PauseBody", "TensorBody", "VersionBody",
-           "WriterBody"]
+__all__ = ["BeginBody", "DiskBody", "DistributedBody", "LeaseBody", "LoraPathBody", "LoraTensorsBody", "LoraUnloadBody",
+           "PauseBody",
+           "TensorBody", "VersionBody", "WriterBody"]
 
 
 def _features(info: ValidationInfo) -> ProtocolFeatures | None:
@@ -207,3 +211,58 @@ class PauseBody(PauseGenerationReq, _RunFields):
     def _no_mode_before_0_5_6(cls, data: Any, info: ValidationInfo) -> Any:
         f = _features(info)
         return _without(data, ["mode"]) if f is not None and not f.pause_mode and isinstance(data, dict) else data
+
+
+class _LoraFields(BaseModel):
+    """The project's fields on an adapter load: ``wsync_lora_version`` (the adapter's version label, reported by
+    every generation that runs with it) and ``wsync_replace`` (replace an adapter of that name atomically instead
+    of SGLang's "already loaded" refusal). Real SGLang ignores both."""
+
+    wsync_lora_version: Any = None
+    wsync_replace: Any = False
+
+    @model_validator(mode="after")
+    def _check_lora_fields(self):
+        v = self.wsync_lora_version
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (str, int))):
+            raise RequestError(f"wsync_lora_version must be a version label (a string or an integer), got {v!r}")
+        if v is not None:
+            self.wsync_lora_version = str(v)
+        problem = version_problem(self.wsync_lora_version, "wsync_lora_version") or version_problem(
+            getattr(self, "lora_name", None), "lora_name", example="the adapter's name")
+        if problem:
+            raise RequestError(problem)
+        if not isinstance(self.wsync_replace, bool):
+            raise RequestError(f"wsync_replace must be true or false, got {self.wsync_replace!r}")
+        return self
+
+
+class LoraPathBody(LoadLoRAAdapterReq, _LoraFields, _RunFields):
+    """``/load_lora_adapter``: a PEFT adapter directory, by name."""
+
+
+class LoraTensorsBody(LoadLoRAAdapterFromTensorsReq, _LoraFields, _RunFields):
+    """``/load_lora_adapter_from_tensors`` in the emulated version's shape: 0.5.20+ ``serialized_named_tensors``
+    (one entry per TP rank, ``load_format``, ``expected_checksums``), 0.5.8 one string ``serialized_tensors``;
+    the other shape's fields are dropped before validation, as that version's struct has no such field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_shape(cls, data: Any, info: ValidationInfo) -> Any:
+        f = _features(info)
+        if f is None or not isinstance(data, dict):
+            return data
+        if f.lora_tensors_per_rank:
+            return _without(data, ["serialized_tensors"])
+        return _without(data, ["serialized_named_tensors", "load_format", "expected_checksums"])
+
+    @model_validator(mode="after")
+    def _one_shape(self):
+        if self.serialized_named_tensors is None and self.serialized_tensors is None:
+            raise RequestError("/load_lora_adapter_from_tensors needs serialized_named_tensors (one entry per TP rank; "
+                               "serialized_tensors, one string, on SGLang 0.5.8-0.5.19)")
+        return self
+
+
+class LoraUnloadBody(UnloadLoRAAdapterReq, _RunFields):
+    """``/unload_lora_adapter``, with the writer (one writer at a time)."""

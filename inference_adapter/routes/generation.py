@@ -8,6 +8,7 @@ threads of the control routes, so any number of them waiting out a pause never d
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import anyio
@@ -32,10 +33,11 @@ async def generate(request: Request, state: Served):
     req = await parse(request, GenerateReq)
     prompts, batched = _prompts(state, req)
     params, logprobs, rids = _per_prompt(req, len(prompts), batched)
+    adapters = _adapters(state, req, len(prompts))
     limiter = request.app.state.generation_threads
     outs = await asyncio.gather(*[
-        anyio.to_thread.run_sync(state.generate, p, sp, bool(lp), rid, limiter=limiter)
-        for p, sp, lp, rid in zip(prompts, params, logprobs, rids)
+        anyio.to_thread.run_sync(functools.partial(state.generate, p, sp, bool(lp), rid, adapter=a), limiter=limiter)
+        for p, sp, lp, rid, a in zip(prompts, params, logprobs, rids, adapters)
     ])
     result = list(outs) if batched else outs[0]
     if req.stream:
@@ -58,6 +60,15 @@ def _prompts(state: ModelState, req: GenerateReq) -> tuple[list[list[int]], bool
     if req.input_ids and isinstance(req.input_ids[0], list):
         return [list(x) for x in req.input_ids], True
     return [list(req.input_ids)], False
+
+
+def _adapters(state: ModelState, req: GenerateReq, n: int) -> list:
+    """The LoRA adapter each prompt runs with (None: the base model), taken now: a generation computes with the
+    adapter its request found, to its end, even if that name is replaced or unloaded meanwhile."""
+    names = req.lora_path if isinstance(req.lora_path, list) else [req.lora_path] * n
+    if len(names) != n:
+        raise RequestError(f"lora_path list length ({len(names)}) must match batch size ({n})")
+    return [None if name is None else state.adapters.acquire(name) for name in names]
 
 
 def _per_prompt(req: GenerateReq, n: int, batched: bool) -> tuple[list[SamplingParams], list, list]:

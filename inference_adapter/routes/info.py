@@ -65,8 +65,11 @@ def _server_info(request: Request, state: ModelState) -> dict:
 
 @router.get("/v1/models")
 async def models(state: Served):
-    return {"object": "list", "data": [{"id": state.served_model_name, "object": "model", "owned_by": "sglang",
-                                        "root": state.model_path}]}
+    base = {"id": state.served_model_name, "object": "model", "owned_by": "sglang", "root": state.model_path}
+    # With --enable-lora, SGLang lists every loaded adapter after the model: id its name, root its path.
+    adapters = [{"id": n, "object": "model", "owned_by": "sglang", "root": p, "parent": state.served_model_name,
+                 "max_model_len": None} for n, p in state.adapters.listing().items()]
+    return {"object": "list", "data": [base, *adapters]}
 
 
 @router.get("/get_weight_version")

@@ -62,6 +62,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     rid: str | None = None
+    lora_path: str | None = None
 
 
 class CompletionReq(_Common):
@@ -95,6 +96,17 @@ def _sampling(req: _Common, max_new: int) -> SamplingParams:
         raise RequestError(describe_validation_error("sampling parameters", e)) from None
 
 
+def _adapter(state: ModelState, req: _Common):
+    """The LoRA adapter the request asks for (SGLang's ``_resolve_lora_path``): ``model`` as ``base:adapter``
+    (the served name itself may hold colons) before ``lora_path``; None for the base model."""
+    model, name = req.model, None
+    if ":" in model and model != state.served_model_name:
+        prefix = f"{state.served_model_name}:"
+        name = (model[len(prefix):] if model.startswith(prefix) else model.split(":", 1)[1]).strip() or None
+    name = name if name is not None else req.lora_path
+    return None if name is None else state.adapters.acquire(name)
+
+
 def metadata(state: ModelState, meta: dict) -> dict | None:
     """SGLang's ``metadata`` of an OpenAI response from the first choice's ``meta_info``."""
     if not state.features.weight_version:
@@ -102,15 +114,19 @@ def metadata(state: ModelState, meta: dict) -> dict | None:
     out = {"weight_version": meta["weight_version"]}
     if state.features.weight_version_spans and "weight_versions" in meta:
         out["weight_versions"] = meta["weight_versions"]
+    if "wsync_lora_version" in meta:  # the LoRA adapter's version (project field, inference_adapter.lora)
+        out["wsync_lora_version"] = meta["wsync_lora_version"]
     return out
 
 
 async def _generate(request: Request, state: ModelState, prompts: list[list[int]], sp: SamplingParams, logprob: bool,
-                    rid: str | None) -> list[dict]:
+                    req: _Common) -> list[dict]:
     limiter = request.app.state.generation_threads
+    rid, adapter = req.rid, _adapter(state, req)
     rids = [rid] if rid is not None and len(prompts) == 1 else [None] * len(prompts)
-    return list(await asyncio.gather(*[anyio.to_thread.run_sync(state.generate, p, sp, logprob, r, limiter=limiter)
-                                       for p, r in zip(prompts, rids)]))
+    return list(await asyncio.gather(*[
+        anyio.to_thread.run_sync(functools.partial(state.generate, p, sp, logprob, r, adapter=adapter), limiter=limiter)
+        for p, r in zip(prompts, rids)]))
 
 
 def _usage(outs: list[dict]) -> dict:
@@ -172,6 +188,7 @@ def _stream(request: Request, state: ModelState, req: _Common, kind: str, prompt
     ``watch`` hands each token's sendable text to this loop; ``prefixes``: text sent before the first delta (echo)."""
     for p in prompts:
         state.check_sampling(p, sp)  # refused before the stream starts, as SGLang validates before it streams
+    adapter = _adapter(state, req)
     loop, q = asyncio.get_running_loop(), asyncio.Queue()
     base = req.rid if req.rid is not None and len(prompts) == 1 else None
     rids = [base or uuid.uuid4().hex for _ in prompts]
@@ -183,7 +200,7 @@ def _stream(request: Request, state: ModelState, req: _Common, kind: str, prompt
                 loop.call_soon_threadsafe(q.put_nowait, (i, text, [tok], None))
         try:
             out = await anyio.to_thread.run_sync(functools.partial(state.generate, prompts[i], sp, False, rids[i],
-                                                                   watch=watch), limiter=limiter)
+                                                                   watch=watch, adapter=adapter), limiter=limiter)
         except Exception as e:
             out = e
         q.put_nowait((i, None, None, out))
@@ -259,7 +276,7 @@ async def completions(request: Request, state: Served):
         _no_streamed_logprobs(req.logprobs is not None)
         echo = [state.tokenizer.decode(x) if texts is None else texts[i] for i, x in enumerate(prompts)]
         return _stream(request, state, req, "text_completion", prompts, sp, echo if req.echo else [""] * len(prompts))
-    outs = await _generate(request, state, prompts, sp, req.logprobs is not None, req.rid)
+    outs = await _generate(request, state, prompts, sp, req.logprobs is not None, req)
     if texts is None:  # token ids, checked by the generation
         texts = [state.tokenizer.decode(x) for x in prompts]
     choices = []
@@ -309,7 +326,7 @@ async def chat_completions(request: Request, state: Served):
     if req.stream:
         _no_streamed_logprobs(req.logprobs)
         return _stream(request, state, req, "chat.completion", [prompt], sp, [""])
-    outs = await _generate(request, state, [prompt], sp, req.logprobs, req.rid)
+    outs = await _generate(request, state, [prompt], sp, req.logprobs, req)
     choices = []
     for i, o in enumerate(outs):
         finish, matched = _finish(o["meta_info"])

@@ -1,0 +1,159 @@
+"""The LoRA adapter routes of :class:`bridge.client.ServerClient`, in the server's SGLang dialect (a mixin, like
+:mod:`bridge.client.updates`).
+
+* :meth:`LoraRoutes.load_adapter_from_path`: ``/load_lora_adapter`` (a PEFT adapter directory as the server sees it).
+* :meth:`LoraRoutes.load_adapter_from_tensors`: ``/load_lora_adapter_from_tensors`` (SGLang >= 0.5.8), the body of
+  the server's version: 0.5.20+ ``serialized_named_tensors`` (one base64 entry per TP rank, ``load_format``,
+  ``expected_checksums``), 0.5.8-0.5.19 one string ``serialized_tensors``
+  (:attr:`bridge.protocol.ProtocolFeatures.lora_tensors_per_rank`). Entries are SGLang's
+  ``MultiprocessingSerializer`` output (:func:`serialize_adapter`): same-host tensors by reference, so this is a
+  one-host path; across hosts an adapter goes by disk.
+* :meth:`LoraRoutes.unload_adapter`: ``/unload_lora_adapter``.
+* :meth:`LoraRoutes.adapter_checksums`: the reference server's ``/wsync/lora_checksum``.
+
+``version`` and ``replace`` go only to the reference server (``wsync_lora_version``, ``wsync_replace``): it then
+reports the version on every generation with the adapter and replaces an adapter of that name atomically. Real
+SGLang refuses a name that is loaded ("already loaded"), so ``replace=True`` there unloads the name first (SGLang
+then refuses generations that ask for it until the load is done).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from bridge.errors import ConfigError, ServerError
+from bridge.log import get_logger
+from bridge.protocol import ProtocolFeatures
+
+__all__ = ["LoraRoutes", "serialize_adapter", "tensors_body"]
+
+logger = get_logger(__package__)
+
+
+def serialize_adapter(tensors: Mapping[str, torch.Tensor]) -> str:
+    """One TP rank's entry: SGLang ``Engine``'s ``MultiprocessingSerializer.serialize(dict)``, base64.
+
+    torch's ``ForkingPickler`` of the dict, CPU tensors under the ``file_system`` sharing strategy (so another
+    process on this host can open them by name; the strategy is set for this call only). The entry refers to
+    the tensors' storage: keep ``tensors`` alive until the server has answered. Only globals SGLang 0.5.23's
+    ``SafeUnpickler`` allows (``tests/test_lora_server.py`` unpickles it with SGLang's own).
+    """
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp  # registers torch's reducers with ForkingPickler
+
+    old = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(dict(tensors))
+    finally:
+        mp.set_sharing_strategy(old)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def tensors_body(features: ProtocolFeatures, tp_size: int, name: str, config: Mapping[str, Any],
+                 tensors: Mapping[str, torch.Tensor], *, pinned: bool = False,
+                 checksums: Mapping[str, str] | None = None, url: str = "the server") -> tuple[dict, dict]:
+    """The ``/load_lora_adapter_from_tensors`` body of SGLang ``features.version`` (without the project's fields),
+    and the tensors its entries refer to (keep them alive until the server has answered).
+
+    Raises:
+        ConfigError: that version has no such route (< 0.5.8), or cannot take it (0.5.8-0.5.19 with TP > 1).
+    """
+    f = features
+    if not f.lora_from_tensors:
+        raise ConfigError(f"{url} runs SGLang {f.version}, which has no /load_lora_adapter_from_tensors (needs "
+                          ">= 0.5.8); load the adapter from a directory (load_adapter_from_path)")
+    if not tensors:
+        raise ConfigError("load_adapter_from_tensors needs the adapter's tensors; got none")
+    held = {str(n): t.detach().contiguous() for n, t in tensors.items()}
+    entry = serialize_adapter(held)
+    body: dict[str, Any] = {"lora_name": str(name), "config_dict": dict(config), "pinned": bool(pinned)}
+    if f.lora_tensors_per_rank:
+        body["serialized_named_tensors"] = [entry] * max(1, tp_size)
+        if checksums is not None:
+            body["expected_checksums"] = dict(checksums)
+    else:
+        if tp_size > 1:
+            raise ConfigError(f"{url} runs SGLang {f.version} with TP {tp_size}: its single serialized_tensors "
+                              "cannot serve several ranks; load the adapter from a directory")
+        body["serialized_tensors"] = entry
+    return body, held
+
+
+class LoraRoutes:
+    """LoRA adapter routes of one server (mixed into :class:`bridge.client.ServerClient`)."""
+
+    def _lora_body(self, body: dict, version: str | None, replace: bool, rollback: bool = False) -> dict:
+        """The project's fields, to the reference server only: the version, ``wsync_replace``, and the run and
+        writer (:meth:`claim_run`, :meth:`name_writer`: the weights' version rule and one writer at a time);
+        ``rollback``: this load goes back to an older version on purpose (``wsync_new_run`` for this request)."""
+        if self.is_reference_server:
+            if version is not None:
+                body["wsync_lora_version"] = str(version)
+            body["wsync_replace"] = bool(replace)
+            self._with_run(body)
+            if rollback:
+                body["wsync_new_run"] = True
+        elif replace:
+            self._unload_if_loaded(body["lora_name"])
+        return body
+
+    def _unload_if_loaded(self, name: str) -> None:
+        try:
+            self.unload_adapter(name)
+        except ServerError as e:
+            if "does not exist" not in str(e):
+                raise
+
+    def load_adapter_from_path(self, name: str, path: str, *, version: str | None = None, replace: bool = False,
+                               pinned: bool = False, rollback: bool = False, timeout: float | None = None) -> dict:
+        """``/load_lora_adapter``: the PEFT adapter directory ``path`` (as the server's host sees it) as ``name``.
+
+        ``rollback``: put an older version back on purpose (a failed publish's undo); without it the reference
+        server refuses a version older than the one it serves under that name (``VersionError``) unless the
+        client claims a new run (:meth:`claim_run`).
+
+        Returns SGLang's answer ``{"success", "error_message", "loaded_adapters"}``; a refusal raises
+        ServerError with the server's words (LoRA disabled, already loaded, rank over ``--max-lora-rank``...).
+        """
+        body = self._lora_body({"lora_name": str(name), "lora_path": str(path), "pinned": bool(pinned)}, version,
+                               replace, rollback)
+        return self._http.call("POST", "/load_lora_adapter", body, timeout=timeout)
+
+    def load_adapter_from_tensors(self, name: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                                  *, version: str | None = None, replace: bool = False, pinned: bool = False,
+                                  checksums: Mapping[str, str] | None = None, rollback: bool = False,
+                                  timeout: float | None = None) -> dict:
+        """``/load_lora_adapter_from_tensors``: ``tensors`` (PEFT's names, ``get_peft_model_state_dict``) with
+        ``config`` (the adapter_config as a dict), in the body of the server's SGLang version; the tensors stay
+        this process's until the answer (same host only).
+
+        ``checksums`` (0.5.20+): ``{name: sha256}`` of each tensor's bytes (:func:`bridge.protocol.tensor_checksum`),
+        checked by the server before it loads anything. ``rollback``: as for :meth:`load_adapter_from_path`.
+
+        Raises:
+            ConfigError: the server's version has no such route (< 0.5.8), before anything is sent.
+        """
+        body, held = tensors_body(self.features, self.tp_size, name, config, tensors, pinned=pinned,
+                                  checksums=checksums, url=self.url)
+        body = self._lora_body(body, version, replace, rollback)
+        out = self._http.call("POST", "/load_lora_adapter_from_tensors", body, timeout=timeout)
+        del held
+        return out
+
+    def unload_adapter(self, name: str, timeout: float | None = None) -> dict:
+        """``/unload_lora_adapter``; ServerError (SGLang's "does not exist") if no adapter has that name."""
+        body = self._with_run({"lora_name": str(name)}) if self.is_reference_server else {"lora_name": str(name)}
+        return self._http.call("POST", "/unload_lora_adapter", body, timeout=timeout)
+
+    def adapter_checksums(self, name: str) -> dict:
+        """Project extension, reference server only: ``/wsync/lora_checksum``: ``{"lora_name",
+        "wsync_lora_version", "checksums": {tensor: sha256}, "dtypes"}`` of the adapter served as ``name``."""
+        return self._http.call("POST", "/wsync/lora_checksum", {"lora_name": str(name)})
