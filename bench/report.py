@@ -18,11 +18,15 @@ only ever adds time, so the fastest repeats are the least disturbed). Floors are
   the same bytes in 16 MiB gathers (``raw-gather``, ``raw-gather-16MiB``); a ``gather-*`` row's ratio
   is against it (the publisher's gather casts, packs and unpacks as well);
 - broadcast methods (flattened, per-tensor): ``raw-broadcast``, one broadcast of the same bytes;
+- FP8 (``fp8-<N>MiB``, :mod:`bench.fp8`): ``raw-broadcast-fp8``, one broadcast of the FP8 bytes to the server
+  serving FP8 (the same bytes through the same link);
 - colocated: ``raw-shm``, the bytes written into a /dev/shm file and copied out again;
 - disk: ``raw-disk``, safetensors write + fsync + read back.
 
 The end-to-end floor of each is ``gather + transport floor`` (every sync gathers before it sends).
-GB/s is 10^9 bytes per second, of each row's own bytes (a disk row counts its snapshot's files).
+GB/s is 10^9 bytes per second, of each row's own bytes (a disk row counts its snapshot's files). Every row
+carries ``encoding`` (what its bytes are: the serving dtype, ``fp8`` or ``delta``) and ``link`` (the ``--link``
+rate; None on loopback).
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ Methods (each is one ``WeightPublisher.publish``, collective on every rank):
   ``/update_weights_from_distributed`` request and one broadcast per tensor.
 - ``colocated-<N>MiB``: buckets of N MiB (the first bucket size) handed over in /dev/shm files
   (``spec["colocated"]``, on by default).
+- ``fp8-<N>MiB``, ``gather-fp8-<N>MiB``, ``raw-broadcast-fp8`` (``spec["fp8_server"]``, on by default): the
+  flattened broadcast with ``encoding="fp8"`` into a server serving FP8, its bucket fills alone, and its floor,
+  the FP8 bytes in one broadcast to that server (:mod:`bench.fp8`).
+- ``delta-lr<LR>`` (``spec["delta_server"]``): a delta sync after one optimizer step at LR (:mod:`bench.delta`).
 - ``disk-<backend>``: snapshot write + fsync + announcement + load, ``wait_loaded=True``; a watcher in
   the driver process loads each announced version into the server. ``disk-dir-rank0`` (when the
   publisher has ``disk_writers`` and there are 2+ ranks): the same with rank 0 writing every file, the
