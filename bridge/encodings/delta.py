@@ -106,6 +106,9 @@ class Decision:
     """Why this sync is an anchor (a full sync); None for a delta."""
     via: str | None
     """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
+    zstd: bool = True
+    """Every server reads zstd records (:func:`bridge.encodings.delta_send.zstd_unreadable`): the next syncs'
+    records may take the zstd stage; every rank takes it at the end of the sync."""
 
 
 @dataclass
@@ -212,6 +215,7 @@ class DeltaEncoding(Encoding):
         self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
         self._servers = None  # rank 0: the servers of the sync in progress (from decide)
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
+        self.zstd = True  # records may take the zstd stage (each sync's decision says whether the servers read it)
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
         self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
         self.costs, self._t0, self._timed = SyncCosts(), 0.0, [0.0, 0.0, 0, 0]  # what syncs cost: the anchor decision
@@ -331,7 +335,7 @@ class DeltaEncoding(Encoding):
         first = int(positions[0])
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
         values, t = new.index_select(0, positions), time.perf_counter()
-        kind, body = encode_sparse(n, positions, values)
+        kind, body = encode_sparse(n, positions, values, zstd=self.zstd)
         self._timed[1] += time.perf_counter() - t
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
             old = held.base.clone()
@@ -427,7 +431,7 @@ class DeltaEncoding(Encoding):
     # ------------------------------------------------------------------ begin (rank 0) and the decision
 
     def decide(self, plan, servers) -> Decision:
-        from bridge.encodings.delta_send import delta_route
+        from bridge.encodings.delta_send import delta_route, zstd_unreadable
 
         enc = plan.encoded
         self._servers = servers
@@ -435,7 +439,10 @@ class DeltaEncoding(Encoding):
         reason, via = enc.reason or plan.forced or self.anchor_next, None
         if reason is None:
             reason, via = delta_route(servers, self.base_version)
-        return Decision(reason, via)
+        unreadable = zstd_unreadable(servers.clients)
+        if reason is None and self.zstd and unreadable:  # (this sync's records were encoded with the stage)
+            reason, via = f"{unreadable}; the next deltas go without the zstd stage", None
+        return Decision(reason, via, zstd=unreadable is None)
 
     # ------------------------------------------------------------------ the buckets: an anchor's or the delta's
 
@@ -479,6 +486,9 @@ class DeltaEncoding(Encoding):
 
     @torch.no_grad()
     def end(self, plan, committed: bool) -> None:
+        decision = getattr(plan, "decision", None)
+        if decision is not None:  # whether the servers read zstd records, for the next syncs' encoding
+            self.zstd = decision.zstd
         if committed:
             self._committed(plan)
         else:

@@ -36,7 +36,7 @@ from bridge.tensors import ParamSpec, dtype_to_str
 from bridge.transports.sessions import bucket_answers
 from bridge.transports.sink import Sink
 
-__all__ = ["LOADER", "LoaderSink", "delta_buckets", "delta_route", "table"]
+__all__ = ["LOADER", "LoaderSink", "ZSTD_SGLANG", "delta_buckets", "delta_route", "table", "zstd_unreadable"]
 
 LOADER = "bridge.sglang_delta_loader.load_delta"
 """The loader real SGLang calls for a delta: ``--custom-weight-loader`` and ``load_format`` name it."""
@@ -70,6 +70,25 @@ def delta_route(servers, base_version: int | None) -> tuple[str | None, str | No
         return ("a server does not serve the base version " + str(base_version) + ": "
                 + ", ".join(f"{u} serves {v}" for u, v in off.items())), None
     return None, "loader"
+
+
+ZSTD_SGLANG = (0, 5, 20)
+"""The first SGLang release that requires the ``zstandard`` package: before it, its environment may lack it."""
+
+
+def zstd_unreadable(clients) -> str | None:
+    """Rank 0: why some server may not read zstd delta records, or None. Real SGLang before :data:`ZSTD_SGLANG` does
+    not require ``zstandard``, and the loader cannot refuse a record it cannot read (an exception in a loader ends
+    SGLang's scheduler), so those get records without the zstd stage. A reference server without ``zstandard``
+    refuses a zstd record with a reason (``pip install zstandard``) before it applies anything."""
+    from bridge.protocol import parse_version
+
+    old = [f"{c.url} (SGLang {c.version})" for c in clients
+           if not c.is_reference_server and parse_version(c.version) < ZSTD_SGLANG]
+    if not old:
+        return None
+    return (f"{', '.join(old)} may lack the zstandard package (SGLang requires it from "
+            f"{'.'.join(map(str, ZSTD_SGLANG))} on) and cannot read zstd delta records")
 
 
 def table(db, enc, version: int, first: bool) -> dict:
