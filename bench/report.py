@@ -18,11 +18,15 @@ only ever adds time, so the fastest repeats are the least disturbed). Floors are
   the same bytes in 16 MiB gathers (``raw-gather``, ``raw-gather-16MiB``); a ``gather-*`` row's ratio
   is against it (the publisher's gather casts, packs and unpacks as well);
 - broadcast methods (flattened, per-tensor): ``raw-broadcast``, one broadcast of the same bytes;
+- FP8 (``fp8-<N>MiB``, :mod:`bench.fp8`): ``raw-broadcast-fp8``, one broadcast of the FP8 bytes to the server
+  serving FP8 (the same bytes through the same link);
 - colocated: ``raw-shm``, the bytes written into a /dev/shm file and copied out again;
 - disk: ``raw-disk``, safetensors write + fsync + read back.
 
 The end-to-end floor of each is ``gather + transport floor`` (every sync gathers before it sends).
-GB/s is 10^9 bytes per second, of each row's own bytes (a disk row counts its snapshot's files).
+GB/s is 10^9 bytes per second, of each row's own bytes (a disk row counts its snapshot's files). Every row
+carries ``encoding`` (what its bytes are: the serving dtype, ``fp8`` or ``delta``) and ``link`` (the ``--link``
+rate; None on loopback).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import statistics
 from collections.abc import Sequence
 
 from bench.delta import delta_fields, delta_notes, delta_targets
+from bench.fp8 import FLOOR_BROADCAST_FP8, FP8_RAW, fp8_fields, fp8_targets
 
 __all__ = ["TARGETS", "build_rows", "build_warmups", "check_targets", "format_link", "format_table", "link_rows", "plot",
            "stats"]
@@ -56,11 +61,12 @@ MANY_TENSORS = 300
 _FLOORS = {
     "flattened": (FLOOR_BROADCAST, "raw-broadcast"),
     "per-tensor": (FLOOR_BROADCAST, "raw-broadcast"),
+    "fp8": (FLOOR_BROADCAST_FP8, FP8_RAW),  # the FP8 bytes through the same transport (bench.fp8)
     "colocated": (FLOOR_SHM, "raw-shm"),
     "disk": (FLOOR_DISK, "raw-disk"),
 }
-_PUBLISHED = ("flattened", "per-tensor", "colocated", "disk")
-_TRANSPORT_OF = {"flattened": "broadcast", "colocated": "colocated", "disk": "disk"}
+_PUBLISHED = ("flattened", "fp8", "per-tensor", "colocated", "disk")
+_TRANSPORT_OF = {"flattened": "broadcast", "fp8": "broadcast fp8", "colocated": "colocated", "disk": "disk"}
 
 
 def stats(values: Sequence[float]) -> dict:
@@ -85,6 +91,8 @@ def _kind(name: str) -> str:
         return "gather"
     if name.startswith("delta-"):
         return "delta"
+    if name.startswith("fp8-"):
+        return "fp8"
     return "floor"
 
 
@@ -93,8 +101,16 @@ def _over(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den is not None and den > 0 else None
 
 
-def build_rows(sizes: Sequence[dict]) -> list[dict]:
-    """One row per (size, method, floor or gather), from the workers' results (see :mod:`bench.worker`)."""
+def _encoding(name: str, kind: str, serving: str) -> str:
+    """What a row's bytes are: ``fp8`` (the FP8 rows, their gather and floors), ``delta``, or the serving dtype."""
+    if kind in ("fp8", "delta"):
+        return kind
+    return "fp8" if name in (FP8_RAW, FLOOR_BROADCAST_FP8) or name.startswith("gather-fp8-") else serving
+
+
+def build_rows(sizes: Sequence[dict], link: str | None = None) -> list[dict]:
+    """One row per (size, method, floor or gather), from the workers' results (see :mod:`bench.worker`). Every row
+    carries ``encoding`` (what its bytes are) and ``link`` (the ``--link`` rate, None on loopback)."""
     rows: list[dict] = []
     for size in sizes:
         items = size["items"]
@@ -148,6 +164,8 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
                            ratio_min=_over(floor_stats[FLOOR_GATHER]["min"], s["min"]))
             if kind == "disk":
                 row["phases"] = {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]}
+            if kind == "fp8":  # its bytes and time against the full bf16 sync (bench.fp8)
+                row.update(fp8_fields(rec, items))
             if kind == "delta":  # its time against the full flattened sync and the floor (bench.delta)
                 row.update(delta_fields(rec, items, FLOOR_BROADCAST, floor_stats.get(FLOOR_BROADCAST, {}).get("median")))
             if name == "raw-broadcast":
@@ -165,12 +183,16 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
                     r["transfer_speedup_vs_per_tensor"] = _over(pt["transfer_seconds"]["median"],
                                                                 r["transfer_seconds"]["median"])
         for floor, s in floor_stats.items():
-            rows.append({**base, "method": floor, "kind": "floor", "bytes": size["bytes"], "seconds": s,
+            nbytes = items[FP8_RAW]["runs"][0]["bytes"] if floor == FLOOR_BROADCAST_FP8 else size["bytes"]
+            rows.append({**base, "method": floor, "kind": "floor", "bytes": nbytes, "seconds": s,
                          "first_seconds": floor_first[floor],
-                         "gbps": size["bytes"] / s["median"] / 1e9 if s["median"] else None})
-    order = {"floor": 0, "gather": 1, "flattened": 2, "delta": 3, "per-tensor": 4, "colocated": 5, "disk": 6}
-    floor_order = ["raw-gather", "raw-gather-chunked", FLOOR_GATHER, "raw-broadcast", FLOOR_BROADCAST, "raw-shm", FLOOR_SHM,
-                   "raw-disk", FLOOR_DISK]
+                         "gbps": nbytes / s["median"] / 1e9 if s["median"] else None})
+    serving = {s["label"]: s.get("serving_dtype", "bfloat16") for s in sizes}
+    for r in rows:
+        r.update(encoding=_encoding(r["method"], r["kind"], serving[r["size"]]), link=link)
+    order = {"floor": 0, "gather": 1, "flattened": 2, "fp8": 3, "delta": 4, "per-tensor": 5, "colocated": 6, "disk": 7}
+    floor_order = ["raw-gather", "raw-gather-chunked", FLOOR_GATHER, "raw-broadcast", FLOOR_BROADCAST, FP8_RAW,
+                   FLOOR_BROADCAST_FP8, "raw-shm", FLOOR_SHM, "raw-disk", FLOOR_DISK]
     sizes_order = [s["label"] for s in sizes]
 
     def key(r):
@@ -178,7 +200,7 @@ def build_rows(sizes: Sequence[dict]) -> list[dict]:
         sub = floor_order.index(m) if m in floor_order else 0
         bucket = r.get("bucket_budget_bytes", 0)
         if r["kind"] == "gather":  # gather-per-tensor, gather-<N>MiB, gather-<N>MiB-host
-            budget = r["method"][len("gather-"):].removesuffix("-host")
+            budget = r["method"][len("gather-"):].removesuffix("-host").removeprefix("fp8-")
             bucket = 0 if budget == "per-tensor" else float(budget.removesuffix("MiB"))
         return (sizes_order.index(r["size"]), order[r["kind"]], sub, bucket, r["method"])
 
@@ -206,9 +228,10 @@ def _verdict(checks: Sequence[bool | None]) -> bool | None:
     return True
 
 
-def check_targets(rows: Sequence[dict]) -> list[dict]:
+def check_targets(rows: Sequence[dict], link: str | None = None) -> list[dict]:
     """The issue's targets, each with the measured figures and a verdict: True (MET), False (MISSED) or
-    None (not measured: the size, row or figure the target needs is not in ``rows``)."""
+    None (not measured: the size, row or figure the target needs is not in ``rows``). ``link``: the run's ``--link``
+    rate (the FP8 target differs through a link)."""
     out = []
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     tensors = {r["size"]: r.get("tensors") for r in rows}
@@ -282,18 +305,20 @@ def check_targets(rows: Sequence[dict]) -> list[dict]:
         t = _TRANSPORT_OF[r["kind"]]
         if t not in worst or r["peak_ratio"] > worst[t]["peak_ratio"]:
             worst[t] = r
-    worst = {t: worst[t] for t in _TRANSPORT_OF.values() if t in worst}  # broadcast, colocated, disk
+    worst = {t: worst[t] for t in _TRANSPORT_OF.values() if t in worst}  # broadcast, colocated, disk (, fp8)
     measured = [f"{t} worst {r['peak_ratio']:.2f}x ({r['size']} {r['method']}: {r['peak_extra_bytes'] / 2**20:.0f} MiB "
                 f"peak, bucket {r['bucket_bytes'] / 2**20:.0f} MiB)" for t, r in worst.items()]
-    missing = [t for t in _TRANSPORT_OF.values() if t not in worst]
+    expected = [t for k, t in _TRANSPORT_OF.items() if k != "fp8" or any(r["kind"] == "fp8" for r in rows)]
+    missing = [t for t in expected if t not in worst]
     if missing:
         measured.append(f"not measured for {', '.join(missing)}")
     if unread:
         measured.append(f"no reading (under {UNDER_READ} x its bucket: under-read) for {', '.join(unread)}")
     checks = [r["peak_ratio"] <= TARGETS["peak_ratio"] for r in read] + [None] * len(missing)
     out.append({"target": f"rank-0 peak extra memory <= {TARGETS['peak_ratio']} x bucket size, every transport "
-                          "(broadcast, colocated, disk)",
+                          f"({', '.join(expected)})",
                 "measured": "; ".join(measured), "met": _verdict(checks)})
+    out += fp8_targets(rows, link) if any(r["kind"] == "fp8" for r in rows) else []
     return out + (delta_targets(rows) if any(r["kind"] == "delta" for r in rows) else [])
 
 
@@ -361,7 +386,8 @@ def format_table(rows: Sequence[dict], targets: Sequence[dict], warmups: dict | 
     return "\n".join(lines)
 
 
-LINK_ROWS = ("raw-broadcast", FLOOR_BROADCAST, "flattened", "delta", "per-tensor", "raw-disk", FLOOR_DISK, "disk")
+LINK_ROWS = ("raw-broadcast", FLOOR_BROADCAST, "flattened", FP8_RAW, FLOOR_BROADCAST_FP8, "fp8", "delta", "per-tensor",
+             "raw-disk", FLOOR_DISK, "disk")
 """What the link section shows, in this order: the broadcast floor, the broadcast methods, then disk."""
 
 
@@ -403,7 +429,7 @@ def format_link(rows: Sequence[dict], link: dict) -> str:
                      f"{_f(r['link_seconds'] if r['crosses_link'] else None, '.3f'):>7} "
                      f"{_f(r.get('speedup_vs_full'), '.1f'):>6}")
     lines.append("Mbit/s = the row's bytes over its median seconds; of link = that / the measured link; link s = the "
-                 "row's bytes alone at the measured rate; x full = a delta row's speed-up over the full flattened "
+                 "row's bytes alone at the measured rate; x full = an FP8 or delta row's speed-up over the full bf16 flattened "
                  "sync of the same bucket size. Disk rows do not cross the link (both hosts share this machine's "
                  "filesystem).")
     return "\n".join(lines)
@@ -411,7 +437,7 @@ def format_link(rows: Sequence[dict], link: dict) -> str:
 
 # One colour family per kind, used by the method lines and by that kind's target line, so the legend reads
 # the same in every panel.
-_FAMILY = {"floor": "Greys", "flattened": "Blues", "delta": "Reds", "per-tensor": "Oranges", "colocated": "Purples", "disk": "Greens"}
+_FAMILY = {"floor": "Greys", "flattened": "Blues", "fp8": "YlOrBr", "delta": "Reds", "per-tensor": "Oranges", "colocated": "Purples", "disk": "Greens"}
 _TARGET_OF = {"flattened": "flat_ratio", "disk": "disk_ratio"}
 
 

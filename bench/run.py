@@ -86,6 +86,9 @@ class BenchConfig:
     sync (broadcast, first bucket size) into a server of its own. Empty: no delta rows."""
     delta_warmup: int = 5
     """Optimizer steps (at the first delta learning rate, each published) before the delta rows are timed."""
+    fp8: bool = True
+    """The FP8 rows (:mod:`bench.fp8`): the flattened broadcast at the first bucket size with ``encoding="fp8"`` into
+    a server serving FP8 of its own, its bucket fills alone, and its floor (the FP8 bytes in one broadcast)."""
     link: str | None = None
     """A tc rate (``200mbit``, ``1gbit``): the servers on a host of their own behind a link shaped to it
     (:mod:`bench.netns`; needs root). None: everything on this host's loopback."""
@@ -215,8 +218,8 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
         if etcd is not None:
             etcd.close()
         clean_run(run_dir, keep=cfg.keep_run or bool(failed))
-    rows = rep.build_rows(sizes)
-    targets = rep.check_targets(rows)
+    rows = rep.build_rows(sizes, cfg.link)
+    targets = rep.check_targets(rows, cfg.link)
     warmups = rep.build_warmups(sizes)
     meta = _meta(cfg, sizes, time.perf_counter() - t0, etcd is not None, place)
     table = rep.format_table(rows, targets, warmups)
@@ -266,7 +269,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
     backends = {"dir": f"file://{ensure_dir(run_dir, 'name_resolve')}"}
     if etcd is not None:
         backends["etcd"] = etcd.url
-    server = watchers = trainer = delta_server = None
+    server = watchers = trainer = delta_server = fp8_server = None
     try:
         if cfg.delta_lrs:  # the delta rows' own server (bench.delta)
             delta_server = launch_server(
@@ -275,6 +278,13 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
                 env={**quiet, **place["server_env"]}, ready_timeout=300)
             extra = {"delta_server": delta_server.url, "delta_lrs": cfg.delta_lrs, "delta_warmup": cfg.delta_warmup,
                      **(extra or {})}
+        if cfg.fp8:  # the FP8 rows' own server (bench.fp8): it serves the projections as block FP8
+            fp8_server = launch_server(
+                model=model_dir, log_path=os.path.join(size_dir, "fp8-server.log"), dtype=cfg.serving_dtype,
+                use_sglang=False, extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout),
+                                              "--quantization", "fp8"],
+                env={**quiet, **place["server_env"]}, ready_timeout=300)
+            extra = {"fp8_server": fp8_server.url, **(extra or {})}
         server = launch_server(
             model=model_dir, log_path=os.path.join(size_dir, "server.log"), dtype=cfg.serving_dtype, use_sglang=False,
             extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)],
@@ -307,7 +317,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
             trainer.close()
         for w in watchers or ():
             w.stop()
-        for s in (server, delta_server):
+        for s in (server, delta_server, fp8_server):
             if s is not None:
                 s.stop()
 

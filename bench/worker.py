@@ -14,6 +14,10 @@ Methods (each is one ``WeightPublisher.publish``, collective on every rank):
   ``/update_weights_from_distributed`` request and one broadcast per tensor.
 - ``colocated-<N>MiB``: buckets of N MiB (the first bucket size) handed over in /dev/shm files
   (``spec["colocated"]``, on by default).
+- ``fp8-<N>MiB``, ``gather-fp8-<N>MiB``, ``raw-broadcast-fp8`` (``spec["fp8_server"]``, on by default): the
+  flattened broadcast with ``encoding="fp8"`` into a server serving FP8, its bucket fills alone, and its floor,
+  the FP8 bytes in one broadcast to that server (:mod:`bench.fp8`).
+- ``delta-lr<LR>`` (``spec["delta_server"]``): a delta sync after one optimizer step at LR (:mod:`bench.delta`).
 - ``disk-<backend>``: snapshot write + fsync + announcement + load, ``wait_loaded=True``; a watcher in
   the driver process loads each announced version into the server. ``disk-dir-rank0`` (when the
   publisher has ``disk_writers`` and there are 2+ ranks): the same with rank 0 writing every file, the
@@ -149,12 +153,17 @@ class _Bench:
             from bench.delta import DeltaRows
 
             self.delta = DeltaRows(self, spec, common)
+        self.fp8 = None  # the FP8 rows (bench.fp8), into a server serving FP8 of its own
+        if spec.get("fp8_server"):
+            from bench.fp8 import Fp8Rows
+
+            self.fp8 = Fp8Rows(self, spec, common)
         # The device the broadcast transport gathers into (BroadcastTransport.buffer): CUDA only under NCCL.
         self.wire_device = self.device if (self.backend or _default_backend()) == "nccl" else torch.device("cpu")
         # The bench's own gathers run on a group of their own, as the publisher's do.
         self.gather_group = (dist.new_group(backend=self.backend or _default_backend())
                              if engine.world_size > 1 else None)
-        self.raw_pg = None
+        self.raw_pgs: dict[str, tuple] = {}  # server URL -> (group, its name): the raw broadcast floor's group to it
         self.pool = cf.ThreadPoolExecutor(2, thread_name_prefix="bench-http") if self.rank0 else None
         os.makedirs(spec["floor_dir"], exist_ok=True)
 
@@ -174,6 +183,7 @@ class _Bench:
             out.append((name, lambda b=budget, d=device: self._gather_only(b, d)))
         for mb in spec["buckets_mb"]:
             out.append((f"flat-{mb:g}MiB", lambda mb=mb: self._publish_broadcast("flattened_bucket", mb)))
+        out += self.fp8.items() if self.fp8 is not None else []
         out += self.delta.items() if self.delta is not None else []
         out.append(("per-tensor", lambda: self._publish_broadcast("per_tensor", spec["per_tensor_bucket_mb"])))
         if self.colocated is not None:
@@ -244,22 +254,23 @@ class _Bench:
 
     def close(self) -> None:
         self.broadcast.close()
-        if self.delta is not None:
-            self.delta.close()
+        for rows in (self.delta, self.fp8):
+            if rows is not None:
+                rows.close()
         if self.colocated is not None:
             self.colocated.close()
         for pub in self.disks.values():
             pub.close()
-        if self.raw_pg is not None:
+        for url, (pg, name) in list(self.raw_pgs.items()):
             from bridge.client import ServerClient
             from bridge.process_group import destroy_custom_process_group
 
-            pg, self.raw_pg = self.raw_pg, None
+            del self.raw_pgs[url]
             destroy_custom_process_group(pg)
             try:
-                ServerClient(self.url, timeout=10).destroy_weights_update_group(group_name=RAW_GROUP)
+                ServerClient(url, timeout=10).destroy_weights_update_group(group_name=name)
             except BridgeError as e:
-                logger.debug("destroying %s on the server: %s", RAW_GROUP, e)
+                logger.debug("destroying %s on %s: %s", name, url, e)
         if self.pool is not None:
             self.pool.shutdown(wait=False)
 
@@ -267,7 +278,7 @@ class _Bench:
 
     def _publish_broadcast(self, load_format: str, bucket_mb: float) -> dict | None:
         cfg = self.broadcast.config
-        cfg.load_format, cfg.bucket_mb = load_format, bucket_mb
+        cfg.options.load_format, cfg.bucket_mb = load_format, bucket_mb
         gather = _gather_name(cfg.bucket_bytes, self.wire_device, per_tensor=load_format == "per_tensor")
         return self._publish(self.broadcast, gather)
 
@@ -339,23 +350,27 @@ class _Bench:
         del shard, out
         return {"seconds": seconds, "bytes": per_rank * world * dtype.itemsize} if self.rank0 else None
 
-    def _raw_broadcast(self) -> dict | None:
+    def _raw_broadcast(self, url: str | None = None, nbytes: int | None = None) -> dict | None:
+        """One broadcast of ``nbytes`` (default: the model's bytes) to the server at ``url`` (default: the main one)."""
         if not self.rank0:
             return None
-        first = self.raw_pg is None
+        url, nbytes = url or self.url, nbytes or self.nbytes
+        first = url not in self.raw_pgs
         t_init = time.perf_counter()
-        if first:
-            self._init_raw_group()
+        if first:  # (group names are per process: one more server, one more name)
+            name = RAW_GROUP + (f"_{len(self.raw_pgs)}" if self.raw_pgs else "")
+            self.raw_pgs[url] = (self._init_raw_group(url, name), name)
+        pg, name = self.raw_pgs[url]
         group_init = time.perf_counter() - t_init
-        buf = torch.ones(self.nbytes, dtype=torch.uint8, device=self.wire_device)
+        buf = torch.ones(nbytes, dtype=torch.uint8, device=self.wire_device)
         t0 = time.perf_counter()
-        answer = self.pool.submit(self._post, RECV_RAW_ROUTE, {"group_name": RAW_GROUP, "nbytes": self.nbytes})
-        work = dist.broadcast(buf, src=0, group=self.raw_pg, async_op=True)
+        answer = self.pool.submit(self._post, RECV_RAW_ROUTE, {"group_name": name, "nbytes": nbytes}, url)
+        work = dist.broadcast(buf, src=0, group=pg, async_op=True)
         reply = answer.result(timeout=2 * self.timeout)  # the server answers once it has received every byte
         work.wait(timedelta(seconds=self.timeout))
         self._sync()
         seconds = time.perf_counter() - t0
-        rec = {"seconds": seconds, "bytes": self.nbytes, "server_seconds": reply.get("seconds")}
+        rec = {"seconds": seconds, "bytes": nbytes, "server_seconds": reply.get("seconds")}
         if first:
             rec["group_init"] = group_init
         return rec
@@ -418,16 +433,17 @@ class _Bench:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _post(self, route: str, body: dict) -> dict:
+    def _post(self, route: str, body: dict, url: str | None = None) -> dict:
         import requests
 
-        r = requests.post(self.url + route, json=body, timeout=2 * self.timeout)
+        url = url or self.url
+        r = requests.post(url + route, json=body, timeout=2 * self.timeout)
         try:
             data = r.json()
         except ValueError:
             data = {"message": r.text}
         if r.status_code != 200 or not data.get("success", False):
-            raise ConfigError(f"{self.url}{route} answered HTTP {r.status_code}: {data.get('message') or data}")
+            raise ConfigError(f"{url}{route} answered HTTP {r.status_code}: {data.get('message') or data}")
         return data
 
     def _check_route(self) -> None:
@@ -441,23 +457,24 @@ class _Bench:
                 "server (`wsync serve`), not real SGLang"
             )
 
-    def _init_raw_group(self) -> None:
+    def _init_raw_group(self, url: str, name: str):
         from bridge.client import ServerClient
         from bridge.process_group import find_free_port, init_custom_process_group
         from bridge.transports.broadcast import master_address_for
 
         # Where the servers reach this rank, as the publisher finds it: 127.0.0.1 on one host, else this host's
         # address on the way to the server (bench --link: the trainer namespace's end of the link).
-        address = master_address_for([self.url], None)
+        address = master_address_for([url], None)
         port = find_free_port(address)
         backend = self.backend or _default_backend()
-        client = ServerClient(self.url, timeout=self.timeout)
+        client = ServerClient(url, timeout=self.timeout)
         joined = self.pool.submit(lambda: client.init_weights_update_group(
-            master_address=address, master_port=port, rank_offset=1, world_size=2, group_name=RAW_GROUP,
+            master_address=address, master_port=port, rank_offset=1, world_size=2, group_name=name,
             backend=backend, timeout=2 * self.timeout))
-        self.raw_pg = init_custom_process_group(master_address=address, master_port=port, world_size=2, rank=0,
-                                                group_name=RAW_GROUP, backend=backend, timeout=self.timeout)
+        pg = init_custom_process_group(master_address=address, master_port=port, world_size=2, rank=0,
+                                       group_name=name, backend=backend, timeout=self.timeout)
         joined.result(timeout=2 * self.timeout)
+        return pg
 
 
 def _gather_name(bucket_bytes: int, device: torch.device, per_tensor: bool = False) -> str:

@@ -1,13 +1,25 @@
-"""How and where to publish: :class:`PublisherConfig`, the settings every transport shares, and the options
-of the chosen one.
+"""How and where to publish: :class:`PublisherConfig`, nested as the trainer's config is: one dataclass per
+concern, each checked when built.
 
-Each transport declares its own options as a small dataclass (``Transport.Options``, checked in its own
-``__post_init__``: :class:`bridge.transports.base.SessionOptions`, ``BroadcastOptions``, ``DiskOptions``).
-``PublisherConfig`` takes them either as that object (``options=DiskOptions(disk_writers="rank0")``) or
-as flat keywords, as it always has (``PublisherConfig(transport="disk", disk_writers="rank0")``), and
-reads them back as attributes (``config.disk_writers``). A keyword that is an option of another
-transport is a ConfigError naming the transport it belongs to (it would have no effect), and so is a
-keyword no transport knows.
+================  ======================  ==================================================================
+group             class                   settings
+================  ======================  ==================================================================
+``run``           :class:`RunIdentity`    ``experiment``, ``trial``, ``new_run``
+``fleet``         :class:`Fleet`          ``servers``, ``server_registry``, ``min_servers``, ``probe_timeout``
+``timeouts``      :class:`Timeouts`       ``http_timeout``, ``group_timeout``
+``auth``          :class:`Auth`           ``api_key``, ``admin_api_key``
+``options``       ``Transport.Options``   the chosen transport's own (``DiskOptions``, ``BroadcastOptions``, ...)
+``encoding_       ``Encoding.Options``    the chosen encoding's own (``DeltaOptions``, ``Fp8Options``)
+options``
+================  ======================  ==================================================================
+
+Besides them, at the top: ``transport``, ``encoding``, ``bucket_mb``, ``serving_dtype``, ``backend``,
+``progress``. Every group is given either as its object (``fleet=Fleet(servers=[...])``) or as flat keywords,
+as it always was (``PublisherConfig(transport="disk", keep_snapshots=5, servers=[...])``); a setting reads
+back flat too (``config.http_timeout`` is ``config.timeouts.http_timeout``). An option of another transport
+or encoding is a ConfigError naming the one it belongs to (it would have no effect), and so is a keyword
+nothing knows. Every setting is an :func:`bridge.options.option` field: its default and help are written
+once, there, and ``wsync train`` generates its flags from them (``wsync/flags.py``).
 """
 
 from __future__ import annotations
@@ -15,18 +27,21 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from bridge.encodings import encoding_class
+from bridge.encodings.registry import encoding_names, encoding_option_fields
 from bridge.errors import ConfigError
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
+from bridge.options import OptionField, fields_of, option
 from bridge.tensors import dtype_from_str
-from bridge.transports.registry import option_fields, transport_class
+from bridge.transports.base import SessionOptions
+from bridge.transports.registry import option_fields, transport_class, transport_names
 
-__all__ = ["PublisherConfig"]
+__all__ = ["Auth", "Fleet", "PublisherConfig", "RunIdentity", "Timeouts", "config_fields"]
 
 
 def _default_bucket_mb() -> float:
@@ -37,168 +52,252 @@ def _default_bucket_mb() -> float:
     return 512.0 if torch.cuda.is_available() else 32.0
 
 
-@dataclass(kw_only=True, init=False)
+def _positive_seconds(group: object, *names: str) -> None:
+    for name in names:
+        value = getattr(group, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunIdentity:
+    """Which run this publisher is: the run id the servers see and the keys its announcements go under."""
+
+    experiment: str = option(DEFAULT_EXPERIMENT, "experiment name: part of the run id servers see and of the "
+                                                 "announcement keys")
+    trial: str = option(DEFAULT_TRIAL, "trial name: part of the run id servers see and of the announcement keys")
+    new_run: bool = option(False, "start a new run on the servers: versions may start below the one they serve (a "
+                                  "restarted trainer counting from 1 again); without it they refuse a version that "
+                                  "goes back unless experiment/trial changed. Disk announcements still only go up "
+                                  "per experiment/trial")
+
+
+@dataclass(kw_only=True, slots=True)
+class Fleet:
+    """The servers: a fixed list, or where they are found at every publish, and how many must answer."""
+
+    servers: Sequence[str] = option((), "server to publish to, its base URL (repeat for several; with "
+                                        "server_registry, found at every publish besides)", flag="server",
+                                    metavar="URL", many=True)
+    server_registry: str | Sequence[str] | None = option(
+        None, "where the servers are found, read again at every publish: etcd://host:port or file:///dir "
+              "(servers registered under wsync/<experiment>/<trial>/servers/, by `wsync serve --register` or "
+              "`wsync register`), router+http://host:port (the workers of an sglang-router or smg); repeat for a "
+              "registry and the router that is the rotation (docs/fleet.md)", metavar="URL", many=True)
+    min_servers: int = option(1, "a publish fails when fewer servers than this answer, or take the version (a dead "
+                                 "one is excluded)", metavar="N")
+    probe_timeout: float = option(5.0, "seconds each server has to answer the probe before every sync (at most "
+                                       "http_timeout)", metavar="S")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.servers, str):
+            raise ConfigError(f"servers must be a list of URLs, got the string {self.servers!r}")
+        self.servers = [s.rstrip("/") for s in self.servers]
+        if isinstance(self.server_registry, str) or self.server_registry is None:
+            registries = [self.server_registry] if self.server_registry else []
+        else:
+            registries = self.server_registry = list(self.server_registry) or None
+        from bridge.fleet.discovery import check_registry_url
+
+        for url in registries or ():
+            check_registry_url(url)
+        if isinstance(self.min_servers, bool) or not isinstance(self.min_servers, int) or self.min_servers < 1:
+            raise ConfigError(f"min_servers must be an integer >= 1, got {self.min_servers!r}")
+        _positive_seconds(self, "probe_timeout")
+
+
+@dataclass(kw_only=True, slots=True)
+class Timeouts:
+    """How long a call to a server and a collective may take."""
+
+    http_timeout: float = option(60.0, "seconds for each HTTP call to a server", metavar="S")
+    group_timeout: float = option(60.0, "seconds for a group rendezvous and for each gather or broadcast to "
+                                        "complete", metavar="S")
+
+    def __post_init__(self) -> None:
+        _positive_seconds(self, "http_timeout", "group_timeout")
+
+
+@dataclass(kw_only=True, slots=True)
+class Auth:
+    """The servers' bearer keys."""
+
+    api_key: str | None = option(None, "bearer key for the servers' --api-key (every route; the control routes "
+                                       "too unless admin_api_key)", metavar="KEY")
+    admin_api_key: str | None = option(None, "bearer key for the servers' --admin-api-key: SGLang's control routes "
+                                             "then accept only this key", metavar="KEY")
+
+
+GROUPS = {"run": RunIdentity, "fleet": Fleet, "timeouts": Timeouts, "auth": Auth}
+"""The groups of shared settings, by the attribute that holds each."""
+
+_OPTION_HOLDERS = (*GROUPS, "options", "encoding_options")
+
+
+@dataclass(kw_only=True, slots=True, init=False)
 class PublisherConfig:
-    """How and where to publish: the settings every transport shares, and ``options``, the chosen
-    transport's own (see the module docstring). Checked when built.
+    """How and where to publish (see the module docstring): the groups, the chosen transport's and
+    encoding's options, and the settings at the top. Every argument is a keyword; checked when built."""
 
-    Every argument is a keyword: the shared settings (the signature lists them with their defaults; each is
-    documented where it is declared, in ``bridge/config.py``), then ``options``, or the chosen transport's
-    options as flat keywords (``bridge.transports.option_fields()`` lists them with the transports that take
-    them; another transport's option is a ConfigError).
-    """
-
-    transport: str = "broadcast"
-    """A registered transport (``bridge.transports.transport_names()``): ``broadcast`` (alias ``nccl``), a
-    custom process group, one broadcast per bucket; ``colocated``, servers on this host, buckets handed
-    over by reference; ``disk``, HF snapshots announced in name resolution."""
-    servers: Sequence[str] = ()
-    """Base URLs of the servers (a fixed list; or, with ``server_registry``, found at every publish)."""
-    server_registry: str | Sequence[str] | None = None
-    """Where the servers are found, read again at the start of every publish: ``etcd://host:port`` or
-    ``file:///dir`` (servers registered under ``wsync/<experiment>/<trial>/servers/``), or
-    ``router+http://host:port`` (the workers of an sglang-router or smg); several for a registry and the
-    router that is the rotation (docs/fleet.md)."""
-    min_servers: int = 1
-    """A publish fails when fewer servers than this answer, or take the version (a dead one is excluded)."""
-    probe_timeout: float = 5.0
-    """Seconds each server has to answer the probe before every sync (at most ``http_timeout``)."""
-    experiment: str = DEFAULT_EXPERIMENT
-    """Experiment name: part of the run id servers see and of the announcement keys."""
-    trial: str = DEFAULT_TRIAL
-    """Trial name: part of the run id servers see and of the announcement keys."""
-    bucket_mb: float = field(default_factory=_default_bucket_mb)
-    """Byte budget of one bucket, in MiB. Rank 0 holds at most about two buckets."""
-    serving_dtype: str = "bfloat16"
-    """dtype the servers serve; weights are cast to it on the way (fp32 master -> bf16)."""
-    backend: str | None = None
-    """``nccl`` or ``gloo`` for the trainer's gathers and the weight-update group; default: nccl with
-    CUDA, gloo without."""
-    http_timeout: float = 60.0
-    """Seconds for each HTTP call to a server."""
-    group_timeout: float = 60.0
-    """Seconds for a group rendezvous and for each gather or broadcast to complete."""
-    api_key: str | None = None
-    """Bearer key for the servers' ``--api-key`` (every route; the control routes too unless ``admin_api_key``)."""
-    admin_api_key: str | None = None
-    """Bearer key for the servers' ``--admin-api-key``: SGLang's control routes then accept only this key."""
-    progress: bool = True
-    """Show a progress bar for syncs that take longer than a second."""
-    new_run: bool = False
-    """This publisher starts a new run: its first publish may go below the version the servers serve (a
-    restarted trainer counting from 1 again). Without it the reference server refuses a version older
-    than the served one unless ``experiment``/``trial`` (the run id it is sent) changed."""
-    encoding: str = "full"
-    """How each sync's bytes are formed (:mod:`bridge.encodings`): ``full``, every tensor; ``delta`` (broadcast
-    and colocated), what changed since the version the servers serve, with a full sync (an anchor) when
-    there is no base, a server is on another version, the delta would cost more than a full sync, or every
-    ``delta_anchor_every`` versions."""
-    delta_anchor_every: int = 50
-    """With ``encoding="delta"``: at least every this many versions, a full sync. At 2-10 % delta bytes an
-    anchor every 50 versions adds about 2 % to the bytes moved on average."""
-    delta_max_fraction: float = 0.5
-    """With ``encoding="delta"``: a delta larger than this fraction of the full bytes is always sent as a
-    full sync. Below it the measured costs decide (:mod:`bridge.delta_cost`: the delta's bytes at what the
-    last syncs paid per byte, plus its diff, against the last full syncs' time), since where a delta pays
-    depends on the link: on CPU loopback one of 15 % of the bytes took 1.26 of the full sync's time, over a
-    200 Mbit/s link far less. Each rank estimates it from a sample first, so a sync that will be full skips
-    the diff."""
-    fp8_skip: tuple = ()
-    """With ``encoding="fp8"``: regular expressions of module names to leave in the serving dtype besides the rule
-    of :mod:`bridge.fp8` (``layers\\.0\\.``, say); the servers must be started with the same ``--fp8-skip``."""
+    transport: str = option("broadcast", "how the buckets reach the servers, a registered transport "
+                                         "(bridge.transports): broadcast (alias nccl), a custom process group, one "
+                                         "broadcast per bucket; colocated, servers on this host, buckets handed over "
+                                         "by reference; disk, HF snapshots announced in name resolution",
+                            choices=transport_names)
+    encoding: str = option("full", "how each sync's bytes are formed (bridge.encodings): full, every tensor; delta "
+                                   "(broadcast, colocated), what changed since the version the servers serve, with a "
+                                   "full sync (an anchor) when needed; fp8, every tensor, the projections as block "
+                                   "FP8 (servers started with --quantization fp8; docs/fp8.md)",
+                           choices=encoding_names)
+    bucket_mb: float = option(help="byte budget of one bucket, in MiB; rank 0 holds at most about two buckets",
+                              factory=_default_bucket_mb, metavar="MIB")
+    serving_dtype: str = option("bfloat16", "dtype the servers serve; weights are cast to it on the way (fp32 "
+                                            "master -> bf16)")
+    backend: str | None = option(None, "nccl or gloo for the trainer's gathers and the weight-update group "
+                                       "(default: nccl with CUDA, gloo without)", choices=("nccl", "gloo"))
+    progress: bool = option(True, "show a progress bar for syncs that take longer than a second")
+    run: RunIdentity = option(help="which run this is", factory=RunIdentity)
+    fleet: Fleet = option(help="the servers", factory=Fleet)
+    timeouts: Timeouts = option(help="how long calls may take", factory=Timeouts)
+    auth: Auth = option(help="the servers' keys", factory=Auth)
     options: Any = None
     """The transport's options (an instance of ``transport_class(transport).Options``); built from the
     flat keywords when not given."""
+    encoding_options: Any = None
+    """The encoding's options (an instance of ``encoding_class(encoding).Options``); built from the flat
+    keywords when not given."""
 
-    def __init__(self, *, options: Any = None, **keywords: Any):
-        shared = {f.name for f in dataclasses.fields(self)} - {"options"}
-        for f in dataclasses.fields(self):
-            if f.name in shared:
+    def __init__(self, *, options: Any = None, encoding_options: Any = None, **keywords: Any):
+        for f in dataclasses.fields(PublisherConfig):
+            if f.name in GROUPS:
+                setattr(self, f.name, _group(f.name, keywords))
+            elif f.name not in ("options", "encoding_options"):
                 value = keywords.pop(f.name) if f.name in keywords else (
                     f.default if f.default is not dataclasses.MISSING else f.default_factory())
                 setattr(self, f.name, value)
         cls = transport_class(self.transport)  # an unknown name is a ConfigError listing the known ones
         self.transport = cls.name  # aliases resolved
-        self.options = _options(cls, options, keywords)
+        enc = encoding_class(self.encoding)
+        _refuse_foreign(cls, enc, keywords)
+        self.options = _options(cls.Options, f"the {cls.name} transport", options, keywords)
+        self.encoding_options = _options(enc.Options, f"the {enc.name} encoding", encoding_options, keywords)
         self._check()
         cls.check_config(self)
-        encoding_class(self.encoding).check_config(self, cls)
+        enc.check_config(self, cls)
 
     @classmethod
-    def keywords(cls, transport: str | None = None) -> set[str]:
-        """The keywords the constructor takes for ``transport``: the shared settings and that transport's
-        options; without ``transport``, for some transport (every registered transport's options)."""
-        shared = {f.name for f in dataclasses.fields(cls)}
-        if transport is None:
-            return shared | {o.name for o in option_fields()}
-        return shared | {f.name for f in dataclasses.fields(transport_class(transport).Options)}
+    def keywords(cls, transport: str | None = None, encoding: str | None = None) -> set[str]:
+        """The flat keywords the constructor takes for ``transport`` and ``encoding``: the shared settings, that
+        transport's options and that encoding's; without one, every registered one's options."""
+        names = {f.name for f in dataclasses.fields(cls)} - set(GROUPS)
+        names |= {f.name for group in GROUPS.values() for f in dataclasses.fields(group)}
+        t = [o.name for o in option_fields()] if transport is None else \
+            [f.name for f in dataclasses.fields(transport_class(transport).Options)]
+        e = [o.name for o in encoding_option_fields()] if encoding is None else \
+            [f.name for f in dataclasses.fields(encoding_class(encoding).Options)]
+        return names | set(t) | set(e)
 
     def __getattr__(self, name: str) -> Any:
-        # Only called for names that are not attributes: the options read as the config's own.
-        options = self.__dict__.get("options")
-        if options is not None and name in {f.name for f in dataclasses.fields(options)}:
-            return getattr(options, name)
-        raise AttributeError(f"PublisherConfig has no setting {name!r} for the {self.__dict__.get('transport')} transport")
+        # Only called for names that are not attributes: a group's setting or an option, read flat.
+        for holder in _OPTION_HOLDERS:
+            try:
+                obj = object.__getattribute__(self, holder)
+            except AttributeError:  # not set yet (a failed __init__)
+                continue
+            if obj is not None and name in _names(type(obj)):
+                return getattr(obj, name)
+        raise AttributeError(f"PublisherConfig has no setting {name!r} (for the {_safe(self, 'transport')} transport "
+                             f"and the {_safe(self, 'encoding')} encoding)")
 
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 1024 * 1024)
 
+    @property
+    def session_options(self) -> SessionOptions | None:
+        """The chosen transport's options when it updates servers in sessions (pause mode, load format, writer
+        lease and lock: broadcast, colocated); None for one that does not (disk)."""
+        return self.options if isinstance(self.options, SessionOptions) else None
+
     def _check(self) -> None:
-        if isinstance(self.servers, str):
-            raise ConfigError(f"servers must be a list of URLs, got the string {self.servers!r}")
-        self.servers = [s.rstrip("/") for s in self.servers]
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         dtype_from_str(self.serving_dtype)
-        for name in ("http_timeout", "group_timeout"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
-        if isinstance(self.server_registry, str) or self.server_registry is None:
-            registries = [self.server_registry] if self.server_registry else []
-        else:
-            registries = self.server_registry = list(self.server_registry)
-        from bridge.fleet.discovery import check_registry_url
-
-        for url in registries:
-            check_registry_url(url)
-        if isinstance(self.min_servers, bool) or not isinstance(self.min_servers, int) or self.min_servers < 1:
-            raise ConfigError(f"min_servers must be an integer >= 1, got {self.min_servers!r}")
-        if not self.probe_timeout > 0:
-            raise ConfigError(f"probe_timeout must be a positive number of seconds, got {self.probe_timeout}")
         if self.backend not in (None, "nccl", "gloo"):
             raise ConfigError(f"backend must be nccl or gloo (or None: nccl with CUDA, gloo without), got {self.backend!r}")
 
 
-def _options(cls, options: Any, keywords: dict[str, Any]) -> Any:
-    """The transport's options object, from ``options`` or the flat keywords (see the module docstring)."""
-    own = {f.name for f in dataclasses.fields(cls.Options)}
-    if options is not None:
-        if not isinstance(options, cls.Options):
-            raise ConfigError(f"options for the {cls.name} transport must be a {cls.Options.__name__}, "
-                              f"got {type(options).__name__}")
-        clash = sorted(own & set(keywords))
-        if clash:
-            raise ConfigError(f"{clash} given both as keywords and in options=; give each once")
-    others = {o.name: o.transports for o in option_fields()}
-    unknown = sorted(set(keywords) - own - set(others))
+def _names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def _safe(config: PublisherConfig, name: str) -> str:
+    try:
+        return object.__getattribute__(config, name)
+    except AttributeError:
+        return "?"
+
+
+def _group(name: str, keywords: dict[str, Any]) -> Any:
+    """The group ``name``: its object given as ``name=``, or built from its flat keywords (taken out of ``keywords``)."""
+    cls = GROUPS[name]
+    flat = {k: keywords.pop(k) for k in _names(cls) if k in keywords}
+    given = keywords.pop(name, None)
+    if given is None:
+        return cls(**flat)
+    if not isinstance(given, cls):
+        raise ConfigError(f"{name}= must be a {cls.__name__}, got {type(given).__name__}")
+    if flat:
+        raise ConfigError(f"{sorted(flat)} given both as keywords and in {name}=; give each once")
+    return given
+
+
+def _refuse_foreign(cls, enc, keywords: dict[str, Any]) -> None:
+    """A ConfigError for a keyword no one knows, or that is another transport's or encoding's option."""
+    owners = {o.name: f"the {_and(o.owners)} transport{'s' if len(o.owners) > 1 else ''}" for o in option_fields()}
+    owners |= {o.name: f"the {_and(o.owners)} encoding{'s' if len(o.owners) > 1 else ''}"
+               for o in encoding_option_fields()}
+    own = _names(cls.Options) | _names(enc.Options)
+    unknown = sorted(set(keywords) - own - set(owners))
     if unknown:
         raise ConfigError(f"PublisherConfig got unknown keyword(s) {unknown}; known: {sorted(PublisherConfig.keywords())}")
     foreign = sorted(set(keywords) - own)
     if foreign:
-        raise ConfigError("; ".join(f"{name} is an option of the {_names(others[name])}, not of {cls.name}"
+        raise ConfigError("; ".join(f"{name} is an option of {owners[name]}, not of {_mine(name, cls, enc)}"
                                     for name in foreign)
-                          + f" (the {cls.name} transport's options: {sorted(own) or 'none'})")
-    if options is not None:
-        return options
-    return cls.Options(**{k: v for k, v in keywords.items() if k in own})
+                          + "".join(f" (the {o.name} {kind}'s options: {sorted(_names(o.Options)) or 'none'})"
+                                    for o, kind in ((cls, "transport"), (enc, "encoding"))
+                                    if any((_mine(n, cls, enc) == cls.name) == (kind == "transport") for n in foreign)))
 
 
-def _names(transports: tuple[str, ...]) -> str:
-    """``disk transport``, ``broadcast and colocated transports``, ``a, b and c transports``."""
-    if len(transports) == 1:
-        return f"{transports[0]} transport"
-    return f"{', '.join(transports[:-1])} and {transports[-1]} transports"
+def _mine(name: str, cls, enc) -> str:
+    """``broadcast`` for a foreign transport option, ``the full encoding`` for a foreign encoding option."""
+    return cls.name if name in {o.name for o in option_fields()} else f"the {enc.name} encoding"
+
+
+def _options(options_cls: type, owner: str, given: Any, keywords: dict[str, Any]) -> Any:
+    """The options object of ``owner`` (a transport or an encoding), ``given`` or built from its flat keywords."""
+    own = {k: keywords[k] for k in _names(options_cls) if k in keywords}
+    if given is None:
+        return options_cls(**own)
+    if not isinstance(given, options_cls):
+        raise ConfigError(f"options for {owner} must be a {options_cls.__name__}, got {type(given).__name__}")
+    if own:
+        raise ConfigError(f"{sorted(own)} given both as keywords and in the options of {owner}; give each once")
+    return given
+
+
+def _and(names: tuple[str, ...]) -> str:
+    """``disk``, ``broadcast and colocated``, ``a, b and c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def config_fields() -> list[OptionField]:
+    """Every setting of a publisher as a command line shows it: the top settings, each group's, then every
+    transport's options and every encoding's (their ``owners`` say whose)."""
+    top = [f for f in fields_of(PublisherConfig) if f.name not in (*GROUPS, "options", "encoding_options")]
+    groups = [f for g in GROUPS.values() for f in fields_of(g)]
+    return [*top, *groups, *option_fields(), *encoding_option_fields()]
 
 
 class _Described:
@@ -212,15 +311,20 @@ class _Described:
 
 
 def _signature() -> inspect.Signature:
-    """The constructor as ``help()`` and editors should show it: each shared setting, ``options``, then
-    the chosen transport's options as ``**transport_options``."""
+    """The constructor as ``help()`` and editors should show it: each setting at the top, each group's settings
+    (flat keywords), the groups, ``options`` and ``encoding_options``, then the chosen transport's and
+    encoding's options as ``**transport_options``."""
+    K = inspect.Parameter.KEYWORD_ONLY
     params = []
-    for f in dataclasses.fields(PublisherConfig):
-        if f.name == "options":
+    for f in (*dataclasses.fields(PublisherConfig), *(f for g in GROUPS.values() for f in dataclasses.fields(g))):
+        if f.name in GROUPS or f.name in ("options", "encoding_options"):
             continue
         default = f.default if f.default is not dataclasses.MISSING else _Described(f.default_factory.__doc__)
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.type))
-    params.append(inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Any"))
+        params.append(inspect.Parameter(f.name, K, default=default, annotation=f.type))
+    for name, cls in GROUPS.items():
+        params.append(inspect.Parameter(name, K, default=None, annotation=f"{cls.__name__} | None"))
+    params.append(inspect.Parameter("options", K, default=None, annotation="Any"))
+    params.append(inspect.Parameter("encoding_options", K, default=None, annotation="Any"))
     params.append(inspect.Parameter("transport_options", inspect.Parameter.VAR_KEYWORD, annotation="Any"))
     return inspect.Signature(params)
 

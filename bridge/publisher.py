@@ -418,7 +418,8 @@ class WeightPublisher:
         if self._labels is None:
             from bridge.labels import LabelRecords
 
-            self._labels = LabelRecords(getattr(self.config, "writer_lock", None))
+            sessions = self.config.session_options  # the lock of a transport that updates servers in sessions
+            self._labels = LabelRecords(sessions.writer_lock if sessions is not None else None)
         return self._labels
 
     def _forget_stale_labels(self, plan: Plan) -> None:

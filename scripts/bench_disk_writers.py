@@ -62,7 +62,9 @@ def _rank(rank: int, world: int, port: int, args: dict, q) -> None:
         engine.initialize()
         MODES[:] = args["modes"]
         # Code from before disk_writers existed (--modes rank0 on an older checkout) has only rank 0.
-        has_writers = "disk_writers" in PublisherConfig.__dataclass_fields__
+        # (a flat field once, a disk option since PublisherConfig.keywords)
+        has_writers = "disk_writers" in (PublisherConfig.keywords("disk") if hasattr(PublisherConfig, "keywords")
+                                         else PublisherConfig.__dataclass_fields__)
         pubs = {
             mode: WeightPublisher(PublisherConfig(
                 transport="disk", name_resolve=f"file://{args['root']}/nr", snapshot_root=f"{args['root']}/{mode}",

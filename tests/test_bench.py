@@ -36,7 +36,16 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
     if shutil.which("etcd"):
         expected.add("disk-etcd")
     expected |= {"delta-lr1e-06", "delta-lr1e-05"}
+    expected |= {f"fp8-{bucket}", f"gather-fp8-{bucket}", "raw-broadcast-fp8", "floor: gather+broadcast fp8"}
     assert expected <= methods, f"missing rows: {expected - methods}"
+    by = {r["method"]: r for r in report["rows"]}
+    # FP8 into a server serving FP8: fewer bytes than bf16, the same bytes as its floor, timed against the full sync.
+    fp8 = by[f"fp8-{bucket}"]
+    assert fp8["bytes"] == by["raw-broadcast-fp8"]["bytes"] < fp8["full_bytes"] == fp8["model_bytes"], fp8
+    assert fp8["speedup_vs_full"] > 0 and fp8["full_method"] == f"flat-{bucket}", fp8
+    assert {(r["method"], r["encoding"], r["link"]) for r in report["rows"] if r["method"] in (
+        f"fp8-{bucket}", f"flat-{bucket}", "delta-lr1e-06")} == {
+        (f"fp8-{bucket}", "fp8", None), (f"flat-{bucket}", "bfloat16", None), ("delta-lr1e-06", "delta", None)}
     for r in report["rows"]:
         assert r["bytes"] > 0 and r["seconds"]["n"] == 1, r
         assert r["seconds"]["median"] > 0, r
@@ -113,10 +122,12 @@ def test_link_bench_on_tiny_runs_the_rows_over_a_shaped_link(tmp_path):
     shown = {line.split()[1] if not line.split()[1] == "floor:" else " ".join(line.split()[1:3])
              for line in section.splitlines()[3:] if line.startswith("tiny ")}
     assert {"raw-broadcast", "floor: gather+broadcast", "flat-32MiB", "delta-lr1e-06", "per-tensor", "raw-disk",
-            "floor: gather+disk", "disk-dir"} <= shown, section
+            "floor: gather+disk", "disk-dir", "raw-broadcast-fp8", "fp8-32MiB"} <= shown, section
     assert not any(r["kind"] == "colocated" for r in report["rows"])  # /dev/shm does not cross a link
     rows = {r["method"]: r for r in report["rows"]}
     assert rows["delta-lr1e-06"]["bytes"] < rows["flat-32MiB"]["bytes"] == rows["raw-broadcast"]["bytes"]
+    assert rows["fp8-32MiB"]["bytes"] == rows["raw-broadcast-fp8"]["bytes"] < rows["flat-32MiB"]["bytes"]
+    assert all(r["link"] == "200mbit" for r in rows.values()) and rows["fp8-32MiB"]["encoding"] == "fp8"
     assert all(r["seconds"]["median"] > 0 for r in rows.values())
 
 
@@ -266,3 +277,44 @@ def test_delta_rows_in_the_report():
     targets = [t for t in check_targets(rows) if t["target"].startswith("delta")]
     assert [t["met"] for t in targets] == [True, True]
     assert "delta-lr1e-06: 1.00% of the elements changed" in format_table(rows, check_targets(rows))
+
+
+def test_fp8_rows_in_the_report():
+    """FP8 rows: their bytes against the bf16 bytes, their time against the full bf16 flattened sync and against the
+    same FP8 bytes through the same transport (their own floor), transfer only against their own bucket fills; every
+    row says what its bytes are and which link they crossed; the target differs on loopback and through a link."""
+    from bench.report import build_rows, check_targets, format_link
+
+    def runs(values, **extra):
+        extra = {"bytes": 400, **extra}
+        return {"first": {"seconds": values[0], **extra}, "runs": [{"seconds": v, **extra} for v in values]}
+
+    flat = dict(bytes=400, buckets=2, peak_extra_bytes=300, bucket_bytes=2**25, largest_bucket_bytes=200, phases={},
+                gather_item="gather-32MiB")
+    fp8 = {**flat, "bytes": 201, "largest_bucket_bytes": 101, "peak_extra_bytes": 150, "gather_item": "gather-fp8-32MiB",
+           "full_bytes": 400, "encoding": "fp8"}
+    items = {"raw-gather": runs([1.0, 1.0]), "raw-broadcast": runs([1.0, 1.0], server_seconds=0.4),
+             "raw-broadcast-fp8": runs([0.5, 0.5], bytes=201, server_seconds=0.2),
+             "gather-32MiB": runs([1.0, 1.0]), "gather-fp8-32MiB": runs([0.6, 0.6], bytes=201),
+             "flat-32MiB": runs([2.0, 2.0], **flat), "fp8-32MiB": runs([1.0, 1.0], **fp8)}
+    size = {"label": "medium", "params": 200, "bytes": 400, "tensors": 3, "items": items, "serving_dtype": "bfloat16"}
+    rows = build_rows([size], link="1gbit")
+    by = {r["method"]: r for r in rows}
+    f = by["fp8-32MiB"]
+    assert f["kind"] == "fp8" and f["encoding"] == "fp8" and f["link"] == "1gbit"
+    assert f["bytes_fraction"] == pytest.approx(201 / 400) and f["speedup_vs_full"] == pytest.approx(2.0)
+    assert f["floor"] == "floor: gather+broadcast fp8" and f["ratio"] == pytest.approx(1.5 / 1.0)
+    assert f["transfer_seconds"]["median"] == pytest.approx(0.4) and f["transfer_ratio"] == pytest.approx(0.5 / 0.4)
+    assert by["floor: gather+broadcast fp8"]["bytes"] == 201 and by["floor: gather+broadcast fp8"]["encoding"] == "fp8"
+    assert by["flat-32MiB"]["encoding"] == "bfloat16" and by["raw-broadcast"]["link"] == "1gbit"
+    assert by["gather-fp8-32MiB"]["encoding"] == "fp8"
+    [target] = [t for t in check_targets(rows, "1gbit") if t["target"].startswith("FP8")]
+    assert target["met"] is True and "1gbit link" in target["target"], target
+    [target] = [t for t in check_targets(rows) if t["target"].startswith("FP8")]
+    assert target["met"] is True and "loopback" in target["target"], target
+    peak = next(t for t in check_targets(rows) if t["target"].startswith("rank-0 peak"))
+    assert "broadcast fp8 worst 1.49x" in peak["measured"], peak
+    section = format_link(rows, {"rate": "1gbit", "trainer_addr": "10.201.0.1", "server_addr": "10.201.0.2",
+                                 "measured": {"mbit_s": 900.0, "bytes": 8e6, "seconds": 0.07}})
+    shown = [line.split()[1] for line in section.splitlines()[3:-1]]
+    assert shown.index("flat-32MiB") < shown.index("raw-broadcast-fp8") < shown.index("fp8-32MiB"), section

@@ -72,6 +72,27 @@ def test_twenty_delta_publishes_into_sglang_0_5_23_bit_exact(tiny_model_dir):
     assert all(r["bytes"] < rows[0]["bytes"] / 2 for r in rows[1:]), rows
 
 
+def test_sglang_that_does_not_require_zstandard_gets_deltas_without_the_zstd_stage(tiny_model_dir, tmp_path):
+    """SGLang requires the zstandard package from 0.5.20 on; before, its environment may lack it, and a zstd record
+    there would end the scheduler (the loader cannot answer an error). Into SGLang 0.5.8's code with the loader
+    and zstandard not importable in its process: every delta goes without the zstd stage, bit-exact, and the
+    server lives."""
+    import os
+
+    if not installed("0.5.8"):
+        pytest.skip("SGLang 0.5.8 is not installed (bash scripts/install_sglang.sh)")
+    stub = tmp_path / "no_zstd" / "zstandard"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('zstandard: not installed in this environment (the test)')\n")
+    path = os.pathsep.join([str(stub.parent), ROOT, os.environ.get("PYTHONPATH", "")])
+    with launch("0.5.8", tiny_model_dir, custom_weight_loader=LOADER, env={"PYTHONPATH": path}) as srv:
+        rows, _ = run_ranks(_served_rows, 2, args=(srv.url, 6, srv.url), timeout=600)
+        assert srv.alive(), srv.log_tail()
+    assert [r["encoding"] for r in rows] == ["anchor"] + ["delta"] * 5, rows
+    for r in rows:
+        assert not r["bad"] and r["served_version"] == str(r["version"]) and not r["unmatched"], r
+
+
 def test_sglang_without_the_loader_gets_anchors(tiny_model_dir):
     _need()
     with launch("0.5.23", tiny_model_dir) as srv:

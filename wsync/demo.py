@@ -26,6 +26,7 @@ import tempfile
 from bridge.errors import BridgeError, ConfigError, SyncError
 from bridge.launch import start_ranks, under_torchrun
 from bridge.name_resolve import DEFAULT_TRIAL
+from wsync.flags import add_config_flags, setting_default
 from wsync.train import add_model_arguments
 
 
@@ -47,10 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write every step's facts as JSON here")
     p.add_argument("--lr", type=float, default=1e-2, help="learning rate")
     p.add_argument("--batch-size", type=int, default=32, help="global batch size")
-    p.add_argument("--bucket-mb", type=float, default=None, help="broadcast bucket size in MiB")
-    p.add_argument("--serving-dtype", default="bfloat16", help="dtype the servers serve")
     p.add_argument("--max-new-tokens", type=int, default=12, help="length of the greedy answers compared")
     p.add_argument("--log-level", default="WARNING", help="log level of the demo's processes")
+    add_config_flags(p, only=("bucket_mb", "serving_dtype"))
     p.add_argument("--lora", action="store_true",
                    help="train a LoRA adapter (rank 8 on every projection) and publish only the adapter, by disk and by "
                         "tensors (--transport disk, colocated, or both); the servers serve it as lora_path=policy")
@@ -79,6 +79,7 @@ def _driver(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.bucket_mb is not None and not args.bucket_mb > 0:
         raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
+    args.serving_dtype = args.serving_dtype or setting_default("serving_dtype")  # the servers start with it
     temporary = args.workdir is None
     workdir = args.workdir or tempfile.mkdtemp(prefix="wsync-demo-")
     os.makedirs(workdir, exist_ok=True)

@@ -12,11 +12,7 @@ import os
 
 from bridge.errors import ConfigError, ServerError
 from bridge.launch import run_ranks, under_torchrun
-from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
-from bridge.name_resolve import user_folder as _user_folder
-
-# The publisher's default snapshot folder (bridge.transports.disk.default_snapshot_root), shown in --help.
-_DEFAULT_SNAPSHOT_ROOT = os.path.join(_user_folder(), "snapshots", "<experiment>", "<trial>")
+from wsync.flags import add_config_flags, config_keywords, negatable
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,83 +48,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tensors to servers on this host (they serve it as lora_path=NAME)")
     p.add_argument("--save", metavar="DIR", help="save the trained model here at the end")
     p.add_argument("--save-format", default="hf", choices=["hf", "dcp"], help="format of --save")
-    from bridge.transports import transport_names
-
-    p.add_argument("--publish", default="none", choices=["none", *transport_names()],
-                   help="publish the weights after every step by this transport (a registered one: see "
-                        "bridge.transports; its options are below)")
-    p.add_argument("--server", action="append", default=[], metavar="URL", help="server to publish to (repeat for several)")
-    p.add_argument("--server-registry", action="append", default=[], metavar="URL",
-                   help="where the servers are found at every publish: etcd://host:port or file:///dir (servers "
-                        "registered with `wsync serve --register` or `wsync register`), router+http://host:port (an "
-                        "sglang-router's or smg's workers); repeat for a registry and a router (docs/fleet.md)")
-    p.add_argument("--min-servers", type=int, default=1,
-                   help="fail a publish when fewer servers answer or take the version (a dead one is excluded)")
-    p.add_argument("--api-key", help="the servers' --api-key (bearer key of their routes)")
-    p.add_argument("--admin-api-key", help="the servers' --admin-api-key (bearer key of their weight-update routes)")
-    from bridge.name_resolve import DEFAULT_URL
-
-    p.add_argument("--name-resolve", metavar="URL", default=DEFAULT_URL,
-                   help="disk transport: where versions are announced: etcd://host:port, file:///path or memory://")
-    p.add_argument("--snapshot-root", metavar="DIR", default=None,
-                   help="disk transport: where version directories are written, one folder per trial (old versions "
-                        f"in it are removed) (default: {_DEFAULT_SNAPSHOT_ROOT})")
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="experiment name in announcement keys")
-    p.add_argument("--trial", default=DEFAULT_TRIAL, help="trial name in announcement keys")
     p.add_argument("--start-version", type=int, metavar="N",
                    help="version of the first publish (default: one past the newest version already announced "
                         "for --experiment/--trial (disk) or served (broadcast), else 1)")
-    p.add_argument("--new-run", action="store_true",
-                   help="start a new run on the servers: versions may start below the one they serve (a restarted "
-                        "trainer counting from 1 again); without it they refuse a version that goes back. Disk "
-                        "announcements still only go up per --experiment/--trial")
-    p.add_argument("--bucket-mb", type=float, help="bucket size in MiB (default: 32 on CPU, 512 on GPU)")
-    p.add_argument("--serving-dtype", default="bfloat16", help="dtype the servers serve; weights are cast on the way")
-    from bridge.encodings import encoding_names
-
-    p.add_argument("--encoding", default="full", choices=encoding_names(),
-                   help="full: every tensor each sync; delta (broadcast, colocated): what changed since the version "
-                        "the servers serve, with a full sync (an anchor) when needed; fp8: every tensor, the "
-                        "projections as block FP8 (servers started with --quantization fp8; docs/fp8.md)")
-    p.add_argument("--delta-anchor-every", type=int, default=None, metavar="N",
-                   help="--encoding delta: a full sync at least every N versions (default: 50)")
-    p.add_argument("--delta-max-fraction", type=float, default=None, metavar="F",
-                   help="--encoding delta: send a full sync when the delta is over this fraction of the full bytes "
-                        "(default: 0.1)")
-    p.add_argument("--fp8-skip", action="append", default=None, metavar="REGEX",
-                   help="--encoding fp8: a module-name pattern to keep in the serving dtype (repeat; the servers' --fp8-skip)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO; env WSYNC_LOG_LEVEL)")
-    add_transport_options(p)
-
-
-def add_transport_options(p: argparse.ArgumentParser) -> None:
-    """One flag per option a registered transport declares (``Transport.Options``), unless the command
-    has a flag of that name already; a flag left out keeps the transport's default."""
-    from bridge.transports import option_fields
-
-    taken = {a.dest for a in p._actions}
-    g = p.add_argument_group("transport options", "each transport's own settings (a flag another transport "
-                                                  "declares has no effect)")
-    for o in option_fields():
-        if o.name in taken:
-            continue
-        where = "/".join(o.transports)
-        shown = "" if o.default is None else f" (default: {o.default})"
-        if o.type is bool:
-            g.add_argument(f"--{o.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{where}: {o.help}{shown}")
-        else:
-            g.add_argument(f"--{o.name.replace('_', '-')}", type=o.type, default=None, metavar=o.type.__name__.upper(),
-                           help=f"{where}: {o.help}{shown}")
+    add_config_flags(p, rename={"transport": "publish"}, none={"transport": "train without publishing"})
 
 
 def run(args: argparse.Namespace) -> int:
     if under_torchrun():
         return _rank_main(args)
     check_arguments(args)
-    if args.publish != "none" and args.publish_adapter is None:
-        args.start_version = _first_version(args)
-    elif args.publish_adapter is not None and args.publish == "disk" and args.start_version is None:
+    if args.transport != "none" and args.publish_adapter is None:
+        args.start_version = _first_version(args, publisher_config(args))
+    elif args.publish_adapter is not None and args.transport == "disk" and args.start_version is None:
         args.start_version = _first_adapter_version(args)
     run_ranks(args.nproc, ["train", *_argv_of(args)])
     return 0
@@ -157,23 +90,30 @@ def check_arguments(args: argparse.Namespace) -> None:
     _lora_config(args)  # checks the LoRA flags' values
     if args.publish_adapter is not None:
         _adapter_config(args)  # checks the adapter publish's flags
-    if args.publish == "none":
+    if args.transport == "none":
         return
     from bridge.transports import transport_class
 
-    if transport_class(args.publish).needs_servers and not args.server and not args.server_registry:
-        raise ConfigError(f"--publish {args.publish} needs at least one --server URL (start one with `wsync serve`) or "
-                          "a --server-registry")
+    if transport_class(args.transport).needs_servers and not args.servers and not args.server_registry:
+        raise ConfigError(f"--publish {args.transport} needs at least one --server URL (start one with `wsync serve`) "
+                          "or a --server-registry")
     if args.bucket_mb is not None and not args.bucket_mb > 0:
         raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {args.bucket_mb:g}")
-    publisher_config(args, args.server)  # checks --bucket-mb, --serving-dtype, the URLs' form
-    if args.publish == "disk":
+    cfg = publisher_config(args)  # checks --bucket-mb, --serving-dtype, the URLs' form, a foreign option
+    if cfg.transport == "disk":
         from bridge.name_resolve import make_name_resolve
 
-        make_name_resolve(args.name_resolve).close()  # checks the URL (and that etcd's client loads)
+        make_name_resolve(_announced_in(cfg)).close()  # checks the URL (and that etcd's client loads)
 
 
-def _first_version(args: argparse.Namespace) -> int:
+def _announced_in(cfg) -> str:
+    """Where the disk transport of ``cfg`` announces its versions."""
+    from bridge.name_resolve import DEFAULT_URL
+
+    return cfg.name_resolve or DEFAULT_URL
+
+
+def _first_version(args: argparse.Namespace, cfg) -> int:
     """``--start-version``, or one past the newest version of this run's target, else 1.
 
     A rerun of the same command then continues where the last run stopped, saying so, instead of
@@ -182,7 +122,7 @@ def _first_version(args: argparse.Namespace) -> int:
     Raises:
         ConfigError: ``--start-version`` is not past the newest version already there.
     """
-    newest, where = _newest_version(args)
+    newest, where = _newest_version(cfg)
     if newest is None:
         return args.start_version or 1
     if args.start_version is None:
@@ -205,53 +145,54 @@ def _first_adapter_version(args: argparse.Namespace) -> int:
         newest = pub.newest_announced_version()
     if newest is None:
         return 1
-    print(f"wsync train: adapter {args.publish_adapter} version {newest} is already announced for {args.experiment}/"
-          f"{args.trial}; publishing versions {newest + 1}..{newest + args.steps} (--start-version N chooses)", flush=True)
+    print(f"wsync train: adapter {args.publish_adapter} version {newest} is already announced for "
+          f"{pub.config.experiment}/{pub.config.trial}; publishing versions {newest + 1}..{newest + args.steps} "
+          "(--start-version N chooses)", flush=True)
     return newest + 1
 
 
-def _newest_version(args: argparse.Namespace) -> tuple[int | None, str]:
+def _newest_version(cfg) -> tuple[int | None, str]:
     """The newest version announced for the run's experiment/trial (disk) or served by --server, and where.
 
     Disk counts the servers too: a server that serves version 5 refuses to load version 1, unless
     ``--new-run`` (then only the announcements count).
     """
     found: list[tuple[int, str]] = []
-    if args.publish == "disk":
+    if cfg.transport == "disk":
         from bridge import VersionSubscriber
 
-        sub = VersionSubscriber(args.name_resolve, args.experiment, args.trial)
+        sub = VersionSubscriber(_announced_in(cfg), cfg.experiment, cfg.trial)
         try:
             latest = sub.latest()
         finally:
             sub.close()
         if latest is not None:
-            found.append((latest.version, f"announced for {args.experiment}/{args.trial} in {args.name_resolve}"))
-    if (args.server or args.server_registry) and not args.new_run:
-        served, where = _served_versions(args)
+            found.append((latest.version, f"announced for {cfg.experiment}/{cfg.trial} in {_announced_in(cfg)}"))
+    if (cfg.servers or cfg.server_registry) and not cfg.new_run:
+        served, where = _served_versions(cfg)
         if served:
             found.append((max(served), "served by " + ", ".join(where)))
     return max(found, default=(None, ""))
 
 
-def _served_versions(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+def _served_versions(cfg) -> tuple[list[int], list[str]]:
     """The versions the --server URLs serve, and those of the servers the registries list that answer."""
     from bridge import ServerGroup
 
-    served, where = [], list(args.server)
+    served, where = [], list(cfg.servers)
     try:
-        if args.server:
-            with ServerGroup(args.server, api_key=args.api_key, admin_api_key=args.admin_api_key) as servers:
+        if cfg.servers:
+            with ServerGroup(cfg.servers, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key) as servers:
                 served = [int(v) for v in servers.weight_versions().values() if v.isdigit()]
     except ServerError as e:
         if e.status is not None:
             raise
         raise ConfigError(f"cannot reach --server {e.server}: is a server running there (`wsync serve --port N`) "
                           f"and is the URL right?") from e
-    if args.server_registry:
+    if cfg.server_registry:
         from bridge.fleet import list_servers
 
-        for url, version in list_servers(args.server_registry, args.experiment, args.trial).items():
+        for url, version in list_servers(cfg.server_registry, cfg.experiment, cfg.trial).items():
             if version is not None and version.isdigit():
                 served.append(int(version))
                 where.append(url)
@@ -260,13 +201,14 @@ def _served_versions(args: argparse.Namespace) -> tuple[list[int], list[str]]:
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
     """The command line that reproduces ``args`` (what each rank parses again)."""
-    from bridge.transports import option_fields
-
-    negatable = {o.name for o in option_fields() if o.type is bool}  # --no-<flag> says False
+    negated = negatable()  # --no-<flag> says False
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     out = []
     for k, v in vars(args).items():
-        flag = "--" + k.replace("_", "-")
-        if v is False and k in negatable:
+        flag = flags.get(k, "--" + k.replace("_", "-"))
+        if v is False and k in negated:
             out.append("--no-" + flag[2:])
             continue
         if k.startswith("_") or v in (None, False) or (isinstance(v, list) and not v):
@@ -314,57 +256,42 @@ def _lora_config(args: argparse.Namespace):
 def _adapter_config(args: argparse.Namespace):
     """The :class:`bridge.AdapterPublisherConfig` of ``--publish-adapter`` and the publish flags."""
     from bridge import AdapterPublisherConfig
+    from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 
     if args.lora_rank is None:
         raise ConfigError("--publish-adapter publishes a LoRA adapter; train one with --lora-rank R")
     vias = {"disk": "disk", "colocated": "tensors"}
-    if args.publish not in vias:
+    if args.transport not in vias:
         raise ConfigError(f"--publish-adapter goes by --publish disk or, to servers on this host, --publish colocated; "
-                          f"got --publish {args.publish}")
+                          f"got --publish {args.transport}")
     root = os.path.join(args.snapshot_root, "adapters") if args.snapshot_root else None
-    return AdapterPublisherConfig(name=args.publish_adapter, via=vias[args.publish], servers=args.server, root=root,
-                                  name_resolve=args.name_resolve, experiment=args.experiment, trial=args.trial,
+    return AdapterPublisherConfig(name=args.publish_adapter, via=vias[args.transport], servers=args.servers or (),
+                                  root=root, name_resolve=args.name_resolve,
+                                  experiment=args.experiment or DEFAULT_EXPERIMENT, trial=args.trial or DEFAULT_TRIAL,
                                   api_key=args.api_key, admin_api_key=args.admin_api_key)
 
 
-def publisher_config(args: argparse.Namespace, servers: list[str]):
+def publisher_config(args: argparse.Namespace):
     """The :class:`bridge.PublisherConfig` the flags describe (its checks raise ``ConfigError``)."""
     from bridge import PublisherConfig
-    from bridge.transports import option_fields, transport_class
 
-    kw = dict(
-        transport=args.publish, servers=servers, experiment=args.experiment, trial=args.trial,
-        serving_dtype=args.serving_dtype, api_key=args.api_key, admin_api_key=args.admin_api_key,
-        new_run=args.new_run, encoding=args.encoding, server_registry=args.server_registry or None,
-        min_servers=args.min_servers,
-    )
-    if args.fp8_skip:
-        kw["fp8_skip"] = tuple(args.fp8_skip)
-    for name in ("bucket_mb", "delta_anchor_every", "delta_max_fraction"):
-        if getattr(args, name) is not None:
-            kw[name] = getattr(args, name)
-    # The chosen transport's options given on the command line (a flag of another transport has no
-    # effect; --name-resolve always has a value).
-    chosen = transport_class(args.publish).name  # aliases resolved
-    kw.update({o.name: getattr(args, o.name) for o in option_fields()
-               if chosen in o.transports and getattr(args, o.name, None) is not None})
-    return PublisherConfig(**kw)
+    return PublisherConfig(**config_keywords(args))
 
 
-def build_publisher(args: argparse.Namespace, servers: list[str]):
+def build_publisher(args: argparse.Namespace):
     """The publisher of ``--publish``: an :class:`bridge.AdapterPublisher` with ``--publish-adapter``."""
     from bridge import AdapterPublisher, WeightPublisher
 
     if args.publish_adapter is not None:
         return AdapterPublisher(_adapter_config(args))
-    return WeightPublisher(publisher_config(args, servers))
+    return WeightPublisher(publisher_config(args))
 
 
 def _rank_main(args: argparse.Namespace) -> int:
     from wsync.tasks import make_batch
 
     engine = build_engine(args)
-    publisher = build_publisher(args, args.server) if args.publish != "none" else None
+    publisher = build_publisher(args) if args.transport != "none" else None
     per_rank = max(1, args.batch_size // engine.world_size)
     try:
         for step in range(1, args.steps + 1):

@@ -48,6 +48,7 @@ import torch
 
 from bridge.buckets import Bucket
 from bridge.errors import ConfigError
+from bridge.options import NoOptions
 from bridge.plan import Plan
 
 __all__ = ["Encoding", "Outgoing", "Transfer", "gathered"]
@@ -97,6 +98,9 @@ class Encoding:
     """The ``full`` encoding, and the base of every other (see the module docstring)."""
 
     name = "full"
+    Options: type = NoOptions
+    """Its own settings: a dataclass of :func:`bridge.options.option` fields, checked in its ``__post_init__``
+    (``PublisherConfig.encoding_options``; flat keywords of ``PublisherConfig`` and ``wsync train`` flags too)."""
     any_transport = True
     """Its buckets are plain named tensors, which every transport carries; False: only a transport that lists it
     in ``Transport.encodings`` carries it (a delta bucket needs one that passes its table on)."""

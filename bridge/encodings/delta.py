@@ -46,12 +46,14 @@ from bridge.delta_codec import (
     flatnonzero,
     piece_crc,
     record_nbytes,
+    write_record,
 )
 from bridge.delta_cost import SyncCosts
 from bridge.encodings.base import Encoding, Transfer, gathered
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError
 from bridge.log import fmt_bytes, get_logger
+from bridge.options import option
 from bridge.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
 
@@ -104,6 +106,9 @@ class Decision:
     """Why this sync is an anchor (a full sync); None for a delta."""
     via: str | None
     """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
+    zstd: bool = True
+    """Every server reads zstd records (:func:`bridge.encodings.delta_send.zstd_unreadable`): the next syncs'
+    records may take the zstd stage; every rank takes it at the end of the sync."""
 
 
 @dataclass
@@ -170,9 +175,31 @@ class _Held:
     base: torch.Tensor  # flat, serving dtype
 
 
+@dataclass(kw_only=True)
+class DeltaOptions:
+    """The delta encoding's options: when a sync is a full one (an anchor) instead."""
+
+    delta_anchor_every: int = option(50, "at least every this many versions, a full sync. At 2-10 % delta bytes "
+                                         "an anchor every 50 versions adds about 2 % to the bytes moved on average",
+                                     metavar="N")
+    delta_max_fraction: float = option(0.5, "a delta larger than this fraction of the full bytes is always sent as a "
+                                            "full sync; below it the measured costs decide (bridge.delta_cost: the "
+                                            "delta's bytes at what the last syncs paid per byte, plus its diff, "
+                                            "against the last full syncs' time). Each rank estimates it from a "
+                                            "sample first, so a sync that will be full skips the diff", metavar="F")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.delta_anchor_every, bool) or not isinstance(self.delta_anchor_every, int) \
+                or self.delta_anchor_every < 1:
+            raise ConfigError(f"delta_anchor_every must be an integer >= 1, got {self.delta_anchor_every!r}")
+        if not 0 < self.delta_max_fraction <= 1:
+            raise ConfigError(f"delta_max_fraction must be in (0, 1], got {self.delta_max_fraction!r}")
+
+
 @register_encoding
 class DeltaEncoding(Encoding):
     name = "delta"
+    Options = DeltaOptions
     any_transport = False  # a delta bucket's table must reach the servers: broadcast and colocated pass it on
     fingerprints = False  # the base is what was published: differs compares with it
 
@@ -188,17 +215,10 @@ class DeltaEncoding(Encoding):
         self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
         self._servers = None  # rank 0: the servers of the sync in progress (from decide)
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
+        self.zstd = True  # records may take the zstd stage (each sync's decision says whether the servers read it)
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
         self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
         self.costs, self._t0, self._timed = SyncCosts(), 0.0, [0.0, 0.0, 0, 0]  # what syncs cost: the anchor decision
-
-    @classmethod
-    def check_config(cls, config, transport_cls) -> None:
-        super().check_config(config, transport_cls)
-        if not (isinstance(config.delta_anchor_every, int) and config.delta_anchor_every >= 1):
-            raise ConfigError(f"delta_anchor_every must be an integer >= 1, got {config.delta_anchor_every!r}")
-        if not 0 < config.delta_max_fraction <= 1:
-            raise ConfigError(f"delta_max_fraction must be in (0, 1], got {config.delta_max_fraction!r}")
 
     @property
     def base_bytes(self) -> int:
@@ -263,12 +283,11 @@ class DeltaEncoding(Encoding):
         an anchor: every ``delta_anchor_every`` versions, or when a sample (:func:`_sample`) says the delta
         would be over ``delta_max_fraction`` of this rank's bytes. Then the sync costs a full one and little
         more: no diff, only the base refreshed at commit. None: diff (also when there is no base to sample)."""
-        cfg = self.config
-        numel = sum(sh.local.numel() for sh in owned)
+        opts, numel = self.config.encoding_options, sum(sh.local.numel() for sh in owned)
         if self.base_version is None or any(self._fresh(sh) for sh in owned):
             return None
-        if self.since_anchor + 1 >= cfg.delta_anchor_every:
-            return f"an anchor every {cfg.delta_anchor_every} versions (delta_anchor_every)", 0, numel
+        if self.since_anchor + 1 >= opts.delta_anchor_every:
+            return f"an anchor every {opts.delta_anchor_every} versions (delta_anchor_every)", 0, numel
         est = changed = full = 0
         for sh in owned:
             n, itemsize = sh.local.numel(), sh.spec.dtype.itemsize
@@ -277,9 +296,9 @@ class DeltaEncoding(Encoding):
             hits = int(torch.count_nonzero(sample.view(ints) != _sample(self.base[sh.spec.name].base).view(ints)))
             count = min(n, round(hits * n / max(1, sample.numel())))
             est, changed, full = est + (choose(n, count, itemsize)[1] if count else 0), changed + count, full + n * itemsize
-        if est > cfg.delta_max_fraction * full:
+        if est > opts.delta_max_fraction * full:
             return (f"the delta would be about {est / max(1, full):.0%} of the full bytes (from a sample of 1 block "
-                    f"in {_SAMPLE_EVERY}), over delta_max_fraction={cfg.delta_max_fraction:g}"), changed, numel
+                    f"in {_SAMPLE_EVERY}), over delta_max_fraction={opts.delta_max_fraction:g}"), changed, numel
         why = self._costlier_than_full(self.costs.state(), est / max(1, full), diff=(numel, changed))
         return None if why is None else (f"{why}; from a sample of 1 block in {_SAMPLE_EVERY}", changed, numel)
 
@@ -316,7 +335,7 @@ class DeltaEncoding(Encoding):
         first = int(positions[0])
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
         values, t = new.index_select(0, positions), time.perf_counter()
-        kind, body = encode_sparse(n, positions, values)
+        kind, body = encode_sparse(n, positions, values, zstd=self.zstd)
         self._timed[1] += time.perf_counter() - t
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
             old = held.base.clone()
@@ -361,8 +380,7 @@ class DeltaEncoding(Encoding):
     # ------------------------------------------------------------------ plan: the same on every rank
 
     def plan(self, plan, summaries: list[DeltaSummary]) -> None:
-        cfg = self.config
-        world = len(summaries)
+        opts, world = self.config.encoding_options, len(summaries)
         changed, numel = sum(s.changed for s in summaries), sum(s.numel for s in summaries)
         whole = set(summaries[0].whole)
         crcs: dict[str, list] = {}
@@ -381,11 +399,11 @@ class DeltaEncoding(Encoding):
             enc.reason = "no base yet" if self.base_version is None else "the trainer's tensors changed shape"
         elif any(s.skip for s in summaries):
             enc.reason = next(s.skip for s in summaries if s.skip)
-        elif self.since_anchor + 1 >= cfg.delta_anchor_every:
-            enc.reason = f"an anchor every {cfg.delta_anchor_every} versions (delta_anchor_every)"
-        elif total > cfg.delta_max_fraction * plan.nbytes:
+        elif self.since_anchor + 1 >= opts.delta_anchor_every:
+            enc.reason = f"an anchor every {opts.delta_anchor_every} versions (delta_anchor_every)"
+        elif total > opts.delta_max_fraction * plan.nbytes:
             enc.reason = (f"the delta ({fmt_bytes(total)}) is {total / max(1, plan.nbytes):.0%} of the full "
-                          f"{fmt_bytes(plan.nbytes)}, over delta_max_fraction={cfg.delta_max_fraction:g}")
+                          f"{fmt_bytes(plan.nbytes)}, over delta_max_fraction={opts.delta_max_fraction:g}")
         else:  # rank 0's measurements, so that every rank decides alike
             enc.reason = self._costlier_than_full(summaries[0].costs, total / max(1, plan.nbytes), None, plan.nbytes)
         plan.encoded = enc
@@ -413,7 +431,7 @@ class DeltaEncoding(Encoding):
     # ------------------------------------------------------------------ begin (rank 0) and the decision
 
     def decide(self, plan, servers) -> Decision:
-        from bridge.encodings.delta_send import delta_route
+        from bridge.encodings.delta_send import delta_route, zstd_unreadable
 
         enc = plan.encoded
         self._servers = servers
@@ -421,7 +439,10 @@ class DeltaEncoding(Encoding):
         reason, via = enc.reason or plan.forced or self.anchor_next, None
         if reason is None:
             reason, via = delta_route(servers, self.base_version)
-        return Decision(reason, via)
+        unreadable = zstd_unreadable(servers.clients)
+        if reason is None and self.zstd and unreadable:  # (this sync's records were encoded with the stage)
+            reason, via = f"{unreadable}; the next deltas go without the zstd stage", None
+        return Decision(reason, via, zstd=unreadable is None)
 
     # ------------------------------------------------------------------ the buckets: an anchor's or the delta's
 
@@ -439,8 +460,21 @@ class DeltaEncoding(Encoding):
                             len(enc.buckets), 100 * enc.nbytes / max(1, enc.full_bytes), fmt_bytes(enc.full_bytes),
                             100 * enc.changed / max(1, enc.numel))
         if enc.mode == "delta":
-            return Transfer(delta_buckets(self, plan, self._servers if self.rank == 0 else None))
+            return Transfer(delta_buckets(plan, self.rank, self._write_records, self._servers if self.rank == 0 else None,
+                                          self.config.http_timeout))
         return Transfer(gathered(plan), sent=self._sent)
+
+    def _write_records(self, specs: list, out: torch.Tensor) -> int:
+        """This rank's records of the tensors ``specs`` (their changes against the base) into ``out``; the bytes
+        written."""
+        at = 0
+        for i, spec in enumerate(specs):
+            ch = self.changes.get(spec.name)
+            if ch is None:
+                continue
+            held = self.base[spec.name]
+            at += write_record(out[at:], i, ch.kind, held.start, held.base, None, ch.count, body=ch.body)
+        return at
 
     def _sent(self) -> None:
         """An anchor decided before diffing: the base takes the weights now, on a thread, while the servers take
@@ -452,6 +486,9 @@ class DeltaEncoding(Encoding):
 
     @torch.no_grad()
     def end(self, plan, committed: bool) -> None:
+        decision = getattr(plan, "decision", None)
+        if decision is not None:  # whether the servers read zstd records, for the next syncs' encoding
+            self.zstd = decision.zstd
         if committed:
             self._committed(plan)
         else:

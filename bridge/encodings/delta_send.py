@@ -24,18 +24,19 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from bridge.buckets import Bucket
-from bridge.delta_codec import DELTA_TENSOR, write_record
+from bridge.delta_codec import DELTA_TENSOR
 from bridge.encodings.base import Outgoing
 from bridge.tensors import ParamSpec, dtype_to_str
 from bridge.transports.sessions import bucket_answers
 from bridge.transports.sink import Sink
 
-__all__ = ["LOADER", "LoaderSink", "delta_buckets", "delta_route", "table"]
+__all__ = ["LOADER", "LoaderSink", "ZSTD_SGLANG", "delta_buckets", "delta_route", "table", "zstd_unreadable"]
 
 LOADER = "bridge.sglang_delta_loader.load_delta"
 """The loader real SGLang calls for a delta: ``--custom-weight-loader`` and ``load_format`` name it."""
@@ -71,6 +72,25 @@ def delta_route(servers, base_version: int | None) -> tuple[str | None, str | No
     return None, "loader"
 
 
+ZSTD_SGLANG = (0, 5, 20)
+"""The first SGLang release that requires the ``zstandard`` package: before it, its environment may lack it."""
+
+
+def zstd_unreadable(clients) -> str | None:
+    """Rank 0: why some server may not read zstd delta records, or None. Real SGLang before :data:`ZSTD_SGLANG` does
+    not require ``zstandard``, and the loader cannot refuse a record it cannot read (an exception in a loader ends
+    SGLang's scheduler), so those get records without the zstd stage. A reference server without ``zstandard``
+    refuses a zstd record with a reason (``pip install zstandard``) before it applies anything."""
+    from bridge.protocol import parse_version
+
+    old = [f"{c.url} (SGLang {c.version})" for c in clients
+           if not c.is_reference_server and parse_version(c.version) < ZSTD_SGLANG]
+    if not old:
+        return None
+    return (f"{', '.join(old)} may lack the zstandard package (SGLang requires it from "
+            f"{'.'.join(map(str, ZSTD_SGLANG))} on) and cannot read zstd delta records")
+
+
 def table(db, enc, version: int, first: bool) -> dict:
     """The delta bucket's table: what a server needs besides the bytes (``wsync_delta``). For the SGLang
     loader, the first bucket also carries the base values to check (``probes``)."""
@@ -82,33 +102,36 @@ def table(db, enc, version: int, first: bool) -> dict:
     return out
 
 
-def delta_buckets(encoding, plan, servers) -> list[Outgoing]:
+def delta_buckets(plan, rank: int, write: Callable[[list, torch.Tensor], int], servers,
+                  http_timeout: float) -> list[Outgoing]:
     """Every rank: ``plan``'s delta buckets, each gathered to rank 0 (its own records first, then each other
-    rank's); ``servers`` (rank 0): where the loader's sink sends them, for real SGLang."""
+    rank's). ``write(specs, out)``: this rank's records of the tensors ``specs`` into ``out``, the bytes it
+    wrote (the encoding's, which holds the changes and the base); ``servers`` (rank 0): where the loader's
+    sink sends them, for real SGLang, each call bounded by ``http_timeout``."""
     enc = plan.encoded
-    sink = LoaderSink(servers, encoding.config) if encoding.rank == 0 and enc.via == "loader" else None
+    sink = LoaderSink(servers, http_timeout) if rank == 0 and enc.via == "loader" else None
     out = []
     for j, db in enumerate(enc.buckets):
-        extra = {"wsync_delta": table(db, enc, plan.version, j == 0)} if encoding.rank == 0 else {}
+        extra = {"wsync_delta": table(db, enc, plan.version, j == 0)} if rank == 0 else {}
         bucket = Bucket([ParamSpec(DELTA_TENSOR, (db.nbytes,), torch.uint8)], extra=extra)
-        out.append(Outgoing(f"delta {j}", bucket, lambda buf, dst, group, db=db: _fill(encoding, db, buf, dst, group),
-                            sink=sink))
+        out.append(Outgoing(f"delta {j}", bucket,
+                            lambda buf, dst, group, db=db: _fill(rank, write, db, buf, dst, group), sink=sink))
     return out
 
 
-def _fill(encoding, db, buf: torch.Tensor | None, dst: int, group) -> None:
+def _fill(rank: int, write, db, buf: torch.Tensor | None, dst: int, group) -> None:
     """Every rank: this rank's records of bucket ``db``; rank ``dst`` (0) writes its own at the start of ``buf``
     and receives each other rank's straight after them, the others send theirs."""
-    own = db.sizes[encoding.rank]
-    if encoding.rank != dst:
+    own = db.sizes[rank]
+    if rank != dst:
         if own:
             out = torch.empty(own, dtype=torch.uint8, device=_p2p_device(group))
-            _encode(encoding, db, out)
+            _encode(write, db, out)
             dist.send(out, dst=dst, group=group)
         return
     if buf is None:  # (its sink gave no buffer: the step fails on this rank, which leaves the group)
         return
-    _encode(encoding, db, buf[:own])
+    _encode(write, db, buf[:own])
     buf[sum(db.sizes):].zero_()
     _receive(buf, db.sizes, group)
 
@@ -135,15 +158,9 @@ def _receive(buf: torch.Tensor, sizes: list[int], group) -> None:
             dst.copy_(tmp)
 
 
-def _encode(encoding, db, out: torch.Tensor) -> None:
+def _encode(write, db, out: torch.Tensor) -> None:
     """This rank's records of the bucket's tensors into ``out`` (exactly its planned size)."""
-    at = 0
-    for i, spec in enumerate(db.specs):
-        ch = encoding.changes.get(spec.name)
-        if ch is None:
-            continue
-        held = encoding.base[spec.name]
-        at += write_record(out[at:], i, ch.kind, held.start, held.base, None, ch.count, body=ch.body)
+    at = write(db.specs, out)
     if at != out.numel():
         raise RuntimeError(f"encoded {at} bytes of a delta bucket, planned {out.numel()}")
 
@@ -152,8 +169,8 @@ class LoaderSink(Sink):
     """Rank 0's sink of a delta for real SGLang: each delta bucket as ``/update_weights_from_tensor`` to every
     server, for SGLang's loader, one in flight at most."""
 
-    def __init__(self, servers, config):
-        self.servers, self.config = servers, config
+    def __init__(self, servers, http_timeout: float):
+        self.servers, self.http_timeout = servers, http_timeout
         self._inflight = None  # (k, futures)
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
@@ -167,14 +184,14 @@ class LoaderSink(Sink):
         entry = base64.b64encode(pickle.dumps(payload, protocol=4)).decode()
         last = version is not None
         futures = self.servers.submit(lambda c: c.update_weights_from_tensor(
-            [entry] * c.tp_size, load_format=LOADER, flush_cache=last, timeout=self.config.http_timeout))
+            [entry] * c.tp_size, load_format=LOADER, flush_cache=last, timeout=self.http_timeout))
         self._inflight = (k, futures)
 
     def settle(self) -> None:
         if self._inflight is None:
             return
         (k, futures), self._inflight = self._inflight, None
-        bucket_answers(self.servers.clients, futures, k, self.config.http_timeout, "http_timeout")
+        bucket_answers(self.servers.clients, futures, k, self.http_timeout, "http_timeout")
 
     def abort(self, seconds: float) -> None:
         self._inflight = None  # (the transport's abort gives the servers back)

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from bridge.buckets import plan_buckets
 from bridge.encodings.base import Encoding, Outgoing, Transfer
 from bridge.encodings.registry import register_encoding
+from bridge.errors import ConfigError
 from bridge.fp8 import Fp8Rule, fp8_wire_specs, gather_fp8_bucket, quantization_config
+from bridge.options import option
 from bridge.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
 
@@ -35,20 +37,31 @@ class Fp8Plan(Encoded):
         return EncodingReport(encoding="fp8")
 
 
+@dataclass(kw_only=True)
+class Fp8Options:
+    """The fp8 encoding's options: which projections stay in the serving dtype."""
+
+    fp8_skip: tuple = option((), "regular expressions of module names to leave in the serving dtype besides the "
+                                 "rule of bridge.fp8 (layers\\.0\\., say); the servers must be started with the same "
+                                 "--fp8-skip", many=True, metavar="REGEX")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fp8_skip, str):
+            raise ConfigError(f"fp8_skip must be a list of regular expressions, got the string {self.fp8_skip!r}")
+        self.fp8_skip = tuple(self.fp8_skip or ())
+        Fp8Rule(self.fp8_skip)  # a bad pattern: a ConfigError now
+
+
 @register_encoding
 class Fp8Encoding(Encoding):
     """Every tensor, every sync, the projections as block FP8 (see the module docstring)."""
 
     name = "fp8"
+    Options = Fp8Options
 
     def __init__(self, config, rank: int, world: int):
         super().__init__(config, rank, world)
-        self.rule = Fp8Rule(tuple(config.fp8_skip or ()))
-
-    @classmethod
-    def check_config(cls, config, transport_cls) -> None:
-        super().check_config(config, transport_cls)
-        Fp8Rule(tuple(config.fp8_skip or ()))  # a bad pattern: a ConfigError now
+        self.rule = Fp8Rule(config.encoding_options.fp8_skip)
 
     def prepare(self, source, specs):
         source.require(("local_shards",), "the fp8 encoding (it quantizes each rank's own rows)")

@@ -12,11 +12,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 from bridge.errors import ConfigError
+from bridge.options import OptionField, fields_of, merged_fields
 
 if TYPE_CHECKING:
     from bridge.encodings.base import Encoding
 
-__all__ = ["encoding_class", "encoding_names", "register_encoding"]
+__all__ = ["encoding_class", "encoding_names", "encoding_option_fields", "register_encoding"]
 
 BUILTIN = ("bridge.encodings.full", "bridge.encodings.delta", "bridge.encodings.fp8")
 """The project's own encodings, in the order they are listed."""
@@ -50,6 +51,12 @@ def encoding_class(name: str) -> type[Encoding]:
     if cls is None:
         raise ConfigError(f"unknown encoding {name!r}: the encodings are {', '.join(map(repr, _classes))}")
     return cls
+
+
+def encoding_option_fields() -> list[OptionField]:
+    """Every encoding option, once per name, with the encodings that declare it (``owners``)."""
+    _load()
+    return merged_fields(fields_of(cls.Options, name, "encoding") for name, cls in _classes.items())
 
 
 def _load() -> None:

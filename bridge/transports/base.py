@@ -52,7 +52,7 @@ idempotent. Adding a transport is one new module (docs/architecture.md, "Adding 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -61,6 +61,7 @@ import torch
 from bridge.buckets import Bucket
 from bridge.errors import ConfigError
 from bridge.log import get_logger
+from bridge.options import NoOptions, option
 from bridge.plan import Plan
 from bridge.transports.sessions import (  # noqa: F401 (re-exported: a transport of one file imports them from here)
     ServerSessions,
@@ -75,16 +76,6 @@ __all__ = ["NoOptions", "Plan", "ServerSessions", "Sink", "SessionOptions", "Tra
            "pause_mode_for"]
 
 logger = get_logger(__name__)
-
-
-def option(default: Any, help: str) -> Any:
-    """A field of a transport's ``Options``; ``help`` is what ``wsync train --help`` shows for its flag."""
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass(kw_only=True)
-class NoOptions:
-    """The options of a transport that has none of its own."""
 
 
 @dataclass(kw_only=True)
@@ -224,10 +215,12 @@ class Transport:
         if self._writer_lease is None:
             from bridge.transports.lease import WriterLease
 
-            cfg = self.config
+            cfg, options = self.config, self.config.session_options
+            if options is None:
+                raise ConfigError(f"the {self.name} transport updates servers in sessions, so its Options must "
+                                  f"be SessionOptions (or a subclass), not {type(cfg.options).__name__}")
             self._writer_lease = WriterLease(self.servers, run_id=f"{cfg.experiment}/{cfg.trial}",
-                                             seconds=getattr(cfg, "writer_lease", 10.0),
-                                             lock_url=getattr(cfg, "writer_lock", None))
+                                             seconds=options.writer_lease, lock_url=options.writer_lock)
         return self._writer_lease
 
 

@@ -69,6 +69,7 @@ from bridge.errors import (
 )
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger
+from bridge.name_resolve import DEFAULT_URL
 from bridge.tensors import dtype_from_str, host_buffer
 from bridge.transports.base import Plan, Transport, option, remove_file
 from bridge.transports.registry import register
@@ -108,10 +109,12 @@ class DiskOptions:
     """The disk transport's options: where snapshots go, where they are announced, whom to wait for."""
 
     name_resolve: str | None = option(None, "name resolution for announcements: etcd://host:port, file:///path "
-                                            "or memory:// (default: <temp>/wsync_<user>/name_resolve, the one "
-                                            "`wsync watch` follows)")
+                                            f"or memory:// (default: {DEFAULT_URL}); `wsync watch` follows the same",
+                                      metavar="URL")
     snapshot_root: str | None = option(None, "folder that receives one v<version> snapshot per version, one per "
-                                             "trial (default: <temp>/wsync_<user>/snapshots/<experiment>/<trial>)")
+                                             "trial (default: "
+                                             f"{os.path.join(default_snapshot_root(), '<experiment>', '<trial>')})",
+                                       metavar="DIR")
     keep_snapshots: int = option(3, "snapshots kept on disk, the newest ones; older ones are garbage-collected")
     wait_loaded: bool = option(True, "wait until every server in --server reports the new version")
     wait_loaded_timeout: float = option(120.0, "seconds to wait for the servers to load an announced version")

@@ -13,13 +13,13 @@ package; both are imported the first time the registry is asked.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import os
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
 from bridge.errors import ConfigError
+from bridge.options import OptionField, fields_of, merged_fields
 
 if TYPE_CHECKING:
     from bridge.transports.base import Transport
@@ -74,37 +74,10 @@ def transport_class(name: str) -> type[Transport]:
     return cls
 
 
-@dataclasses.dataclass(frozen=True)
-class OptionField:
-    """One option of a transport, as a command line shows it."""
-
-    name: str
-    type: type
-    default: object
-    help: str
-    transports: tuple[str, ...]
-
-
 def option_fields() -> list[OptionField]:
-    """Every transport option, once per name (an option two transports share lists both), in the order
-    the transports declare them. ``help`` comes from each field's ``metadata["help"]``."""
-    out: dict[str, OptionField] = {}
-    for name in transport_names():
-        for f in dataclasses.fields(_classes[name].Options):
-            seen = out.get(f.name)
-            if seen is not None:
-                out[f.name] = dataclasses.replace(seen, transports=(*seen.transports, name))
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out[f.name] = OptionField(f.name, _base_type(f.type), default, f.metadata.get("help", ""), (name,))
-    return list(out.values())
-
-
-def _base_type(annotation) -> type:
-    """``str`` for ``"str | None"`` and the like (options are annotated as strings under ``from __future__``)."""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    first = text.split("|")[0].strip()
-    return {"int": int, "float": float, "bool": bool}.get(first, str)
+    """Every transport option, once per name (an option two transports share lists both in ``owners``), in
+    the order the transports declare them. ``help`` comes from each field's ``metadata["help"]``."""
+    return merged_fields(fields_of(_classes[name].Options, name, "transport") for name in transport_names())
 
 
 def _load() -> None:

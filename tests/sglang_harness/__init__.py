@@ -43,8 +43,9 @@ def installed(version: str) -> bool:
 @contextlib.contextmanager
 def launch(version: str, model_dir: str, *, api_key: str | None = None, admin_api_key: str | None = None,
            weight_version: str = "default", timeout: float = 240.0,
-           custom_weight_loader: str | None = None) -> Iterator[Launched]:
-    """Start a harness server of SGLang ``version`` serving ``model_dir``; stop it on exit."""
+           custom_weight_loader: str | None = None, env: dict | None = None) -> Iterator[Launched]:
+    """Start a harness server of SGLang ``version`` serving ``model_dir``; stop it on exit. ``env``: more environment
+    of its process."""
     from bridge.process_group import find_free_port
 
     port = find_free_port()
@@ -56,7 +57,7 @@ def launch(version: str, model_dir: str, *, api_key: str | None = None, admin_ap
         cmd += ["--admin-api-key", admin_api_key]
     if custom_weight_loader:
         cmd += ["--custom-weight-loader", custom_weight_loader]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     log = tempfile.NamedTemporaryFile("w+", prefix=f"sglang-{version}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     ready = threading.Event()
