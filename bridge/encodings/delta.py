@@ -486,9 +486,8 @@ class DeltaEncoding(Encoding):
 
     @torch.no_grad()
     def end(self, plan, committed: bool) -> None:
-        decision = getattr(plan, "decision", None)
-        if decision is not None:  # whether the servers read zstd records, for the next syncs' encoding
-            self.zstd = decision.zstd
+        if plan is not None and plan.decision is not None:  # whether the servers read zstd records, for the next syncs
+            self.zstd = plan.decision.zstd
         if committed:
             self._committed(plan)
         else:
