@@ -37,7 +37,7 @@ A failure ends with one line naming the cause and the fix; --debug (or WSYNC_DEB
 
 # Optional modules -> the extra that installs them (pyproject.toml's optional-dependencies).
 EXTRAS = {"fastapi": "server", "uvicorn": "server", "starlette": "server", "matplotlib": "bench", "etcd3": "etcd",
-          "grpc": "etcd"}
+          "grpc": "etcd", "peft": "lora"}
 
 
 def missing_extra(e: ImportError) -> str:
