@@ -47,6 +47,7 @@ from bridge.interrupts import held
 from bridge.log import get_logger
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 from bridge.protocol import tensor_checksum
+from bridge.snapshot.writer import fsync_path
 from bridge.tensors import dtype_from_str
 
 __all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key", "write_adapter_dir"]
@@ -434,12 +435,12 @@ def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(adapter_config, f, indent=2, sort_keys=True)
         for name in (ADAPTER_FILE, CONFIG_FILE, ""):
-            _fsync(os.path.join(tmp, name) if name else tmp, directory=not name)
+            fsync_path(os.path.join(tmp, name) if name else tmp, directory=not name)
         failpoint("adapter:rename", 0)
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync(folder, directory=True)
+        fsync_path(folder, directory=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
@@ -447,14 +448,6 @@ def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor
                                 "another root") from None
         raise
     return final
-
-
-def _fsync(path: str, *, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_old(folder: str, keep: int) -> None:

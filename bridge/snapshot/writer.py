@@ -205,7 +205,7 @@ class SnapshotWriter:
             self._name_shards()
             self._write_metadata()
             manifest_bytes, created_at = self._write_manifest()
-            _fsync(self.tmp_dir, directory=True)
+            fsync_path(self.tmp_dir, directory=True)
             info = self._publish(manifest_bytes, created_at)
         except BaseException as e:
             self._fail(e)
@@ -286,7 +286,7 @@ class SnapshotWriter:
                 if os.path.isfile(path):
                     with open(path, "rb") as f:
                         self._record_small(fname, f.read())
-                    _fsync(path)
+                    fsync_path(path)
 
     def _write_small(self, fname: str, data: bytes) -> None:
         _write_synced(os.path.join(self.tmp_dir, fname), data)
@@ -323,7 +323,7 @@ class SnapshotWriter:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
             return self._same_as_existing(manifest_bytes)
-        _fsync(self.root, directory=True)
+        fsync_path(self.root, directory=True)
         seconds = time.perf_counter() - self._t0
         log.info(
             "snapshot v%d written: %d tensors, %s in %.2f s (%.2f GiB/s) -> %s",
@@ -461,7 +461,7 @@ def _write_synced(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync(path: str, *, directory: bool = False) -> None:
+def fsync_path(path: str, *, directory: bool = False) -> None:
     # A directory is fsynced so that the names created or renamed in it survive a crash, not only the data.
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
