@@ -199,7 +199,7 @@ def test_disk_publish_writes_peft_dirs_and_a_fault_changes_nothing(tmp_path):
 # ------------------------------------------------------------------------------- into the reference server
 
 PROMPT = [1] + [b + 3 for b in b"rev hello="]
-ROUNDS = 3  # publishes per transport: training steps between them, the tiny preset, rank 4 on every projection
+ROUNDS = 10  # publishes per transport (the count): training steps between them, tiny preset, rank 4 everywhere
 
 
 def _expected_greedy(adapter: dict[str, torch.Tensor], config: dict) -> list[int]:
