@@ -422,14 +422,83 @@ def _fault_between_servers(urls: list[str], fault: str):
         engine.destroy()
 
 
-def test_a_fault_between_two_servers_puts_the_previous_adapter_back(lora_server, server_factory):
+@pytest.fixture(scope="module")
+def second_lora_server(server_factory):
+    return server_factory(extra_args=["--enable-lora"])
+
+
+def test_a_fault_between_two_servers_puts_the_previous_adapter_back(lora_server, second_lora_server):
     """Server 0 loaded version 2 when the publish failed before server 1: server 0 goes back to version 1."""
-    second = server_factory(extra_args=["--enable-lora"])
-    urls = [lora_server.url, second.url]
+    urls = [lora_server.url, second_lora_server.url]
     rank0, rank1 = run_ranks(_fault_between_servers, 2, args=(urls, "adapter:load:1@0=RuntimeError"), timeout=120)
     assert rank0["failed"] and rank0["failed"] == rank1["failed"] and "adapter:load" in rank0["failed"]
     for url, served in rank0["served"].items():
         assert served["wsync_lora_version"] == "1" and served["checksums"] == rank0["first"], url
+
+
+def _register(registry: str, trial: str, url: str) -> None:
+    """``url`` as a server entry of ``trial`` in the registry, as ``wsync serve --register`` writes it."""
+    import json
+
+    from bridge.fleet.discovery import server_id, servers_prefix
+    from bridge.name_resolve import DEFAULT_EXPERIMENT, make_name_resolve
+
+    nr = make_name_resolve(registry)
+    try:
+        nr.add(f"{servers_prefix(DEFAULT_EXPERIMENT, trial)}/{server_id(url)}", json.dumps({"url": url}), replace=True)
+    finally:
+        nr.close()
+
+
+def _publish_to_a_registry(registry: str, trial: str, second: str):
+    """Version 1 with one server registered, version 2 after a second one registered (found at that publish),
+    then version 3 with min_servers above what is registered."""
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-fleet", via="tensors", server_registry=registry,
+                                                  trial=trial))
+    try:
+        out = {}
+        for version in (1, 2):
+            if version == 2 and engine.rank == 0:
+                _register(registry, trial, second)
+            train_step(engine, seed=version)
+            out[version] = pub.publish(engine, version=version).checksums
+        pub.config.min_servers = 3
+        try:
+            pub.publish(engine, version=3)
+        except Exception as e:  # compared across ranks by the test
+            out["failed"] = f"{type(e).__name__}: {e}"
+        if engine.rank == 0:
+            from bridge.fleet.discovery import Registry
+            from bridge.name_resolve import DEFAULT_EXPERIMENT
+
+            out["served"] = {}
+            for u in Registry(registry, DEFAULT_EXPERIMENT, trial).urls():
+                c = ServerClient(u)
+                out["served"][u] = c.adapter_checksums("policy-fleet")
+                c.close()
+        return out
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_adapter_publishes_find_their_servers_in_a_registry(lora_server, second_lora_server, tmp_path):
+    """server_registry (file://): the servers are found again at every publish; a server registered after
+    version 1 gets version 2; fewer servers than min_servers fails the publish on every rank and changes nothing."""
+    registry = f"file://{tmp_path}/registry"
+    _register(registry, "lora-fleet", lora_server.url)
+    rank0, rank1 = run_ranks(_publish_to_a_registry, 2, args=(registry, "lora-fleet", second_lora_server.url),
+                             timeout=120)
+    assert rank0["failed"] and rank0["failed"] == rank1["failed"], "every rank raises the same error"
+    assert "min_servers=3" in rank0["failed"] and "2 server(s)" in rank0["failed"], rank0["failed"]
+    assert sorted(rank0["served"]) == sorted([lora_server.url, second_lora_server.url])
+    for url, served in rank0["served"].items():
+        assert served["wsync_lora_version"] == "2" and served["checksums"] == rank0[2], url
 
 
 def _big_adapter(root: str):
