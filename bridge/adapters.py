@@ -426,7 +426,6 @@ class AdapterPublisher:
         if self._rank != 0:
             return
         cfg = self.config
-        failpoint("adapter:announce", 0)
         value = {"name": cfg.name, "version": new.version, "path": new.path}
         key = adapter_key(cfg.experiment, cfg.trial, cfg.name, new.version)
         self._names().add(key, json.dumps(value), replace=True)

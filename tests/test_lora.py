@@ -501,6 +501,63 @@ def test_adapter_publishes_find_their_servers_in_a_registry(lora_server, second_
         assert served["wsync_lora_version"] == "2" and served["checksums"] == rank0[2], url
 
 
+def _interrupted_publish(url: str, via: str, root: str, nr_url: str, point: str):
+    """Version 1, then version 2 with a real SIGINT sent at ``point`` (after the server loaded version 2), then
+    version 2 for real: what each rank raised, and what the server served after the interrupt."""
+    import os
+    import signal
+
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from bridge.failpoints import ENV
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    name = f"policy-int-{via}"
+    pub = AdapterPublisher(AdapterPublisherConfig(name=name, via=via, servers=[url], root=root, name_resolve=nr_url))
+    try:
+        train_step(engine, seed=1)
+        first = pub.publish(engine, version=1).checksums
+        train_step(engine, seed=2)
+        os.environ[ENV] = point
+        try:
+            pub.publish(engine, version=2)
+            got = ("no error", "", "")
+        except BaseException as e:  # the test records whatever comes, the interrupt included
+            cause = e.__cause__ or e.__context__
+            got = (type(e).__name__, str(e), str(cause) if cause is not None else "")
+        finally:
+            del os.environ[ENV]
+        handler_back = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        served = again = None
+        if engine.rank == 0:
+            c = ServerClient(url)
+            served = c.adapter_checksums(name)
+            c.close()
+        again = pub.publish(engine, version=2).version  # the trainer goes on
+        return dict(first=first, got=got, served=served, again=again, handler_back=handler_back)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+@pytest.mark.parametrize("via,point,rank", [("disk", "adapter:announce@0=SIGINT", 0),
+                                            ("tensors", "adapter:commit@1=SIGINT", 1)])
+def test_ctrl_c_during_an_adapter_publish_leaves_the_previous_adapter(lora_server, adapter_root, tmp_path, via,
+                                                                      point, rank):
+    """A real SIGINT to one rank after the server loaded the new version: that rank raises KeyboardInterrupt
+    (after the clean-up), the other the SyncError it carries, both naming the interrupted rank; the server
+    serves the previous adapter; the next publish goes through."""
+    out = run_ranks(_interrupted_publish, 2, args=(lora_server.url, via, adapter_root, f"file://{tmp_path}/nr", point),
+                    timeout=120)
+    mine, other = out[rank]["got"], out[1 - rank]["got"]
+    assert mine[0] == "KeyboardInterrupt", mine
+    assert other[0] == "SyncError" and f"rank {rank} was interrupted" in other[1], other
+    assert mine[2] == other[1], "every rank gets the same error (the interrupted one as the KeyboardInterrupt's cause)"
+    assert out[0]["served"]["wsync_lora_version"] == "1" and out[0]["served"]["checksums"] == out[0]["first"]
+    assert out[0]["again"] == out[1]["again"] == 2 and out[0]["handler_back"] and out[1]["handler_back"]
+
+
 def _big_adapter(root: str):
     from bridge import AdapterPublisher, AdapterPublisherConfig
     from trainer import EngineConfig, FSDPEngine, LoraConfig
