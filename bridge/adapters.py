@@ -22,7 +22,7 @@ The source (the FSDP2 engine in ``trainer/`` with ``EngineConfig(lora=...)``) of
 
 Fault points (:mod:`bridge.failpoints`): ``adapter:prepare``, ``adapter:gather`` (after the gather),
 ``adapter:write`` (disk, before the write), ``adapter:rename`` (disk, after the files were written, before
-the rename), ``adapter:load`` and ``adapter:load:<i>`` (before server ``i`` is told), ``adapter:announce``
+the rename), ``adapter:servers`` (the servers found), ``adapter:load`` and ``adapter:load:<i>`` (before server ``i`` is told), ``adapter:announce``
 (disk) and ``adapter:commit``.
 """
 
