@@ -368,6 +368,17 @@ def test_train_lora_flags_refused(argv, message):
         check_arguments(args)
 
 
+def test_train_publish_adapter_takes_the_server_registry():
+    """``wsync train --publish-adapter`` finds its servers as the weights do: --server-registry, --min-servers."""
+    from wsync.cli import build_parser
+    from wsync.train import _adapter_config
+
+    args = build_parser().parse_args(["train", "--lora-rank", "4", "--publish-adapter", "p", "--publish", "colocated",
+                                      "--server-registry", "file:///tmp/registry", "--min-servers", "2"])
+    cfg = _adapter_config(args)
+    assert (cfg.via, cfg.servers, cfg.server_registry, cfg.min_servers) == ("tensors", [], ["file:///tmp/registry"], 2)
+
+
 @pytest.mark.slow
 def test_demo_lora_end_to_end(tmp_path):
     """``wsync demo --lora``: the adapter alone by disk and by tensors, each server's answer with it the trainer's."""
