@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the FP8 rows (the flattened broadcast with --encoding fp8 into a server serving FP8)")
     p.add_argument("--lora-rank", type=int, default=16, metavar="R",
                    help="LoRA rows: an adapter of rank R on every projection of the same model, published alone by "
-                        "tensors and by disk into a server of its own (default 16; 0: no LoRA rows; not with --link)")
+                        "tensors and by disk into a server of its own, from a second engine of the model (default 16; "
+                        "0: no LoRA rows, for a model the trainer fits only once; not with --link)")
     p.add_argument("--delta-warmup", type=int, default=5, help="optimizer steps before the delta rows are timed")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one transfer or load may take")
     p.add_argument("--keep-run", action="store_true", help="keep the run folder (snapshots, logs)")
