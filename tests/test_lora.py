@@ -377,6 +377,9 @@ def test_train_publish_adapter_takes_the_server_registry():
                                       "--server-registry", "file:///tmp/registry", "--min-servers", "2"])
     cfg = _adapter_config(args)
     assert (cfg.via, cfg.servers, cfg.server_registry, cfg.min_servers) == ("tensors", [], ["file:///tmp/registry"], 2)
+    plain = _adapter_config(build_parser().parse_args(["train", "--lora-rank", "4", "--publish-adapter", "p",
+                                                       "--publish", "disk"]))
+    assert (plain.server_registry, plain.min_servers) == (None, 1), "without the flags: the config's defaults"
 
 
 @pytest.mark.slow
