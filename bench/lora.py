@@ -7,6 +7,13 @@ disk (``AdapterPublisher``); round 0 is a warm-up. Prints one line per method (m
 adapter's fraction of the full sync's time) and writes them to ``--json``.
 
     python -m bench.lora --preset medium --rank 16 --repeats 3 --json lora.json
+
+The same rows in ``wsync bench`` (:class:`LoraRows`, in every trainer rank, on by default; ``--lora-rank 0``
+skips them): a second FSDP2 engine of the same model trains no step but holds a PEFT adapter of rank
+``lora_rank`` on every projection; ``lora-tensors`` and ``lora-disk`` publish it (``AdapterPublisher``, in the
+serving dtype, as every method sends) into a reference server of its own (``--enable-lora``), timed in every
+round beside the full syncs. Report side (:func:`lora_fields`, :func:`lora_targets`): each row's bytes and time
+against the full flattened sync of the first bucket size, measured in the same run (``encoding: "lora"``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ import statistics
 import tempfile
 import time
 
+__all__ = ["LORA_TARGET", "LoraRows", "lora_fields", "lora_notes", "lora_targets"]
+
+LORA_TARGET = 0.05
+"""On medium, rank 16 on every projection: an adapter publish takes at most 5 % of the full sync's time."""
 
 def _rank_main(rank: int, world: int, port: int, spec: dict, out_path: str) -> None:
     import torch.distributed as dist
@@ -56,6 +67,94 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, out_path: str) -> N
         with open(out_path, "w") as f:
             json.dump({"times": times, "bytes": nbytes, "phases": phases}, f)
     engine.destroy()
+
+
+class LoraRows:
+    """The LoRA rows of ``wsync bench`` (worker side): a LoRA engine of the bench's model and two adapter
+    publishers (by tensors, by disk) into ``spec["lora_server"]``."""
+
+    METHODS = ("lora-tensors", "lora-disk")
+
+    def __init__(self, bench, spec: dict):
+        from bridge import AdapterPublisher, AdapterPublisherConfig
+        from trainer import EngineConfig, FSDPEngine, LoraConfig
+
+        self.bench = bench
+        rank = int(spec["lora_rank"])
+        self.engine = FSDPEngine(EngineConfig(model_path=spec["model_dir"],
+                                              lora=LoraConfig(rank=rank, alpha=2.0 * rank))).initialize()
+        common = dict(servers=[spec["lora_server"]], dtype=spec["serving_dtype"], http_timeout=bench.timeout)
+        self.pubs = {
+            "lora-tensors": AdapterPublisher(AdapterPublisherConfig(name="bench-tensors", via="tensors", **common)),
+            "lora-disk": AdapterPublisher(AdapterPublisherConfig(name="bench-disk", via="disk", root=spec["lora_root"],
+                                                                 name_resolve="memory://bench-lora", **common)),
+        }
+        self.versions = {k: 0 for k in self.pubs}
+        self.rank = rank
+
+    def items(self) -> list:
+        return [(name, lambda n=name: self._publish(n)) for name in self.METHODS]
+
+    def _publish(self, name: str) -> dict | None:
+        self.versions[name] += 1
+        t0 = time.perf_counter()
+        res = self.pubs[name].publish(self.engine, version=self.versions[name])
+        seconds = time.perf_counter() - t0
+        if not self.bench.rank0:
+            return None
+        return {"seconds": seconds, "bytes": res.bytes, "full_bytes": self.bench.nbytes, "lora_rank": self.rank,
+                "tensors": len(res.checksums or {}), "phases": getattr(res, "phases", None) or {}, "encoding": "lora"}
+
+    def close(self) -> None:
+        for pub in self.pubs.values():
+            pub.close()
+        self.engine.destroy()  # the bench's engine owns the process group: this one leaves it alone
+
+
+def lora_fields(rec: dict, items: dict) -> dict:
+    """A LoRA row's own figures: its bytes against the full model's, its time against the full flattened sync of
+    the first bucket size in the same run (``rec``: its item's record; ``items``: every item of its size)."""
+    runs = rec["runs"]
+    if not runs:
+        return {}
+    med = statistics.median(r["seconds"] for r in runs)
+    flats = sorted((n for n in items if n.startswith("flat-")), key=lambda n: float(n[5:].removesuffix("MiB")))
+    flat = flats[0] if flats else None
+    flat_runs = items[flat]["runs"] if flat else []
+    flat_s = statistics.median(r["seconds"] for r in flat_runs) if flat_runs else None
+    full = runs[0]["full_bytes"]
+    out = {"full_bytes": full, "bytes_fraction": runs[0]["bytes"] / full if full else None, "full_method": flat,
+           "full_seconds": flat_s, "fraction_of_full": med / flat_s if flat_s else None,
+           "lora_rank": runs[0]["lora_rank"], "tensors": runs[0]["tensors"]}
+    if runs[0]["phases"]:
+        out["phases"] = {k: statistics.median(r["phases"].get(k, 0.0) for r in runs) for k in runs[0]["phases"]}
+    return out
+
+
+def lora_notes(rows) -> list[str]:
+    """One line per LoRA row: the adapter's bytes and time against the full sync of the same run."""
+    out = []
+    for r in rows:
+        if r["kind"] == "lora" and r.get("fraction_of_full") is not None:
+            out.append(f"{r['size']} {r['method']}: adapter of rank {r['lora_rank']} ({r['tensors']} tensors) "
+                       f"{r['bytes'] / 2**20:.2f} MiB = {r['bytes_fraction']:.2%} of the model's bytes, "
+                       f"{r['seconds']['median']:.3f} s = {r['fraction_of_full']:.1%} of {r['full_method']} "
+                       f"({r['full_seconds']:.3f} s, same run)")
+    return out
+
+
+def lora_targets(rows) -> list[dict]:
+    """The LoRA target on medium (rank 16 on every projection): each adapter publish <= 5 % of the full sync's time."""
+    target = f"LoRA rank 16: adapter publish <= {LORA_TARGET:.0%} of the full sync's time, on medium"
+    medium = [r for r in rows if r["kind"] == "lora" and r["size"] == "medium" and r.get("lora_rank") == 16]
+    if not medium:
+        return [{"target": target, "measured": "medium not measured at rank 16 (--sizes medium, --lora-rank 16)",
+                 "met": None}]
+    fracs = [r.get("fraction_of_full") for r in medium]
+    met = None if None in fracs else all(f <= LORA_TARGET for f in fracs)
+    measured = "; ".join(f"{r['method']} {r['seconds']['median']:.3f} s, " + ("-" if r.get("fraction_of_full") is None
+                         else f"{r['fraction_of_full']:.1%}") for r in medium)
+    return [{"target": target, "measured": f"{measured} of {medium[0]['full_method']}", "met": met}]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="many", help="preset (default many)")
     p.add_argument("--method", default="flat-32MiB", help="flat-<N>MiB, per-tensor, colocated-<N>MiB, disk-dir or "
-                                                          "delta-lr<LR> (e.g. delta-lr1e-06)")
+                                                          "delta-lr<LR> (e.g. delta-lr1e-06), lora-tensors or lora-disk (rank 16)")
     p.add_argument("--bucket-mb", type=float, default=32.0, help="the flat/colocated bucket size (default 32)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     # delta-lr<LR>: the delta rows' publisher (bench.delta), one optimizer step at LR before each timed sync.
     lrs = [float(args.method[len("delta-lr"):])] if args.method.startswith("delta-lr") else []
     cfg = BenchConfig(sizes=[args.size], bucket_mb=[args.bucket_mb], repeats=args.repeats, nproc=args.nproc, etcd=False,
-                      delta_lrs=lrs, **kw)
+                      delta_lrs=lrs, lora_rank=16 if args.method.startswith("lora-") else 0, **kw)
     place = placement(cfg.device, cfg.nproc)
     run_dir = tempfile.mkdtemp(prefix="profile-", dir=ensure_dir(cfg.workdir, "runs"))
     try:

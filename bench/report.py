@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 from bench.delta import delta_fields, delta_notes, delta_targets
 from bench.fp8 import FLOOR_BROADCAST_FP8, FP8_RAW, fp8_fields, fp8_targets
+from bench.lora import lora_fields, lora_notes, lora_targets
 
 __all__ = ["TARGETS", "build_rows", "build_warmups", "check_targets", "format_link", "format_table", "link_rows", "plot",
            "stats"]
@@ -93,6 +94,8 @@ def _kind(name: str) -> str:
         return "delta"
     if name.startswith("fp8-"):
         return "fp8"
+    if name.startswith("lora-"):
+        return "lora"
     return "floor"
 
 
@@ -102,8 +105,9 @@ def _over(num: float | None, den: float | None) -> float | None:
 
 
 def _encoding(name: str, kind: str, serving: str) -> str:
-    """What a row's bytes are: ``fp8`` (the FP8 rows, their gather and floors), ``delta``, or the serving dtype."""
-    if kind in ("fp8", "delta"):
+    """What a row's bytes are: ``fp8`` (the FP8 rows, their gather and floors), ``delta``, ``lora`` (an adapter
+    alone, in the serving dtype), or the serving dtype."""
+    if kind in ("fp8", "delta", "lora"):
         return kind
     return "fp8" if name in (FP8_RAW, FLOOR_BROADCAST_FP8) or name.startswith("gather-fp8-") else serving
 
@@ -166,6 +170,8 @@ def build_rows(sizes: Sequence[dict], link: str | None = None) -> list[dict]:
                 row["phases"] = {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]}
             if kind == "fp8":  # its bytes and time against the full bf16 sync (bench.fp8)
                 row.update(fp8_fields(rec, items))
+            if kind == "lora":  # the adapter alone: its bytes and time against the full flattened sync (bench.lora)
+                row.update(lora_fields(rec, items))
             if kind == "delta":  # its time against the full flattened sync and the floor (bench.delta)
                 row.update(delta_fields(rec, items, FLOOR_BROADCAST, floor_stats.get(FLOOR_BROADCAST, {}).get("median")))
             if name == "raw-broadcast":
@@ -190,7 +196,8 @@ def build_rows(sizes: Sequence[dict], link: str | None = None) -> list[dict]:
     serving = {s["label"]: s.get("serving_dtype", "bfloat16") for s in sizes}
     for r in rows:
         r.update(encoding=_encoding(r["method"], r["kind"], serving[r["size"]]), link=link)
-    order = {"floor": 0, "gather": 1, "flattened": 2, "fp8": 3, "delta": 4, "per-tensor": 5, "colocated": 6, "disk": 7}
+    order = {"floor": 0, "gather": 1, "flattened": 2, "fp8": 3, "delta": 4, "per-tensor": 5, "colocated": 6, "disk": 7,
+             "lora": 8}
     floor_order = ["raw-gather", "raw-gather-chunked", FLOOR_GATHER, "raw-broadcast", FLOOR_BROADCAST, FP8_RAW,
                    FLOOR_BROADCAST_FP8, "raw-shm", FLOOR_SHM, "raw-disk", FLOOR_DISK]
     sizes_order = [s["label"] for s in sizes]
@@ -319,6 +326,7 @@ def check_targets(rows: Sequence[dict], link: str | None = None) -> list[dict]:
                           f"({', '.join(expected)})",
                 "measured": "; ".join(measured), "met": _verdict(checks)})
     out += fp8_targets(rows, link) if any(r["kind"] == "fp8" for r in rows) else []
+    out += lora_targets(rows) if any(r["kind"] == "lora" for r in rows) else []
     return out + (delta_targets(rows) if any(r["kind"] == "delta" for r in rows) else [])
 
 
@@ -375,6 +383,7 @@ def format_table(rows: Sequence[dict], targets: Sequence[dict], warmups: dict | 
             lines.append(f"{r['size']} {r['method']}: gather+write+fsync {p.get('write', 0):.3f} s, announce "
                          f"{p.get('announce', 0):.3f} s, load (announced -> served) {p.get('load', 0):.3f} s (medians)")
     lines += delta_notes(rows)
+    lines += lora_notes(rows)
     for label, w in (warmups or {}).items():
         lines.append(f"{label}: first broadcast sync {w['first_seconds']:.3f} s, of which weight-update group "
                      f"creation {w['group_init_seconds']:.3f} s")
@@ -437,7 +446,8 @@ def format_link(rows: Sequence[dict], link: dict) -> str:
 
 # One colour family per kind, used by the method lines and by that kind's target line, so the legend reads
 # the same in every panel.
-_FAMILY = {"floor": "Greys", "flattened": "Blues", "fp8": "YlOrBr", "delta": "Reds", "per-tensor": "Oranges", "colocated": "Purples", "disk": "Greens"}
+_FAMILY = {"floor": "Greys", "flattened": "Blues", "fp8": "YlOrBr", "delta": "Reds", "per-tensor": "Oranges", "colocated": "Purples", "disk": "Greens",
+           "lora": "PuRd"}
 _TARGET_OF = {"flattened": "flat_ratio", "disk": "disk_ratio"}
 
 

@@ -89,6 +89,9 @@ class BenchConfig:
     fp8: bool = True
     """The FP8 rows (:mod:`bench.fp8`): the flattened broadcast at the first bucket size with ``encoding="fp8"`` into
     a server serving FP8 of its own, its bucket fills alone, and its floor (the FP8 bytes in one broadcast)."""
+    lora_rank: int = 16
+    """The LoRA rows (:mod:`bench.lora`): an adapter of this rank on every projection of the same model, published
+    alone by tensors and by disk into a server of its own (``--enable-lora``). 0: no LoRA rows."""
     link: str | None = None
     """A tc rate (``200mbit``, ``1gbit``): the servers on a host of their own behind a link shaped to it
     (:mod:`bench.netns`; needs root). None: everything on this host's loopback."""
@@ -122,6 +125,8 @@ class BenchConfig:
         if any(not lr > 0 for lr in self.delta_lrs) or self.delta_warmup < 0:
             raise ConfigError(f"delta learning rates must be positive and delta_warmup >= 0, got {self.delta_lrs}, "
                               f"{self.delta_warmup}")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be an integer >= 0 (0: no LoRA rows), got {self.lora_rank!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         dtype_from_str(self.serving_dtype)
@@ -269,7 +274,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
     backends = {"dir": f"file://{ensure_dir(run_dir, 'name_resolve')}"}
     if etcd is not None:
         backends["etcd"] = etcd.url
-    server = watchers = trainer = delta_server = fp8_server = None
+    server = watchers = trainer = delta_server = fp8_server = lora_server = None
     try:
         if cfg.delta_lrs:  # the delta rows' own server (bench.delta)
             delta_server = launch_server(
@@ -285,6 +290,14 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
                                               "--quantization", "fp8"],
                 env={**quiet, **place["server_env"]}, ready_timeout=300)
             extra = {"fp8_server": fp8_server.url, **(extra or {})}
+        if cfg.lora_rank and link is None:  # the LoRA rows' own server (bench.lora); tensors go by reference: one host
+            lora_root = ensure_dir(size_dir, "adapters")
+            lora_server = launch_server(
+                model=model_dir, log_path=os.path.join(size_dir, "lora-server.log"), dtype=cfg.serving_dtype,
+                use_sglang=False, extra_args=["--log-level", cfg.log_level, "--enable-lora", "--max-lora-rank",
+                                              str(cfg.lora_rank)],
+                env={**quiet, **place["server_env"]}, ready_timeout=300, disk_roots=[lora_root])
+            extra = {"lora_server": lora_server.url, "lora_rank": cfg.lora_rank, "lora_root": lora_root, **(extra or {})}
         server = launch_server(
             model=model_dir, log_path=os.path.join(size_dir, "server.log"), dtype=cfg.serving_dtype, use_sglang=False,
             extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)],
@@ -317,7 +330,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
             trainer.close()
         for w in watchers or ():
             w.stop()
-        for s in (server, delta_server, fp8_server):
+        for s in (server, delta_server, fp8_server, lora_server):
             if s is not None:
                 s.stop()
 

@@ -18,6 +18,8 @@ Methods (each is one ``WeightPublisher.publish``, collective on every rank):
   flattened broadcast with ``encoding="fp8"`` into a server serving FP8, its bucket fills alone, and its floor,
   the FP8 bytes in one broadcast to that server (:mod:`bench.fp8`).
 - ``delta-lr<LR>`` (``spec["delta_server"]``): a delta sync after one optimizer step at LR (:mod:`bench.delta`).
+- ``lora-tensors``, ``lora-disk`` (``spec["lora_server"]``, on by default): a LoRA adapter of the same model
+  (rank ``spec["lora_rank"]`` on every projection) published alone by tensors and by disk (:mod:`bench.lora`).
 - ``disk-<backend>``: snapshot write + fsync + announcement + load, ``wait_loaded=True``; a watcher in
   the driver process loads each announced version into the server. ``disk-dir-rank0`` (when the
   publisher has ``disk_writers`` and there are 2+ ranks): the same with rank 0 writing every file, the
@@ -158,6 +160,11 @@ class _Bench:
             from bench.fp8 import Fp8Rows
 
             self.fp8 = Fp8Rows(self, spec, common)
+        self.lora = None  # the LoRA rows (bench.lora): an adapter of the same model into a server of its own
+        if spec.get("lora_server"):
+            from bench.lora import LoraRows
+
+            self.lora = LoraRows(self, spec)
         # The device the broadcast transport gathers into (BroadcastTransport.buffer): CUDA only under NCCL.
         self.wire_device = self.device if (self.backend or _default_backend()) == "nccl" else torch.device("cpu")
         # The bench's own gathers run on a group of their own, as the publisher's do.
@@ -185,6 +192,7 @@ class _Bench:
             out.append((f"flat-{mb:g}MiB", lambda mb=mb: self._publish_broadcast("flattened_bucket", mb)))
         out += self.fp8.items() if self.fp8 is not None else []
         out += self.delta.items() if self.delta is not None else []
+        out += self.lora.items() if self.lora is not None else []
         out.append(("per-tensor", lambda: self._publish_broadcast("per_tensor", spec["per_tensor_bucket_mb"])))
         if self.colocated is not None:
             out.append((f"colocated-{self.colocated.config.bucket_mb:g}MiB", self._publish_colocated))
@@ -254,7 +262,7 @@ class _Bench:
 
     def close(self) -> None:
         self.broadcast.close()
-        for rows in (self.delta, self.fp8):
+        for rows in (self.delta, self.fp8, self.lora):
             if rows is not None:
                 rows.close()
         if self.colocated is not None:

@@ -22,7 +22,7 @@ The source (the FSDP2 engine in ``trainer/`` with ``EngineConfig(lora=...)``) of
 
 Fault points (:mod:`bridge.failpoints`): ``adapter:prepare``, ``adapter:gather`` (after the gather),
 ``adapter:write`` (disk, before the write), ``adapter:rename`` (disk, after the files were written, before
-the rename), ``adapter:load`` and ``adapter:load:<i>`` (before server ``i`` is told), ``adapter:announce``
+the rename), ``adapter:servers`` (the servers found), ``adapter:load`` and ``adapter:load:<i>`` (before server ``i`` is told), ``adapter:announce``
 (disk) and ``adapter:commit``.
 """
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from bridge.agreement import Agreement
-from bridge.errors import BridgeError, ConfigError, VersionError
+from bridge.errors import BridgeError, ConfigError, SyncError, VersionError
 from bridge.failpoints import failpoint
 from bridge.interrupts import held
 from bridge.log import get_logger
@@ -80,6 +80,11 @@ class AdapterPublisherConfig:
     """``disk`` (a PEFT adapter directory, any host that sees ``root``) or ``tensors`` (servers on this host)."""
     servers: Sequence[str] = ()
     """Base URLs of the servers that serve the adapter."""
+    server_registry: str | Sequence[str] | None = None
+    """Where more servers are found, read again at every publish, as ``PublisherConfig.server_registry``
+    (``etcd://``, ``file:///dir``, ``router+http://``; servers registered for ``experiment``/``trial``)."""
+    min_servers: int = 1
+    """With servers or a registry: a publish fails (before anything is loaded) when fewer servers are found."""
     root: str | None = None
     """Disk: the folder of the adapter directories, ``<root>/<name>/v<version>`` (default: a folder under
     the temporary directory, per experiment and trial)."""
@@ -104,9 +109,20 @@ class AdapterPublisherConfig:
         if self.via not in VIAS:
             raise ConfigError(f"via must be one of {', '.join(VIAS)} (an adapter goes by disk or, on one host, by "
                               f"tensors), got {self.via!r}")
-        self.servers = [str(s) for s in self.servers]
-        if self.via == "tensors" and not self.servers:
-            raise ConfigError("via='tensors' sends the adapter to servers: give servers=[URL, ...]")
+        if isinstance(self.servers, str):
+            raise ConfigError(f"servers must be a list of URLs, got the string {self.servers!r}")
+        self.servers = [str(s).rstrip("/") for s in self.servers]
+        if isinstance(self.server_registry, str):
+            self.server_registry = [self.server_registry]
+        self.server_registry = list(self.server_registry or ()) or None
+        from bridge.fleet.discovery import check_registry_url
+
+        for url in self.server_registry or ():
+            check_registry_url(url)
+        if isinstance(self.min_servers, bool) or not isinstance(self.min_servers, int) or self.min_servers < 1:
+            raise ConfigError(f"min_servers must be an integer >= 1, got {self.min_servers!r}")
+        if self.via == "tensors" and not self.servers and not self.server_registry:
+            raise ConfigError("via='tensors' sends the adapter to servers: give servers=[URL, ...] or server_registry=URL")
         if self.keep < 2:
             raise ConfigError(f"keep must be >= 2 (the previous adapter is what a failed publish goes back to), got {self.keep}")
         if self.dtype is not None:
@@ -168,7 +184,9 @@ class AdapterPublisher:
         self._rank = self._agree.rank
         self._last: int | None = None
         self._served: _Published | None = None  # rank 0
-        self._clients = None  # rank 0, built at the first publish
+        self._clients: dict = {}  # rank 0: URL -> client, for every server found so far
+        self._current: list[str] = []  # rank 0: the servers of this publish, found at its start
+        self._sources = None  # rank 0: where the servers are found (bridge.fleet.discovery), opened once
         self._nr = None  # rank 0, disk
         self._took: list = []  # rank 0: the servers that loaded the version being published
         self._announced: str | None = None  # rank 0: its announcement key, once made
@@ -207,7 +225,8 @@ class AdapterPublisher:
         new = _Published(version, path, adapter_config, tensors if cfg.via == "tensors" else None, checksums)
         self._took, self._announced = [], None
         undo = lambda: self._undo(new)  # noqa: E731
-        self._step("adapter:load", lambda: self._load_all(new), cfg.http_timeout * (1 + len(cfg.servers)), undo)
+        found = self._step("adapter:servers", self._find_servers, cfg.http_timeout, undo)[0]
+        self._step("adapter:load", lambda: self._load_all(new), cfg.http_timeout * (1 + found), undo)
         if cfg.via == "disk":
             self._step("adapter:announce", lambda: self._announce(new), cfg.http_timeout, undo)
         checksums = self._step("adapter:commit", lambda: new.checksums, SLACK_S, undo)[0]
@@ -221,11 +240,13 @@ class AdapterPublisher:
         if self._last is not None:
             self._agree.finish(SLACK_S)
             self._last = None
-        for c in self._clients or ():
+        for c in self._clients.values():
             c.close()
+        for source in self._sources or ():
+            source.close()
         if self._nr is not None:
             self._nr.close()
-        self._clients = self._nr = None
+        self._clients, self._sources, self._nr = {}, None, None
 
     def __enter__(self) -> AdapterPublisher:
         return self
@@ -313,14 +334,38 @@ class AdapterPublisher:
         folder = os.path.join(self.config.root, self.config.name)
         return write_adapter_dir(folder, version, tensors, adapter_config)
 
-    def _servers(self):
-        if self._clients is None:
-            from bridge.client import ServerClient
+    def _find_servers(self) -> int:
+        """Rank 0: the servers of this publish, found again (the fixed list, then each registry); their number.
+        Fewer than ``min_servers`` (when any server is configured) fails the publish before anything is loaded."""
+        if self._rank != 0:
+            return 0
+        from bridge.fleet.discovery import open_sources
 
-            cfg = self.config
-            self._clients = [ServerClient(u, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key, timeout=cfg.http_timeout)
-                             for u in cfg.servers]
-        return self._clients
+        cfg = self.config
+        if self._sources is None:
+            self._sources = open_sources(cfg.servers, cfg.server_registry or (), cfg.experiment, cfg.trial,
+                                         timeout=cfg.http_timeout)
+        urls: list[str] = []
+        for source in self._sources:
+            urls += [u.rstrip("/") for u in source.urls() if u.rstrip("/") not in urls]
+        if (cfg.servers or cfg.server_registry) and len(urls) < cfg.min_servers:
+            where = ", ".join(s.url for s in self._sources)
+            raise SyncError(f"found {len(urls)} server(s) ({', '.join(urls) or 'none'}) in {where}, fewer than "
+                            f"min_servers={cfg.min_servers}; register more servers (wsync serve --register) or lower "
+                            "min_servers")
+        self._current = urls
+        return len(urls)
+
+    def _servers(self):
+        """Rank 0: a client of each server of this publish (found by :meth:`_find_servers`)."""
+        from bridge.client import ServerClient
+
+        cfg = self.config
+        for u in self._current:
+            if u not in self._clients:
+                self._clients[u] = ServerClient(u, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
+                                                timeout=cfg.http_timeout)
+        return [self._clients[u] for u in self._current]
 
     def _load_all(self, new: _Published) -> None:
         """Rank 0: every server loads ``new`` (the ones that did are recorded, for :meth:`_undo`)."""
@@ -382,7 +427,6 @@ class AdapterPublisher:
         if self._rank != 0:
             return
         cfg = self.config
-        failpoint("adapter:announce", 0)
         value = {"name": cfg.name, "version": new.version, "path": new.path}
         key = adapter_key(cfg.experiment, cfg.trial, cfg.name, new.version)
         self._names().add(key, json.dumps(value), replace=True)

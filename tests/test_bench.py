@@ -37,6 +37,7 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
         expected.add("disk-etcd")
     expected |= {"delta-lr1e-06", "delta-lr1e-05"}
     expected |= {f"fp8-{bucket}", f"gather-fp8-{bucket}", "raw-broadcast-fp8", "floor: gather+broadcast fp8"}
+    expected |= {"lora-tensors", "lora-disk"}
     assert expected <= methods, f"missing rows: {expected - methods}"
     by = {r["method"]: r for r in report["rows"]}
     # FP8 into a server serving FP8: fewer bytes than bf16, the same bytes as its floor, timed against the full sync.
@@ -46,6 +47,13 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
     assert {(r["method"], r["encoding"], r["link"]) for r in report["rows"] if r["method"] in (
         f"fp8-{bucket}", f"flat-{bucket}", "delta-lr1e-06")} == {
         (f"fp8-{bucket}", "fp8", None), (f"flat-{bucket}", "bfloat16", None), ("delta-lr1e-06", "delta", None)}
+    # The adapter alone (rank 16 on every projection, in the serving dtype) against the full sync of the same run.
+    for m in ("lora-tensors", "lora-disk"):
+        lora = by[m]
+        assert lora["encoding"] == "lora" and lora["lora_rank"] == 16 and lora["tensors"] == 2 * 7 * 2, lora
+        assert 0 < lora["bytes"] < lora["full_bytes"] == lora["model_bytes"] and lora["full_method"] == f"flat-{bucket}"
+        assert lora["fraction_of_full"] > 0 and lora["seconds"]["n"] == 1, lora
+    assert by["lora-tensors"]["bytes"] == by["lora-disk"]["bytes"]
     for r in report["rows"]:
         assert r["bytes"] > 0 and r["seconds"]["n"] == 1, r
         assert r["seconds"]["median"] > 0, r
@@ -58,7 +66,7 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
             assert r["full_method"] in methods and r["speedup_vs_full"] > 0 and r["ratio"] > 0, r
             assert all(s == "delta" or "delta_max_fraction" in s or "delta_cost" in s for s in r["sent"]), r
             assert r["bytes"] < r["full_bytes"] / 2 if r["sent"] == ["delta"] else r["bytes"] == r["full_bytes"], r
-        elif r["kind"] not in ("floor", "gather"):
+        elif r["kind"] not in ("floor", "gather", "lora"):
             # Every method is reported end to end and transfer only, against floors of the same run.
             assert r["ratio"] > 0 and r["first_seconds"] > 0, r
             assert r["gather_item"] in methods and r["transfer_seconds"]["n"] == 1, r
@@ -318,3 +326,35 @@ def test_fp8_rows_in_the_report():
                                  "measured": {"mbit_s": 900.0, "bytes": 8e6, "seconds": 0.07}})
     shown = [line.split()[1] for line in section.splitlines()[3:-1]]
     assert shown.index("flat-32MiB") < shown.index("raw-broadcast-fp8") < shown.index("fp8-32MiB"), section
+
+
+def test_lora_rows_in_the_report():
+    """LoRA rows: the adapter's bytes against the model's and its time against the full flattened sync of the first
+    bucket size in the same run; ``encoding: "lora"``; a note line each; the 5 % target on medium at rank 16."""
+    from bench.report import build_rows, check_targets, format_table
+
+    def runs(values, **extra):
+        extra = {"bytes": 400, **extra}
+        return {"first": {"seconds": values[0], **extra}, "runs": [{"seconds": v, **extra} for v in values]}
+
+    flat = dict(bytes=400, buckets=2, peak_extra_bytes=300, bucket_bytes=2**25, largest_bucket_bytes=200, phases={},
+                gather_item="gather-32MiB")
+    lora = dict(bytes=8, full_bytes=400, lora_rank=16, tensors=28, encoding="lora", phases={"gather": 0.01, "load": 0.02})
+    items = {"raw-gather": runs([1.0, 1.0]), "raw-broadcast": runs([1.0, 1.0], server_seconds=0.4),
+             "gather-32MiB": runs([1.0, 1.0]), "gather-128MiB": runs([1.0, 1.0]),
+             "flat-32MiB": runs([2.0, 2.0], **flat), "flat-128MiB": runs([4.0, 4.0], **flat),
+             "lora-tensors": runs([0.05, 0.07], **lora), "lora-disk": runs([0.2, 0.2], **lora)}
+    size = {"label": "medium", "params": 200, "bytes": 400, "tensors": 3, "items": items, "serving_dtype": "bfloat16"}
+    rows = build_rows([size])
+    by = {r["method"]: r for r in rows}
+    t = by["lora-tensors"]
+    assert t["kind"] == "lora" and t["encoding"] == "lora" and t["full_method"] == "flat-32MiB", t
+    assert t["bytes_fraction"] == pytest.approx(8 / 400) and t["fraction_of_full"] == pytest.approx(0.06 / 2.0)
+    assert t["phases"] == {"gather": 0.01, "load": 0.02} and by["lora-disk"]["fraction_of_full"] == pytest.approx(0.1)
+    [target] = [x for x in check_targets(rows) if x["target"].startswith("LoRA")]
+    assert target["met"] is False and "lora-disk 0.200 s, 10.0%" in target["measured"], target
+    table = format_table(rows, check_targets(rows))
+    assert "medium lora-tensors: adapter of rank 16 (28 tensors)" in table and "3.0% of flat-32MiB" in table, table
+    items["lora-disk"] = runs([0.09, 0.09], **lora)
+    [target] = [x for x in check_targets(build_rows([size])) if x["target"].startswith("LoRA")]
+    assert target["met"] is True, target

@@ -199,7 +199,7 @@ def test_disk_publish_writes_peft_dirs_and_a_fault_changes_nothing(tmp_path):
 # ------------------------------------------------------------------------------- into the reference server
 
 PROMPT = [1] + [b + 3 for b in b"rev hello="]
-ROUNDS = 3  # publishes per transport: training steps between them, the tiny preset, rank 4 on every projection
+ROUNDS = 10  # publishes per transport (the issue's count): training steps between them, tiny preset, rank 4 everywhere
 
 
 def _expected_greedy(adapter: dict[str, torch.Tensor], config: dict) -> list[int]:
@@ -368,6 +368,20 @@ def test_train_lora_flags_refused(argv, message):
         check_arguments(args)
 
 
+def test_train_publish_adapter_takes_the_server_registry():
+    """``wsync train --publish-adapter`` finds its servers as the weights do: --server-registry, --min-servers."""
+    from wsync.cli import build_parser
+    from wsync.train import _adapter_config
+
+    args = build_parser().parse_args(["train", "--lora-rank", "4", "--publish-adapter", "p", "--publish", "colocated",
+                                      "--server-registry", "file:///tmp/registry", "--min-servers", "2"])
+    cfg = _adapter_config(args)
+    assert (cfg.via, cfg.servers, cfg.server_registry, cfg.min_servers) == ("tensors", [], ["file:///tmp/registry"], 2)
+    plain = _adapter_config(build_parser().parse_args(["train", "--lora-rank", "4", "--publish-adapter", "p",
+                                                       "--publish", "disk"]))
+    assert (plain.server_registry, plain.min_servers) == (None, 1), "without the flags: the config's defaults"
+
+
 @pytest.mark.slow
 def test_demo_lora_end_to_end(tmp_path):
     """``wsync demo --lora``: the adapter alone by disk and by tensors, each server's answer with it the trainer's."""
@@ -422,14 +436,140 @@ def _fault_between_servers(urls: list[str], fault: str):
         engine.destroy()
 
 
-def test_a_fault_between_two_servers_puts_the_previous_adapter_back(lora_server, server_factory):
+@pytest.fixture(scope="module")
+def second_lora_server(server_factory):
+    return server_factory(extra_args=["--enable-lora"])
+
+
+def test_a_fault_between_two_servers_puts_the_previous_adapter_back(lora_server, second_lora_server):
     """Server 0 loaded version 2 when the publish failed before server 1: server 0 goes back to version 1."""
-    second = server_factory(extra_args=["--enable-lora"])
-    urls = [lora_server.url, second.url]
+    urls = [lora_server.url, second_lora_server.url]
     rank0, rank1 = run_ranks(_fault_between_servers, 2, args=(urls, "adapter:load:1@0=RuntimeError"), timeout=120)
     assert rank0["failed"] and rank0["failed"] == rank1["failed"] and "adapter:load" in rank0["failed"]
     for url, served in rank0["served"].items():
         assert served["wsync_lora_version"] == "1" and served["checksums"] == rank0["first"], url
+
+
+def _register(registry: str, trial: str, url: str) -> None:
+    """``url`` as a server entry of ``trial`` in the registry, as ``wsync serve --register`` writes it."""
+    import json
+
+    from bridge.fleet.discovery import server_id, servers_prefix
+    from bridge.name_resolve import DEFAULT_EXPERIMENT, make_name_resolve
+
+    nr = make_name_resolve(registry)
+    try:
+        nr.add(f"{servers_prefix(DEFAULT_EXPERIMENT, trial)}/{server_id(url)}", json.dumps({"url": url}), replace=True)
+    finally:
+        nr.close()
+
+
+def _publish_to_a_registry(registry: str, trial: str, second: str):
+    """Version 1 with one server registered, version 2 after a second one registered (found at that publish),
+    then version 3 with min_servers above what is registered."""
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-fleet", via="tensors", server_registry=registry,
+                                                  trial=trial))
+    try:
+        out = {}
+        for version in (1, 2):
+            if version == 2 and engine.rank == 0:
+                _register(registry, trial, second)
+            train_step(engine, seed=version)
+            out[version] = pub.publish(engine, version=version).checksums
+        pub.config.min_servers = 3
+        try:
+            pub.publish(engine, version=3)
+        except Exception as e:  # compared across ranks by the test
+            out["failed"] = f"{type(e).__name__}: {e}"
+        if engine.rank == 0:
+            from bridge.fleet.discovery import Registry
+            from bridge.name_resolve import DEFAULT_EXPERIMENT
+
+            out["served"] = {}
+            for u in Registry(registry, DEFAULT_EXPERIMENT, trial).urls():
+                c = ServerClient(u)
+                out["served"][u] = c.adapter_checksums("policy-fleet")
+                c.close()
+        return out
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_adapter_publishes_find_their_servers_in_a_registry(lora_server, second_lora_server, tmp_path):
+    """server_registry (file://): the servers are found again at every publish; a server registered after
+    version 1 gets version 2; fewer servers than min_servers fails the publish on every rank and changes nothing."""
+    registry = f"file://{tmp_path}/registry"
+    _register(registry, "lora-fleet", lora_server.url)
+    rank0, rank1 = run_ranks(_publish_to_a_registry, 2, args=(registry, "lora-fleet", second_lora_server.url),
+                             timeout=120)
+    assert rank0["failed"] and rank0["failed"] == rank1["failed"], "every rank raises the same error"
+    assert "min_servers=3" in rank0["failed"] and "2 server(s)" in rank0["failed"], rank0["failed"]
+    assert sorted(rank0["served"]) == sorted([lora_server.url, second_lora_server.url])
+    for url, served in rank0["served"].items():
+        assert served["wsync_lora_version"] == "2" and served["checksums"] == rank0[2], url
+
+
+def _interrupted_publish(url: str, via: str, root: str, nr_url: str, point: str):
+    """Version 1, then version 2 with a real SIGINT sent at ``point`` (after the server loaded version 2), then
+    version 2 for real: what each rank raised, and what the server served after the interrupt."""
+    import os
+    import signal
+
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from bridge.failpoints import ENV
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    name = f"policy-int-{via}"
+    pub = AdapterPublisher(AdapterPublisherConfig(name=name, via=via, servers=[url], root=root, name_resolve=nr_url))
+    try:
+        train_step(engine, seed=1)
+        first = pub.publish(engine, version=1).checksums
+        train_step(engine, seed=2)
+        os.environ[ENV] = point
+        try:
+            pub.publish(engine, version=2)
+            got = ("no error", "", "")
+        except BaseException as e:  # the test records whatever comes, the interrupt included
+            cause = e.__cause__ or e.__context__
+            got = (type(e).__name__, str(e), str(cause) if cause is not None else "")
+        finally:
+            del os.environ[ENV]
+        handler_back = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        served = again = None
+        if engine.rank == 0:
+            c = ServerClient(url)
+            served = c.adapter_checksums(name)
+            c.close()
+        again = pub.publish(engine, version=2).version  # the trainer goes on
+        return dict(first=first, got=got, served=served, again=again, handler_back=handler_back)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+@pytest.mark.parametrize("via,point,rank", [("disk", "adapter:announce@0=SIGINT", 0),
+                                            ("tensors", "adapter:commit@1=SIGINT", 1)])
+def test_ctrl_c_during_an_adapter_publish_leaves_the_previous_adapter(lora_server, adapter_root, tmp_path, via,
+                                                                      point, rank):
+    """A real SIGINT to one rank after the server loaded the new version: that rank raises KeyboardInterrupt
+    (after the clean-up), the other the SyncError it carries, both naming the interrupted rank; the server
+    serves the previous adapter; the next publish goes through."""
+    out = run_ranks(_interrupted_publish, 2, args=(lora_server.url, via, adapter_root, f"file://{tmp_path}/nr", point),
+                    timeout=120)
+    mine, other = out[rank]["got"], out[1 - rank]["got"]
+    assert mine[0] == "KeyboardInterrupt", mine
+    assert other[0] == "SyncError" and f"rank {rank} was interrupted" in other[1], other
+    assert mine[2] == other[1], "every rank gets the same error (the interrupted one as the KeyboardInterrupt's cause)"
+    assert out[0]["served"]["wsync_lora_version"] == "1" and out[0]["served"]["checksums"] == out[0]["first"]
+    assert out[0]["again"] == out[1]["again"] == 2 and out[0]["handler_back"] and out[1]["handler_back"]
 
 
 def _big_adapter(root: str):

@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "its own (default: 1e-6 1e-5; none: no delta rows)")
     p.add_argument("--no-fp8", dest="fp8", action="store_false",
                    help="skip the FP8 rows (the flattened broadcast with --encoding fp8 into a server serving FP8)")
+    p.add_argument("--lora-rank", type=int, default=16, metavar="R",
+                   help="LoRA rows: an adapter of rank R on every projection of the same model, published alone by "
+                        "tensors and by disk into a server of its own, from a second engine of the model (default 16; "
+                        "0: no LoRA rows, for a model the trainer fits only once; not with --link)")
     p.add_argument("--delta-warmup", type=int, default=5, help="optimizer steps before the delta rows are timed")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one transfer or load may take")
     p.add_argument("--keep-run", action="store_true", help="keep the run folder (snapshots, logs)")
@@ -90,6 +94,7 @@ def config_from_args(args: argparse.Namespace):
     return BenchConfig(models=list(args.model), nproc=args.nproc, etcd=args.etcd, serving_dtype=args.serving_dtype,
                        timeout=args.timeout, keep_run=args.keep_run, log_level=args.log_level.upper(),
                        device=args.device, colocated=args.colocated and not args.link, delta_lrs=list(args.delta_lrs), fp8=args.fp8,
+                       lora_rank=args.lora_rank,
                        delta_warmup=args.delta_warmup, link=args.link, link_delay=args.link_delay,
                        link_probe_mb=args.link_probe_mb, **kw)
 

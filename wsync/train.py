@@ -266,6 +266,8 @@ def _adapter_config(args: argparse.Namespace):
                           f"got --publish {args.transport}")
     root = os.path.join(args.snapshot_root, "adapters") if args.snapshot_root else None
     return AdapterPublisherConfig(name=args.publish_adapter, via=vias[args.transport], servers=args.servers or (),
+                                  server_registry=args.server_registry or None,
+                                  **({"min_servers": args.min_servers} if args.min_servers is not None else {}),
                                   root=root, name_resolve=args.name_resolve,
                                   experiment=args.experiment or DEFAULT_EXPERIMENT, trial=args.trial or DEFAULT_TRIAL,
                                   api_key=args.api_key, admin_api_key=args.admin_api_key)
