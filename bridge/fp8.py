@@ -33,12 +33,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from bridge.buckets import Bucket, plan_buckets
 from bridge.errors import ConfigError
 from bridge.tensors import ParamSpec
 
 __all__ = [
-    "BLOCK", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "Fp8Linear", "Fp8Rule", "dequantize", "fp8_wire_specs",
-    "gather_fp8_bucket", "quantization_config", "quantize", "quantize_module", "scale_shape",
+    "BLOCK", "FIRST_BUCKET_DIVISOR", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "Fp8Linear", "Fp8Rule", "dequantize",
+    "fp8_wire_specs", "gather_fp8_bucket", "plan_fp8_buckets", "quantization_config", "quantize", "quantize_module",
+    "scale_shape",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -90,6 +92,18 @@ def fp8_wire_specs(specs: Sequence[ParamSpec], rule: Fp8Rule) -> list[ParamSpec]
         else:
             out.append(s)
     return out
+
+
+FIRST_BUCKET_DIVISOR = 8
+"""The first FP8 bucket holds at most 1/8 of a bucket, the next 1/4, 1/2, then whole buckets: nothing hides the first
+bucket's fill (its quantization: twice the elements per byte of a bf16 bucket), and each later one is filled while
+the one before travels."""
+
+
+def plan_fp8_buckets(specs: Sequence[ParamSpec], rule: Fp8Rule, bucket_bytes: int) -> list[Bucket]:
+    """The FP8 wire tensors of ``specs`` (serving-dtype specs) in buckets of at most ``bucket_bytes``, the first
+    ones ramping up from ``bucket_bytes / FIRST_BUCKET_DIVISOR`` (see :data:`FIRST_BUCKET_DIVISOR`)."""
+    return plan_buckets(fp8_wire_specs(specs, rule), bucket_bytes, first_bytes=max(1, bucket_bytes // FIRST_BUCKET_DIVISOR))
 
 
 def quantization_config(specs: Sequence[ParamSpec], rule: Fp8Rule) -> dict:

@@ -173,6 +173,28 @@ def _publish_once(url: str, encoding: str) -> str:
         engine.destroy()
 
 
+def test_fp8_plan_starts_with_small_buckets():
+    """Nothing hides the first bucket's quantization: the fp8 plan's first bucket holds 1/8 of a bucket, the next
+    ones double up to the bucket size, and every wire tensor is in one bucket, in order."""
+    from types import SimpleNamespace
+
+    from bridge import PublisherConfig
+    from bridge.buckets import plan_buckets
+    from bridge.encodings.fp8 import Fp8Encoding
+    from bridge.fp8 import Fp8Rule, fp8_wire_specs
+    from bridge.tensors import ParamSpec
+
+    served = [ParamSpec(f"model.layers.{i}.mlp.{p}_proj.weight", (256, 256), torch.bfloat16)
+              for i in range(16) for p in ("gate", "up", "down")]  # 64 KiB each as FP8 (+ 16 bytes of scales)
+    config = PublisherConfig(servers=["http://127.0.0.1:1"], encoding="fp8", bucket_mb=1, progress=False)
+    plan = SimpleNamespace(buckets=plan_buckets(served, config.bucket_bytes))
+    Fp8Encoding(config, 0, 1).plan(plan, [])
+    quantized = [sum(s.dtype == torch.float8_e4m3fn for s in b.specs) for b in plan.buckets]
+    assert quantized == [1, 3, 7, 15, 15, 7], [b.nbytes for b in plan.buckets]
+    assert sorted((s for b in plan.buckets for s in b.specs), key=lambda s: s.name) == \
+        sorted(fp8_wire_specs(served, Fp8Rule()), key=lambda s: s.name)
+
+
 def test_each_kind_of_server_refuses_the_other_kind_of_bytes(fp8_server, ref_server):
     """A publisher checks first (nothing moves); a bucket sent anyway is refused by the server, with
     ``wsync_reason: quantization_mismatch``, and nothing is applied."""
