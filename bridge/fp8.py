@@ -253,13 +253,20 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
     needed = list(dict.fromkeys(moved + sorted(scale_names)))
     shards = {sh.spec.name: sh for sh in source.local_shards([by_name[n] for n in needed])}
     quant = [n for n in needed if n in scale_names or (n in wire and wire[n].dtype == FP8_DTYPE)]
-    scales = _agreed_scales(quant, shards, by_name, world, group)
     offsets = dict(zip(bucket.names, bucket.offsets))
-    if rank == dst and out is not None:
-        for n in scale_names:
-            at = offsets[n + SCALE_SUFFIX]
-            out[at: at + scales[n].numel() * 4].view(torch.float32).copy_(scales[n].reshape(-1))
-    parts = [_Part(wire[n], shards[n], world, rank, scales.get(n), by_name[n].dtype) for n in moved]
+    if all(_own_blocks(by_name[n].shape, world, shards[n].whole) for n in quant):
+        # Each rank's rows cover whole 128-row blocks: its scales are its own, no all_reduce; each rank quantizes
+        # its rows in one pass (the block absmax taken as it goes) and its rows of the scales travel with them.
+        own = {n: _OwnScales(shards[n], by_name[n]) for n in quant}
+        parts = [_Part(wire[n], shards[n], world, rank, own.get(n), by_name[n].dtype) for n in moved]
+        parts += [_ScalePart(wire[n + SCALE_SUFFIX], shards[n], world, rank, own[n]) for n in quant if n in scale_names]
+    else:
+        scales = _agreed_scales(quant, shards, by_name, world, group)
+        if rank == dst and out is not None:
+            for n in scale_names:
+                at = offsets[n + SCALE_SUFFIX]
+                out[at: at + scales[n].numel() * 4].view(torch.float32).copy_(scales[n].reshape(-1))
+        parts = [_Part(wire[n], shards[n], world, rank, scales.get(n), by_name[n].dtype) for n in moved]
     limit = piece_bytes if piece_bytes is not None else piece_bytes_for(bucket.nbytes, world)
     piece: list[_Part] = []
     for p in parts:
@@ -269,6 +276,62 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
         piece.append(p)
     if piece:
         _gather_parts(piece, offsets, out, world, rank, group, dst)
+
+
+def _own_blocks(shape, world: int, whole: bool) -> bool:
+    """Every rank's rows of a ``shape`` weight (row chunks of ``ceil(N/world)``, or all on rank 0) are whole
+    128-row blocks (the last rank's ending with the tensor)."""
+    return whole or world == 1 or -(-shape[0] // world) % BLOCK == 0
+
+
+class _OwnScales:
+    """This rank's block scales of one weight whose rows are whole blocks (:func:`_own_blocks`): taken by the
+    quantization as it goes (:meth:`quantize`), or by one absmax pass when the scales are written first."""
+
+    def __init__(self, shard, spec: ParamSpec):
+        self.shard, self.spec, self.grid = shard, spec, None
+        self.rows = None if shard.local is None else shard.local.view(-1, spec.shape[1])
+        self.row0 = shard.start // spec.shape[1]
+
+    def blocks(self) -> torch.Tensor:
+        """This rank's rows of the scale grid (``[own block rows, ceil(K/128)]``, fp32)."""
+        if self.grid is None:
+            nb = -(-self.spec.shape[0] // BLOCK)
+            grid = _scales(_block_amax(self.rows, self.row0, nb, self.spec.dtype))
+            self.grid = grid[self.row0 // BLOCK: -(-(self.row0 + self.rows.shape[0]) // BLOCK)]
+        return self.grid
+
+    def quantize(self, out: torch.Tensor) -> None:
+        """This rank's rows as e4m3fn into ``out`` (``[rows, K]``), in one pass when the scales are not known yet."""
+        if self.grid is None and _aligned(self.rows, self.row0):
+            self.grid = _quantize_own_blocks(self.rows, out, self.spec.dtype)
+            return
+        grid = torch.zeros(-(-self.spec.shape[0] // BLOCK), -(-self.spec.shape[1] // BLOCK), dtype=torch.float32)
+        b0 = self.row0 // BLOCK
+        grid[b0: b0 + self.blocks().shape[0]] = self.blocks()
+        _quantize_rows(self.rows, self.row0, grid.to(self.rows.device), out=out, served=self.spec.dtype)
+
+
+def _quantize_own_blocks(rows: torch.Tensor, out: torch.Tensor, served: torch.dtype) -> torch.Tensor:
+    """Block-aligned ``rows`` cast to ``served`` as e4m3fn into ``out``, each block row's absmax taken from the
+    same fp32 buffer that is then scaled (the values and bytes of :func:`_block_amax` then :func:`_quantize_rows`:
+    the absmax of the cast values, no clamp needed); the scales of these rows' blocks."""
+    n, k = rows.shape
+    kb = k // BLOCK
+    grid = torch.empty(n // BLOCK, kb, dtype=torch.float32, device=rows.device)
+    tmp = torch.empty(BLOCK, kb, BLOCK, dtype=torch.float32, device=rows.device)
+    cast = None if rows.dtype == served else torch.empty(BLOCK, kb, BLOCK, dtype=served, device=rows.device)
+    for b in range(n // BLOCK):
+        block = rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK)
+        if cast is not None:
+            block = cast.copy_(block)
+        tmp.copy_(block)
+        flat = tmp.view(BLOCK * kb, BLOCK)
+        amax = torch.maximum(flat.amax(-1), flat.amin(-1).neg()).view(BLOCK, kb).amax(0)
+        grid[b] = _scales(amax)
+        tmp.mul_((1.0 / grid[b]).view(1, kb, 1))
+        out[b * BLOCK: (b + 1) * BLOCK].copy_(tmp.view(BLOCK, k))
+    return grid
 
 
 def _agreed_scales(names, shards, by_name, world, group) -> dict[str, torch.Tensor]:
@@ -317,7 +380,28 @@ class _Part:
             out.copy_(self.local.reshape(-1))
             return
         rows = self.local.view(-1, self.spec.shape[1])  # quantized from what a full sync serves (served)
+        if isinstance(self.scale, _OwnScales):
+            self.scale.quantize(out.view(rows.shape))
+            return
         _quantize_rows(rows, self.row0, self.scale.to(rows.device), out=out.view(rows.shape), served=self.served)
+
+
+class _ScalePart(_Part):
+    """The scales of a weight whose rows are whole blocks on every rank: each rank sends its rows of the grid."""
+
+    def __init__(self, spec: ParamSpec, shard, world: int, rank: int, own: _OwnScales):
+        kb = spec.shape[1]
+        if shard.whole:
+            spans = [(0, spec.numel)] + [(0, 0)] * (world - 1)
+        else:
+            c = -(-own.spec.shape[0] // world) // BLOCK  # block rows per rank
+            spans = [(r * c * kb, max(0, min(c, spec.shape[0] - r * c)) * kb) for r in range(world)]
+        self.spec, self.spans, self.own, self.scale = spec, spans, own, None
+        self.slot = -(-max(n for _, n in spans) * 4 // 8) * 8
+        self.local = shard.local if shard.local is not None and spans[rank][1] else None
+
+    def write(self, dst: torch.Tensor) -> None:
+        dst.view(torch.float32).copy_(self.own.blocks().reshape(-1))
 
 
 def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group, dst: int) -> None:
@@ -326,11 +410,16 @@ def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group
     if world > 1 and dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     send = torch.empty(total, dtype=torch.uint8, device=device)  # (padding bytes are sent, never read)
-    at = 0
+    at, later = 0, []
     for p in parts:
-        if p.local is not None:
+        if isinstance(p, _ScalePart):  # after the weights: their one-pass quantization takes the scales first
+            later.append((p, at))
+        elif p.local is not None:
             p.write(send[at: at + p.local.numel() * p.spec.dtype.itemsize])
         at += p.slot
+    for p, at in later:
+        if p.local is not None:
+            p.write(send[at: at + p.spans[rank][1] * 4])
     if world == 1:
         recv = [send]
     elif rank != dst:
