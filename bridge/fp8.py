@@ -404,6 +404,18 @@ class _ScalePart(_Part):
         dst.view(torch.float32).copy_(self.own.blocks().reshape(-1))
 
 
+def _direct_views(parts: list[_Part], offsets, out, total: int, device) -> list[torch.Tensor] | None:
+    """Where every rank's bytes of a one-tensor piece lie in ``out`` when each rank sends exactly ``total`` of them
+    (then the gather receives straight into the bucket, one copy less); None otherwise."""
+    if out is None or len(parts) != 1 or out.device != device:
+        return None
+    p = parts[0]
+    size = p.spec.dtype.itemsize
+    if any(n * size != total for _, n in p.spans):
+        return None
+    return [out[offsets[p.spec.name] + start * size: offsets[p.spec.name] + start * size + total] for start, _ in p.spans]
+
+
 def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group, dst: int) -> None:
     total = sum(p.slot for p in parts)
     device = next((p.local.device for p in parts if p.local is not None), torch.device("cpu"))
@@ -426,8 +438,11 @@ def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group
         dist.gather(send, None, dst=dst, group=group)
         return
     else:
-        recv = list(torch.empty(world * total, dtype=torch.uint8, device=device).split(total))
+        direct = _direct_views(parts, offsets, out, total, device)
+        recv = direct or list(torch.empty(world * total, dtype=torch.uint8, device=device).split(total))
         dist.gather(send, recv, dst=dst, group=group)
+        if direct:
+            return
     if out is None:
         return
     at = 0
