@@ -18,10 +18,13 @@ quantized (``q/k/v/o_proj``, ``qkv_proj``, ``gate/up/down_proj``, ``gate_up_proj
 leave unquantized (``PublisherConfig.fp8_skip``, ``wsync serve --fp8-skip``); the snapshot's
 ``quantization_config.modules_to_not_convert`` lists every linear module left unquantized.
 
-Quantization runs on the trainer ranks that hold the rows (:func:`gather_fp8_bucket`): per bucket, each rank
-takes the absmax of its own rows per block, one ``all_reduce(MAX)`` of those (1/16384 of the elements) gives
-every rank the scales, each rank quantizes its rows and the FP8 bytes (half the bf16 bytes) are gathered to
-the rank that sends the bucket. Never the whole model on one rank.
+Quantization runs on the trainer ranks that hold the rows (:func:`gather_fp8_bucket`): per bucket, when every
+rank's rows of each quantized weight are whole 128-row blocks (FSDP2 row chunks of a multiple of 128 rows, as
+on ``small`` and ``medium`` with 2 ranks), each rank quantizes its rows in one pass, taking each block's absmax
+as it goes, and its rows of the scales travel with its FP8 bytes; otherwise each rank takes the absmax of its
+own rows per block and one ``all_reduce(MAX)`` of those (1/16384 of the elements) gives every rank the scales
+first. The FP8 bytes (half the bf16 bytes) are gathered to the rank that sends the bucket. Never the whole
+model on one rank.
 """
 
 from __future__ import annotations
@@ -239,9 +242,11 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
     dtype first (what is quantized is what a full sync would serve).
 
     ``by_name``: the source's spec of every tensor (serving dtype). Each rank takes its rows of the bucket's
-    tensors (``source.local_shards``), the block absmax of its rows of each quantized one, then one
-    ``all_reduce(MAX)`` gives every rank the scales; each rank quantizes its rows and the FP8 (or serving-dtype)
-    bytes are gathered to ``dst`` in flat pieces; ``dst`` writes the scales it already holds.
+    tensors (``source.local_shards``). When each rank's rows of every quantized one are whole 128-row blocks
+    (:func:`_own_blocks`), its scales are its own: it quantizes its rows in one pass and sends its rows of the
+    scales with them. Otherwise it takes the block absmax of its rows, one ``all_reduce(MAX)`` gives every rank
+    the scales, it quantizes its rows, and ``dst`` writes the scales it already holds. The FP8 (or
+    serving-dtype) bytes are gathered to ``dst`` in flat pieces.
     """
     from bridge.sources import piece_bytes_for
 
