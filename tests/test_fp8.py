@@ -233,6 +233,24 @@ def test_fp8_gather_needs_no_all_reduce_when_each_rank_holds_whole_blocks():
     assert rank0["differ"] == [], f"gathered FP8 bytes differ from the test's quantization: {rank0['differ']}"
 
 
+def test_server_finds_an_fp8_nan_at_any_byte():
+    """The reference server's finite check reads FP8 bytes 8 at a time: a NaN (0x7F or 0xFF) is found at every
+    position of views that start and end off 8-byte boundaries, and no other byte value is taken for one."""
+    from inference_adapter.checks import _non_finite
+
+    for value in range(256):  # every byte value, in the 8-byte body and in a ragged end
+        for pos in (5, 17):
+            b = torch.zeros(20, dtype=torch.uint8)
+            b[pos] = value
+            assert _non_finite({"w": b.view(torch.float8_e4m3fn)}) == (["w"] if value & 0x7F == 0x7F else []), (value, pos)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    for start in range(9):
+        for pos in range(start, start + 30):
+            b = buf.clone()
+            b[pos] = 0xFF
+            assert _non_finite({"w": b[start: start + 30].view(torch.float8_e4m3fn)}) == ["w"], (start, pos)
+
+
 def test_fp8_plan_starts_with_small_buckets():
     """Nothing hides the first bucket's quantization: the fp8 plan's first bucket holds 1/8 of a bucket, the next
     ones double up to the bucket size, and every wire tensor is in one bucket, in order."""
