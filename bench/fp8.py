@@ -36,8 +36,7 @@ flattened sync; through a link (``--link``) at least 1.8x faster."""
 class Fp8Rows:
     def __init__(self, bench, spec: dict, common: dict):
         from bridge import PublisherConfig, WeightPublisher
-        from bridge.buckets import plan_buckets
-        from bridge.fp8 import Fp8Rule, fp8_wire_specs
+        from bridge.fp8 import Fp8Rule, fp8_wire_specs, plan_fp8_buckets
 
         self.bench, self.engine = bench, bench.engine
         self.url = spec["fp8_server"]
@@ -46,7 +45,7 @@ class Fp8Rows:
                                                    bucket_mb=self.bucket_mb, encoding="fp8"))
         wire = fp8_wire_specs(bench.wire, Fp8Rule())
         self.nbytes = sum(s.nbytes for s in wire)
-        self.buckets = plan_buckets(wire, self.pub.config.bucket_bytes)
+        self.buckets = plan_fp8_buckets(bench.wire, Fp8Rule(), self.pub.config.bucket_bytes)  # as the encoding plans
         self.served = {s.name: s for s in bench.wire}
 
     def items(self) -> list:

@@ -77,14 +77,21 @@ def _ordered(specs: Sequence[ParamSpec]) -> list[ParamSpec]:
     return sorted(specs, key=lambda s: -s.dtype.itemsize)
 
 
-def plan_buckets(specs: Iterable[ParamSpec], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(specs: Iterable[ParamSpec], bucket_bytes: int, first_bytes: int | None = None) -> list[Bucket]:
     """Group specs, in the given order, into buckets of at most ``bucket_bytes`` bytes.
 
+    ``first_bytes``: a ramp, bucket ``k`` holds at most ``min(bucket_bytes, first_bytes * 2**k)`` bytes, so the
+    first bucket, whose fill nothing hides, is filled sooner and each one after is filled while the one before
+    travels (a tensor larger than its bucket's limit still goes alone).
+
     Raises:
-        ConfigError: ``bucket_bytes`` is not positive, or a name repeats.
+        ConfigError: ``bucket_bytes`` (or ``first_bytes``) is not positive, or a name repeats.
     """
     if bucket_bytes <= 0:
         raise ConfigError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    if first_bytes is not None and first_bytes <= 0:
+        raise ConfigError(f"first bucket size must be positive, got {first_bytes} bytes")
+    limit = bucket_bytes if first_bytes is None else min(bucket_bytes, first_bytes)
     buckets: list[Bucket] = []
     current: list[ParamSpec] = []
     size = 0
@@ -93,9 +100,9 @@ def plan_buckets(specs: Iterable[ParamSpec], bucket_bytes: int) -> list[Bucket]:
         if spec.name in seen:
             raise ConfigError(f"parameter {spec.name!r} appears twice in one weight update")
         seen.add(spec.name)
-        if current and size + spec.nbytes > bucket_bytes:
+        if current and size + spec.nbytes > limit:
             buckets.append(Bucket(_ordered(current)))
-            current, size = [], 0
+            current, size, limit = [], 0, min(bucket_bytes, 2 * limit)
         current.append(spec)
         size += spec.nbytes
     if current:

@@ -18,10 +18,13 @@ quantized (``q/k/v/o_proj``, ``qkv_proj``, ``gate/up/down_proj``, ``gate_up_proj
 leave unquantized (``PublisherConfig.fp8_skip``, ``wsync serve --fp8-skip``); the snapshot's
 ``quantization_config.modules_to_not_convert`` lists every linear module left unquantized.
 
-Quantization runs on the trainer ranks that hold the rows (:func:`gather_fp8_bucket`): per bucket, each rank
-takes the absmax of its own rows per block, one ``all_reduce(MAX)`` of those (1/16384 of the elements) gives
-every rank the scales, each rank quantizes its rows and the FP8 bytes (half the bf16 bytes) are gathered to
-the rank that sends the bucket. Never the whole model on one rank.
+Quantization runs on the trainer ranks that hold the rows (:func:`gather_fp8_bucket`): per bucket, when every
+rank's rows of each quantized weight are whole 128-row blocks (FSDP2 row chunks of a multiple of 128 rows, as
+on ``small`` and ``medium`` with 2 ranks), each rank quantizes its rows in one pass, taking each block's absmax
+as it goes, and its rows of the scales travel with its FP8 bytes; otherwise each rank takes the absmax of its
+own rows per block and one ``all_reduce(MAX)`` of those (1/16384 of the elements) gives every rank the scales
+first. The FP8 bytes (half the bf16 bytes) are gathered to the rank that sends the bucket. Never the whole
+model on one rank.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from bridge.buckets import Bucket, plan_buckets
 from bridge.errors import ConfigError
 from bridge.tensors import ParamSpec
 
 __all__ = [
-    "BLOCK", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "Fp8Linear", "Fp8Rule", "dequantize", "fp8_wire_specs",
-    "gather_fp8_bucket", "quantization_config", "quantize", "quantize_module", "scale_shape",
+    "BLOCK", "FIRST_BUCKET_DIVISOR", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "Fp8Linear", "Fp8Rule", "dequantize",
+    "fp8_wire_specs", "gather_fp8_bucket", "plan_fp8_buckets", "quantization_config", "quantize", "quantize_module",
+    "scale_shape",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -90,6 +95,18 @@ def fp8_wire_specs(specs: Sequence[ParamSpec], rule: Fp8Rule) -> list[ParamSpec]
         else:
             out.append(s)
     return out
+
+
+FIRST_BUCKET_DIVISOR = 8
+"""The first FP8 bucket holds at most 1/8 of a bucket, the next 1/4, 1/2, then whole buckets: nothing hides the first
+bucket's fill (its quantization: twice the elements per byte of a bf16 bucket), and each later one is filled while
+the one before travels."""
+
+
+def plan_fp8_buckets(specs: Sequence[ParamSpec], rule: Fp8Rule, bucket_bytes: int) -> list[Bucket]:
+    """The FP8 wire tensors of ``specs`` (serving-dtype specs) in buckets of at most ``bucket_bytes``, the first
+    ones ramping up from ``bucket_bytes / FIRST_BUCKET_DIVISOR`` (see :data:`FIRST_BUCKET_DIVISOR`)."""
+    return plan_buckets(fp8_wire_specs(specs, rule), bucket_bytes, first_bytes=max(1, bucket_bytes // FIRST_BUCKET_DIVISOR))
 
 
 def quantization_config(specs: Sequence[ParamSpec], rule: Fp8Rule) -> dict:
@@ -225,9 +242,11 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
     dtype first (what is quantized is what a full sync would serve).
 
     ``by_name``: the source's spec of every tensor (serving dtype). Each rank takes its rows of the bucket's
-    tensors (``source.local_shards``), the block absmax of its rows of each quantized one, then one
-    ``all_reduce(MAX)`` gives every rank the scales; each rank quantizes its rows and the FP8 (or serving-dtype)
-    bytes are gathered to ``dst`` in flat pieces; ``dst`` writes the scales it already holds.
+    tensors (``source.local_shards``). When each rank's rows of every quantized one are whole 128-row blocks
+    (:func:`_own_blocks`), its scales are its own: it quantizes its rows in one pass and sends its rows of the
+    scales with them. Otherwise it takes the block absmax of its rows, one ``all_reduce(MAX)`` gives every rank
+    the scales, it quantizes its rows, and ``dst`` writes the scales it already holds. The FP8 (or
+    serving-dtype) bytes are gathered to ``dst`` in flat pieces.
     """
     from bridge.sources import piece_bytes_for
 
@@ -239,13 +258,20 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
     needed = list(dict.fromkeys(moved + sorted(scale_names)))
     shards = {sh.spec.name: sh for sh in source.local_shards([by_name[n] for n in needed])}
     quant = [n for n in needed if n in scale_names or (n in wire and wire[n].dtype == FP8_DTYPE)]
-    scales = _agreed_scales(quant, shards, by_name, world, group)
     offsets = dict(zip(bucket.names, bucket.offsets))
-    if rank == dst and out is not None:
-        for n in scale_names:
-            at = offsets[n + SCALE_SUFFIX]
-            out[at: at + scales[n].numel() * 4].view(torch.float32).copy_(scales[n].reshape(-1))
-    parts = [_Part(wire[n], shards[n], world, rank, scales.get(n), by_name[n].dtype) for n in moved]
+    if all(_own_blocks(by_name[n].shape, world, shards[n].whole) for n in quant):
+        # Each rank's rows cover whole 128-row blocks: its scales are its own, no all_reduce; each rank quantizes
+        # its rows in one pass (the block absmax taken as it goes) and its rows of the scales travel with them.
+        own = {n: _OwnScales(shards[n], by_name[n]) for n in quant}
+        parts = [_Part(wire[n], shards[n], world, rank, own.get(n), by_name[n].dtype) for n in moved]
+        parts += [_ScalePart(wire[n + SCALE_SUFFIX], shards[n], world, rank, own[n]) for n in quant if n in scale_names]
+    else:
+        scales = _agreed_scales(quant, shards, by_name, world, group)
+        if rank == dst and out is not None:
+            for n in scale_names:
+                at = offsets[n + SCALE_SUFFIX]
+                out[at: at + scales[n].numel() * 4].view(torch.float32).copy_(scales[n].reshape(-1))
+        parts = [_Part(wire[n], shards[n], world, rank, scales.get(n), by_name[n].dtype) for n in moved]
     limit = piece_bytes if piece_bytes is not None else piece_bytes_for(bucket.nbytes, world)
     piece: list[_Part] = []
     for p in parts:
@@ -255,6 +281,62 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
         piece.append(p)
     if piece:
         _gather_parts(piece, offsets, out, world, rank, group, dst)
+
+
+def _own_blocks(shape, world: int, whole: bool) -> bool:
+    """Every rank's rows of a ``shape`` weight (row chunks of ``ceil(N/world)``, or all on rank 0) are whole
+    128-row blocks (the last rank's ending with the tensor)."""
+    return whole or world == 1 or -(-shape[0] // world) % BLOCK == 0
+
+
+class _OwnScales:
+    """This rank's block scales of one weight whose rows are whole blocks (:func:`_own_blocks`): taken by the
+    quantization as it goes (:meth:`quantize`), or by one absmax pass when the scales are written first."""
+
+    def __init__(self, shard, spec: ParamSpec):
+        self.shard, self.spec, self.grid = shard, spec, None
+        self.rows = None if shard.local is None else shard.local.view(-1, spec.shape[1])
+        self.row0 = shard.start // spec.shape[1]
+
+    def blocks(self) -> torch.Tensor:
+        """This rank's rows of the scale grid (``[own block rows, ceil(K/128)]``, fp32)."""
+        if self.grid is None:
+            nb = -(-self.spec.shape[0] // BLOCK)
+            grid = _scales(_block_amax(self.rows, self.row0, nb, self.spec.dtype))
+            self.grid = grid[self.row0 // BLOCK: -(-(self.row0 + self.rows.shape[0]) // BLOCK)]
+        return self.grid
+
+    def quantize(self, out: torch.Tensor) -> None:
+        """This rank's rows as e4m3fn into ``out`` (``[rows, K]``), in one pass when the scales are not known yet."""
+        if self.grid is None and _aligned(self.rows, self.row0):
+            self.grid = _quantize_own_blocks(self.rows, out, self.spec.dtype)
+            return
+        grid = torch.zeros(-(-self.spec.shape[0] // BLOCK), -(-self.spec.shape[1] // BLOCK), dtype=torch.float32)
+        b0 = self.row0 // BLOCK
+        grid[b0: b0 + self.blocks().shape[0]] = self.blocks()
+        _quantize_rows(self.rows, self.row0, grid.to(self.rows.device), out=out, served=self.spec.dtype)
+
+
+def _quantize_own_blocks(rows: torch.Tensor, out: torch.Tensor, served: torch.dtype) -> torch.Tensor:
+    """Block-aligned ``rows`` cast to ``served`` as e4m3fn into ``out``, each block row's absmax taken from the
+    same fp32 buffer that is then scaled (the values and bytes of :func:`_block_amax` then :func:`_quantize_rows`:
+    the absmax of the cast values, no clamp needed); the scales of these rows' blocks."""
+    n, k = rows.shape
+    kb = k // BLOCK
+    grid = torch.empty(n // BLOCK, kb, dtype=torch.float32, device=rows.device)
+    tmp = torch.empty(BLOCK, kb, BLOCK, dtype=torch.float32, device=rows.device)
+    cast = None if rows.dtype == served else torch.empty(BLOCK, kb, BLOCK, dtype=served, device=rows.device)
+    for b in range(n // BLOCK):
+        block = rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK)
+        if cast is not None:
+            block = cast.copy_(block)
+        tmp.copy_(block)
+        flat = tmp.view(BLOCK * kb, BLOCK)
+        amax = torch.maximum(flat.amax(-1), flat.amin(-1).neg()).view(BLOCK, kb).amax(0)
+        grid[b] = _scales(amax)
+        tmp.mul_((1.0 / grid[b]).view(1, kb, 1))
+        out[b * BLOCK: (b + 1) * BLOCK].copy_(tmp.view(BLOCK, k))
+    return grid
 
 
 def _agreed_scales(names, shards, by_name, world, group) -> dict[str, torch.Tensor]:
@@ -303,7 +385,40 @@ class _Part:
             out.copy_(self.local.reshape(-1))
             return
         rows = self.local.view(-1, self.spec.shape[1])  # quantized from what a full sync serves (served)
+        if isinstance(self.scale, _OwnScales):
+            self.scale.quantize(out.view(rows.shape))
+            return
         _quantize_rows(rows, self.row0, self.scale.to(rows.device), out=out.view(rows.shape), served=self.served)
+
+
+class _ScalePart(_Part):
+    """The scales of a weight whose rows are whole blocks on every rank: each rank sends its rows of the grid."""
+
+    def __init__(self, spec: ParamSpec, shard, world: int, rank: int, own: _OwnScales):
+        kb = spec.shape[1]
+        if shard.whole:
+            spans = [(0, spec.numel)] + [(0, 0)] * (world - 1)
+        else:
+            c = -(-own.spec.shape[0] // world) // BLOCK  # block rows per rank
+            spans = [(r * c * kb, max(0, min(c, spec.shape[0] - r * c)) * kb) for r in range(world)]
+        self.spec, self.spans, self.own, self.scale = spec, spans, own, None
+        self.slot = -(-max(n for _, n in spans) * 4 // 8) * 8
+        self.local = shard.local if shard.local is not None and spans[rank][1] else None
+
+    def write(self, dst: torch.Tensor) -> None:
+        dst.view(torch.float32).copy_(self.own.blocks().reshape(-1))
+
+
+def _direct_views(parts: list[_Part], offsets, out, total: int, device) -> list[torch.Tensor] | None:
+    """Where every rank's bytes of a one-tensor piece lie in ``out`` when each rank sends exactly ``total`` of them
+    (then the gather receives straight into the bucket, one copy less); None otherwise."""
+    if out is None or len(parts) != 1 or out.device != device:
+        return None
+    p = parts[0]
+    size = p.spec.dtype.itemsize
+    if any(n * size != total for _, n in p.spans):
+        return None
+    return [out[offsets[p.spec.name] + start * size: offsets[p.spec.name] + start * size + total] for start, _ in p.spans]
 
 
 def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group, dst: int) -> None:
@@ -312,19 +427,27 @@ def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group
     if world > 1 and dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     send = torch.empty(total, dtype=torch.uint8, device=device)  # (padding bytes are sent, never read)
-    at = 0
+    at, later = 0, []
     for p in parts:
-        if p.local is not None:
+        if isinstance(p, _ScalePart):  # after the weights: their one-pass quantization takes the scales first
+            later.append((p, at))
+        elif p.local is not None:
             p.write(send[at: at + p.local.numel() * p.spec.dtype.itemsize])
         at += p.slot
+    for p, at in later:
+        if p.local is not None:
+            p.write(send[at: at + p.spans[rank][1] * 4])
     if world == 1:
         recv = [send]
     elif rank != dst:
         dist.gather(send, None, dst=dst, group=group)
         return
     else:
-        recv = list(torch.empty(world * total, dtype=torch.uint8, device=device).split(total))
+        direct = _direct_views(parts, offsets, out, total, device)
+        recv = direct or list(torch.empty(world * total, dtype=torch.uint8, device=device).split(total))
         dist.gather(send, recv, dst=dst, group=group)
+        if direct:
+            return
     if out is None:
         return
     at = 0

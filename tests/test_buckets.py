@@ -30,6 +30,17 @@ def test_planner_respects_budget_and_never_splits():
     assert [n for b in buckets for n in b.names] == [s.name for s in specs]
 
 
+def test_planner_ramps_from_a_small_first_bucket():
+    """first_bytes: bucket k holds at most min(bucket_bytes, first_bytes * 2**k); a larger tensor still goes alone."""
+    specs = [ParamSpec(f"p{i}", (n,), torch.float32) for i, n in enumerate([5, 5, 5, 5, 5, 5, 5, 5, 60, 20, 20, 20, 20])]
+    buckets = plan_buckets(specs, bucket_bytes=160, first_bytes=40)
+    assert [b.nbytes for b in buckets] == [40, 80, 40, 240, 160, 160]
+    assert [n for b in buckets for n in b.names] == [s.name for s in specs]
+    assert [b.names for b in plan_buckets(specs, 160, first_bytes=1000)] == [b.names for b in plan_buckets(specs, 160)]
+    with pytest.raises(ConfigError, match="first bucket size must be positive"):
+        plan_buckets(specs, 160, first_bytes=0)
+
+
 def test_cast_on_pack():
     bucket = Bucket([ParamSpec("w", (3,), torch.bfloat16)])
     src = torch.tensor([1.1, 2.2, 3.3])

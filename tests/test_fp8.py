@@ -173,6 +173,106 @@ def _publish_once(url: str, encoding: str) -> str:
         engine.destroy()
 
 
+def _gather_both_ways() -> dict:
+    """Every rank: FSDP-like row chunks of a few weights, gathered by gather_fp8_bucket into rank 0's buckets; one
+    bucket where every rank's rows are whole 128-row blocks (aligned, a ragged last block with 200 columns, a
+    whole tensor on rank 0), one where they are not (64 rows: the scales need the all_reduce)."""
+    import torch.distributed as dist
+
+    import bridge.fp8 as fp8
+    from bridge.buckets import plan_buckets, unflatten_bucket
+    from bridge.sources import LocalShard
+    from bridge.tensors import ParamSpec
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(7)
+    shapes = {"model.layers.0.mlp.gate_proj.weight": (512, 256), "model.layers.0.mlp.up_proj.weight": (511, 200),
+              "model.layers.0.self_attn.o_proj.weight": (130, 128), "model.norm.weight": (256,),
+              "model.layers.1.self_attn.k_proj.weight": (64, 128), "model.layers.1.mlp.down_proj.weight": (512, 256)}
+    full = {n: torch.randn(*s, generator=g) * 0.02 for n, s in shapes.items()}
+    full["model.layers.0.mlp.gate_proj.weight"][128:256, :128] = 0  # an all-zero block: the 1e-4 floor
+    whole = {"model.layers.0.self_attn.o_proj.weight", "model.norm.weight"}
+    served = {n: ParamSpec(n, s, torch.bfloat16) for n, s in shapes.items()}
+
+    class Source:
+        def local_shards(self, specs):
+            out = []
+            for s in specs:
+                t = full[s.name]
+                if s.name in whole:
+                    out.append(LocalShard(s, t.reshape(-1) if rank == 0 else None, 0, True))
+                    continue
+                rows = -(-s.shape[0] // world)
+                mine = t[rank * rows: (rank + 1) * rows].reshape(-1)
+                out.append(LocalShard(s, mine if mine.numel() else None, rank * rows * (s.numel // s.shape[0]), False))
+            return out
+
+    agreed = []
+    real = fp8._agreed_scales
+    fp8._agreed_scales = lambda names, *a: agreed.append(list(names)) or real(names, *a)
+    got, all_reduces = {}, []
+    for names in (list(shapes)[:4], list(shapes)[4:]):
+        bucket = plan_buckets(fp8.fp8_wire_specs([served[n] for n in names], fp8.Fp8Rule()), 1 << 30)[0]
+        out = torch.zeros(bucket.nbytes, dtype=torch.uint8) if rank == 0 else None
+        before = len(agreed)
+        fp8.gather_fp8_bucket(Source(), bucket, out, served, piece_bytes=64 << 10)  # several pieces
+        all_reduces.append(len(agreed) - before)
+        if rank == 0:
+            got.update({n: t.clone() for n, t in unflatten_bucket(out, bucket.specs)})
+    want = _expected(full) if rank == 0 else {}
+    differ = [n for n, t in want.items() if not torch.equal(got[n].view(torch.uint8), t.view(torch.uint8))]
+    return dict(all_reduces=all_reduces, names=sorted(got), want=sorted(want), differ=differ)
+
+
+def test_fp8_gather_needs_no_all_reduce_when_each_rank_holds_whole_blocks():
+    """Rows in whole 128-row blocks on every rank: each rank's scales are its own (no all_reduce, its rows of the
+    scales gathered with its FP8 bytes); the bytes equal the test's own quantization either way."""
+    rank0, _ = run_ranks(_gather_both_ways, 2, timeout=120)
+    assert rank0["all_reduces"] == [0, 1], rank0["all_reduces"]
+    assert rank0["names"] == rank0["want"] and len(rank0["names"]) == 11, rank0["names"]
+    assert rank0["differ"] == [], f"gathered FP8 bytes differ from the test's quantization: {rank0['differ']}"
+
+
+def test_server_finds_an_fp8_nan_at_any_byte():
+    """The reference server's finite check reads FP8 bytes 8 at a time: a NaN (0x7F or 0xFF) is found at every
+    position of views that start and end off 8-byte boundaries, and no other byte value is taken for one."""
+    from inference_adapter.checks import _non_finite
+
+    for value in range(256):  # every byte value, in the 8-byte body and in a ragged end
+        for pos in (5, 17):
+            b = torch.zeros(20, dtype=torch.uint8)
+            b[pos] = value
+            assert _non_finite({"w": b.view(torch.float8_e4m3fn)}) == (["w"] if value & 0x7F == 0x7F else []), (value, pos)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    for start in range(9):
+        for pos in range(start, start + 30):
+            b = buf.clone()
+            b[pos] = 0xFF
+            assert _non_finite({"w": b[start: start + 30].view(torch.float8_e4m3fn)}) == ["w"], (start, pos)
+
+
+def test_fp8_plan_starts_with_small_buckets():
+    """Nothing hides the first bucket's quantization: the fp8 plan's first bucket holds 1/8 of a bucket, the next
+    ones double up to the bucket size, and every wire tensor is in one bucket, in order."""
+    from types import SimpleNamespace
+
+    from bridge import PublisherConfig
+    from bridge.buckets import plan_buckets
+    from bridge.encodings.fp8 import Fp8Encoding
+    from bridge.fp8 import Fp8Rule, fp8_wire_specs
+    from bridge.tensors import ParamSpec
+
+    served = [ParamSpec(f"model.layers.{i}.mlp.{p}_proj.weight", (256, 256), torch.bfloat16)
+              for i in range(16) for p in ("gate", "up", "down")]  # 64 KiB each as FP8 (+ 16 bytes of scales)
+    config = PublisherConfig(servers=["http://127.0.0.1:1"], encoding="fp8", bucket_mb=1, progress=False)
+    plan = SimpleNamespace(buckets=plan_buckets(served, config.bucket_bytes))
+    Fp8Encoding(config, 0, 1).plan(plan, [])
+    quantized = [sum(s.dtype == torch.float8_e4m3fn for s in b.specs) for b in plan.buckets]
+    assert quantized == [1, 3, 7, 15, 15, 7], [b.nbytes for b in plan.buckets]
+    assert sorted((s for b in plan.buckets for s in b.specs), key=lambda s: s.name) == \
+        sorted(fp8_wire_specs(served, Fp8Rule()), key=lambda s: s.name)
+
+
 def test_each_kind_of_server_refuses_the_other_kind_of_bytes(fp8_server, ref_server):
     """A publisher checks first (nothing moves); a bucket sent anyway is refused by the server, with
     ``wsync_reason: quantization_mismatch``, and nothing is applied."""

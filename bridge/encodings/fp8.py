@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bridge.buckets import plan_buckets
 from bridge.encodings.base import Encoding, Outgoing, Transfer
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError
-from bridge.fp8 import Fp8Rule, fp8_wire_specs, gather_fp8_bucket, quantization_config
+from bridge.fp8 import Fp8Rule, gather_fp8_bucket, plan_fp8_buckets, quantization_config
 from bridge.options import option
 from bridge.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
@@ -68,9 +67,10 @@ class Fp8Encoding(Encoding):
         return None
 
     def plan(self, plan, summaries: list) -> None:
-        """What travels: the FP8 tensors, in buckets of their own size; the snapshot's quantization_config."""
+        """What travels: the FP8 tensors, in buckets of their own size (the first ones smaller:
+        :func:`bridge.fp8.plan_fp8_buckets`); the snapshot's quantization_config."""
         served = [s for b in plan.buckets for s in b.specs]
-        plan.buckets = plan_buckets(fp8_wire_specs(served, self.rule), self.config.bucket_bytes)
+        plan.buckets = plan_fp8_buckets(served, self.rule, self.config.bucket_bytes)
         plan.config_fields = {"quantization_config": quantization_config(served, self.rule)}
         plan.encoded = Fp8Plan({s.name: s for s in served})
 
