@@ -133,6 +133,9 @@ class WeightUpdates(SessionControl):
         self.run_id: str | None = None  # the run (RunClaim.run_id) the served version came from
         self.deltas = Deltas(weights)  # the delta encoding's buckets (inference_adapter.delta)
         self.writers = WriterLeases()  # who may change the weights now
+        # Why the served weights mix two versions under one label (a bucket loaded in place, as SGLang loads
+        # them, with no label yet): the server then never resumes itself; the writer's labelling or resume does.
+        self.torn: str | None = None
 
     # ------------------------------------------------------------------ refusals
 
@@ -164,8 +167,11 @@ class WeightUpdates(SessionControl):
             self._abort_session(f"group {name} was dropped during the session ({why})")
 
     def _continue_generation(self, why: str) -> None:
-        """The trainer that paused generation is gone or failed; the old weights are intact, so serve them again."""
-        if self.generation.paused:
+        """The trainer that paused generation is gone or failed: serve the old weights again, unless buckets
+        were loaded in place since they were labelled (``torn``): a mix of two versions is never served."""
+        if self.generation.paused and self.torn is not None:
+            self.log.warning("staying paused although %s: %s; a complete update resumes it", why, self.torn)
+        elif self.generation.paused:
             self.log.warning("continuing generation on the previous weights: %s", why)
             self.generation.resume()
 
@@ -206,6 +212,7 @@ class WeightUpdates(SessionControl):
                                "(/release_memory_occupation); /resume_memory_occupation with tags ['weights'] first")
         self._claim(version, run)
         self.weights.swap(staged, version, model_path=model_path)
+        self.torn = None  # a whole update (a session, a disk load, a labelled bucket); see _stage
         self.deltas.after_swap()
         self.log.info("swapped in %d tensors", len(staged))
 
@@ -223,6 +230,7 @@ class WeightUpdates(SessionControl):
                 self.generation.abort_all("Abort by update_weight_version(abort_all_requests=True).")
             self._claim(new_version, run)
             self.weights.set_version(new_version)
+            self.torn = None  # the writer labels what it loaded in place: complete
         self.log.info("weight version set")
 
     def _stage(self, received: list[tuple[str, torch.Tensor]], weight_version: str | None, nbytes: int, t0: float,
@@ -237,8 +245,12 @@ class WeightUpdates(SessionControl):
             problem = problem or non_finite_problem(check)
         if problem:
             raise self._refuse(_DISTRIBUTED, problem, reason=reason)
-        if self.session is None:
-            self._swap(staged, weight_version if self.features.weight_version else None, run)
+        if self.session is None:  # loaded in place, as SGLang loads each bucket
+            label = weight_version if self.features.weight_version else None
+            torn = None if label is not None else self.torn or \
+                f"tensors were loaded in place since weight version {self.weights.version} was labelled"
+            self._swap(staged, label, run)
+            self.torn = torn
             msg = "Succeeded to update parameter online."
             if weight_version is not None and self.features.weight_version:
                 msg += f" Weight version updated to {weight_version}."

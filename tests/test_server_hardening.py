@@ -25,6 +25,7 @@ import torch
 from bridge.client import ServerClient
 from bridge.errors import ConfigError, ServerError
 from tests.fixtures_server import GROUP_TIMEOUT, Trainer, local_model, random_weights
+from tests.sync_bodies import answers_within
 
 PROMPT = [5, 72, 101, 108, 108, 111, 44, 32]
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -565,3 +566,26 @@ def test_a_session_with_no_trainer_known_is_discarded_after_the_idle_timeout(ser
     with pytest.raises(ServerError, match="no request came for 2 s"):
         quick.end_weight_update()
     assert served(quick) == before
+
+
+# ---------------------------------------------------------------------------------------------- 8: torn weights stay paused
+
+
+def test_a_stalled_sync_after_an_in_place_bucket_leaves_the_server_paused(server_factory):
+    """A server that loads buckets as they arrive (SGLang's way: the 0.5.5 dialect) took one bucket of a sync,
+    then its trainer stalls: the receive of the next gives up at its bound and drops the group, but the
+    weights now mix two versions under the old label, so the server stays paused instead of resuming (it
+    resumed, and served the mix, when the trainer's own hold came first under load: seen in CI). The
+    writer's /continue_generation, after the next complete sync, resumes it."""
+    srv = server_factory(extra_args=["--protocol-version", "0.5.5", "--receive-timeout", f"{RECEIVE_TIMEOUT_S:g}"])
+    client = srv.client
+    with Trainer([client]) as t:
+        client.pause_generation("abort")
+        [r] = t.send([(NORM, torch.full((128,), 2.0, dtype=torch.bfloat16))])
+        assert r["success"], r
+        [r] = t.send([(NORM, torch.ones(128, dtype=torch.bfloat16))], broadcast=False)  # its bytes never come
+        assert isinstance(r, ServerError) and "did not arrive within" in r.message, r
+    # the receive's failure came after its bound, and the watchdog runs every second: two rounds of it
+    assert not answers_within(srv.url, 2 * 1.0 + 1.0)
+    client.continue_generation()  # the writer resumes it (here: the torn bucket is the only change)
+    assert answers_within(srv.url, 30)
