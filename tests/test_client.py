@@ -292,3 +292,23 @@ def test_real_sglang_speaks_the_same_protocol(tiny_model_dir):
         assert c.features.release >= (0, 5, 10)
         out = c.generate(input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 4})
         assert out["meta_info"]["completion_tokens"] == 4 and "weight_version" in out["meta_info"]
+
+
+def test_a_connection_idle_near_the_servers_keep_alive_is_not_reused(servers):
+    """SGLang (uvicorn, ``SGLANG_TIMEOUT_KEEP_ALIVE`` 5 s) closes a keep-alive connection after 5 s idle, and a
+    request sent on it as it closes is reset: seen beside two CPU hogs as "connection reset" at a publish's
+    begin, the server alive, the steps about 5 s apart. A thread's connection idle for longer than
+    ``IDLE_REUSE_S`` is replaced by a new one; a busy one is reused."""
+    import time
+
+    from bridge.client.connection import IDLE_REUSE_S, Connection
+
+    assert IDLE_REUSE_S <= 5.0 / 2  # well inside the keep-alive of SGLang and the reference server
+    conn = Connection(servers["a"].url, api_key=None, admin_api_key=None, timeout=10)
+    conn.call("GET", "/health", text=True)
+    first = conn._session()
+    conn.call("GET", "/health", text=True)
+    assert conn._session() is first  # reused while busy
+    time.sleep(IDLE_REUSE_S + 0.5)
+    conn.call("GET", "/health", text=True)
+    assert conn._session() is not first  # idle past the bound: a new connection

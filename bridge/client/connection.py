@@ -7,6 +7,7 @@ it and turns what comes back into JSON or one of :mod:`bridge.errors`.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import requests
@@ -18,6 +19,10 @@ __all__ = ["Connection"]
 
 # A server that does not accept the connection within this many seconds is down, whatever the call's timeout.
 _CONNECT_TIMEOUT_S = 10.0
+IDLE_REUSE_S = 2.0
+"""A thread's connection idle for longer is replaced by a new one: SGLang (uvicorn, ``SGLANG_TIMEOUT_KEEP_ALIVE``)
+and the reference server close a keep-alive connection after 5 s idle, and a request sent on it as it closes
+is reset (a publish after a training step of about 5 s)."""
 
 
 class Connection:
@@ -66,6 +71,7 @@ class Connection:
         try:
             r = self._session().request(method, self.url + route, json=body, headers=self._headers(route),
                                         timeout=(min(t, _CONNECT_TIMEOUT_S), t))
+            self._local.used = time.monotonic()
         except requests.exceptions.ConnectTimeout as e:
             raise ServerError(self.url, f"cannot connect: {e}", None, route) from e
         except requests.exceptions.Timeout as e:
@@ -93,6 +99,9 @@ class Connection:
 
     def _session(self) -> requests.Session:
         s = getattr(self._local, "session", None)
+        if s is not None and time.monotonic() - getattr(self._local, "used", 0.0) > IDLE_REUSE_S:
+            s.close()  # its connection may be closing on the server's side (IDLE_REUSE_S)
+            s = None
         if s is None:
             s = requests.Session()
             self._local.session = s
