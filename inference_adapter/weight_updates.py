@@ -175,6 +175,11 @@ class WeightUpdates(SessionControl):
             self.log.warning("continuing generation on the previous weights: %s", why)
             self.generation.resume()
 
+    def writer_continues(self) -> None:
+        """``/continue_generation``: the writer says what it loaded in place is complete, so a later failure may
+        resume the server on it (one assignment: no lock, so the route never waits behind a load)."""
+        self.torn = None
+
     def _writer_may(self, run: RunClaim, action: str, group_name: str) -> None:
         """Caller holds the lock: refuse a broadcast of a writer other than the lease's holder; its bytes are
         already in flight on its own group, which is dropped (the holder's session is left alone)."""

@@ -112,7 +112,7 @@ async def continue_generation(request: Request, state: Served):
     if state.features.release < (0, 4, 9):
         return absent()
     req = await parse(request, ContinueBody)
-    state.updates.torn = None  # the writer says what it loaded in place is complete
+    state.updates.writer_continues()
     state.resume()
     out = {"message": "Generation continued successfully.", "status": "ok"}
     if req.wsync_release_lease:  # after the resume, as a separate /wsync/writer_lease release would come
