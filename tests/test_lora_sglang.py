@@ -13,8 +13,11 @@ code with generations asking for the adapter by its stable name.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
+import requests
 
 from tests.dist_utils import run_ranks
 from tests.test_lora import lora_engine
@@ -29,7 +32,9 @@ def sglang_lora(tiny_model_dir):
     from tests.sglang_harness import installed, launch
 
     assert installed("0.5.23"), "SGLang 0.5.23 is not installed: run scripts/install_sglang.sh"
-    with launch("0.5.23", tiny_model_dir, extra_args=["--enable-lora", "--max-lora-rank", "16"]) as s:
+    # HF_HUB_OFFLINE: SGLang's implicit reload of a tensors adapter asks the hub for a repo named "__tensor__"
+    with launch("0.5.23", tiny_model_dir, extra_args=["--enable-lora", "--max-lora-rank", "16"],
+                env={"HF_HUB_OFFLINE": "1"}) as s:
         yield s
 
 
@@ -92,3 +97,155 @@ def test_publisher_loads_the_trainers_adapter_through_sglang_own_code(sglang_lor
         assert served["lora_path"].endswith(want_path), served["lora_path"]
         ids.add(served["lora_id"])
     assert len(ids) == 4  # every publish a load of its own
+
+
+# ------------------------------------------------------------------ the replace (unload, then load) on SGLang's code
+
+HOLD_S = 300.0  # an in-flight generation's length: it ends when the test releases it (/wsync_harness/release_holds)
+BOUND_S = 60.0  # the longest any step here may take on 2 loaded cores (every wait polls for its state)
+
+
+def _parts(seed: int) -> tuple[dict, dict]:
+    """A seeded adapter's ``(adapter_config, tensors)`` (tests/test_lora_server.py's rank-8 PEFT adapter)."""
+    from peft import get_peft_model_state_dict
+
+    from tests.test_lora_server import _peft_model
+
+    model = _peft_model(seed)
+    import json
+
+    config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=list))
+    return config, {n: t.detach().clone() for n, t in get_peft_model_state_dict(model).items()}
+
+
+def _until(what: str, fn, server):
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        out = fn()
+        if out:
+            return out
+        time.sleep(0.05)
+    raise AssertionError(f"not within {BOUND_S} s: {what}\n{server.lora()}\n{server.log_tail()}")
+
+
+class _Gen(threading.Thread):
+    """One generation asking for ``name`` (held in flight for ``hold`` s unless released), its answer or error."""
+
+    def __init__(self, url: str, name: str, hold: float = 0.0):
+        super().__init__(daemon=True)
+        self.url, self.name, self.hold = url, name, hold
+        self.out = self.error = None
+
+    def run(self):
+        sp = {"max_new_tokens": 2, "custom_params": {"harness_hold_s": self.hold}}
+        r = requests.post(self.url + "/generate", json={"input_ids": PROMPT, "sampling_params": sp,
+                                                        "lora_path": self.name}, timeout=HOLD_S + BOUND_S)
+        if r.status_code == 200:
+            self.out = r.json()
+        else:
+            self.error = f"HTTP {r.status_code}: {r.text}"
+
+
+def _start(threads):
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _join(threads):
+    for t in threads:
+        t.join(HOLD_S + BOUND_S)
+        assert not t.is_alive()
+
+
+def _replace_with_traffic(server, name: str, replace, in_flight: int, arrivals: int):
+    """``replace()`` (the client's unload-then-load) while ``in_flight`` generations hold the served adapter and
+    ``arrivals`` more ask for the name once SGLang has unregistered it; returns (old id, in-flight, arrivals,
+    replace's error or None)."""
+    old_id = server.lora()["registry"][name]
+    held = _start([_Gen(server.url, name, HOLD_S) for _ in range(in_flight)])
+    _until("the in-flight generations hold the adapter", lambda: server.lora()["counters"].get(old_id) == in_flight,
+           server)
+    outcome = {}
+
+    def run():
+        try:
+            replace()
+        except Exception as e:  # the test reads it
+            outcome["error"] = e
+
+    rt = threading.Thread(target=run, daemon=True)
+    rt.start()
+    _until("SGLang's unload unregistered the name and waits for the generations",
+           lambda: name in server.lora()["pending_unloads"], server)
+    late = _start([_Gen(server.url, name) for _ in range(arrivals)])
+    _until("the arrivals wait for the tokenizer's lora_update_lock",
+           lambda: server.lora()["update_lock_waiters"] == arrivals, server)
+    requests.post(server.url + "/wsync_harness/release_holds", timeout=30)
+    _join(held + late)
+    rt.join(BOUND_S)
+    assert not rt.is_alive()
+    return old_id, held, late, outcome.get("error")
+
+
+def test_replace_from_tensors_on_sglang_refuses_the_generations_arriving_in_its_gap(sglang_lora):
+    """SGLang 0.5.23, no pause, by tensors: the unload waits for the generations that acquired the adapter (they
+    finish on it); a generation asking for the name meanwhile tries SGLang's implicit reload from the cached path,
+    which for a tensors adapter is ``__tensor__``, and is refused; then the client's load serves the new adapter."""
+    from bridge.client import ServerClient
+    from bridge.protocol import tensor_checksum
+
+    (cfg1, t1), (cfg2, t2) = _parts(1), _parts(2)
+    c = ServerClient(sglang_lora.url)
+    c.load_adapter_from_tensors("swap-t", cfg1, t1, replace=True)
+    old_id, held, late, error = _replace_with_traffic(
+        sglang_lora, "swap-t", lambda: ServerClient(sglang_lora.url).load_adapter_from_tensors(
+            "swap-t", cfg2, t2, version="2", replace=True), in_flight=2, arrivals=3)
+    assert error is None, error
+    assert [g.error for g in held] == [None, None]
+    assert {g.out["meta_info"]["harness_lora_id"] for g in held} == {old_id}  # in flight: the old adapter to the end
+    refused = [g.error for g in late if g.error is not None]
+    assert len(refused) == 3 and all("Failed to implicitly load LoRA adapter swap-t" in e for e in refused), refused
+    view = sglang_lora.lora()
+    assert view["loaded"]["swap-t"]["checksums"] == {n: tensor_checksum(x) for n, x in t2.items()}
+    after = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}, lora_path="swap-t")
+    assert after["meta_info"]["harness_lora_id"] == view["registry"]["swap-t"] != old_id
+    c.unload_adapter("swap-t")
+
+
+def _point(link: str, target: str) -> None:
+    tmp = f"{link}.tmp"
+    os.symlink(os.path.basename(target), tmp)
+    os.replace(tmp, link)
+
+
+def test_replace_from_a_stable_path_on_sglang_refuses_nothing(sglang_lora, tmp_path):
+    """SGLang 0.5.23, no pause, by disk from a stable path switched to the new adapter before the replace: a
+    generation arriving in the gap makes SGLang reload the name from that path (the new adapter) and is served;
+    the client's load then finds the name loaded from its own path, which is the replace done. No refusal, the
+    in-flight generations finish on the old adapter, and the new one serves."""
+    from bridge.client import ServerClient
+    from bridge.protocol import tensor_checksum
+    from tests.test_lora_server import _save
+
+    for seed in (1, 2):
+        _save(seed, str(tmp_path / f"v{seed}"))
+    stable = str(tmp_path / "current")
+    _point(stable, str(tmp_path / "v1"))
+    _, t2 = _parts(2)
+    c = ServerClient(sglang_lora.url)
+    c.load_adapter_from_path("swap-d", stable, replace=True)
+
+    def replace():
+        _point(stable, str(tmp_path / "v2"))
+        ServerClient(sglang_lora.url).load_adapter_from_path("swap-d", stable, version="2", replace=True)
+
+    old_id, held, late, error = _replace_with_traffic(sglang_lora, "swap-d", replace, in_flight=1, arrivals=2)
+    assert error is None, error
+    assert held[0].error is None and held[0].out["meta_info"]["harness_lora_id"] == old_id
+    assert [g.error for g in late] == [None, None]
+    view = sglang_lora.lora()
+    new_id = view["registry"]["swap-d"]
+    assert new_id != old_id and {g.out["meta_info"]["harness_lora_id"] for g in late} == {new_id}
+    assert view["loaded"]["swap-d"]["checksums"] == {n: tensor_checksum(x) for n, x in t2.items()}
+    c.unload_adapter("swap-d")

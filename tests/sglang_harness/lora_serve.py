@@ -26,7 +26,8 @@ STUB, each one:
   the generation releases its ``lora_id`` in the registry when it ends, as that method does.
 * ``/wsync_harness/lora`` (GET, harness only): SGLang's registry (name -> id), the ``LoRAManager``'s loaded
   adapters (name, id, path, rank) with the sha256 of every tensor SGLang's ``LoRAAdapter`` was handed (recorded
-  in its ``_process_weight`` before SGLang's code runs, PEFT's names), and each id's request counter.
+  in its ``_process_weight`` before SGLang's code runs, PEFT's names), each id's request counter, the unloads
+  waiting for their counters, and how many requests wait for the tokenizer's ``lora_update_lock``.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ class LoraHarness:
         reg = tm.lora_registry.get_all_adapters()
         out = {"registry": {n: r.lora_id for n, r in reg.items()},
                "counters": {i: c._count for i, c in tm.lora_registry._counters.items()},
-               "pending_unloads": dict(tm.pending_lora_unloads), "loaded": {}}
+               "pending_unloads": dict(tm.pending_lora_unloads), "loaded": {},
+               "update_lock_waiters": len(getattr(tm.lora_update_lock, "_waiters", None) or ())}
         if self.enabled:
             m = self.manager
             for lid, ref in m.lora_refs.items():

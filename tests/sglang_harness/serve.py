@@ -66,6 +66,8 @@ STUBs is complete:
   runs (routes, tokenizer manager, registry and counters, scheduler, worker, runner, ``LoRAManager``) and its
   STUBs (the manager's ``__init__``, its GPU memory pool and LoRA layers, generation computing with the base
   model, the per-request release, ``/wsync_harness/lora``).
+* ``/wsync_harness/release_holds`` (POST, harness only): the ``harness_hold_s`` of every generation begun before it
+  is over (a paused scheduler still holds them).
 * ``/wsync_harness/weights`` and ``/wsync_harness/scheduler`` (GET, harness only): sha256 of every served
   tensor under SGLang's names (see :func:`sglang_layout`), and the running/waiting counts and paused flag
   of SGLang's scheduler state.
@@ -188,6 +190,7 @@ class Harness:
         self.hf_model.requires_grad_(False)  # as SGLang's layers make their parameters (SGLang's code calls .numpy())
         self.executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-scheduler")
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.hold_epoch = 0  # /wsync_harness/release_holds: the holds of generations begun before it end
         self._build()
 
     # ------------------------------------------------------------------ model glue (STUB)
@@ -800,6 +803,7 @@ class Harness:
         # keep the request in flight (tests of pausing); custom_params passes SGLang's validation
         hold = float((sp.get("custom_params") or {}).get("harness_hold_s", 0.0))
         req = await self._in_scheduler(self._admit, list(ids), n)
+        epoch = self.hold_epoch
         try:
             version = self.current_version()
 
@@ -813,7 +817,8 @@ class Harness:
             deadline = asyncio.get_running_loop().time() + hold
             # The request stays in SGLang's batch until its hold is over and the scheduler is not paused
             # (a paused SGLang scheduler runs no batch), or until SGLang's own abort handler ended it.
-            while not self._aborted(req) and (asyncio.get_running_loop().time() < deadline
+            # (/wsync_harness/release_holds ends every hold begun before it, as if its time were up.)
+            while not self._aborted(req) and ((asyncio.get_running_loop().time() < deadline and epoch == self.hold_epoch)
                                               or getattr(self.scheduler, "_engine_paused", False)):
                 await asyncio.sleep(0.05)
             finish = {"type": "length", "length": n}
@@ -911,6 +916,11 @@ class Harness:
         @app.get("/wsync_harness/weights")
         async def harness_weights():
             return JSONResponse({"weight_version": self.current_version(), "checksums": self.checksums()})
+
+        @app.post("/wsync_harness/release_holds")
+        async def harness_release_holds():
+            self.hold_epoch += 1
+            return JSONResponse({"hold_epoch": self.hold_epoch})
 
         if self.lora is not None:
             @app.get("/wsync_harness/lora")
