@@ -249,3 +249,33 @@ def test_replace_from_a_stable_path_on_sglang_refuses_nothing(sglang_lora, tmp_p
     assert new_id != old_id and {g.out["meta_info"]["harness_lora_id"] for g in late} == {new_id}
     assert view["loaded"]["swap-d"]["checksums"] == {n: tensor_checksum(x) for n, x in t2.items()}
     c.unload_adapter("swap-d")
+
+
+def test_unload_while_paused_in_place_waits_until_generation_continues(sglang_lora):
+    """miles 2780 on SGLang's own code: paused ``in_place``, a generation that acquired the adapter stays in the
+    scheduler, so SGLang's unload waits for its counter for as long as the pause lasts (here the client's read
+    timeout ends the wait on its side; the server's unload goes on waiting); a publisher that paused in place
+    and then replaced the adapter would wait forever for itself. After ``continue_generation`` the generation
+    ends on the old adapter and the unload completes."""
+    from bridge.client import ServerClient
+    from bridge.errors import SyncTimeout
+
+    cfg1, t1 = _parts(1)
+    c = ServerClient(sglang_lora.url)
+    c.load_adapter_from_tensors("paused", cfg1, t1, replace=True)
+    old_id = sglang_lora.lora()["registry"]["paused"]
+    held = _start([_Gen(sglang_lora.url, "paused", HOLD_S)])
+    _until("the generation holds the adapter", lambda: sglang_lora.lora()["counters"].get(old_id) == 1, sglang_lora)
+    c.pause_generation(mode="in_place")
+    try:
+        requests.post(sglang_lora.url + "/wsync_harness/release_holds", timeout=30)  # only the pause holds it now
+        with pytest.raises(SyncTimeout):  # it cannot end while paused, whatever the timeout
+            c.unload_adapter("paused", timeout=2.0)
+        view = sglang_lora.lora()
+        assert "paused" in view["pending_unloads"] and view["counters"].get(old_id) == 1 and held[0].is_alive()
+    finally:
+        c.continue_generation()
+    _join(held)
+    assert held[0].error is None and held[0].out["meta_info"]["harness_lora_id"] == old_id
+    _until("the unload completed", lambda: not sglang_lora.lora()["pending_unloads"], sglang_lora)
+    assert "paused" not in sglang_lora.lora()["registry"]
