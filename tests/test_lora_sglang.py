@@ -68,7 +68,9 @@ def _publish_into_sglang(url: str, root: str, nr_url: str):
                         out = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}, lora_path=name)
                     finally:
                         c.close()
+                    link = os.path.join(root, name, "current")
                     checks.append(dict(via=via, version=res.version, served=view["loaded"].get(name),
+                                       link_target=os.readlink(link) if os.path.islink(link) else None,
                                        registry_id=view["registry"].get(name),
                                        want={n: tensor_checksum(t) for n, t in mine.items()},
                                        generation_id=out["meta_info"].get("harness_lora_id")))
@@ -93,8 +95,11 @@ def test_publisher_loads_the_trainers_adapter_through_sglang_own_code(sglang_lor
         assert served["checksums"] == c["want"], (c["via"], c["version"])
         assert len(c["want"]) == 28 and served["r"] == 4  # A and B of 7 projections on 2 layers
         assert served["lora_id"] == c["registry_id"] == c["generation_id"]
-        want_path = "__tensor__" if c["via"] == "tensors" else os.path.join("policy-disk", f"v{c['version']}")
-        assert served["lora_path"].endswith(want_path), served["lora_path"]
+        if c["via"] == "tensors":
+            assert served["lora_path"] == "__tensor__"
+        else:  # the stable link (what SGLang reloads an unloaded name from), showing this version's directory
+            assert served["lora_path"].endswith(os.path.join("policy-disk", "current")), served["lora_path"]
+            assert c["link_target"] == f"v{c['version']}"
         ids.add(served["lora_id"])
     assert len(ids) == 4  # every publish a load of its own
 
