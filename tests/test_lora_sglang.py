@@ -38,30 +38,49 @@ def sglang_lora(tiny_model_dir):
         yield s
 
 
+TRAFFIC_THREADS = 4
+
+
+def _traffic(url: str, name: str, stop: threading.Event, answers: list, errors: list) -> None:
+    """A client thread: generations asking for ``name`` until ``stop``; each answer's adapter id, each error."""
+    with requests.Session() as s:
+        while not stop.is_set():
+            r = s.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2},
+                                                "lora_path": name}, timeout=120)
+            if r.status_code == 200:
+                answers.append(r.json()["meta_info"].get("harness_lora_id"))
+            else:
+                errors.append(f"HTTP {r.status_code}: {r.text[:300]}")
+
+
 def _publish_into_sglang(url: str, root: str, nr_url: str):
-    """Two publishes by tensors, then two by disk, each after a training step; rank 0 reads, after each, what
-    SGLang's code holds under the name and asks for a generation with the adapter."""
+    """Two publishes by tensors, then four by disk, each after a training step; rank 0 reads, after each, what
+    SGLang's code holds under the name and asks for a generation with the adapter. From the second publish by
+    disk on, 4 client threads on rank 0 ask for the adapter by its name all along."""
     from bridge import AdapterPublisher, AdapterPublisherConfig
     from bridge.client import ServerClient
     from bridge.protocol import tensor_checksum
     from tests.sync_bodies import train_step
 
     engine = lora_engine()
-    checks = []
+    checks, stop, answers, errors, threads = [], threading.Event(), [], [], []
     try:
-        for via in ("tensors", "disk"):
+        for via, versions in (("tensors", (1, 2)), ("disk", (1, 2, 3, 4))):
             name = f"policy-{via}"
             pub = AdapterPublisher(AdapterPublisherConfig(name=name, via=via, servers=[url], root=root,
                                                           name_resolve=nr_url))
             try:
-                for version in (1, 2):
+                for version in versions:
+                    if via == "disk" and version == 2 and engine.rank == 0:
+                        threads = [threading.Thread(target=_traffic, args=(url, name, stop, answers, errors),
+                                                    daemon=True) for _ in range(TRAFFIC_THREADS)]
+                        for t in threads:
+                            t.start()
                     train_step(engine, seed=version)
                     res = pub.publish(engine, version=version)
                     mine = engine.gather_adapter()  # collective
                     if mine is None:
                         continue
-                    import requests
-
                     view = requests.get(url + "/wsync_harness/lora", timeout=30).json()
                     c = ServerClient(url)
                     try:
@@ -76,18 +95,25 @@ def _publish_into_sglang(url: str, root: str, nr_url: str):
                                        generation_id=out["meta_info"].get("harness_lora_id")))
             finally:
                 pub.close()
-        return checks
+        stop.set()
+        for t in threads:
+            t.join(120)
+        return dict(checks=checks, answers=len(answers), errors=errors) if engine.rank == 0 else None
     finally:
+        stop.set()
         engine.destroy()
 
 
 def test_publisher_loads_the_trainers_adapter_through_sglang_own_code(sglang_lora, tmp_path):
-    """By tensors and by disk, a first load and a replace: SGLang's app, registry and LoRAManager hold the adapter
+    """By tensors and by disk, a first load and replaces: SGLang's app, registry and LoRAManager hold the adapter
     under its stable name, every tensor SGLang's LoRAAdapter was handed equal to the trainer's, and a generation
-    asking for the name acquires that adapter."""
-    checks, _ = run_ranks(_publish_into_sglang, 2, args=(sglang_lora.url, str(tmp_path / "adapters"),
-                                                         f"file://{tmp_path}/nr"), timeout=240)
-    assert [(c["via"], c["version"]) for c in checks] == [("tensors", 1), ("tensors", 2), ("disk", 1), ("disk", 2)]
+    asking for the name acquires that adapter; by disk, 4 threads asking for it during 3 replaces get no error."""
+    out, _ = run_ranks(_publish_into_sglang, 2, args=(sglang_lora.url, str(tmp_path / "adapters"),
+                                                      f"file://{tmp_path}/nr"), timeout=240)
+    checks = out["checks"]
+    assert [(c["via"], c["version"]) for c in checks] == [("tensors", 1), ("tensors", 2)] + [
+        ("disk", v) for v in (1, 2, 3, 4)]
+    assert out["errors"] == [] and out["answers"] >= TRAFFIC_THREADS, out  # by disk: no generation refused
     ids = set()
     for c in checks:
         served = c["served"]
@@ -101,7 +127,7 @@ def test_publisher_loads_the_trainers_adapter_through_sglang_own_code(sglang_lor
             assert served["lora_path"].endswith(os.path.join("policy-disk", "current")), served["lora_path"]
             assert c["link_target"] == f"v{c['version']}"
         ids.add(served["lora_id"])
-    assert len(ids) == 4  # every publish a load of its own
+    assert len(ids) == len(checks)  # every publish a load of its own
 
 
 # ------------------------------------------------------------------ the replace (unload, then load) on SGLang's code
