@@ -310,3 +310,32 @@ def test_unload_while_paused_in_place_waits_until_generation_continues(sglang_lo
     assert held[0].error is None and held[0].out["meta_info"]["harness_lora_id"] == old_id
     _until("the unload completed", lambda: not sglang_lora.lora()["pending_unloads"], sglang_lora)
     assert "paused" not in sglang_lora.lora()["registry"]
+
+
+def test_the_older_body_through_sglang_0_5_8s_own_code(tiny_model_dir):
+    """SGLang 0.5.8 takes one ``serialized_tensors`` string: the client sends it to a 0.5.8 server, whose own app,
+    tokenizer manager, worker and LoRAManager load it (every tensor equal), then replace it (unload, then load),
+    and the 0.5.23 shape (a per-rank list) is refused by that app."""
+    from bridge.client import ServerClient
+    from bridge.client.lora import tensors_body
+    from bridge.protocol import ProtocolFeatures, tensor_checksum
+    from tests.sglang_harness import installed, launch
+
+    assert installed("0.5.8"), "SGLang 0.5.8 is not installed: run scripts/install_sglang.sh"
+    cfg, t = _parts(3)
+    with launch("0.5.8", tiny_model_dir, extra_args=["--enable-lora"], env={"HF_HUB_OFFLINE": "1"}) as s:
+        c = ServerClient(s.url)
+        assert c.features.version == "0.5.8"
+        c.load_adapter_from_tensors("old", cfg, t, replace=True)
+        view = s.lora()
+        assert view["loaded"]["old"]["checksums"] == {n: tensor_checksum(x) for n, x in t.items()}
+        out = c.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}, lora_path="old")
+        assert out["meta_info"]["harness_lora_id"] == view["registry"]["old"]
+        cfg2, t2 = _parts(4)
+        c.load_adapter_from_tensors("old", cfg2, t2, replace=True)
+        assert s.lora()["loaded"]["old"]["checksums"] == {n: tensor_checksum(x) for n, x in t2.items()}
+        newer, held = tensors_body(ProtocolFeatures.from_version("0.5.23"), 1, "other", cfg, t)
+        r = requests.post(s.url + "/load_lora_adapter_from_tensors", json=newer, timeout=60)
+        del held
+        assert 400 <= r.status_code < 500 and "serialized_tensors" in r.text, r.text[:300]
+        assert "other" not in s.lora()["registry"]

@@ -1,4 +1,5 @@
-"""SGLang 0.5.23's LoRA adapter code in the harness server (:mod:`tests.sglang_harness.serve`, ``--enable-lora``).
+"""SGLang's LoRA adapter code in the harness server (:mod:`tests.sglang_harness.serve`, ``--enable-lora``): 0.5.23
+(the per-TP-rank ``serialized_named_tensors`` body) and 0.5.8 (the single ``serialized_tensors`` string).
 
 SGLang's own code, as it runs in a server: the HTTP routes ``/load_lora_adapter``,
 ``/load_lora_adapter_from_tensors`` and ``/unload_lora_adapter`` of ``http_server.app``; the tokenizer manager's
@@ -37,15 +38,27 @@ import types
 
 import torch
 
-SUPPORTED = (0, 5, 23)
+
+def supported(rel) -> bool:
+    """The releases whose LoRA code the harness runs (the two body shapes the client sends)."""
+    return rel == (0, 5, 8) or rel >= (0, 5, 23)
 
 
 def server_args_fields(args) -> dict:
-    """The LoRA flags, as SGLang's ``ServerArgs`` takes them."""
+    """The LoRA flags, as SGLang's ``ServerArgs`` takes them (set as attributes on the dataclass releases)."""
     if not args.enable_lora:
         return {}
     return {"enable_lora": True, "max_lora_rank": args.max_lora_rank,
             "lora_target_modules": list(args.lora_target_modules), "max_loaded_loras": args.max_loaded_loras}
+
+
+def _lora_config(h):
+    """Where the release keeps its LoRA settings: 0.5.2x's runtime context, or the server args before it."""
+    if h.runtime_context is not None:
+        from sglang.srt.runtime_context import get_lora
+
+        return get_lora()
+    return h.server_args
 
 
 def _sha(t: torch.Tensor) -> str:
@@ -53,13 +66,11 @@ def _sha(t: torch.Tensor) -> str:
 
 
 class LoraHarness:
-    """Wires SGLang's LoRA code into a built :class:`tests.sglang_harness.serve.Harness` (0.5.23)."""
+    """Wires SGLang's LoRA code into a built :class:`tests.sglang_harness.serve.Harness` (0.5.8, 0.5.23)."""
 
     def __init__(self, h):
-        from sglang.srt.runtime_context import get_lora
-
         self.h = h
-        self.enabled = bool(get_lora().enable_lora)
+        self.enabled = bool(_lora_config(h).enable_lora)
         self.recorded: dict[str, dict[str, str]] = {}  # lora_id -> {PEFT name: sha256}, what SGLang's adapter got
         self._tokenizer_state()
         if self.enabled:
@@ -74,11 +85,10 @@ class LoraHarness:
         import asyncio
 
         from sglang.srt.lora.lora_registry import LoRARegistry
-        from sglang.srt.runtime_context import get_lora
 
         tm = self.h.tm
         tm.enable_lora = self.enabled
-        tm.lora_registry = LoRARegistry(get_lora().lora_paths)
+        tm.lora_registry = LoRARegistry(_lora_config(self.h).lora_paths)
         tm.lora_update_lock = asyncio.Lock()
         tm.lora_ref_cache = {}
         tm.pending_lora_unloads = {}
@@ -92,9 +102,8 @@ class LoraHarness:
         from sglang.srt.lora import lora as lora_mod
         from sglang.srt.lora.lora_manager import LoRAManager
         from sglang.srt.lora.mem_pool import LoRAMemoryPool
-        from sglang.srt.runtime_context import get_lora
 
-        h, cfg = self.h, get_lora()
+        h, cfg = self.h, _lora_config(self.h)
         m = object.__new__(LoRAManager)
         m.base_model = h.model
         hf = h.hf_model.config
@@ -102,7 +111,7 @@ class LoraHarness:
         m.max_loras_per_batch = cfg.max_loras_per_batch
         m.load_config = LoadConfig(load_format="auto")
         m.dtype, m.device = h.dtype, torch.device("cpu")
-        m.attn_tp_size, m.attn_dp_enabled = 1, False
+        m.attn_tp_size, m.attn_dp_enabled, m.tp_size, m.tp_rank = 1, False, 1, 0
         m.lora_added_tokens_size = None
         m.enable_lora_overlap_loading = False
         m.pending_lora_load_events = {}
@@ -128,7 +137,7 @@ class LoraHarness:
         lora_mod.LoRAAdapter._process_weight = process_weight
 
     def _runner_and_worker(self):
-        """``ModelRunner``'s LoRA methods on the harness's runner (0.5.23's runner is a bare record there)."""
+        """``ModelRunner``'s LoRA methods on the harness's runner (on 0.5.23 a bare record, on 0.5.8 bound again)."""
         from sglang.srt.model_executor.model_runner import ModelRunner
 
         mr = self.h.model_runner
@@ -140,7 +149,8 @@ class LoraHarness:
         h, io = self.h, self.h.io
         s = h.scheduler
         s.enable_lora = True
-        s.init_kv_event_lora_names()  # SGLang's
+        if hasattr(s, "init_kv_event_lora_names"):
+            s.init_kv_event_lora_names()  # SGLang's
         h.handlers[io.LoadLoRAAdapterReqInput] = s.load_lora_adapter
         h.handlers[io.LoadLoRAAdapterFromTensorsReqInput] = s.load_lora_adapter_from_tensors
         h.handlers[io.UnloadLoRAAdapterReqInput] = s.unload_lora_adapter
@@ -148,8 +158,13 @@ class LoraHarness:
     # ------------------------------------------------------------------ generation
 
     async def acquire(self, obj) -> None:
-        """SGLang's ``_validate_and_resolve_lora`` (refusal, implicit reload, counter increment)."""
-        await self.h.tm._validate_and_resolve_lora(obj)
+        """SGLang's ``_validate_and_resolve_lora`` (refusal, implicit reload, counter increment); 0.5.8 calls its
+        ``_resolve_lora_path`` when LoRA is enabled."""
+        tm = self.h.tm
+        if hasattr(tm, "_validate_and_resolve_lora"):
+            await tm._validate_and_resolve_lora(obj)
+        elif self.enabled and obj.lora_path:
+            await tm._resolve_lora_path(obj)
 
     async def release(self, obj) -> None:
         if self.enabled and obj.lora_path and getattr(obj, "lora_id", None):

@@ -62,7 +62,7 @@ STUBs is complete:
   reader lock and pause condition; the request stays in SGLang's running batch while its
   ``custom_params.harness_hold_s`` lasts and while the scheduler is paused, and ends early, with SGLang's
   abort finish reason, once SGLang's ``abort_request`` marked it.
-* LoRA (0.5.23, ``--enable-lora``): :mod:`tests.sglang_harness.lora_serve` lists what of SGLang's adapter code
+* LoRA (0.5.23, and 0.5.8 with ``--enable-lora``): :mod:`tests.sglang_harness.lora_serve` lists what of SGLang's adapter code
   runs (routes, tokenizer manager, registry and counters, scheduler, worker, runner, ``LoRAManager``) and its
   STUBs (the manager's ``__init__``, its GPU memory pool and LoRA layers, generation computing with the base
   model, the per-request release, ``/wsync_harness/lora``).
@@ -298,12 +298,12 @@ class Harness:
         self._build_scheduler()
         self._build_tokenizer_manager()
         self.lora = None
-        if self.rel >= (0, 5, 23):  # SGLang's LoRA state (its routes answer "not enabled" without --enable-lora)
-            from tests.sglang_harness.lora_serve import LoraHarness
+        from tests.sglang_harness.lora_serve import LoraHarness, supported
 
+        if self.args.enable_lora and not supported(self.rel):
+            raise SystemExit("the harness serves LoRA on SGLang 0.5.8 and >= 0.5.23 only")
+        if self.rel >= (0, 5, 23) or self.args.enable_lora:  # SGLang's LoRA state ("not enabled" without the flag)
             self.lora = LoraHarness(self)
-        elif self.args.enable_lora:
-            raise SystemExit("the harness serves LoRA on SGLang >= 0.5.23 only")
 
     def _build_runtime(self):
         from sglang.srt.managers import io_struct
@@ -401,6 +401,10 @@ class Harness:
             sa.page_size = 1  # as ServerArgs.__post_init__ normalizes it
         if hasattr(sa, "custom_weight_loader"):  # as ServerArgs.__post_init__ (skipped here) normalizes it
             sa.custom_weight_loader = list(self.args.custom_weight_loader)
+        from tests.sglang_harness.lora_serve import server_args_fields
+
+        for k, v in server_args_fields(self.args).items():
+            setattr(sa, k, v)
         return sa
 
     def _scheduler_state(self, sched) -> None:
