@@ -188,6 +188,7 @@ class AdapterPublisher:
         self._last: int | None = None
         self._served: _Published | None = None  # rank 0
         self._clients: dict = {}  # rank 0: URL -> client, for every server found so far
+        self._warned: set[str] = set()  # real SGLang servers told that a tensors replace refuses generations
         self._current: list[str] = []  # rank 0: the servers of this publish, found at its start
         self._sources = None  # rank 0: where the servers are found (bridge.fleet.discovery), opened once
         self._nr = None  # rank 0, disk
@@ -390,6 +391,11 @@ class AdapterPublisher:
             path = p.path if client.is_reference_server else point_current(p.path)
             client.load_adapter_from_path(name, path, version=str(p.version), replace=True)
         else:
+            if not client.is_reference_server and client.url not in self._warned:
+                self._warned.add(client.url)
+                logger.warning("adapter %r by tensors into real SGLang %s: a generation asking for it while it is "
+                               "replaced is refused (SGLang cannot reload a tensors adapter); via='disk' refuses none",
+                               name, client.url)
             client.load_adapter_from_tensors(name, p.config, p.tensors, version=str(p.version), replace=True,
                                              checksums=p.checksums)
 
