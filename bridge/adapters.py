@@ -7,7 +7,8 @@ it does not go through the full-weight encodings: :class:`AdapterPublisher` gath
 
 - by disk (``via="disk"``): writes a PEFT adapter directory (``adapter_model.safetensors`` +
   ``adapter_config.json``) atomically, into a temporary directory renamed into place
-  (``<root>/<name>/v<version>``), tells every server ``/load_lora_adapter`` with that path, then
+  (``<root>/<name>/v<version>``), tells every server ``/load_lora_adapter`` with that path (real SGLang: with
+  the stable link ``<root>/<name>/current``, switched to that directory first, see :func:`point_current`), then
   announces it in name resolution under :func:`adapter_key` (the commit: a version announced is served);
 - by tensors, on one host (``via="tensors"``): ``/load_lora_adapter_from_tensors`` with the PEFT config
   and the tensors (the payload as the server's SGLang version takes it).
@@ -60,6 +61,8 @@ SLACK_S = 5.0
 """Added to each step's bound: the exchange itself, on a loaded machine."""
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
+CURRENT_LINK = "current"
+"""``<root>/<name>/current``: a symlink to the version served, the path real SGLang servers load (:func:`point_current`)."""
 
 
 def adapter_key(experiment: str, trial: str, name: str, version: int, root: str = "wsync") -> str:
@@ -185,6 +188,7 @@ class AdapterPublisher:
         self._last: int | None = None
         self._served: _Published | None = None  # rank 0
         self._clients: dict = {}  # rank 0: URL -> client, for every server found so far
+        self._warned: set[str] = set()  # real SGLang servers told that a tensors replace refuses generations
         self._current: list[str] = []  # rank 0: the servers of this publish, found at its start
         self._sources = None  # rank 0: where the servers are found (bridge.fleet.discovery), opened once
         self._nr = None  # rank 0, disk
@@ -381,8 +385,17 @@ class AdapterPublisher:
         (:class:`bridge.client.lora.LoraRoutes`)."""
         name = self.config.name
         if p.path is not None:
-            client.load_adapter_from_path(name, p.path, version=str(p.version), replace=True)
+            # Real SGLang replaces by unload-then-load and reloads an unloaded name from its last path for a
+            # generation asking for it in between: a stable path already showing this version makes that
+            # generation get it (bridge.client.lora), never a refusal nor the old version.
+            path = p.path if client.is_reference_server else point_current(p.path)
+            client.load_adapter_from_path(name, path, version=str(p.version), replace=True)
         else:
+            if not client.is_reference_server and client.url not in self._warned:
+                self._warned.add(client.url)
+                logger.warning("adapter %r by tensors into real SGLang %s: a generation asking for it while it is "
+                               "replaced is refused (SGLang cannot reload a tensors adapter); via='disk' refuses none",
+                               name, client.url)
             client.load_adapter_from_tensors(name, p.config, p.tensors, version=str(p.version), replace=True,
                                              checksums=p.checksums)
 
@@ -419,6 +432,9 @@ class AdapterPublisher:
                 status += f"; could not remove the announcement {self._announced}: {e}"
             self._announced = None
         if new.path is not None and (self._served is None or self._served.path != new.path):
+            link = os.path.join(os.path.dirname(new.path), CURRENT_LINK)
+            if os.path.islink(link) and os.readlink(link) == os.path.basename(new.path):
+                os.unlink(link)  # a first version that failed: nothing to show
             shutil.rmtree(new.path, ignore_errors=True)
         if status:
             logger.warning("adapter %r version %d not published%s", self.config.name, new.version, status)
@@ -492,6 +508,22 @@ def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor
                                 "another root") from None
         raise
     return final
+
+
+def point_current(path: str) -> str:
+    """Point ``<folder>/current`` at the adapter directory ``path`` (``<folder>/v<version>``): a relative symlink
+    renamed over the old one (atomic); the link's path, the stable path real SGLang servers load the adapter by."""
+    folder = os.path.dirname(path)
+    link = os.path.join(folder, CURRENT_LINK)
+    tmp = os.path.join(folder, f".tmp-{CURRENT_LINK}-{uuid.uuid4().hex[:12]}")
+    os.symlink(os.path.basename(path), tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    fsync_path(folder, directory=True)
+    return link
 
 
 def _remove_old(folder: str, keep: int) -> None:

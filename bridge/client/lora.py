@@ -13,8 +13,12 @@
 
 ``version`` and ``replace`` go only to the reference server (``wsync_lora_version``, ``wsync_replace``): it then
 reports the version on every generation with the adapter and replaces an adapter of that name atomically. Real
-SGLang refuses a name that is loaded ("already loaded"), so ``replace=True`` there unloads the name first (SGLang
-then refuses generations that ask for it until the load is done).
+SGLang refuses a name that is loaded ("already loaded"), so ``replace=True`` there unloads the name, then loads
+(:meth:`LoraRoutes._replace_on_sglang`). SGLang 0.5.23's unload waits for the generations that acquired the adapter
+(they finish on it), and a generation asking for the name meanwhile makes SGLang reload it from the path of its
+last load: by a stable path switched to the new adapter before the replace (what :class:`bridge.AdapterPublisher`
+loads by disk), that generation is served the new adapter and the client's own load finds it loaded from its
+path, the replace done; by tensors (path ``__tensor__``) that reload fails and the generation is refused.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from bridge.protocol import ProtocolFeatures
 __all__ = ["LoraRoutes", "serialize_adapter", "tensors_body"]
 
 logger = get_logger(__package__)
+
+REPLACE_TRIES = 3
+"""Unload-then-load rounds of a replace on real SGLang whose load found the name reloaded from another path."""
 
 
 def serialize_adapter(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -101,9 +108,34 @@ class LoraRoutes:
             self._with_run(body)
             if rollback:
                 body["wsync_new_run"] = True
-        elif replace:
-            self._unload_if_loaded(body["lora_name"])
         return body
+
+    def _replace_on_sglang(self, route: str, body: dict, timeout: float | None) -> dict:
+        """Real SGLang: unload the name (if loaded), then load. A load refused "already loaded" means a generation
+        asked for the name in between and SGLang reloaded it from the path of its last load: when that is this
+        body's path the adapter served is the one asked for (the caller switched that path to it first); else the
+        name is unloaded and loaded again, :data:`REPLACE_TRIES` times at most."""
+        name, path = body["lora_name"], body.get("lora_path")
+        for _ in range(REPLACE_TRIES):
+            self._unload_if_loaded(name)
+            try:
+                return self._http.call("POST", route, body, timeout=timeout)
+            except ServerError as e:
+                if "already loaded" not in str(e):
+                    raise
+            served = self._served_adapter_paths().get(name)
+            if path is not None and served == path:
+                logger.info("%s: a generation reloaded adapter %r from %s during its replace", self.url, name, path)
+                return {"success": True, "error_message": "", "loaded_adapters": {name: path}}
+        raise ServerError(self.url, f"adapter {name!r} was reloaded from another path ({served}) by generations "
+                                    f"asking for it {REPLACE_TRIES} times during its replace; load it from a stable "
+                                    "path (the path of its previous load, switched to the new adapter first)",
+                          route=route)
+
+    def _served_adapter_paths(self) -> dict:
+        """``{name: path}`` of the adapters served, from ``/v1/models`` (SGLang lists each with ``root``: its path)."""
+        out = self._http.call("GET", "/v1/models", None)
+        return {m.get("id"): m.get("root") for m in out.get("data", []) if m.get("parent")}
 
     def _unload_if_loaded(self, name: str) -> None:
         try:
@@ -125,6 +157,8 @@ class LoraRoutes:
         """
         body = self._lora_body({"lora_name": str(name), "lora_path": str(path), "pinned": bool(pinned)}, version,
                                replace, rollback)
+        if replace and not self.is_reference_server:
+            return self._replace_on_sglang("/load_lora_adapter", body, timeout)
         return self._http.call("POST", "/load_lora_adapter", body, timeout=timeout)
 
     def load_adapter_from_tensors(self, name: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
@@ -144,7 +178,10 @@ class LoraRoutes:
         body, held = tensors_body(self.features, self.tp_size, name, config, tensors, pinned=pinned,
                                   checksums=checksums, url=self.url)
         body = self._lora_body(body, version, replace, rollback)
-        out = self._http.call("POST", "/load_lora_adapter_from_tensors", body, timeout=timeout)
+        if replace and not self.is_reference_server:
+            out = self._replace_on_sglang("/load_lora_adapter_from_tensors", body, timeout)
+        else:
+            out = self._http.call("POST", "/load_lora_adapter_from_tensors", body, timeout=timeout)
         del held
         return out
 

@@ -43,9 +43,10 @@ def installed(version: str) -> bool:
 @contextlib.contextmanager
 def launch(version: str, model_dir: str, *, api_key: str | None = None, admin_api_key: str | None = None,
            weight_version: str = "default", timeout: float = 240.0,
-           custom_weight_loader: str | None = None, env: dict | None = None) -> Iterator[Launched]:
+           custom_weight_loader: str | None = None, env: dict | None = None,
+           extra_args: list[str] | None = None) -> Iterator[Launched]:
     """Start a harness server of SGLang ``version`` serving ``model_dir``; stop it on exit. ``env``: more environment
-    of its process."""
+    of its process; ``extra_args``: more flags of :mod:`tests.sglang_harness.serve` (``--enable-lora`` ...)."""
     from bridge.process_group import find_free_port
 
     port = find_free_port()
@@ -57,6 +58,7 @@ def launch(version: str, model_dir: str, *, api_key: str | None = None, admin_ap
         cmd += ["--admin-api-key", admin_api_key]
     if custom_weight_loader:
         cmd += ["--custom-weight-loader", custom_weight_loader]
+    cmd += list(extra_args or [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     log = tempfile.NamedTemporaryFile("w+", prefix=f"sglang-{version}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
@@ -104,3 +106,11 @@ class Launched:
         import requests
 
         return requests.get(self.url + "/wsync_harness/weights", timeout=30).json()
+
+    def lora(self) -> dict:
+        """SGLang's LoRA state (``--enable-lora``, :mod:`tests.sglang_harness.lora_serve`): ``registry`` (name -> id),
+        ``counters`` (id -> generations holding it), ``pending_unloads``, and ``loaded`` (name -> id, path, rank, the
+        sha256 of every tensor SGLang's ``LoRAAdapter`` was handed)."""
+        import requests
+
+        return requests.get(self.url + "/wsync_harness/lora", timeout=30).json()

@@ -62,6 +62,12 @@ STUBs is complete:
   reader lock and pause condition; the request stays in SGLang's running batch while its
   ``custom_params.harness_hold_s`` lasts and while the scheduler is paused, and ends early, with SGLang's
   abort finish reason, once SGLang's ``abort_request`` marked it.
+* LoRA (0.5.23, and 0.5.8 with ``--enable-lora``): :mod:`tests.sglang_harness.lora_serve` lists what of SGLang's adapter code
+  runs (routes, tokenizer manager, registry and counters, scheduler, worker, runner, ``LoRAManager``) and its
+  STUBs (the manager's ``__init__``, its GPU memory pool and LoRA layers, generation computing with the base
+  model, the per-request release, ``/wsync_harness/lora``).
+* ``/wsync_harness/release_holds`` (POST, harness only): the ``harness_hold_s`` of every generation begun before it
+  is over (a paused scheduler still holds them).
 * ``/wsync_harness/weights`` and ``/wsync_harness/scheduler`` (GET, harness only): sha256 of every served
   tensor under SGLang's names (see :func:`sglang_layout`), and the running/waiting counts and paused flag
   of SGLang's scheduler state.
@@ -95,6 +101,12 @@ def _parse(argv):
     p.add_argument("--custom-weight-loader", action="append", default=[],
                    help="SGLang's --custom-weight-loader (dotted path of a loader; repeat for several)")
     p.add_argument("--device", default="cpu", help="the model runner's device (cuda: the CUDA IPC receive check)")
+    # SGLang's LoRA flags (0.5.23; tests/sglang_harness/lora_serve.py)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--lora-target-modules", nargs="*",
+                   default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    p.add_argument("--max-loaded-loras", type=int, default=None)
     return p.parse_args(argv)
 
 
@@ -178,6 +190,7 @@ class Harness:
         self.hf_model.requires_grad_(False)  # as SGLang's layers make their parameters (SGLang's code calls .numpy())
         self.executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-scheduler")
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.hold_epoch = 0  # /wsync_harness/release_holds: the holds of generations begun before it end
         self._build()
 
     # ------------------------------------------------------------------ model glue (STUB)
@@ -284,6 +297,13 @@ class Harness:
         self._build_tp_worker()
         self._build_scheduler()
         self._build_tokenizer_manager()
+        self.lora = None
+        from tests.sglang_harness.lora_serve import LoraHarness, supported
+
+        if self.args.enable_lora and not supported(self.rel):
+            raise SystemExit("the harness serves LoRA on SGLang 0.5.8 and >= 0.5.23 only")
+        if self.rel >= (0, 5, 23) or self.args.enable_lora:  # SGLang's LoRA state ("not enabled" without the flag)
+            self.lora = LoraHarness(self)
 
     def _build_runtime(self):
         from sglang.srt.managers import io_struct
@@ -353,8 +373,10 @@ class Harness:
         from sglang.srt.server_args import ServerArgs
 
         if not dataclasses.is_dataclass(ServerArgs):  # 0.5.23: a plain record, resolved on demand
+            from tests.sglang_harness.lora_serve import server_args_fields
+
             sa = ServerArgs(model_path=self.args.model, device="cpu", dtype=self.args.dtype,
-                            custom_weight_loader=list(self.args.custom_weight_loader))
+                            custom_weight_loader=list(self.args.custom_weight_loader), **server_args_fields(self.args))
             sa.api_key = self.args.api_key
             sa.admin_api_key = self.args.admin_api_key
             return sa
@@ -379,6 +401,10 @@ class Harness:
             sa.page_size = 1  # as ServerArgs.__post_init__ normalizes it
         if hasattr(sa, "custom_weight_loader"):  # as ServerArgs.__post_init__ (skipped here) normalizes it
             sa.custom_weight_loader = list(self.args.custom_weight_loader)
+        from tests.sglang_harness.lora_serve import server_args_fields
+
+        for k, v in server_args_fields(self.args).items():
+            setattr(sa, k, v)
         return sa
 
     def _scheduler_state(self, sched) -> None:
@@ -722,7 +748,7 @@ class Harness:
             pass
         for name in ("init_weights_update_group", "destroy_weights_update_group", "update_weights_from_distributed",
                      "update_weights_from_tensor", "get_weights_by_name", "update_weight_version", "flush_cache",
-                     "begin_weight_update", "end_weight_update", "get_internal_state"):
+                     "begin_weight_update", "end_weight_update", "get_internal_state", "update_lora_adapter"):
             holder = {}
 
             def reply(out, holder=holder):
@@ -748,9 +774,8 @@ class Harness:
     # ------------------------------------------------------------------ generation (STUB)
 
     async def _generate(self, obj, request=None):
-        """Greedy decoding inside SGLang's reader lock, waiting while paused as SGLang's tokenizer does."""
-        import torch
-
+        """Greedy decoding inside SGLang's reader lock, waiting while paused as SGLang's tokenizer does, and (0.5.23)
+        the adapter looked up as SGLang's tokenizer does after the pause wait."""
         tm = self.tm
         if self.rel >= (0, 5, 0):
             cond, paused = tm.is_pause_cond, (lambda: tm.is_pause)
@@ -761,39 +786,56 @@ class Harness:
         async with cond:
             await cond.wait_for(lambda: not paused())
         async with tm.model_update_lock.reader_lock:
-            ids = obj.input_ids if obj.input_ids is not None else None
-            if ids is None:
-                raise ValueError("the harness generates from input_ids only")
-            sp = obj.sampling_params or {}
-            n = int(sp.get("max_new_tokens", 8))
-            # keep the request in flight (tests of pausing); custom_params passes SGLang's validation
-            hold = float((sp.get("custom_params") or {}).get("harness_hold_s", 0.0))
-            req = await self._in_scheduler(self._admit, list(ids), n)
+            if self.lora is not None:  # SGLang's own lookup: refusal, implicit reload, the adapter's counter
+                await self.lora.acquire(obj)
             try:
-                version = self.current_version()
-
-                def run():
-                    with torch.no_grad():
-                        out = self.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                                  min_new_tokens=n, pad_token_id=0)
-                    return out[0, len(ids):].tolist()
-
-                out_ids = await asyncio.get_running_loop().run_in_executor(None, run)
-                deadline = asyncio.get_running_loop().time() + hold
-                # The request stays in SGLang's batch until its hold is over and the scheduler is not paused
-                # (a paused SGLang scheduler runs no batch), or until SGLang's own abort handler ended it.
-                while not self._aborted(req) and (asyncio.get_running_loop().time() < deadline
-                                                  or getattr(self.scheduler, "_engine_paused", False)):
-                    await asyncio.sleep(0.05)
-                finish = {"type": "length", "length": n}
-                if self._aborted(req):
-                    to_finish = getattr(req, "to_finish", None)
-                    finish = to_finish.to_json() if to_finish is not None else {"type": "abort", "message": "Aborted"}
-                yield {"text": "", "output_ids": out_ids,
-                       "meta_info": {"id": req.rid, "finish_reason": finish,
-                                     "prompt_tokens": len(ids), "completion_tokens": n, "weight_version": version}}
+                async for out in self._generate_locked(obj):
+                    yield out
             finally:
-                await self._in_scheduler(self._leave, req)
+                if self.lora is not None:
+                    await self.lora.release(obj)
+
+    async def _generate_locked(self, obj):
+        """The generation proper (STUB: greedy decoding with the transformers model), SGLang's lock held."""
+        import torch
+
+        ids = obj.input_ids if obj.input_ids is not None else None
+        if ids is None:
+            raise ValueError("the harness generates from input_ids only")
+        sp = obj.sampling_params or {}
+        n = int(sp.get("max_new_tokens", 8))
+        # keep the request in flight (tests of pausing); custom_params passes SGLang's validation
+        hold = float((sp.get("custom_params") or {}).get("harness_hold_s", 0.0))
+        req = await self._in_scheduler(self._admit, list(ids), n)
+        epoch = self.hold_epoch
+        try:
+            version = self.current_version()
+
+            def run():
+                with torch.no_grad():
+                    out = self.hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                              min_new_tokens=n, pad_token_id=0)
+                return out[0, len(ids):].tolist()
+
+            out_ids = await asyncio.get_running_loop().run_in_executor(None, run)
+            deadline = asyncio.get_running_loop().time() + hold
+            # The request stays in SGLang's batch until its hold is over and the scheduler is not paused
+            # (a paused SGLang scheduler runs no batch), or until SGLang's own abort handler ended it.
+            # (/wsync_harness/release_holds ends every hold begun before it, as if its time were up.)
+            while not self._aborted(req) and ((asyncio.get_running_loop().time() < deadline and epoch == self.hold_epoch)
+                                              or getattr(self.scheduler, "_engine_paused", False)):
+                await asyncio.sleep(0.05)
+            finish = {"type": "length", "length": n}
+            if self._aborted(req):
+                to_finish = getattr(req, "to_finish", None)
+                finish = to_finish.to_json() if to_finish is not None else {"type": "abort", "message": "Aborted"}
+            meta = {"id": req.rid, "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": n,
+                    "weight_version": version}
+            if getattr(obj, "lora_id", None):
+                meta["harness_lora_id"] = obj.lora_id  # harness only: the adapter this generation acquired
+            yield {"text": "", "output_ids": out_ids, "meta_info": meta}
+        finally:
+            await self._in_scheduler(self._leave, req)
 
     async def _in_scheduler(self, fn, *args):
         """Run ``fn`` in the scheduler thread, between its handlers, as SGLang's event loop would."""
@@ -878,6 +920,16 @@ class Harness:
         @app.get("/wsync_harness/weights")
         async def harness_weights():
             return JSONResponse({"weight_version": self.current_version(), "checksums": self.checksums()})
+
+        @app.post("/wsync_harness/release_holds")
+        async def harness_release_holds():
+            self.hold_epoch += 1
+            return JSONResponse({"hold_epoch": self.hold_epoch})
+
+        if self.lora is not None:
+            @app.get("/wsync_harness/lora")
+            async def harness_lora():
+                return JSONResponse(self.lora.view())
 
         if self.args.api_key or self.args.admin_api_key:
             self._add_auth(app)
