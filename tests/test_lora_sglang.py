@@ -339,3 +339,10 @@ def test_the_older_body_through_sglang_0_5_8s_own_code(tiny_model_dir):
         del held
         assert 400 <= r.status_code < 500 and "serialized_tensors" in r.text, r.text[:300]
         assert "other" not in s.lora()["registry"]
+        # Through the client: the field SGLang's app names, not the whole body it echoes (payload and all).
+        from bridge.errors import ServerError
+
+        with pytest.raises(ServerError) as refused:
+            c._http.call("POST", "/load_lora_adapter_from_tensors", newer)
+        assert "body.serialized_tensors: Field required" in str(refused.value), str(refused.value)[:300]
+        assert len(str(refused.value)) < 500, str(refused.value)[:300]

@@ -6,6 +6,7 @@ it and turns what comes back into JSON or one of :mod:`bridge.errors`.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -128,6 +129,12 @@ def _normalize_url(url: str) -> str:
     return url
 
 
+MESSAGE_CHARS = 1000
+"""A server's message is cut to this many characters (a refused body may be echoed whole, payload and all)."""
+_VALIDATION = re.compile(r"^\d+ validation errors?:")
+_FIELD = re.compile(r"'loc': \(([^)]*)\), 'msg': '([^']*)'")
+
+
 def _message(data: Any, r: requests.Response) -> str:
     """The server's own words: SGLang answers ``message`` (``error_message`` on its LoRA routes), FastAPI
     ``detail``, others ``error``."""
@@ -137,11 +144,26 @@ def _message(data: Any, r: requests.Response) -> str:
             if isinstance(v, dict):
                 v = v.get("message") or v
             if v:
-                return str(v)
+                return _brief(v)
     text = (r.text or "").strip()
     if r.status_code == 404 and not text.startswith("{"):
         return f"route not found ({text or 'Not Found'})"
-    return text[:2000] or f"HTTP {r.status_code} without a body"
+    return _brief(text) or f"HTTP {r.status_code} without a body"
+
+
+def _brief(v: Any) -> str:
+    """``v`` as one readable message: a request validation error as ``field: problem`` for each field, without the
+    ``input`` it echoes (FastAPI lists them in ``detail``; SGLang's app writes them as text, one dict per line);
+    anything else cut to :data:`MESSAGE_CHARS`."""
+    fields = None
+    if isinstance(v, list) and v and all(isinstance(e, dict) and "loc" in e and "msg" in e for e in v):
+        fields = [(".".join(map(str, e["loc"])), e["msg"]) for e in v]
+    elif isinstance(v, str) and _VALIDATION.match(v):
+        fields = [(".".join(p.strip(" '\"") for p in loc.split(",") if p.strip()), msg) for loc, msg in _FIELD.findall(v)]
+    if fields:
+        return "request refused: " + "; ".join(f"{loc}: {msg}" for loc, msg in fields)
+    text = str(v)
+    return text if len(text) <= MESSAGE_CHARS else f"{text[:MESSAGE_CHARS]}... ({len(text)} characters)"
 
 
 def unreachable(url: str, route: str | None, e: BaseException) -> ServerUnreachable:
