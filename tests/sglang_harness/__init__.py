@@ -47,19 +47,41 @@ def launch(version: str, model_dir: str, *, api_key: str | None = None, admin_ap
            extra_args: list[str] | None = None) -> Iterator[Launched]:
     """Start a harness server of SGLang ``version`` serving ``model_dir``; stop it on exit. ``env``: more environment
     of its process; ``extra_args``: more flags of :mod:`tests.sglang_harness.serve` (``--enable-lora`` ...)."""
+    args = ["--sglang-dir", sglang_dir(version), "--model", model_dir, "--weight-version", weight_version]
+    if api_key:
+        args += ["--api-key", api_key]
+    if admin_api_key:
+        args += ["--admin-api-key", admin_api_key]
+    if custom_weight_loader:
+        args += ["--custom-weight-loader", custom_weight_loader]
+    args += list(extra_args or [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    # A free port is found, closed, then bound by the server: another process (the other xdist worker's servers,
+    # ranks, routers, any connection's ephemeral port) may take it in between; then it is chosen again.
+    for attempt in range(3):
+        try:
+            server = _start(version, args, env, timeout)
+            break
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _start(version: str, args: list[str], env: dict, timeout: float) -> Launched:
+    """One harness process on a free port, once it says it is ready (:class:`_PortTaken` when another process took
+    the port first; RuntimeError when it does not start)."""
     from bridge.process_group import find_free_port
 
     port = find_free_port()
-    cmd = [sys.executable, "-m", "tests.sglang_harness.serve", "--sglang-dir", sglang_dir(version), "--model", model_dir,
-           "--port", str(port), "--weight-version", weight_version]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    if admin_api_key:
-        cmd += ["--admin-api-key", admin_api_key]
-    if custom_weight_loader:
-        cmd += ["--custom-weight-loader", custom_weight_loader]
-    cmd += list(extra_args or [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    cmd = [sys.executable, "-m", "tests.sglang_harness.serve", "--port", str(port), *args]
     log = tempfile.NamedTemporaryFile("w+", prefix=f"sglang-{version}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     ready = threading.Event()
@@ -72,27 +94,33 @@ def launch(version: str, model_dir: str, *, api_key: str | None = None, admin_ap
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    server = Launched(version, f"http://127.0.0.1:{port}", proc, log.name)
-    try:
-        deadline = time.monotonic() + timeout
-        while not ready.wait(0.5):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"SGLang {version} harness did not start (exit {proc.poll()}):\n{server.log_tail()}")
-        yield server
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        log.close()
+    server = Launched(version, f"http://127.0.0.1:{port}", proc, log.name, log)
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            tail = server.log_tail()
+            taken = "address already in use" in tail
+            raise (_PortTaken if taken else RuntimeError)(
+                f"SGLang {version} harness did not start (exit {proc.poll()}):\n{tail}")
+    return server
 
 
 class Launched:
-    def __init__(self, version, url, proc, log_path):
-        self.version, self.url, self.proc, self.log_path = version, url, proc, log_path
+    def __init__(self, version, url, proc, log_path, log=None):
+        self.version, self.url, self.proc, self.log_path, self._log = version, url, proc, log_path, log
+
+    def stop(self) -> None:
+        """SIGTERM to its process group, SIGKILL after 10 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self._log is not None:
+            self._log.close()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
