@@ -41,13 +41,12 @@ def main(argv=None) -> int:
     import transformers
 
     from bridge.process_group import find_free_port
-    from tests.sglang_harness.serve import Harness
+    from tests.sglang_harness.serve import Harness, _parse
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1)
     h = object.__new__(Harness)
-    h.args = argparse.Namespace(model=args.model, dtype="bfloat16", api_key=None, admin_api_key=None,
-                                weight_version="default", custom_weight_loader=[], device="cpu")
+    h.args = _parse(["--sglang-dir", args.sglang_dir, "--model", args.model, "--port", "0"])  # the server's defaults
     h.rel = rel
     h._build_runtime()
     h._sglang_tp_group()
