@@ -281,8 +281,9 @@ def test_each_kind_of_server_refuses_the_other_kind_of_bytes(fp8_server, ref_ser
     from bridge.protocol import QUANTIZATION_MISMATCH
     from tests.fixtures_server import Trainer
 
-    errors = run_ranks(_publish_once, 2, args=(ref_server.url, "fp8"), timeout=120)
-    assert all("quantization_mismatch" in e and "--quantization fp8" in e and "nothing was sent" in e for e in errors), errors
+    for encoding in ("fp8", "fp8_delta"):  # (the FP8 delta's first sync, an anchor, is the FP8 full sync)
+        errors = run_ranks(_publish_once, 2, args=(ref_server.url, encoding), timeout=120)
+        assert all("quantization_mismatch" in e and "--quantization fp8" in e and "nothing was sent" in e for e in errors), errors
     errors = run_ranks(_publish_once, 2, args=(fp8_server.url, "full"), timeout=120)
     assert all("quantization_mismatch" in e and "encoding='fp8'" in e for e in errors), errors
 

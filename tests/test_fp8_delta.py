@@ -24,6 +24,8 @@ pytestmark = pytest.mark.slow
 
 TAMPERED = "model.layers.3.mlp.down_proj.weight_scale_inv"
 VERSIONS = 7
+MOVE_AT = 4  # before this version's publish, rank 1 raises the absmax of a block it shares with rank 0 (MOVED)
+MOVED = "model.layers.0.self_attn.k_proj.weight"  # 128 rows: 64 on each rank, one row of 128x128 blocks
 TAMPER_AT = 6  # before this version's publish, the server's bytes of TAMPERED change under the served label
 
 
@@ -33,6 +35,14 @@ def _step(engine, v: int) -> None:
         group["lr"] = 1e-6
     ids = torch.randint(3, engine.model_config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(100 * v + engine.rank))
     engine.train_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
+@torch.no_grad()
+def _move_a_shared_scale(engine) -> None:
+    """Rank 1: one element of its rows of MOVED, in the first block, set to 0.5 (far above every weight): the
+    block's scale moves, and with it the FP8 bytes of rank 0's rows of that block, which did not change."""
+    sh = next(s for s in engine.local_shards(engine.param_specs()) if s.spec.name == MOVED)
+    sh.local.view(-1, sh.spec.shape[1])[3, 5] = 0.5
 
 
 def _tamper(url: str, version: int) -> None:
@@ -81,6 +91,8 @@ def _publish(url: str) -> list[dict]:
         for v in range(1, VERSIONS + 1):
             if v > 1:
                 _step(engine, v)
+            if v == MOVE_AT and engine.rank == 1:
+                _move_a_shared_scale(engine)
             if v == TAMPER_AT and engine.rank == 0:
                 _tamper(url, v - 1)
             res = pub.publish(engine, version=v)
@@ -104,10 +116,15 @@ def test_fp8_deltas_are_bit_exact_small_and_a_base_mismatch_sends_an_anchor(smal
         assert r["differ"] == [], f"v{r['version']}: served tensors differ from the quantized trainer: {r['differ'][:5]}"
     assert rows[0]["encoding"] == "anchor" and rows[0]["reason"] == "no base yet", sent
     full = rows[0]["bytes"]  # the FP8 full sync's bytes
-    tampered = rows[TAMPER_AT - 1]
+    moved, tampered = rows[MOVE_AT - 1], rows[TAMPER_AT - 1]
+    # The ranks agree the scales of MOVED from each one's block absmax: they moved, so the FP8 full sync goes.
+    assert moved["encoding"] == "anchor" and "block scales" in moved["reason"] and MOVED in moved["reason"], sent
     assert tampered["encoding"] == "anchor" and "not the delta's base" in tampered["reason"], sent
-    deltas = [r for r in rows if r["encoding"] == "delta"]
-    assert len(deltas) >= 4, f"most publishes must be deltas: {sent}"
+    others = [r for r in rows[1:] if r["version"] not in (MOVE_AT, TAMPER_AT)]
+    for r in others:  # a delta, or the full sync where the measured costs say it is as fast (delta_cost)
+        assert r["encoding"] == "delta" or "delta_cost" in r["reason"], sent
+    deltas = [r for r in others if r["encoding"] == "delta"]
+    assert len(deltas) >= 3, f"most publishes must be deltas: {sent}"
     fractions = [r["bytes"] / full for r in deltas]
     print(f"\nFP8 full sync {full / 1e6:.2f} MB; FP8 deltas: " + ", ".join(f"{f:.2%}" for f in fractions)
           + " of it; changed: " + ", ".join(f"{r['changed']:.2%}" for r in deltas))
