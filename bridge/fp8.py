@@ -399,7 +399,9 @@ class _ScalePart(_Part):
         if shard.whole:
             spans = [(0, spec.numel)] + [(0, 0)] * (world - 1)
         else:
-            c = -(-own.spec.shape[0] // world) // BLOCK  # block rows per rank
+            # Block rows per rank: a whole number (own_blocks), but with one rank the rows may end inside a block.
+            rows = -(-own.spec.shape[0] // world)
+            c = -(-rows // BLOCK)
             spans = [(r * c * kb, max(0, min(c, spec.shape[0] - r * c)) * kb) for r in range(world)]
         self.spec, self.spans, self.own, self.scale = spec, spans, own, None
         self.slot = -(-max(n for _, n in spans) * 4 // 8) * 8

@@ -231,6 +231,11 @@ def test_fp8_gather_needs_no_all_reduce_when_each_rank_holds_whole_blocks():
     assert rank0["all_reduces"] == [0, 1], rank0["all_reduces"]
     assert rank0["names"] == rank0["want"] and len(rank0["names"]) == 11, rank0["names"]
     assert rank0["differ"] == [], f"gathered FP8 bytes differ from the test's quantization: {rank0['differ']}"
+    # One trainer rank holds every row: its scales are its own, those of a weight with fewer than 128 rows (64) or a
+    # partial last block (511, 130 rows) too.
+    (one,) = run_ranks(_gather_both_ways, 1, timeout=120)
+    assert one["all_reduces"] == [0, 0] and one["names"] == one["want"], one
+    assert one["differ"] == [], f"one rank: gathered FP8 bytes differ from the test's quantization: {one['differ']}"
 
 
 def test_server_finds_an_fp8_nan_at_any_byte():
