@@ -20,10 +20,10 @@ leave unquantized (``PublisherConfig.fp8_skip``, ``wsync serve --fp8-skip``); th
 
 Quantization runs on the trainer ranks that hold the rows (:func:`gather_fp8_bucket`): per bucket, when every
 rank's rows of each quantized weight are whole 128-row blocks (FSDP2 row chunks of a multiple of 128 rows, as
-on ``small`` and ``medium`` with 2 ranks), each rank quantizes its rows in one pass, taking each block's absmax
-as it goes, and its rows of the scales travel with its FP8 bytes; otherwise each rank takes the absmax of its
-own rows per block and one ``all_reduce(MAX)`` of those (1/16384 of the elements) gives every rank the scales
-first. The FP8 bytes (half the bf16 bytes) are gathered to the rank that sends the bucket. Never the whole
+on ``medium`` with 2 ranks, and on ``small`` but for its 128-row k/v projections; any weight on one rank),
+each rank quantizes its rows in one pass, taking each block's absmax as it goes, and its rows of the scales
+travel with its FP8 bytes; otherwise each rank takes the absmax of its own rows per block and one
+``all_reduce(MAX)`` of those (1/16384 of the elements) gives every rank the scales first. The FP8 bytes (half the bf16 bytes) are gathered to the rank that sends the bucket. Never the whole
 model on one rank.
 """
 
