@@ -131,3 +131,45 @@ def test_fp8_deltas_are_bit_exact_small_and_a_base_mismatch_sends_an_anchor(smal
     assert max(fractions) <= 0.05, sent
     # Each rank's base: its FP8 bytes (1 per quantized element) and scales, under 2 bytes per parameter.
     assert 0 < rows[-1]["base_bytes"] < 48_402_944, rows[-1]
+
+
+def _tiny_anchor_every(url: str) -> list[dict]:
+    """Every rank: tiny (every projection's rows shared by the 2 ranks: agreed scales), anchors every 3 versions
+    (decided before the diff: the base is requantized with the agreed scales beside the transfer); v6 published
+    twice with the same weights (a retry, told safe from the FP8 base), then again after a step (refused)."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.errors import VersionError
+    from trainer import EngineConfig, FSDPEngine, OptimizerConfig
+
+    engine = FSDPEngine(EngineConfig(preset="tiny", optimizer=OptimizerConfig(lr=1e-6)))
+    engine.initialize()
+    pub = WeightPublisher(PublisherConfig(transport="broadcast", servers=[url], bucket_mb=0.1, encoding="fp8_delta",
+                                          delta_anchor_every=3, group_timeout=30, http_timeout=30, progress=False))
+    rows = []
+    try:
+        for v in range(1, 7):
+            if v > 1:
+                _step(engine, v)
+            res = pub.publish(engine, version=v)
+            rows.append(dict(version=v, encoding=res.encoding, reason=res.anchor_reason, differ=_exact(engine, url)))
+        rows.append(dict(retried=pub.publish(engine, version=6).retried))
+        _step(engine, 7)
+        with pytest.raises(VersionError, match="different weights"):
+            pub.publish(engine, version=6)
+    finally:
+        pub.close()
+        engine.destroy()
+    return rows
+
+
+def test_fp8_anchors_every_n_and_a_retry_on_tiny(server_factory):
+    srv = server_factory(extra_args=FP8)
+    rows, _ = run_ranks(_tiny_anchor_every, 2, args=(srv.url,), timeout=300)
+    *rows, retry = rows
+    sent = [(r["version"], r["encoding"], r["reason"]) for r in rows]
+    assert all(r["differ"] == [] for r in rows), [(r["version"], r["differ"][:3]) for r in rows]
+    assert rows[0]["reason"] == "no base yet" and "every 3 versions" in rows[3]["reason"], sent
+    for r in rows[1:3] + rows[4:]:  # a delta, or an anchor the measured costs or moved agreed scales chose
+        assert r["encoding"] == "delta" or "delta_cost" in r["reason"] or "block scales" in r["reason"], sent
+    assert any(r["encoding"] == "delta" for r in rows[4:]), sent  # a delta on the base the early anchor refreshed
+    assert retry == {"retried": True}
