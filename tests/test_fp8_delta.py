@@ -135,10 +135,11 @@ def test_fp8_deltas_are_bit_exact_small_and_a_base_mismatch_sends_an_anchor(smal
 
 def _tiny_anchor_every(url: str) -> list[dict]:
     """Every rank: tiny (every projection's rows shared by the 2 ranks: agreed scales), anchors every 3 versions
-    (decided before the diff: the base is requantized with the agreed scales beside the transfer); v6 published
+    (decided before the diff: the base is requantized with the agreed scales beside the transfer); v3 fails once
+    in its first delta bucket first (its base changes are undone, so v3 is a delta again); v6 published
     twice with the same weights (a retry, told safe from the FP8 base), then again after a step (refused)."""
     from bridge import PublisherConfig, WeightPublisher
-    from bridge.errors import VersionError
+    from bridge.errors import SyncError, VersionError
     from trainer import EngineConfig, FSDPEngine, OptimizerConfig
 
     engine = FSDPEngine(EngineConfig(preset="tiny", optimizer=OptimizerConfig(lr=1e-6)))
@@ -150,6 +151,11 @@ def _tiny_anchor_every(url: str) -> list[dict]:
         for v in range(1, 7):
             if v > 1:
                 _step(engine, v)
+            if v == 3:  # a delta that fails on rank 1 in its first bucket: every rank's FP8 base is put back
+                os.environ["WSYNC_FAILPOINTS"] = "delta:0@1"
+                with pytest.raises(SyncError):
+                    pub.publish(engine, version=v)
+                del os.environ["WSYNC_FAILPOINTS"]
             res = pub.publish(engine, version=v)
             rows.append(dict(version=v, encoding=res.encoding, reason=res.anchor_reason, differ=_exact(engine, url)))
         rows.append(dict(retried=pub.publish(engine, version=6).retried))

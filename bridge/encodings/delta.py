@@ -542,9 +542,8 @@ class DeltaEncoding(Encoding):
                 self.base_version = None
             elif ch.positions is None:
                 held.base.copy_(ch.old)
-            else:  # (as integers: FP8 has no index_put on the CPU)
-                ints = INTS[held.base.element_size()]
-                held.base.view(ints)[ch.positions.to(held.base.device, torch.int64)] = ch.old.view(ints)
+            else:
+                held.base[ch.positions.to(held.base.device, torch.int64)] = ch.old
         self.changes = {}
         if self._into_real_sglang:  # it loads buckets as they arrive: it may hold part of the failed sync
             self.anchor_next = self.anchor_next or "the last sync failed, and real SGLang may hold part of it"
