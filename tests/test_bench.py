@@ -134,7 +134,7 @@ def test_link_bench_on_tiny_runs_the_rows_over_a_shaped_link(tmp_path):
     shown = {line.split()[1] if not line.split()[1] == "floor:" else " ".join(line.split()[1:3])
              for line in section.splitlines()[3:] if line.startswith("tiny ")}
     assert {"raw-broadcast", "floor: gather+broadcast", "flat-32MiB", "delta-lr1e-06", "per-tensor", "raw-disk",
-            "floor: gather+disk", "disk-dir", "raw-broadcast-fp8", "fp8-32MiB"} <= shown, section
+            "floor: gather+disk", "disk-dir", "raw-broadcast-fp8", "fp8-32MiB", "fp8+delta-lr1e-06"} <= shown, section
     assert not any(r["kind"] == "colocated" for r in report["rows"])  # /dev/shm does not cross a link
     rows = {r["method"]: r for r in report["rows"]}
     assert rows["delta-lr1e-06"]["bytes"] < rows["flat-32MiB"]["bytes"] == rows["raw-broadcast"]["bytes"]
