@@ -20,7 +20,8 @@ serving-dtype records to SGLang's own (stacked) parameters, not FP8 bytes and sc
 
 Why an encoding and not a delta option: what travels differs (FP8 and scales, and a snapshot's
 ``quantization_config``), the servers must serve FP8, and the fp8 options (``fp8_skip``) belong with it; the
-delta's machinery is reused through three hooks (``_pieces``, ``_cast``, ``_anchor_buckets``).
+delta's machinery is reused through four hooks (``_pieces``, ``_cast``, ``_estimate``, ``_anchor_buckets``) and
+the summary's ``extra``.
 """
 
 from __future__ import annotations
