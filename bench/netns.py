@@ -37,7 +37,7 @@ from bridge.errors import ConfigError
 __all__ = ["Link", "LinkSpec", "launch_server_in", "parse_rate", "require", "run_linked"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERVER_PORTS = (30000, 30001, 30002)
+SERVER_PORTS = (30000, 30001, 30002, 30003, 30004)
 """Ports of the servers in the server namespace (it is new: nothing else listens there)."""
 PROBE_PORT = 30999
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}

@@ -34,7 +34,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from bench.delta import delta_fields, delta_notes, delta_targets
+from bench.delta import FP8_DELTA, delta_fields, delta_notes, delta_targets
 from bench.fp8 import FLOOR_BROADCAST_FP8, FP8_RAW, fp8_fields, fp8_targets
 from bench.lora import lora_fields, lora_notes, lora_targets
 
@@ -90,7 +90,7 @@ def _kind(name: str) -> str:
         return "disk"
     if name.startswith("gather-"):
         return "gather"
-    if name.startswith("delta-"):
+    if name.startswith(("delta-", FP8_DELTA + "-")):
         return "delta"
     if name.startswith("fp8-"):
         return "fp8"
@@ -107,6 +107,8 @@ def _over(num: float | None, den: float | None) -> float | None:
 def _encoding(name: str, kind: str, serving: str) -> str:
     """What a row's bytes are: ``fp8`` (the FP8 rows, their gather and floors), ``delta``, ``lora`` (an adapter
     alone, in the serving dtype), or the serving dtype."""
+    if name.startswith(FP8_DELTA + "-"):
+        return FP8_DELTA
     if kind in ("fp8", "delta", "lora"):
         return kind
     return "fp8" if name in (FP8_RAW, FLOOR_BROADCAST_FP8) or name.startswith("gather-fp8-") else serving

@@ -88,7 +88,8 @@ class BenchConfig:
     """Optimizer steps (at the first delta learning rate, each published) before the delta rows are timed."""
     fp8: bool = True
     """The FP8 rows (:mod:`bench.fp8`): the flattened broadcast at the first bucket size with ``encoding="fp8"`` into
-    a server serving FP8 of its own, its bucket fills alone, and its floor (the FP8 bytes in one broadcast)."""
+    a server serving FP8 of its own, its bucket fills alone, and its floor (the FP8 bytes in one broadcast). With
+    ``delta_lrs`` also the FP8 delta rows (``fp8+delta-lr<LR>``, :mod:`bench.delta`) into another server serving FP8."""
     lora_rank: int = 16
     """The LoRA rows (:mod:`bench.lora`): an adapter of this rank on every projection of the same model, published
     alone by tensors and by disk into a server of its own (``--enable-lora``). 0: no LoRA rows."""
@@ -274,7 +275,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
     backends = {"dir": f"file://{ensure_dir(run_dir, 'name_resolve')}"}
     if etcd is not None:
         backends["etcd"] = etcd.url
-    server = watchers = trainer = delta_server = fp8_server = lora_server = None
+    server = watchers = trainer = delta_server = fp8_server = fp8_delta_server = lora_server = None
     try:
         if cfg.delta_lrs:  # the delta rows' own server (bench.delta)
             delta_server = launch_server(
@@ -290,6 +291,13 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
                                               "--quantization", "fp8"],
                 env={**quiet, **place["server_env"]}, ready_timeout=300)
             extra = {"fp8_server": fp8_server.url, **(extra or {})}
+        if cfg.fp8 and cfg.delta_lrs:  # the FP8 delta rows' own server (bench.delta, encoding fp8_delta): FP8 too
+            fp8_delta_server = launch_server(
+                model=model_dir, log_path=os.path.join(size_dir, "fp8-delta-server.log"), dtype=cfg.serving_dtype,
+                use_sglang=False, extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout),
+                                              "--quantization", "fp8"],
+                env={**quiet, **place["server_env"]}, ready_timeout=300)
+            extra = {"fp8_delta_server": fp8_delta_server.url, **(extra or {})}
         if cfg.lora_rank and link is None:  # the LoRA rows' own server (bench.lora); tensors go by reference: one host
             lora_root = ensure_dir(size_dir, "adapters")
             lora_server = launch_server(
@@ -330,7 +338,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
             trainer.close()
         for w in watchers or ():
             w.stop()
-        for s in (server, delta_server, fp8_server, lora_server):
+        for s in (server, delta_server, fp8_server, fp8_delta_server, lora_server):
             if s is not None:
                 s.stop()
 

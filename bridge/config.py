@@ -147,7 +147,8 @@ class PublisherConfig:
     encoding: str = option("full", "how each sync's bytes are formed (bridge.encodings): full, every tensor; delta "
                                    "(broadcast, colocated), what changed since the version the servers serve, with a "
                                    "full sync (an anchor) when needed; fp8, every tensor, the projections as block "
-                                   "FP8 (servers started with --quantization fp8; docs/fp8.md)",
+                                   "FP8 (servers started with --quantization fp8; docs/fp8.md); fp8_delta (broadcast, colocated), the "
+                                   "delta over the FP8 bytes and scales such servers serve",
                            choices=encoding_names)
     bucket_mb: float = option(help="byte budget of one bucket, in MiB; rank 0 holds at most about two buckets",
                               factory=_default_bucket_mb, metavar="MIB")

@@ -491,9 +491,11 @@ def _sections(body: torch.Tensor, kind: int, length: int, count: int, itemsize: 
 
 
 def apply_record(flat: torch.Tensor, rec: Record) -> None:
-    """Assign a record's new values into ``flat`` (the whole tensor's flat view, of the record's dtype)."""
-    piece = flat[rec.start : rec.start + rec.length]
-    values = rec.values.to(flat.device)
+    """Assign a record's new values into ``flat`` (the whole tensor's flat view, of the record's dtype). As integers
+    of the same width: the bytes are what is assigned, and FP8 has no index_copy_ or masked_scatter_ on the CPU."""
+    ints = INTS[flat.element_size()]
+    piece = flat.view(ints)[rec.start : rec.start + rec.length]
+    values = rec.values.to(flat.device).view(ints)
     if rec.kind == DENSE:
         piece.copy_(values)
     elif rec.kind == BITMASK:

@@ -20,10 +20,10 @@ leave unquantized (``PublisherConfig.fp8_skip``, ``wsync serve --fp8-skip``); th
 
 Quantization runs on the trainer ranks that hold the rows (:func:`gather_fp8_bucket`): per bucket, when every
 rank's rows of each quantized weight are whole 128-row blocks (FSDP2 row chunks of a multiple of 128 rows, as
-on ``small`` and ``medium`` with 2 ranks), each rank quantizes its rows in one pass, taking each block's absmax
-as it goes, and its rows of the scales travel with its FP8 bytes; otherwise each rank takes the absmax of its
-own rows per block and one ``all_reduce(MAX)`` of those (1/16384 of the elements) gives every rank the scales
-first. The FP8 bytes (half the bf16 bytes) are gathered to the rank that sends the bucket. Never the whole
+on ``medium`` with 2 ranks, and on ``small`` but for its 128-row k/v projections; any weight on one rank),
+each rank quantizes its rows in one pass, taking each block's absmax as it goes, and its rows of the scales
+travel with its FP8 bytes; otherwise each rank takes the absmax of its own rows per block and one
+``all_reduce(MAX)`` of those (1/16384 of the elements) gives every rank the scales first. The FP8 bytes (half the bf16 bytes) are gathered to the rank that sends the bucket. Never the whole
 model on one rank.
 """
 
@@ -41,9 +41,9 @@ from bridge.errors import ConfigError
 from bridge.tensors import ParamSpec
 
 __all__ = [
-    "BLOCK", "FIRST_BUCKET_DIVISOR", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "Fp8Linear", "Fp8Rule", "dequantize",
-    "fp8_wire_specs", "gather_fp8_bucket", "plan_fp8_buckets", "quantization_config", "quantize", "quantize_module",
-    "scale_shape",
+    "BLOCK", "FIRST_BUCKET_DIVISOR", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "Fp8Linear", "Fp8Rule", "OwnScales",
+    "block_amax", "block_scales", "dequantize", "fp8_wire_specs", "gather_fp8_bucket", "own_blocks", "plan_fp8_buckets",
+    "quantization_config", "quantize", "quantize_module", "quantize_rows", "scale_shape",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -124,7 +124,7 @@ def quantization_config(specs: Sequence[ParamSpec], rule: Fp8Rule) -> dict:
 # ---------------------------------------------------------------- the arithmetic
 
 
-def _block_amax(rows: torch.Tensor, row0: int, n_blocks: int, served: torch.dtype | None = None) -> torch.Tensor:
+def block_amax(rows: torch.Tensor, row0: int, n_blocks: int, served: torch.dtype | None = None) -> torch.Tensor:
     """Absmax per 128x128 block of the full tensor's grid, over ``rows`` (its rows ``row0 ..``) cast to ``served``
     (default: their dtype); 0 elsewhere."""
     served = served or rows.dtype
@@ -153,11 +153,11 @@ def _aligned(rows: torch.Tensor, row0: int) -> bool:
     return row0 % BLOCK == 0 and rows.shape[0] % BLOCK == 0 and rows.shape[1] % BLOCK == 0 and rows.is_contiguous()
 
 
-def _scales(amax: torch.Tensor) -> torch.Tensor:
+def block_scales(amax: torch.Tensor) -> torch.Tensor:
     return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
 
 
-def _quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torch.Tensor | None = None,
+def quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torch.Tensor | None = None,
                    served: torch.dtype | None = None) -> torch.Tensor:
     """``rows`` (rows ``row0 ..`` of a weight) cast to ``served`` (default: their dtype), as e4m3fn with the full
     weight's block ``scale`` (into ``out``)."""
@@ -192,8 +192,8 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)`` of a whole 2-D weight (the same bytes as :func:`gather_fp8_bucket` makes from shards)."""
     if w.dim() != 2:
         raise ConfigError(f"block FP8 quantizes 2-D weights, got shape {tuple(w.shape)}")
-    scale = _scales(_block_amax(w, 0, -(-w.shape[0] // BLOCK)))
-    return _quantize_rows(w, 0, scale), scale
+    scale = block_scales(block_amax(w, 0, -(-w.shape[0] // BLOCK)))
+    return quantize_rows(w, 0, scale), scale
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -243,7 +243,7 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
 
     ``by_name``: the source's spec of every tensor (serving dtype). Each rank takes its rows of the bucket's
     tensors (``source.local_shards``). When each rank's rows of every quantized one are whole 128-row blocks
-    (:func:`_own_blocks`), its scales are its own: it quantizes its rows in one pass and sends its rows of the
+    (:func:`own_blocks`), its scales are its own: it quantizes its rows in one pass and sends its rows of the
     scales with them. Otherwise it takes the block absmax of its rows, one ``all_reduce(MAX)`` gives every rank
     the scales, it quantizes its rows, and ``dst`` writes the scales it already holds. The FP8 (or
     serving-dtype) bytes are gathered to ``dst`` in flat pieces.
@@ -259,10 +259,10 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
     shards = {sh.spec.name: sh for sh in source.local_shards([by_name[n] for n in needed])}
     quant = [n for n in needed if n in scale_names or (n in wire and wire[n].dtype == FP8_DTYPE)]
     offsets = dict(zip(bucket.names, bucket.offsets))
-    if all(_own_blocks(by_name[n].shape, world, shards[n].whole) for n in quant):
+    if all(own_blocks(by_name[n].shape, world, shards[n].whole) for n in quant):
         # Each rank's rows cover whole 128-row blocks: its scales are its own, no all_reduce; each rank quantizes
         # its rows in one pass (the block absmax taken as it goes) and its rows of the scales travel with them.
-        own = {n: _OwnScales(shards[n], by_name[n]) for n in quant}
+        own = {n: OwnScales(shards[n], by_name[n]) for n in quant}
         parts = [_Part(wire[n], shards[n], world, rank, own.get(n), by_name[n].dtype) for n in moved]
         parts += [_ScalePart(wire[n + SCALE_SUFFIX], shards[n], world, rank, own[n]) for n in quant if n in scale_names]
     else:
@@ -283,14 +283,14 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
         _gather_parts(piece, offsets, out, world, rank, group, dst)
 
 
-def _own_blocks(shape, world: int, whole: bool) -> bool:
+def own_blocks(shape, world: int, whole: bool) -> bool:
     """Every rank's rows of a ``shape`` weight (row chunks of ``ceil(N/world)``, or all on rank 0) are whole
     128-row blocks (the last rank's ending with the tensor)."""
     return whole or world == 1 or -(-shape[0] // world) % BLOCK == 0
 
 
-class _OwnScales:
-    """This rank's block scales of one weight whose rows are whole blocks (:func:`_own_blocks`): taken by the
+class OwnScales:
+    """This rank's block scales of one weight whose rows are whole blocks (:func:`own_blocks`): taken by the
     quantization as it goes (:meth:`quantize`), or by one absmax pass when the scales are written first."""
 
     def __init__(self, shard, spec: ParamSpec):
@@ -302,7 +302,7 @@ class _OwnScales:
         """This rank's rows of the scale grid (``[own block rows, ceil(K/128)]``, fp32)."""
         if self.grid is None:
             nb = -(-self.spec.shape[0] // BLOCK)
-            grid = _scales(_block_amax(self.rows, self.row0, nb, self.spec.dtype))
+            grid = block_scales(block_amax(self.rows, self.row0, nb, self.spec.dtype))
             self.grid = grid[self.row0 // BLOCK: -(-(self.row0 + self.rows.shape[0]) // BLOCK)]
         return self.grid
 
@@ -314,12 +314,12 @@ class _OwnScales:
         grid = torch.zeros(-(-self.spec.shape[0] // BLOCK), -(-self.spec.shape[1] // BLOCK), dtype=torch.float32)
         b0 = self.row0 // BLOCK
         grid[b0: b0 + self.blocks().shape[0]] = self.blocks()
-        _quantize_rows(self.rows, self.row0, grid.to(self.rows.device), out=out, served=self.spec.dtype)
+        quantize_rows(self.rows, self.row0, grid.to(self.rows.device), out=out, served=self.spec.dtype)
 
 
 def _quantize_own_blocks(rows: torch.Tensor, out: torch.Tensor, served: torch.dtype) -> torch.Tensor:
     """Block-aligned ``rows`` cast to ``served`` as e4m3fn into ``out``, each block row's absmax taken from the
-    same fp32 buffer that is then scaled (the values and bytes of :func:`_block_amax` then :func:`_quantize_rows`:
+    same fp32 buffer that is then scaled (the values and bytes of :func:`block_amax` then :func:`quantize_rows`:
     the absmax of the cast values, no clamp needed); the scales of these rows' blocks."""
     n, k = rows.shape
     kb = k // BLOCK
@@ -333,7 +333,7 @@ def _quantize_own_blocks(rows: torch.Tensor, out: torch.Tensor, served: torch.dt
         tmp.copy_(block)
         flat = tmp.view(BLOCK * kb, BLOCK)
         amax = torch.maximum(flat.amax(-1), flat.amin(-1).neg()).view(BLOCK, kb).amax(0)
-        grid[b] = _scales(amax)
+        grid[b] = block_scales(amax)
         tmp.mul_((1.0 / grid[b]).view(1, kb, 1))
         out[b * BLOCK: (b + 1) * BLOCK].copy_(tmp.view(BLOCK, k))
     return grid
@@ -347,7 +347,7 @@ def _agreed_scales(names, shards, by_name, world, group) -> dict[str, torch.Tens
         if sh.local is None:
             grids.append(torch.zeros(nb, -(-shape[1] // BLOCK), dtype=torch.float32))
         else:
-            grids.append(_block_amax(sh.local.view(-1, shape[1]), sh.start // shape[1], nb, by_name[n].dtype))
+            grids.append(block_amax(sh.local.view(-1, shape[1]), sh.start // shape[1], nb, by_name[n].dtype))
     if not grids:
         return {}
     flat = torch.cat([g.reshape(-1).cpu() for g in grids])  # (1/16384 of the elements; some may be on a GPU)
@@ -355,7 +355,7 @@ def _agreed_scales(names, shards, by_name, world, group) -> dict[str, torch.Tens
         if dist.get_backend(group) == "nccl":
             flat = flat.cuda()
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-    flat = _scales(flat.cpu())
+    flat = block_scales(flat.cpu())
     out, at = {}, 0
     for n, g in zip(names, grids):
         out[n] = flat[at: at + g.numel()].view(g.shape)
@@ -385,21 +385,23 @@ class _Part:
             out.copy_(self.local.reshape(-1))
             return
         rows = self.local.view(-1, self.spec.shape[1])  # quantized from what a full sync serves (served)
-        if isinstance(self.scale, _OwnScales):
+        if isinstance(self.scale, OwnScales):
             self.scale.quantize(out.view(rows.shape))
             return
-        _quantize_rows(rows, self.row0, self.scale.to(rows.device), out=out.view(rows.shape), served=self.served)
+        quantize_rows(rows, self.row0, self.scale.to(rows.device), out=out.view(rows.shape), served=self.served)
 
 
 class _ScalePart(_Part):
     """The scales of a weight whose rows are whole blocks on every rank: each rank sends its rows of the grid."""
 
-    def __init__(self, spec: ParamSpec, shard, world: int, rank: int, own: _OwnScales):
+    def __init__(self, spec: ParamSpec, shard, world: int, rank: int, own: OwnScales):
         kb = spec.shape[1]
         if shard.whole:
             spans = [(0, spec.numel)] + [(0, 0)] * (world - 1)
         else:
-            c = -(-own.spec.shape[0] // world) // BLOCK  # block rows per rank
+            # Block rows per rank: a whole number (own_blocks), but with one rank the rows may end inside a block.
+            rows = -(-own.spec.shape[0] // world)
+            c = -(-rows // BLOCK)
             spans = [(r * c * kb, max(0, min(c, spec.shape[0] - r * c)) * kb) for r in range(world)]
         self.spec, self.spans, self.own, self.scale = spec, spans, own, None
         self.slot = -(-max(n for _, n in spans) * 4 // 8) * 8

@@ -35,7 +35,7 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
                 "disk-dir-rank0"}  # the rank-0 writer beside every-rank writers (2 ranks by default)
     if shutil.which("etcd"):
         expected.add("disk-etcd")
-    expected |= {"delta-lr1e-06", "delta-lr1e-05"}
+    expected |= {"delta-lr1e-06", "delta-lr1e-05", "fp8+delta-lr1e-06", "fp8+delta-lr1e-05"}
     expected |= {f"fp8-{bucket}", f"gather-fp8-{bucket}", "raw-broadcast-fp8", "floor: gather+broadcast fp8"}
     expected |= {"lora-tensors", "lora-disk"}
     assert expected <= methods, f"missing rows: {expected - methods}"
@@ -45,8 +45,9 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
     assert fp8["bytes"] == by["raw-broadcast-fp8"]["bytes"] < fp8["full_bytes"] == fp8["model_bytes"], fp8
     assert fp8["speedup_vs_full"] > 0 and fp8["full_method"] == f"flat-{bucket}", fp8
     assert {(r["method"], r["encoding"], r["link"]) for r in report["rows"] if r["method"] in (
-        f"fp8-{bucket}", f"flat-{bucket}", "delta-lr1e-06")} == {
-        (f"fp8-{bucket}", "fp8", None), (f"flat-{bucket}", "bfloat16", None), ("delta-lr1e-06", "delta", None)}
+        f"fp8-{bucket}", f"flat-{bucket}", "delta-lr1e-06", "fp8+delta-lr1e-06")} == {
+        (f"fp8-{bucket}", "fp8", None), (f"flat-{bucket}", "bfloat16", None), ("delta-lr1e-06", "delta", None),
+        ("fp8+delta-lr1e-06", "fp8+delta", None)}
     # The adapter alone (rank 16 on every projection, in the serving dtype) against the full sync of the same run.
     for m in ("lora-tensors", "lora-disk"):
         lora = by[m]
@@ -65,7 +66,10 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
             assert 0 < r["changed_fraction"] < 1, r
             assert r["full_method"] in methods and r["speedup_vs_full"] > 0 and r["ratio"] > 0, r
             assert all(s == "delta" or "delta_max_fraction" in s or "delta_cost" in s for s in r["sent"]), r
-            assert r["bytes"] < r["full_bytes"] / 2 if r["sent"] == ["delta"] else r["bytes"] == r["full_bytes"], r
+            full = r.get("fp8_full_bytes") or r["full_bytes"]  # an FP8 delta's anchor is the FP8 full sync
+            assert r["bytes"] < full / 2 if r["sent"] == ["delta"] else r["bytes"] == full, r
+            if r["method"].startswith("fp8+delta-"):
+                assert r["fp8_full_bytes"] == by[f"fp8-{bucket}"]["bytes"] and r["speedup_vs_fp8"] > 0, r
         elif r["kind"] not in ("floor", "gather", "lora"):
             # Every method is reported end to end and transfer only, against floors of the same run.
             assert r["ratio"] > 0 and r["first_seconds"] > 0, r
@@ -130,7 +134,7 @@ def test_link_bench_on_tiny_runs_the_rows_over_a_shaped_link(tmp_path):
     shown = {line.split()[1] if not line.split()[1] == "floor:" else " ".join(line.split()[1:3])
              for line in section.splitlines()[3:] if line.startswith("tiny ")}
     assert {"raw-broadcast", "floor: gather+broadcast", "flat-32MiB", "delta-lr1e-06", "per-tensor", "raw-disk",
-            "floor: gather+disk", "disk-dir", "raw-broadcast-fp8", "fp8-32MiB"} <= shown, section
+            "floor: gather+disk", "disk-dir", "raw-broadcast-fp8", "fp8-32MiB", "fp8+delta-lr1e-06"} <= shown, section
     assert not any(r["kind"] == "colocated" for r in report["rows"])  # /dev/shm does not cross a link
     rows = {r["method"]: r for r in report["rows"]}
     assert rows["delta-lr1e-06"]["bytes"] < rows["flat-32MiB"]["bytes"] == rows["raw-broadcast"]["bytes"]
@@ -304,10 +308,17 @@ def test_fp8_rows_in_the_report():
     items = {"raw-gather": runs([1.0, 1.0]), "raw-broadcast": runs([1.0, 1.0], server_seconds=0.4),
              "raw-broadcast-fp8": runs([0.5, 0.5], bytes=201, server_seconds=0.2),
              "gather-32MiB": runs([1.0, 1.0]), "gather-fp8-32MiB": runs([0.6, 0.6], bytes=201),
-             "flat-32MiB": runs([2.0, 2.0], **flat), "fp8-32MiB": runs([1.0, 1.0], **fp8)}
+             "flat-32MiB": runs([2.0, 2.0], **flat), "fp8-32MiB": runs([1.0, 1.0], **fp8),
+             "fp8+delta-lr1e-06": runs([0.25, 0.25], bytes=4, full_bytes=400, fp8_bytes=201, encoding="delta",
+                                       anchor_reason=None, changed_fraction=0.004, lr=1e-6, peak_extra_bytes=5,
+                                       bucket_bytes=2**25, base_bytes=100, buckets=1)}
     size = {"label": "medium", "params": 200, "bytes": 400, "tensors": 3, "items": items, "serving_dtype": "bfloat16"}
     rows = build_rows([size], link="1gbit")
     by = {r["method"]: r for r in rows}
+    d = by["fp8+delta-lr1e-06"]  # the FP8 delta: against the bf16 full sync and the FP8 full sync of the same run
+    assert d["kind"] == "delta" and d["encoding"] == "fp8+delta" and d["link"] == "1gbit", d
+    assert d["bytes_fraction"] == pytest.approx(4 / 400) and d["fp8_bytes_fraction"] == pytest.approx(4 / 201)
+    assert d["speedup_vs_full"] == pytest.approx(8.0) and d["speedup_vs_fp8"] == pytest.approx(4.0), d
     f = by["fp8-32MiB"]
     assert f["kind"] == "fp8" and f["encoding"] == "fp8" and f["link"] == "1gbit"
     assert f["bytes_fraction"] == pytest.approx(201 / 400) and f["speedup_vs_full"] == pytest.approx(2.0)

@@ -54,10 +54,10 @@ def test_groups_given_as_objects_and_checked_on_their_own():
 
 
 def test_an_option_of_another_encoding_is_refused_naming_its_encoding():
-    with pytest.raises(ConfigError, match="delta_anchor_every is an option of the delta encoding, not of the full "
-                                          "encoding \\(the full encoding's options: none\\)"):
+    with pytest.raises(ConfigError, match="delta_anchor_every is an option of the delta and fp8_delta encodings, not "
+                                          "of the full encoding \\(the full encoding's options: none\\)"):
         PublisherConfig(servers=["x"], delta_anchor_every=5)
-    with pytest.raises(ConfigError, match="fp8_skip is an option of the fp8 encoding, not of the delta encoding"):
+    with pytest.raises(ConfigError, match="fp8_skip is an option of the fp8 and fp8_delta encodings, not of the delta"):
         PublisherConfig(servers=["x"], encoding="delta", fp8_skip=["layers"])
     with pytest.raises(ConfigError, match="keep_snapshots is an option of the disk transport, not of broadcast"):
         PublisherConfig(servers=["x"], encoding="delta", keep_snapshots=5)

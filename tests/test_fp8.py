@@ -231,6 +231,11 @@ def test_fp8_gather_needs_no_all_reduce_when_each_rank_holds_whole_blocks():
     assert rank0["all_reduces"] == [0, 1], rank0["all_reduces"]
     assert rank0["names"] == rank0["want"] and len(rank0["names"]) == 11, rank0["names"]
     assert rank0["differ"] == [], f"gathered FP8 bytes differ from the test's quantization: {rank0['differ']}"
+    # One trainer rank holds every row: its scales are its own, those of a weight with fewer than 128 rows (64) or a
+    # partial last block (511, 130 rows) too.
+    (one,) = run_ranks(_gather_both_ways, 1, timeout=120)
+    assert one["all_reduces"] == [0, 0] and one["names"] == one["want"], one
+    assert one["differ"] == [], f"one rank: gathered FP8 bytes differ from the test's quantization: {one['differ']}"
 
 
 def test_server_finds_an_fp8_nan_at_any_byte():
@@ -281,8 +286,9 @@ def test_each_kind_of_server_refuses_the_other_kind_of_bytes(fp8_server, ref_ser
     from bridge.protocol import QUANTIZATION_MISMATCH
     from tests.fixtures_server import Trainer
 
-    errors = run_ranks(_publish_once, 2, args=(ref_server.url, "fp8"), timeout=120)
-    assert all("quantization_mismatch" in e and "--quantization fp8" in e and "nothing was sent" in e for e in errors), errors
+    for encoding in ("fp8", "fp8_delta"):  # (the FP8 delta's first sync, an anchor, is the FP8 full sync)
+        errors = run_ranks(_publish_once, 2, args=(ref_server.url, encoding), timeout=120)
+        assert all("quantization_mismatch" in e and "--quantization fp8" in e and "nothing was sent" in e for e in errors), errors
     errors = run_ranks(_publish_once, 2, args=(fp8_server.url, "full"), timeout=120)
     assert all("quantization_mismatch" in e and "encoding='fp8'" in e for e in errors), errors
 

@@ -96,6 +96,8 @@ class DeltaSummary:
     """name -> [(flat position, base bits)]: base values the SGLang loader checks before it applies."""
     costs: dict = field(default_factory=dict)
     """What this rank measured syncs to cost (:class:`bridge.delta_cost.SyncCosts`); rank 0's decide for every rank."""
+    extra: dict = field(default_factory=dict)
+    """What a subclass adds for its ``plan`` (the FP8 delta: each rank's block absmax of rows whose scales are agreed)."""
 
 
 @dataclass
@@ -235,7 +237,7 @@ class DeltaEncoding(Encoding):
         source.require(("local_shards",), "the delta encoding")
         if self.base_version is None:
             return "a failed sync dropped this rank's delta base, so its weights cannot be compared with the last version's"
-        for sh in source.local_shards(specs):
+        for sh in self._pieces(source, specs):
             if sh.local is None:
                 continue
             if self._fresh(sh):
@@ -254,7 +256,7 @@ class DeltaEncoding(Encoding):
         self._t0, self._timed = time.perf_counter(), [0.0, 0.0, 0, 0]  # (diff s, encoding s, elements, changed)
         crcs = self._crcs.result() if self._crcs is not None and self.base_version is not None else []
         self.changes, self.probes, self._refresh, self._stale = {}, {}, None, None
-        shards = source.local_shards(specs)
+        shards = self._pieces(source, specs)
         whole = [sh.spec.name for sh in shards if sh.whole]
         skip = self._anchor_ahead([sh for sh in shards if sh.local is not None])
         if skip is not None:  # an anchor for sure: no diff; the base becomes the weights once they are sent
@@ -288,6 +290,12 @@ class DeltaEncoding(Encoding):
             return None
         if self.since_anchor + 1 >= opts.delta_anchor_every:
             return f"an anchor every {opts.delta_anchor_every} versions (delta_anchor_every)", 0, numel
+        return self._estimate(owned, numel)
+
+    def _estimate(self, owned: list, numel: int) -> tuple[str, int, int] | None:
+        """The sample's part of :meth:`_anchor_ahead`: (why, changed, elements) when the sampled delta is too large or
+        costs more than a full sync."""
+        opts = self.config.encoding_options
         est = changed = full = 0
         for sh in owned:
             n, itemsize = sh.local.numel(), sh.spec.dtype.itemsize
@@ -313,6 +321,13 @@ class DeltaEncoding(Encoding):
     def _copy_into_base(self, owned: list) -> None:
         for sh in owned:
             self.base[sh.spec.name].base.copy_(sh.local.detach().reshape(-1))
+
+    def _pieces(self, source, specs: list[ParamSpec]) -> list:
+        """This rank's base pieces (:class:`bridge.sources.LocalShard`: the spec of what is served, this rank's
+        part, its flat start, whole or not), in order; :meth:`_cast` turns a piece's ``local`` into its flat
+        base values. Here the shards themselves, the base their serving-dtype cast (the FP8 delta: each
+        quantized weight's FP8 rows and its rows of the scales, :mod:`bridge.encodings.fp8_delta`)."""
+        return source.local_shards(specs)
 
     def _fresh(self, sh) -> bool:
         held = self.base.get(sh.spec.name)
@@ -462,7 +477,11 @@ class DeltaEncoding(Encoding):
         if enc.mode == "delta":
             return Transfer(delta_buckets(plan, self.rank, self._write_records, self._servers if self.rank == 0 else None,
                                           self.config.http_timeout))
-        return Transfer(gathered(plan), sent=self._sent)
+        return Transfer(self._anchor_buckets(plan), sent=self._sent)
+
+    def _anchor_buckets(self, plan) -> list:
+        """An anchor's buckets: the full sync of what the servers serve (here every tensor in the serving dtype)."""
+        return gathered(plan)
 
     def _write_records(self, specs: list, out: torch.Tensor) -> int:
         """This rank's records of the tensors ``specs`` (their changes against the base) into ``out``; the bytes

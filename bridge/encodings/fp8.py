@@ -22,7 +22,7 @@ from bridge.options import option
 from bridge.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
 
-__all__ = ["Fp8Encoding", "Fp8Plan"]
+__all__ = ["Fp8Encoding", "Fp8Options", "Fp8Plan", "fp8_buckets"]
 
 
 @dataclass
@@ -76,10 +76,15 @@ class Fp8Encoding(Encoding):
 
     def buckets(self, plan) -> Transfer:
         """Each bucket quantized on the ranks that hold its rows as it is gathered (every rank calls ``fill``)."""
-        source, served = plan.source, plan.encoded.served
+        return Transfer(fp8_buckets(plan, plan.encoded.served))
 
-        def fill(bucket):
-            return lambda buf, dst, group: gather_fp8_bucket(source, bucket, buf, served, group, dst)
 
-        return Transfer([Outgoing(f"bucket {k}", b, fill(b), to_owner=source.gathers_to_any_rank)
-                         for k, b in enumerate(plan.buckets)])
+def fp8_buckets(plan, served: dict[str, ParamSpec]) -> list[Outgoing]:
+    """``plan``'s FP8 buckets (:func:`bridge.fp8.plan_fp8_buckets`), each quantized on the ranks that hold its rows as
+    it is gathered (:func:`bridge.fp8.gather_fp8_bucket`); ``served``: the serving-dtype spec of every tensor."""
+    source = plan.source
+
+    def fill(bucket):
+        return lambda buf, dst, group: gather_fp8_bucket(source, bucket, buf, served, group, dst)
+
+    return [Outgoing(f"bucket {k}", b, fill(b), to_owner=source.gathers_to_any_rank) for k, b in enumerate(plan.buckets)]

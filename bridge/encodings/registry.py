@@ -3,7 +3,8 @@
 An encoding module decorates its :class:`~bridge.encodings.base.Encoding` subclass with
 :func:`register_encoding`; ``PublisherConfig(encoding=...)`` and ``wsync train --encoding`` read the names
 from here. The project's own: ``full`` (every tensor, every sync), ``delta`` (what changed since the
-version the servers serve) and ``fp8`` (every tensor, projections as block FP8).
+version the servers serve), ``fp8`` (every tensor, projections as block FP8) and ``fp8_delta`` (the delta over
+what FP8 servers serve).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["encoding_class", "encoding_names", "encoding_option_fields", "register_encoding"]
 
-BUILTIN = ("bridge.encodings.full", "bridge.encodings.delta", "bridge.encodings.fp8")
+BUILTIN = ("bridge.encodings.full", "bridge.encodings.delta", "bridge.encodings.fp8", "bridge.encodings.fp8_delta")
 """The project's own encodings, in the order they are listed."""
 
 _classes: dict[str, type[Encoding]] = {}
