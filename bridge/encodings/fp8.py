@@ -69,14 +69,20 @@ class Fp8Encoding(Encoding):
     def plan(self, plan, summaries: list) -> None:
         """What travels: the FP8 tensors, in buckets of their own size (the first ones smaller:
         :func:`bridge.fp8.plan_fp8_buckets`); the snapshot's quantization_config."""
-        served = [s for b in plan.buckets for s in b.specs]
-        plan.buckets = plan_fp8_buckets(served, self.rule, self.config.bucket_bytes)
-        plan.config_fields = {"quantization_config": quantization_config(served, self.rule)}
-        plan.encoded = Fp8Plan({s.name: s for s in served})
+        plan.encoded = Fp8Plan(plan_fp8_wire(plan, self.rule, self.config.bucket_bytes))
 
     def buckets(self, plan) -> Transfer:
         """Each bucket quantized on the ranks that hold its rows as it is gathered (every rank calls ``fill``)."""
         return Transfer(fp8_buckets(plan, plan.encoded.served))
+
+
+def plan_fp8_wire(plan, rule: Fp8Rule, bucket_bytes: int) -> dict[str, ParamSpec]:
+    """Replan ``plan``'s serving-dtype buckets as what travels in FP8 (:func:`bridge.fp8.plan_fp8_buckets`) and set
+    the snapshot's ``quantization_config``; the serving-dtype spec of every tensor, by name."""
+    served = [s for b in plan.buckets for s in b.specs]
+    plan.buckets = plan_fp8_buckets(served, rule, bucket_bytes)
+    plan.config_fields = {"quantization_config": quantization_config(served, rule)}
+    return {s.name: s for s in served}
 
 
 def fp8_buckets(plan, served: dict[str, ParamSpec]) -> list[Outgoing]:

@@ -32,7 +32,7 @@ import torch
 
 from bridge.delta_codec import pieces_of
 from bridge.encodings.delta import DeltaEncoding, DeltaOptions
-from bridge.encodings.fp8 import Fp8Options, fp8_buckets
+from bridge.encodings.fp8 import Fp8Options, fp8_buckets, plan_fp8_wire
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError
 from bridge.fp8 import (
@@ -44,8 +44,6 @@ from bridge.fp8 import (
     block_amax,
     block_scales,
     own_blocks,
-    plan_fp8_buckets,
-    quantization_config,
     quantize_rows,
     scale_shape,
 )
@@ -190,10 +188,7 @@ class Fp8DeltaEncoding(DeltaEncoding):
     def plan(self, plan, summaries: list) -> None:
         """The FP8 wire tensors (the anchor's buckets and the delta's table), the snapshot's quantization_config, the
         delta's buckets and decision; the agreed scales, and an anchor when they moved."""
-        served = [s for b in plan.buckets for s in b.specs]
-        self._served = {s.name: s for s in served}
-        plan.buckets = plan_fp8_buckets(served, self.rule, self.config.bucket_bytes)
-        plan.config_fields = {"quantization_config": quantization_config(served, self.rule)}
+        self._served = plan_fp8_wire(plan, self.rule, self.config.bucket_bytes)
         super().plan(plan, summaries)
         amax: dict[str, torch.Tensor] = {}
         for s in summaries:
