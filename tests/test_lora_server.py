@@ -185,6 +185,56 @@ def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_se
             call()
 
 
+def _in_one_buffer(tensors: dict[str, torch.Tensor], gap: int = 0, order=None) -> tuple[torch.Tensor, dict]:
+    """``tensors`` as views of one flat buffer, as the trainer's gather sends them (laid out in ``order``, the
+    dict's by default), with ``gap`` NaN elements before each: ``(buffer, {name: view})``."""
+    names = list(order or tensors)
+    dtype = next(iter(tensors.values())).dtype
+    flat = torch.full((sum(tensors[n].numel() + gap for n in names),), float("nan"), dtype=dtype)
+    views, off = {}, 0
+    for n in names:
+        off += gap
+        views[n] = flat[off : off + tensors[n].numel()].view(tensors[n].shape)
+        views[n].copy_(tensors[n])
+        off += tensors[n].numel()
+    return flat, {n: views[n] for n in tensors}
+
+
+def test_an_adapter_in_one_buffer_is_copied_and_checked_in_one_pass(lora_server, adapters):
+    """The trainer sends its adapter as views of one flat buffer: the server copies and checks it as one, yet a NaN
+    or Inf anywhere in it is refused naming its tensor, bytes between the tensors are not the adapter's, and what
+    is served is the server's own copy, equal to what was sent."""
+    c = lora_server.client
+    cfg, t, want = adapters[3]
+    names = list(t)
+    flat, views = _in_one_buffer(t, order=names[::-1])  # in any order
+    sent = {n: tensor_checksum(x) for n, x in t.items()}
+    c.load_adapter_from_tensors("one-buffer", cfg, views, version="1", checksums=sent)
+    assert _gen(c, "one-buffer")["output_ids"] == want
+    assert c.adapter_checksums("one-buffer")["checksums"] == sent
+    flat.zero_()  # the sender's buffer after the answer: the server serves its own copy
+    assert c.adapter_checksums("one-buffer")["checksums"] == sent
+    assert _gen(c, "one-buffer")["output_ids"] == want
+    for i, (which, where, value) in enumerate([(0, 0, float("nan")), (len(names) // 2 + 1, 5, float("inf")),
+                                               (len(names) - 1, -1, -float("inf"))]):
+        flat, views = _in_one_buffer(t)
+        views[names[which]].view(-1)[where] = value
+        module, part = names[which].removeprefix("base_model.model.").rsplit(".", 1)[0].rsplit(".", 1)
+        with pytest.raises(ServerError, match=rf"{module}\.{part} holds NaN or Inf"):
+            c.load_adapter_from_tensors("one-buffer", cfg, views, version=str(2 + i), replace=True)
+    flat, views = _in_one_buffer(t, gap=3)  # NaN between the tensors, none in them
+    c.load_adapter_from_tensors("one-buffer", cfg, views, version="5", replace=True)
+    assert c.adapter_checksums("one-buffer")["checksums"] == sent
+    assert _gen(c, "one-buffer")["output_ids"] == want
+    c.unload_adapter("one-buffer")
+
+    from inference_adapter.tensor_payload import copied
+
+    big = torch.zeros(1 << 20)  # two small views at the ends of a large buffer: only their own bytes are copied
+    out = copied([("a", big[:4]), ("b", big[-4:])])
+    assert [x.untyped_storage().nbytes() for x in out.values()] == [16, 16]
+
+
 def test_older_version_and_another_writer_are_refused(lora_server, adapters):
     """The weights' rules hold for adapters: a replacement older than the served version of that name is refused
     unless it starts a new run, and while another writer holds the server's lease nothing changes."""
