@@ -169,6 +169,9 @@ def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_se
     with pytest.raises(ServerError, match=r"\[LORA-CHECK\] rank0 adapter sync MISMATCH"):
         c.load_adapter_from_tensors("kept", *adapters[2][:2], version="2", replace=True,
                                     checksums={n: "0" * 64 for n in adapters[2][1]})
+    with pytest.raises(ServerError, match=r"\[LORA-CHECK\] rank0 adapter sync MISMATCH"):  # checked before the tensors
+        c.load_adapter_from_tensors("kept", adapters[2][0], nan, version="2", replace=True,
+                                    checksums={n: "0" * 64 for n in adapters[2][1]})
     unknown = {k.replace("q_proj", "no_such_proj"): x for k, x in adapters[2][1].items()}
     with pytest.raises(ServerError, match="is not a Linear module of the served model"):
         c.load_adapter_from_tensors("kept", adapters[2][0], unknown, version="2", replace=True)
