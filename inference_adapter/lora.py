@@ -348,7 +348,7 @@ def adapter_from_dir(path: str, name: str, roots: list[str]) -> tuple[dict, dict
     if not under_roots(real, roots):
         raise RequestError(f"LoRA adapter {name}: {path} (resolved: {real}) is outside the directories this server "
                            f"loads from ({', '.join(roots)}); start the server with --disk-root naming it")
-    data = {}
+    data: dict = {}
     for f in ("adapter_config.json", "adapter_model.safetensors"):
         try:
             fd = open_entry(real, f)
@@ -358,15 +358,81 @@ def adapter_from_dir(path: str, name: str, roots: list[str]) -> tuple[dict, dict
         except SnapshotError as e:
             raise RequestError(f"LoRA adapter {name}: {e}") from None
         with os.fdopen(fd, "rb") as fh:
-            data[f] = fh.read(_MAX_CONFIG_BYTES + 1) if f.endswith(".json") else fh.read()
+            data[f] = fh.read(_MAX_CONFIG_BYTES + 1) if f.endswith(".json") else _read_all(fh)
     try:
         if len(data["adapter_config.json"]) > _MAX_CONFIG_BYTES:
             raise ValueError(f"adapter_config.json is over {_MAX_CONFIG_BYTES} bytes")
         config = json.loads(data["adapter_config.json"])
-        tensors = load_safetensors(data["adapter_model.safetensors"])
+        raw = data["adapter_model.safetensors"]
+        tensors = _safetensors_views(raw)
+        if tensors is None:  # anything but a plain file: safetensors' own loader, which names what is wrong
+            tensors = load_safetensors(bytes(raw))
     except Exception as e:  # a boundary: whatever the files hold, the answer is a 400 naming it
         raise RequestError(f"LoRA adapter {name}: {path} does not load ({type(e).__name__}: {e})") from None
     return config, tensors
+
+
+def _read_all(fh) -> bytearray:
+    """The whole file into one writable buffer (the tensors become views of it, :func:`_safetensors_views`)."""
+    size = os.fstat(fh.fileno()).st_size
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = fh.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    view.release()
+    if got < size:  # the file shrank while it was read: what was there
+        del buf[got:]
+    else:
+        buf += fh.read()  # (or grew)
+    return buf
+
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_MAX_HEADER = 100 << 20
+
+
+def _safetensors_views(raw: bytearray) -> dict[str, torch.Tensor] | None:
+    """The tensors of a plain safetensors file as views of its bytes (no copy; they fill one buffer, so the
+    adapter is checked in one pass): float tensors whose data fill the file's data region side by side, at offsets
+    that suit their dtype. None for anything else, which safetensors' own loader then reads (or refuses)."""
+    if len(raw) < 8:
+        return None
+    n = int.from_bytes(raw[:8], "little")
+    base = 8 + n
+    if n > min(_MAX_HEADER, len(raw) - 8):
+        return None
+    try:
+        header = json.loads(bytes(raw[8:base]))
+    except ValueError:
+        return None
+    if not isinstance(header, dict):
+        return None
+    header.pop("__metadata__", None)
+    entries = []
+    for name, e in header.items():
+        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            return None
+        dtype, shape, offsets = _ST_DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None, e["shape"], e["data_offsets"]
+        if dtype is None or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) \
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+            return None
+        start, end = offsets
+        if end - start != math.prod(shape) * dtype.itemsize or (base + start) % dtype.itemsize:
+            return None
+        entries.append((start, end, name, dtype, shape))
+    entries.sort(key=lambda x: (x[0], x[1]))
+    pos = 0
+    for start, end, *_ in entries:
+        if start != pos:
+            return None
+        pos = end
+    if pos != len(raw) - base:
+        return None
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+    return {name: flat[base + start : base + end].view(dtype).view(shape) for start, end, name, dtype, shape in entries}
 
 
 def parse_lora_paths(items: list[str]) -> list[tuple[str, str, bool]]:

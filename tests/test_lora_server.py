@@ -203,7 +203,7 @@ def _in_one_buffer(tensors: dict[str, torch.Tensor], gap: int = 0, order=None) -
     return flat, {n: views[n] for n in tensors}
 
 
-def test_an_adapter_in_one_buffer_is_copied_and_checked_in_one_pass(lora_server, adapters):
+def test_an_adapter_in_one_buffer_is_copied_and_checked_in_one_pass(lora_server, adapters, adapter_root):
     """The trainer sends its adapter as views of one flat buffer: the server copies and checks it as one, yet a NaN
     or Inf anywhere in it is refused naming its tensor, bytes between the tensors are not the adapter's, and what
     is served is the server's own copy, equal to what was sent."""
@@ -230,6 +230,28 @@ def test_an_adapter_in_one_buffer_is_copied_and_checked_in_one_pass(lora_server,
     assert c.adapter_checksums("one-buffer")["checksums"] == sent
     assert _gen(c, "one-buffer")["output_ids"] == want
     c.unload_adapter("one-buffer")
+
+    # By a directory: the file's tensors are read as views of its bytes, checked in one pass, yet named when bad
+    from safetensors.torch import save_file
+
+    from bridge.adapters import write_adapter_dir
+
+    folder = os.path.join(adapter_root, "one-file")
+    path = write_adapter_dir(folder, 1, t, cfg)
+    c.load_adapter_from_path("one-file", path, version="1")
+    assert c.adapter_checksums("one-file")["checksums"] == sent and _gen(c, "one-file")["output_ids"] == want
+    bad = {n: x.clone() for n, x in t.items()}
+    bad[names[7]].view(-1)[3] = float("nan")
+    module, part = names[7].removeprefix("base_model.model.").rsplit(".", 1)[0].rsplit(".", 1)
+    with pytest.raises(ServerError, match=rf"{module}\.{part} holds NaN or Inf"):
+        c.load_adapter_from_path("one-file", write_adapter_dir(folder, 2, bad, cfg), version="2", replace=True)
+    odd = dict(t)
+    odd[names[0]] = t[names[0]].to(torch.int32)  # not a plain float file: safetensors' own loader reads it
+    save_file(odd, os.path.join(write_adapter_dir(folder, 3, t, cfg), "adapter_model.safetensors"))
+    with pytest.raises(ServerError, match="send 2-D float32, bfloat16 or float16 tensors"):
+        c.load_adapter_from_path("one-file", os.path.join(folder, "v3"), version="3", replace=True)
+    assert c.adapter_checksums("one-file")["checksums"] == sent
+    c.unload_adapter("one-file")
 
     from inference_adapter.tensor_payload import copied
 
