@@ -36,12 +36,12 @@ import shutil
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from bridge.agreement import Agreement
+from bridge.agreement import STEP_ATTR, Agreement, in_step
 from bridge.errors import BridgeError, ConfigError, SyncError, VersionError
 from bridge.failpoints import failpoint
 from bridge.interrupts import held
@@ -164,7 +164,7 @@ class _Published:
     path: str | None
     config: dict
     tensors: dict[str, torch.Tensor] | None
-    pending_checksums: Future | None
+    pending_checksums: _Checksums | None
     """sha256 of every tensor, computed once on rank 0 in the background (the servers check them when the adapter
     goes by tensors; the result reports them)."""
 
@@ -216,27 +216,39 @@ class AdapterPublisher:
         t0 = time.perf_counter()
         cfg = self.config
         self._phases = {}
-        specs = self._step("adapter:prepare", lambda: self._prepare(source, version), SLACK_S)[0]
+        specs = self._step("adapter:prepare", lambda: self._part("adapter:prepare", lambda: self._prepare(source, version)),
+                           SLACK_S)[0]
         dtype = dtype_from_str(cfg.dtype) if cfg.dtype is not None else None
-        got: dict = {}  # rank 0: the adapter, kept here (a step's result travels through the ranks' store)
-        self._step("adapter:gather", lambda: got.update(_gathered(source, dtype) or {}), cfg.gather_timeout,
-                   collective=True)
-        tensors, adapter_config, checksums = got.get("tensors"), got.get("config"), got.get("checksums")
-        nbytes = sum(s[1] for s in specs)
-        path = None
-        if cfg.via == "disk":
-            path = self._step("adapter:write", lambda: self._write(version, tensors, adapter_config), cfg.http_timeout)[0]
-        new = _Published(version, path, adapter_config, tensors if cfg.via == "tensors" else None, checksums)
+        new = _Published(version, None, {}, None, None)  # rank 0: filled by the gather, then the write
         self._took, self._announced = [], None
         undo = lambda: self._undo(new)  # noqa: E731
-        found = self._step("adapter:servers", self._find_servers, cfg.http_timeout, undo)[0]
-        self._step("adapter:load", lambda: self._load_all(new), cfg.http_timeout * (1 + found), undo)
-        if cfg.via == "disk":
-            self._step("adapter:announce", lambda: self._announce(new), cfg.http_timeout, undo)
-        checksums = self._step("adapter:commit", lambda: new.checksums, SLACK_S, undo)[0]
+
+        def gather() -> int:
+            """The collective gather (every rank joins it, then agrees on it before rank 0 loads anything); then,
+            on rank 0, the servers of this publish: their number bounds the next step on every rank."""
+            got = self._part("adapter:gather", lambda: _gathered(source, dtype), point_after=True) or {}
+            new.config, new.pending_checksums = got.get("config", {}), got.get("checksums")
+            new.tensors = got.get("tensors")
+            return self._part("adapter:servers", self._find_servers)
+
+        found = self._step("adapter:gather", gather, cfg.gather_timeout + cfg.http_timeout, undo)[0]
+
+        def deliver():
+            """Rank 0: write the directory (disk), load it into every server, announce it (disk); every rank: the
+            commit's fault point. One agreed step: a failure of any part on any rank undoes what was done."""
+            if cfg.via == "disk":
+                new.path = self._part("adapter:write", lambda: self._write(version, new.tensors, new.config))
+                new.tensors = None  # the servers load the directory; the tensors are not kept
+            self._part("adapter:load", lambda: self._load_all(new))
+            if cfg.via == "disk":
+                self._part("adapter:announce", lambda: self._announce(new))
+            return self._part("adapter:commit", lambda: new.checksums)
+
+        bound = cfg.http_timeout * (1 + found + (2 if cfg.via == "disk" else 0))  # + the write and the announcement
+        checksums = self._step("adapter:load", deliver, bound, undo)[0]
         self._committed(new)
-        return AdapterPublishResult(cfg.name, version, cfg.via, nbytes, time.perf_counter() - t0, path, checksums,
-                                    dict(self._phases))
+        return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
+                                    new.path, checksums, dict(self._phases))
 
     def close(self) -> None:
         """Close the server connections and name resolution (the servers keep serving the adapter). Collective
@@ -260,29 +272,36 @@ class AdapterPublisher:
 
     # ---------------------------------------------------------------- steps
 
-    def _step(self, name: str, fn, bound: float, undo=None, collective: bool = False) -> list:
-        """``fn`` on every rank (it checks ``rank == 0`` itself), agreed; the failure point ``name`` first (after
-        ``fn`` for a ``collective`` one, which every rank must join). On a failure of any rank, ``undo()`` runs
-        on every rank before the error is raised."""
-
-        def run():
-            if not collective:
-                failpoint(name, self._rank)
-            out = fn()
-            if collective:
-                failpoint(name, self._rank)
-            return out
-
+    def _step(self, name: str, fn, bound: float, undo=None) -> list:
+        """``fn`` on every rank (it checks ``rank == 0`` itself), agreed: every rank's result, or on a failure of
+        any rank ``undo()`` on every rank and then the same error, naming the part that failed (:meth:`_part`)."""
         t0 = time.perf_counter()
         try:
-            return self._agree.step(name, run, timeout=bound + SLACK_S)
+            return self._agree.step(name, fn, timeout=bound + SLACK_S)
         except BridgeError as e:
             if undo is not None:
                 undo()
-            error = type(e)(f"adapter {self.config.name!r}: publish failed at {name}: {e}")
+            error = type(e)(f"adapter {self.config.name!r}: publish failed at {getattr(e, STEP_ATTR, None) or name}: {e}")
             if e.interrupt is not None:  # raised in the step on this rank: it ends the program, after the undo
                 raise e.interrupt from error
             raise error from None
+        finally:
+            self._phases.setdefault(name.removeprefix("adapter:"), time.perf_counter() - t0)  # unless a part has it
+
+    def _part(self, name: str, fn, point_after: bool = False):
+        """One part of a step: its fault point ``name`` first (after ``fn`` when ``fn`` is a collective, which every
+        rank must join), its seconds in the publish's phases, an error in it marked as raised in ``name``."""
+        t0 = time.perf_counter()
+        try:
+            if not point_after:
+                failpoint(name, self._rank)
+            out = fn()
+            if point_after:
+                failpoint(name, self._rank)
+            return out
+        except BaseException as e:
+            in_step(e, name)
+            raise
         finally:
             self._phases[name.removeprefix("adapter:")] = time.perf_counter() - t0
 
@@ -458,11 +477,27 @@ class AdapterPublisher:
             _remove_old(os.path.dirname(new.path), self.config.keep)
 
 
-_CHECKSUMS = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-checksums")
+_CHECKSUM_THREADS = 2
+_CHECKSUMS = ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="wsync-adapter-checksums")
 
 
-def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: tensor_checksum(t) for n, t in tensors.items()}
+class _Checksums:
+    """sha256 of every tensor, computed on :data:`_CHECKSUM_THREADS` threads in the background (hashlib leaves the
+    GIL), about the same bytes on each; :meth:`result` waits for them (a Future's interface)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        parts: list[list[str]] = [[]]
+        cut, acc = sum(t.nbytes for t in tensors.values()) / _CHECKSUM_THREADS, 0
+        for n, t in tensors.items():
+            if acc >= cut * len(parts) and len(parts) < _CHECKSUM_THREADS:
+                parts.append([])
+            parts[-1].append(n)
+            acc += t.nbytes
+        self._futures = [_CHECKSUMS.submit(lambda part=part: {n: tensor_checksum(tensors[n]) for n in part})
+                         for part in parts]
+
+    def result(self) -> dict[str, str]:
+        return {n: c for f in self._futures for n, c in f.result().items()}
 
 
 def _gathered(source, dtype) -> dict | None:
@@ -471,9 +506,10 @@ def _gathered(source, dtype) -> dict | None:
     if tensors is None:
         return None
     # Views of the gathered buffer, which they keep alive: copied only when the gather ran on a GPU.
-    tensors = {n: t.detach().to("cpu") for n, t in tensors.items()}
-    # sha256 of 18 MiB takes ~60 ms: computed beside the disk write and the servers' loads (hashlib leaves the GIL).
-    return {"tensors": tensors, "config": source.adapter_config(), "checksums": _CHECKSUMS.submit(_checksums, tensors)}
+    if any(t.device.type != "cpu" for t in tensors.values()):
+        tensors = {n: t.detach().to("cpu") for n, t in tensors.items()}
+    # sha256 of medium's 9.7 MB takes ~7 ms: computed on two threads beside the exchange, the write and the body.
+    return {"tensors": tensors, "config": source.adapter_config(), "checksums": _Checksums(tensors)}
 
 
 def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> str:

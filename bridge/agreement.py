@@ -51,7 +51,7 @@ from bridge.errors import (
 from bridge.interrupts import Interrupted, pending
 from bridge.log import get_logger
 
-__all__ = ["Agreement", "StepFailed", "describe", "note_failure_time"]
+__all__ = ["Agreement", "StepFailed", "describe", "in_step", "note_failure_time"]
 
 logger = get_logger(__name__)
 
@@ -105,6 +105,19 @@ def note_failure_time(error: BaseException) -> None:
             pass
 
 
+STEP_ATTR = "wsync_step"
+
+
+def in_step(error: BaseException, step: str) -> None:
+    """Mark ``error`` as raised in ``step``, a part of a larger agreed step: the error every rank raises names it
+    (and carries it as ``wsync_step``). The first mark stays."""
+    if getattr(error, STEP_ATTR, None) is None:
+        try:
+            setattr(error, STEP_ATTR, step)
+        except AttributeError:  # an exception type that takes no attributes: the step's own name will do
+            pass
+
+
 def describe(error: BaseException) -> str:
     """A one-line description of ``error`` (its message, or its type when the message is empty)."""
     text = " ".join(str(error).split())
@@ -154,7 +167,8 @@ class Agreement:
             logger.debug("rank %d failed at %s", self.rank, name, exc_info=True)
             if not isinstance(e, Exception):
                 interrupt = e
-            outcome = ("failed", StepFailed(self.rank, name, e))
+            # A step of several parts names the part that failed (``wsync_step`` on the error, see :func:`in_step`).
+            outcome = ("failed", StepFailed(self.rank, getattr(e, STEP_ATTR, None) or name, e))
         else:
             signal_name = pending()
             if signal_name is not None:  # held since during this step: the step fails, now that it is done
@@ -175,6 +189,7 @@ class Agreement:
             if first.rank == self.rank:
                 logger.debug("the cause, on this rank:\n%s", first.traceback)
             error = first.to_exception()
+            setattr(error, STEP_ATTR, first.step)
             error.interrupt = interrupt
             if any(f.gone for f in failures):
                 error.agreement_broken = True

@@ -243,12 +243,19 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
     if dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # CPU-offloaded shards under NCCL
     send = torch.empty(total, dtype=torch.uint8, device=device)
-    for (spec, p), (_, c, _row, off) in zip(piece, layout):
-        local = p.to_local()
+    locals_ = [p.to_local() for _, p in piece]
+    for (spec, _), local, (_, c, _row, _off) in zip(piece, locals_, layout):
         expected = max(0, min(c, spec.shape[0] - rank * c))
         assert local.shape[0] == expected, f"{spec.name}: rank {rank} holds {local.shape[0]} rows, chunking says {expected}"
-        if local.numel():  # cast, move and pack in one copy
-            send[off : off + local.numel() * spec.dtype.itemsize].view(spec.dtype).view(local.shape).copy_(local)
+    wire = {spec.dtype for spec, _ in piece}
+    if len(piece) > 1 and len(wire) == 1 and all(local.shape[0] == c for local, (_, c, _, _) in zip(locals_, layout)):
+        # Every shard fills its c rows (no padding): cast and pack them all in one call (a LoRA adapter's 224
+        # small shards cost one copy_ each otherwise).
+        torch.cat([local.reshape(-1) for local in locals_], out=send.view(wire.pop()))
+    else:
+        for (spec, _), local, (_, _c, _row, off) in zip(piece, locals_, layout):
+            if local.numel():  # cast, move and pack in one copy
+                send[off : off + local.numel() * spec.dtype.itemsize].view(spec.dtype).view(local.shape).copy_(local)
     failpoint("gather", rank)  # (fault tests: the other ranks are already waiting in this gather)
     if rank != dst:
         dist.gather(send, None, dst=dst, group=group)
@@ -269,6 +276,19 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
     dist.gather(send, list(recv.split(total)), dst=dst, group=group)
     del send
     if out is None:
+        return
+    first, last = offsets[layout[0][0].name], offsets[layout[-1][0].name] + layout[-1][0].nbytes
+    if last - first == sum(spec.nbytes for spec, *_ in layout):
+        # The piece's parameters lie side by side in the bucket: its bytes are rank 0's rows then rank 1's... of
+        # each parameter in turn, so one split of what arrived and one concatenation fill it.
+        sizes = []
+        for r in range(world):
+            for spec, c, row, _off in layout:
+                n = max(0, min(c, spec.shape[0] - r * c)) * row
+                sizes += [n, c * row - n]  # the rows of rank r, then its padding
+        parts = recv.split(sizes)
+        k = len(layout)
+        torch.cat([parts[2 * (r * k + i)] for i in range(k) for r in range(world)], out=out[first:last])
         return
     for spec, c, row, off in layout:
         base = offsets[spec.name]

@@ -212,7 +212,8 @@ class ServedAdapters:
             pairs.setdefault(module, {})[key[-len(_SUFFIXES[0]) + 1:].split(".")[0]] = t
         if not pairs:
             raise RequestError(f"LoRA adapter {name}: no lora_A/lora_B tensors were sent")
-        modules = {m: self._module(name, m, ab, cfg) for m, ab in sorted(pairs.items())}
+        checked = _all_finite(list(tensors.values()))  # one pass over the adapter's buffer; else tensor by tensor
+        modules = {m: self._module(name, m, ab, cfg, checked) for m, ab in sorted(pairs.items())}
         ranks = {int(a.shape[0]) for a, _, _ in modules.values()}
         rank = max(ranks)
         if rank > self.max_rank or cfg.r > self.max_rank:
@@ -223,7 +224,7 @@ class ServedAdapters:
         return Adapter(name=name, version=str(version), path=path, pinned=bool(pinned), run_id=run_id, rank=rank,
                        config=dict(config_dict), tensors={k: t for k, t in tensors.items()}, modules=modules)
 
-    def _module(self, name: str, module: str, ab: dict[str, torch.Tensor], cfg) -> tuple:
+    def _module(self, name: str, module: str, ab: dict[str, torch.Tensor], cfg, finite: bool = False) -> tuple:
         lin = self._linears.get(module)
         if lin is None:
             raise RequestError(f"LoRA adapter {name}: {module!r} is not a Linear module of the served model "
@@ -245,7 +246,7 @@ class ServedAdapters:
             if t.dtype not in _FLOAT_DTYPES or t.dim() != 2:
                 raise RequestError(f"LoRA adapter {name}: {module}.{what} is {t.dtype} {list(t.shape)}; send 2-D "
                                    "float32, bfloat16 or float16 tensors")
-            if not bool(torch.isfinite(t).all()):
+            if not finite and not _finite(t):
                 raise RequestError(f"LoRA adapter {name}: {module}.{what} holds NaN or Inf")
         r = int(a.shape[0])
         if r != cfg.r:
@@ -256,6 +257,33 @@ class ServedAdapters:
                                f"[{lin.out_features}, r] of one dtype")
         scaling = cfg.lora_alpha / (math.sqrt(r) if cfg.use_rslora else r)
         return a, b, scaling
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN and no Inf in ``t``: its min and max are finite (``aminmax`` propagates NaN; 4x faster than
+    ``isfinite(t).all()`` in bfloat16)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """True when every tensor is shown finite in one pass: float tensors of one dtype that fill one span of one
+    storage (:func:`~inference_adapter.tensor_payload.tiled_span`, an adapter gathered flat and copied in one
+    piece); False otherwise, and then each tensor is checked by itself (which names the one that is not)."""
+    from inference_adapter.tensor_payload import tiled_span
+
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or not dtypes <= set(_FLOAT_DTYPES):
+        return False
+    span = tiled_span(tensors)
+    if span is None:
+        return False
+    size = tensors[0].element_size()
+    flat = torch.empty(0, dtype=tensors[0].dtype).set_(tensors[0].untyped_storage(), span[0] // size,
+                                                       ((span[1] - span[0]) // size,))
+    return _finite(flat)
 
 
 def _module_of(key: str) -> str | None:
@@ -320,7 +348,7 @@ def adapter_from_dir(path: str, name: str, roots: list[str]) -> tuple[dict, dict
     if not under_roots(real, roots):
         raise RequestError(f"LoRA adapter {name}: {path} (resolved: {real}) is outside the directories this server "
                            f"loads from ({', '.join(roots)}); start the server with --disk-root naming it")
-    data = {}
+    data: dict = {}
     for f in ("adapter_config.json", "adapter_model.safetensors"):
         try:
             fd = open_entry(real, f)
@@ -330,15 +358,81 @@ def adapter_from_dir(path: str, name: str, roots: list[str]) -> tuple[dict, dict
         except SnapshotError as e:
             raise RequestError(f"LoRA adapter {name}: {e}") from None
         with os.fdopen(fd, "rb") as fh:
-            data[f] = fh.read(_MAX_CONFIG_BYTES + 1) if f.endswith(".json") else fh.read()
+            data[f] = fh.read(_MAX_CONFIG_BYTES + 1) if f.endswith(".json") else _read_all(fh)
     try:
         if len(data["adapter_config.json"]) > _MAX_CONFIG_BYTES:
             raise ValueError(f"adapter_config.json is over {_MAX_CONFIG_BYTES} bytes")
         config = json.loads(data["adapter_config.json"])
-        tensors = load_safetensors(data["adapter_model.safetensors"])
+        raw = data["adapter_model.safetensors"]
+        tensors = _safetensors_views(raw)
+        if tensors is None:  # anything but a plain file: safetensors' own loader, which names what is wrong
+            tensors = load_safetensors(bytes(raw))
     except Exception as e:  # a boundary: whatever the files hold, the answer is a 400 naming it
         raise RequestError(f"LoRA adapter {name}: {path} does not load ({type(e).__name__}: {e})") from None
     return config, tensors
+
+
+def _read_all(fh) -> bytearray:
+    """The whole file into one writable buffer (the tensors become views of it, :func:`_safetensors_views`)."""
+    size = os.fstat(fh.fileno()).st_size
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = fh.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    view.release()
+    if got < size:  # the file shrank while it was read: what was there
+        del buf[got:]
+    else:
+        buf += fh.read()  # (or grew)
+    return buf
+
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_MAX_HEADER = 100 << 20
+
+
+def _safetensors_views(raw: bytearray) -> dict[str, torch.Tensor] | None:
+    """The tensors of a plain safetensors file as views of its bytes (no copy; they fill one buffer, so the
+    adapter is checked in one pass): float tensors whose data fill the file's data region side by side, at offsets
+    that suit their dtype. None for anything else, which safetensors' own loader then reads (or refuses)."""
+    if len(raw) < 8:
+        return None
+    n = int.from_bytes(raw[:8], "little")
+    base = 8 + n
+    if n > min(_MAX_HEADER, len(raw) - 8):
+        return None
+    try:
+        header = json.loads(bytes(raw[8:base]))
+    except ValueError:
+        return None
+    if not isinstance(header, dict):
+        return None
+    header.pop("__metadata__", None)
+    entries = []
+    for name, e in header.items():
+        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            return None
+        dtype, shape, offsets = _ST_DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None, e["shape"], e["data_offsets"]
+        if dtype is None or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) \
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+            return None
+        start, end = offsets
+        if end - start != math.prod(shape) * dtype.itemsize or (base + start) % dtype.itemsize:
+            return None
+        entries.append((start, end, name, dtype, shape))
+    entries.sort(key=lambda x: (x[0], x[1]))
+    pos = 0
+    for start, end, *_ in entries:
+        if start != pos:
+            return None
+        pos = end
+    if pos != len(raw) - base:
+        return None
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+    return {name: flat[base + start : base + end].view(dtype).view(shape) for start, end, name, dtype, shape in entries}
 
 
 def parse_lora_paths(items: list[str]) -> list[tuple[str, str, bool]]:

@@ -35,7 +35,7 @@ import torch
 
 from bridge.protocol import PICKLE_REFUSED
 
-__all__ = ["SGLANG_ALLOWED_GLOBALS", "PayloadRefused", "adapter_tensors", "named_tensors"]
+__all__ = ["SGLANG_ALLOWED_GLOBALS", "PayloadRefused", "adapter_tensors", "copied", "named_tensors", "tiled_span"]
 
 
 def _globals(spec: dict[str, str]) -> frozenset[tuple[str, str]]:
@@ -245,19 +245,59 @@ def adapter_tensors(entry: str | bytes, load_format: str | None) -> dict[str, to
 
     SGLang's ``TpModelWorker.load_lora_adapter_from_tensors``: with ``"flattened_bucket"`` the flattened dict,
     else the unpickled object itself, which SGLang's ``Engine`` makes a dict ``{name: tensor}`` (a list of
-    ``(name, tensor)`` pairs, 0.5.8's ``serialized_tensors``, is taken too)."""
+    ``(name, tensor)`` pairs, 0.5.8's ``serialized_tensors``, is taken too). Tensors that fill one buffer (the
+    trainer's flat gather) are copied in one copy of it (:func:`copied`)."""
     if load_format == "flattened_bucket":
-        return {n: t.clone() for n, t in named_tensors(entry, load_format)}
-    if load_format is not None:
+        items = _flattened(_unpickle(entry))
+    elif load_format is not None:
         raise PayloadRefused(f"load_format {load_format!r} is not one of None, 'flattened_bucket'")
-    payload = _unpickle(entry)
-    if isinstance(payload, dict):
-        items = list(payload.items())
-    elif isinstance(payload, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in payload):
-        items = [tuple(p) for p in payload]
     else:
-        raise PayloadRefused("with no load_format the entry must be a dict {name: tensor} (SGLang's Engine sends "
-                             "MultiprocessingSerializer.serialize(dict))")
+        payload = _unpickle(entry)
+        if isinstance(payload, dict):
+            items = list(payload.items())
+        elif isinstance(payload, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in payload):
+            items = [tuple(p) for p in payload]
+        else:
+            raise PayloadRefused("with no load_format the entry must be a dict {name: tensor} (SGLang's Engine sends "
+                                 "MultiprocessingSerializer.serialize(dict))")
+        if not all(isinstance(n, str) for n, _ in items):
+            raise PayloadRefused("a tensor name is not a string")
+        items = [(n, _cpu_tensor(t, f"tensor {n!r}")) for n, t in items]
     if not all(isinstance(n, str) for n, _ in items):
         raise PayloadRefused("a tensor name is not a string")
-    return {n: _cpu_tensor(t, f"tensor {n!r}").clone() for n, t in items}
+    return copied(items)
+
+
+def tiled_span(tensors: list[torch.Tensor]) -> tuple[int, int] | None:
+    """``(start, end)``, in bytes, of the span of one storage that ``tensors`` fill exactly: each contiguous and
+    not empty, side by side with no gap and no overlap (an adapter gathered flat, in any order); None otherwise."""
+    if not tensors:
+        return None
+    storage = tensors[0].untyped_storage()
+    spans = []
+    for t in tensors:
+        if t.numel() == 0 or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        start = t.storage_offset() * t.element_size()
+        spans.append((start, start + t.numel() * t.element_size()))
+    spans.sort()
+    if any(a_end != b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])) or spans[-1][1] > storage.nbytes():
+        return None
+    return spans[0][0], spans[-1][1]
+
+
+def copied(items: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``{name: a copy of the tensor}``: tensors that fill one span of one storage (:func:`tiled_span`) as views
+    of one copy of that span (one copy instead of one per tensor: 224 for a rank-16 adapter of a 16-layer model),
+    any others one by one. Only the tensors' own bytes are copied."""
+    tensors = [t for _, t in items]
+    span = tiled_span(tensors) if len(tensors) > 1 else None
+    if span is None or any((t.storage_offset() * t.element_size() - span[0]) % t.element_size() for t in tensors):
+        return {n: t.clone() for n, t in items}  # (a view's offset in the copy must suit its dtype)
+    start, end = span
+    buf = torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage(), start, (end - start,)).clone()
+    out = {}
+    for n, t in items:
+        off = t.storage_offset() * t.element_size() - start
+        out[n] = buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    return out

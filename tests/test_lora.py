@@ -510,6 +510,7 @@ def test_adapter_publishes_find_their_servers_in_a_registry(lora_server, second_
                              timeout=120)
     assert rank0["failed"] and rank0["failed"] == rank1["failed"], "every rank raises the same error"
     assert "min_servers=3" in rank0["failed"] and "2 server(s)" in rank0["failed"], rank0["failed"]
+    assert "publish failed at adapter:servers" in rank0["failed"], "the error names the part of the step that failed"
     assert sorted(rank0["served"]) == sorted([lora_server.url, second_lora_server.url])
     for url, served in rank0["served"].items():
         assert served["wsync_lora_version"] == "2" and served["checksums"] == rank0[2], url

@@ -169,6 +169,9 @@ def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_se
     with pytest.raises(ServerError, match=r"\[LORA-CHECK\] rank0 adapter sync MISMATCH"):
         c.load_adapter_from_tensors("kept", *adapters[2][:2], version="2", replace=True,
                                     checksums={n: "0" * 64 for n in adapters[2][1]})
+    with pytest.raises(ServerError, match=r"\[LORA-CHECK\] rank0 adapter sync MISMATCH"):  # checked before the tensors
+        c.load_adapter_from_tensors("kept", adapters[2][0], nan, version="2", replace=True,
+                                    checksums={n: "0" * 64 for n in adapters[2][1]})
     unknown = {k.replace("q_proj", "no_such_proj"): x for k, x in adapters[2][1].items()}
     with pytest.raises(ServerError, match="is not a Linear module of the served model"):
         c.load_adapter_from_tensors("kept", adapters[2][0], unknown, version="2", replace=True)
@@ -183,6 +186,78 @@ def test_refusals_say_what_sglang_says_and_a_failed_load_changes_nothing(lora_se
                  lambda: plain.client.unload_adapter("x"), lambda: _gen(plain.client, "x")):
         with pytest.raises(ServerError, match="LoRA is not enabled. Please set `--enable-lora` to enable LoRA."):
             call()
+
+
+def _in_one_buffer(tensors: dict[str, torch.Tensor], gap: int = 0, order=None) -> tuple[torch.Tensor, dict]:
+    """``tensors`` as views of one flat buffer, as the trainer's gather sends them (laid out in ``order``, the
+    dict's by default), with ``gap`` NaN elements before each: ``(buffer, {name: view})``."""
+    names = list(order or tensors)
+    dtype = next(iter(tensors.values())).dtype
+    flat = torch.full((sum(tensors[n].numel() + gap for n in names),), float("nan"), dtype=dtype)
+    views, off = {}, 0
+    for n in names:
+        off += gap
+        views[n] = flat[off : off + tensors[n].numel()].view(tensors[n].shape)
+        views[n].copy_(tensors[n])
+        off += tensors[n].numel()
+    return flat, {n: views[n] for n in tensors}
+
+
+def test_an_adapter_in_one_buffer_is_copied_and_checked_in_one_pass(lora_server, adapters, adapter_root):
+    """The trainer sends its adapter as views of one flat buffer: the server copies and checks it as one, yet a NaN
+    or Inf anywhere in it is refused naming its tensor, bytes between the tensors are not the adapter's, and what
+    is served is the server's own copy, equal to what was sent."""
+    c = lora_server.client
+    cfg, t, want = adapters[3]
+    names = list(t)
+    flat, views = _in_one_buffer(t, order=names[::-1])  # in any order
+    sent = {n: tensor_checksum(x) for n, x in t.items()}
+    c.load_adapter_from_tensors("one-buffer", cfg, views, version="1", checksums=sent)
+    assert _gen(c, "one-buffer")["output_ids"] == want
+    assert c.adapter_checksums("one-buffer")["checksums"] == sent
+    flat.zero_()  # the sender's buffer after the answer: the server serves its own copy
+    assert c.adapter_checksums("one-buffer")["checksums"] == sent
+    assert _gen(c, "one-buffer")["output_ids"] == want
+    for i, (which, where, value) in enumerate([(0, 0, float("nan")), (len(names) // 2 + 1, 5, float("inf")),
+                                               (len(names) - 1, -1, -float("inf"))]):
+        flat, views = _in_one_buffer(t)
+        views[names[which]].view(-1)[where] = value
+        module, part = names[which].removeprefix("base_model.model.").rsplit(".", 1)[0].rsplit(".", 1)
+        with pytest.raises(ServerError, match=rf"{module}\.{part} holds NaN or Inf"):
+            c.load_adapter_from_tensors("one-buffer", cfg, views, version=str(2 + i), replace=True)
+    flat, views = _in_one_buffer(t, gap=3)  # NaN between the tensors, none in them
+    c.load_adapter_from_tensors("one-buffer", cfg, views, version="5", replace=True)
+    assert c.adapter_checksums("one-buffer")["checksums"] == sent
+    assert _gen(c, "one-buffer")["output_ids"] == want
+    c.unload_adapter("one-buffer")
+
+    # By a directory: the file's tensors are read as views of its bytes, checked in one pass, yet named when bad
+    from safetensors.torch import save_file
+
+    from bridge.adapters import write_adapter_dir
+
+    folder = os.path.join(adapter_root, "one-file")
+    path = write_adapter_dir(folder, 1, t, cfg)
+    c.load_adapter_from_path("one-file", path, version="1")
+    assert c.adapter_checksums("one-file")["checksums"] == sent and _gen(c, "one-file")["output_ids"] == want
+    bad = {n: x.clone() for n, x in t.items()}
+    bad[names[7]].view(-1)[3] = float("nan")
+    module, part = names[7].removeprefix("base_model.model.").rsplit(".", 1)[0].rsplit(".", 1)
+    with pytest.raises(ServerError, match=rf"{module}\.{part} holds NaN or Inf"):
+        c.load_adapter_from_path("one-file", write_adapter_dir(folder, 2, bad, cfg), version="2", replace=True)
+    odd = dict(t)
+    odd[names[0]] = t[names[0]].to(torch.int32)  # not a plain float file: safetensors' own loader reads it
+    save_file(odd, os.path.join(write_adapter_dir(folder, 3, t, cfg), "adapter_model.safetensors"))
+    with pytest.raises(ServerError, match="send 2-D float32, bfloat16 or float16 tensors"):
+        c.load_adapter_from_path("one-file", os.path.join(folder, "v3"), version="3", replace=True)
+    assert c.adapter_checksums("one-file")["checksums"] == sent
+    c.unload_adapter("one-file")
+
+    from inference_adapter.tensor_payload import copied
+
+    big = torch.zeros(1 << 20)  # two small views at the ends of a large buffer: only their own bytes are copied
+    out = copied([("a", big[:4]), ("b", big[-4:])])
+    assert [x.untyped_storage().nbytes() for x in out.values()] == [16, 16]
 
 
 def test_older_version_and_another_writer_are_refused(lora_server, adapters):

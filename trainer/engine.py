@@ -110,6 +110,8 @@ class FSDPEngine:
         shard_model(model, cfg, placement)
         self._model = model
         self._param_index: dict[str, torch.Tensor] | None = None
+        self._adapter_index: dict[str, torch.Tensor] | None = None  # the adapter's parameters, built once
+        self._adapter_spec_list: list[ParamSpec] | None = None
         # Under LoRA only the adapter requires a gradient: the frozen base weights never reach AdamW.
         self._optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
         self._scheduler = build_scheduler(self._optimizer, cfg.optimizer)
@@ -152,6 +154,7 @@ class FSDPEngine:
             self._publisher.close()
             self._publisher = self._publisher_key = None
         self._model = self._optimizer = self._scheduler = self._param_index = None
+        self._adapter_index = self._adapter_spec_list = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
@@ -481,11 +484,14 @@ class FSDPEngine:
         Raises:
             ConfigError: the engine trains no adapter.
         """
-        return [ParamSpec(name, tuple(p.shape), p.dtype) for name, p in self._adapter_params().items()]
+        params = self._adapter_params()
+        if self._adapter_spec_list is None:  # a DTensor's shape costs ~10 us: 224 of them, once
+            self._adapter_spec_list = [ParamSpec(name, tuple(p.shape), p.dtype) for name, p in params.items()]
+        return list(self._adapter_spec_list)
 
     def adapter_config(self) -> dict:
         """The adapter's PEFT ``adapter_config.json`` as a dict (``base_model_name_or_path`` the model path)."""
-        self._adapter_params()
+        self._adapter_params()  # raises without an adapter (the index is built once)
         return adapter_config_dict(self._model, base_model=self.config.model_path or f"wsync-preset-{self.config.preset}")
 
     def gather_adapter(self, dtype: torch.dtype | None = None, dst: int = 0) -> dict[str, torch.Tensor] | None:
@@ -497,7 +503,7 @@ class FSDPEngine:
         holds the bucket's buffer and nothing more; the tensors returned are views of it.
         """
         from bridge.buckets import Bucket, unflatten_bucket
-        from bridge.sources import gather_bucket_into
+        from bridge.sources import PIECE_BYTES, gather_bucket_into
 
         params = self._adapter_params()
         specs = self.adapter_specs()
@@ -505,7 +511,9 @@ class FSDPEngine:
             specs = [ParamSpec(s.name, s.shape, dtype) for s in specs]
         bucket = Bucket(sorted(specs, key=lambda s: -s.dtype.itemsize))  # aligned offsets (one dtype: kept order)
         out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device) if self.rank == dst else None
-        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, dst=dst)
+        # Pieces as large as the full sync's largest (16 MiB): an adapter of tens of MB is a few gathers, not one per
+        # MiB (rank dst holds world x piece beside the adapter, a few times the adapter at most).
+        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, dst=dst, piece_bytes=PIECE_BYTES)
         if out is None:
             return None
         return dict(unflatten_bucket(out, bucket.specs))
@@ -514,7 +522,9 @@ class FSDPEngine:
         self._check_initialized()
         if not self.lora:
             raise ConfigError("this engine trains no LoRA adapter; create it with EngineConfig(lora=LoraConfig(...))")
-        return {adapter_name(n): p for n, p in self._model.named_parameters() if is_adapter_param(n)}
+        if self._adapter_index is None:  # built once, as _params_by_name: the parameter objects outlive every step
+            self._adapter_index = {adapter_name(n): p for n, p in self._model.named_parameters() if is_adapter_param(n)}
+        return self._adapter_index
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -9,6 +9,8 @@ runs on a worker thread and publishes nothing until it is complete (:mod:`infere
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
@@ -39,9 +41,18 @@ def _answer(state: ModelState, fn) -> JSONResponse:
     return JSONResponse({"success": True, "error_message": "", "loaded_adapters": loaded, **extra})
 
 
-def _publish(state: ModelState, req, config: dict, tensors: dict, path: str):
-    a = build_adapter(state.adapters, req.lora_name, config, tensors, version=req.wsync_lora_version, path=path,
-                      pinned=req.pinned, run_id=req.run.run_id)
+def _publish(state: ModelState, req, config: dict, tensors: dict, path: str, check=None):
+    """Build the adapter, then publish it. ``check()``: what must pass first (the checksums, computed meanwhile);
+    its refusal is the answer even when the build fails too, as SGLang checks checksums before anything."""
+    try:
+        a = build_adapter(state.adapters, req.lora_name, config, tensors, version=req.wsync_lora_version, path=path,
+                          pinned=req.pinned, run_id=req.run.run_id)
+    except RequestError:
+        if check is not None:
+            check()
+        raise
+    if check is not None:
+        check()
     # One writer at a time (inference_adapter.writers), checked as the adapter is published: 409 another_writer.
     state.updates.writers.check(req.run.writer, f"Failed to load LoRA adapter {a.name}")
     loaded = state.adapters.load(a, replace=req.wsync_replace, run=req.run,
@@ -79,18 +90,42 @@ async def load_lora_adapter_from_tensors(request: Request, state: Served):
             tensors = adapter_tensors(entries[0], req.load_format)
         except PayloadRefused as e:
             raise RequestError(f"LoRA adapter {req.lora_name}: {e}", reason=e.reason) from None
-        _check_expected(req.expected_checksums, tensors)
-        return _publish(state, req, req.config_dict, tensors, "__tensor__")
+        expected = req.expected_checksums
+        if expected is None:
+            return _publish(state, req, req.config_dict, tensors, "__tensor__")
+        pending = _checksums_meanwhile(tensors)  # while the adapter is built and checked
+        return _publish(state, req, req.config_dict, tensors, "__tensor__",
+                        check=lambda: _check_expected(expected, tensors, {n: c for f in pending for n, c in f.result().items()}))
 
     return await run_in_threadpool(_answer, state, load)
 
 
-def _check_expected(expected: dict[str, str] | None, tensors: dict) -> None:
-    """SGLang 0.5.23's ``expected_checksums`` check (sha256 of each tensor's bytes), in its words."""
+_CHECKSUM_THREADS = 2
+_checksum_pool = ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="wsync-lora-checksums")
+
+
+def _checksums_meanwhile(tensors: dict) -> list:
+    """sha256 of every tensor on :data:`_CHECKSUM_THREADS` threads (hashlib leaves the GIL), half the bytes each:
+    futures of ``{name: sha256}``."""
+    names = list(tensors)
+    total = sum(tensors[n].nbytes for n in names) or 1
+    parts, acc, cut = [[]], 0, total / _CHECKSUM_THREADS
+    for n in names:
+        if acc >= cut * len(parts) and len(parts) < _CHECKSUM_THREADS:
+            parts.append([])
+        parts[-1].append(n)
+        acc += tensors[n].nbytes
+    return [_checksum_pool.submit(lambda part=part: {n: tensor_checksum(tensors[n]) for n in part}) for part in parts]
+
+
+def _check_expected(expected: dict[str, str] | None, tensors: dict, got: dict[str, str] | None = None) -> None:
+    """SGLang 0.5.23's ``expected_checksums`` check (sha256 of each tensor's bytes), in its words. ``got``: the
+    checksums already computed."""
     if expected is None:
         return
+    got = got if got is not None else {n: tensor_checksum(t) for n, t in tensors.items()}
     missing = [n for n in expected if n not in tensors]
-    mismatch = [n for n, want in expected.items() if n in tensors and tensor_checksum(tensors[n]) != want]
+    mismatch = [n for n, want in expected.items() if n in tensors and got[n] != want]
     extra = [n for n in tensors if n not in expected]
     if mismatch or missing or extra:
         raise RequestError(f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected: {len(mismatch)} "
