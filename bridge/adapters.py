@@ -51,7 +51,8 @@ from bridge.protocol import tensor_checksum
 from bridge.snapshot.writer import fsync_path
 from bridge.tensors import dtype_from_str
 
-__all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key", "write_adapter_dir"]
+__all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key", "write_adapter_dir",
+           "write_safetensors"]
 
 logger = get_logger(__name__)
 
@@ -195,6 +196,7 @@ class AdapterPublisher:
         self._took: list = []  # rank 0: the servers that loaded the version being published
         self._announced: str | None = None  # rank 0: its announcement key, once made
         self._phases: dict[str, float] = {}
+        self._removing = None  # rank 0, disk: the removal of old directories, left running by the last commit
 
     @property
     def last_version(self) -> int | None:
@@ -216,6 +218,7 @@ class AdapterPublisher:
         t0 = time.perf_counter()
         cfg = self.config
         self._phases = {}
+        self._removed()
         specs = self._step("adapter:prepare", lambda: self._part("adapter:prepare", lambda: self._prepare(source, version)),
                            SLACK_S)[0]
         dtype = dtype_from_str(cfg.dtype) if cfg.dtype is not None else None
@@ -256,6 +259,7 @@ class AdapterPublisher:
         if self._last is not None:
             self._agree.finish(SLACK_S)
             self._last = None
+        self._removed()
         for c in self._clients.values():
             c.close()
         for source in self._sources or ():
@@ -473,10 +477,17 @@ class AdapterPublisher:
         if self._rank != 0:
             return
         self._served, self._took, self._announced = new, [], None
-        if new.path is not None:
-            _remove_old(os.path.dirname(new.path), self.config.keep)
+        if new.path is not None:  # in the background (a few ms of unlinks): done before the next publish or close()
+            self._removing = _BACKGROUND.submit(_remove_old, os.path.dirname(new.path), self.config.keep)
+
+    def _removed(self) -> None:
+        """Rank 0: wait for the old directories' removal started by the last commit (never raises)."""
+        removing, self._removing = self._removing, None
+        if removing is not None and (e := removing.exception()) is not None:
+            logger.warning("adapter %r: could not remove old versions' directories: %s", self.config.name, e)
 
 
+_BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-cleanup")
 _CHECKSUM_THREADS = 2
 _CHECKSUMS = ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="wsync-adapter-checksums")
 
@@ -516,22 +527,22 @@ def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor
     """Write a PEFT adapter directory ``<folder>/v<version>`` atomically (temporary directory, fsync, rename);
     its path. A directory of that version already there (a failed publish's) is replaced.
 
+    The safetensors file is written from the tensors' own bytes (:func:`write_safetensors`: one write for an adapter
+    gathered flat); the two files and the temporary directory are fsynced at once, the journal's commits shared.
+
     Raises:
         SnapshotError: the write failed (the disk is full, the folder is not writable).
     """
-    from safetensors.torch import save_file
-
     from bridge.errors import SnapshotError
 
     final = os.path.join(folder, f"v{version}")
     tmp = os.path.join(folder, f".tmp-v{version}-{uuid.uuid4().hex[:12]}")
     try:
         os.makedirs(tmp)
-        save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
+        write_safetensors(os.path.join(tmp, ADAPTER_FILE), tensors, {"format": "pt"})
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(adapter_config, f, indent=2, sort_keys=True)
-        for name in (ADAPTER_FILE, CONFIG_FILE, ""):
-            fsync_path(os.path.join(tmp, name) if name else tmp, directory=not name)
+        _fsync_all([(os.path.join(tmp, ADAPTER_FILE), False), (os.path.join(tmp, CONFIG_FILE), False), (tmp, True)])
         failpoint("adapter:rename", 0)
         if os.path.isdir(final):
             shutil.rmtree(final)
@@ -544,6 +555,67 @@ def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor
                                 "another root") from None
         raise
     return final
+
+
+_FSYNCS = ThreadPoolExecutor(2, thread_name_prefix="wsync-adapter-fsync")
+
+
+def _fsync_all(paths: list[tuple[str, bool]]) -> None:
+    """fsync every ``(path, is_directory)`` at once (all but the first on :data:`_FSYNCS`, the first here): the
+    filesystem commits them together instead of one after the other. Raises the first OSError."""
+    futures = [_FSYNCS.submit(fsync_path, p, directory=d) for p, d in paths[1:]]
+    try:
+        fsync_path(paths[0][0], directory=paths[0][1])
+    finally:
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file of ``tensors`` (in their order), written from their own bytes: the header, then each
+    tensor's bytes, tensors that lie side by side in one storage in one write (an adapter gathered flat: the whole
+    data in one write, no copy). safetensors' ``save_file`` writes anything else (a tensor not on the CPU, a dtype
+    outside the format's common ones). Read back by safetensors (and so PEFT and SGLang) as ``save_file``'s."""
+    from safetensors.torch import save_file
+
+    items = [(str(n), t.detach()) for n, t in tensors.items()]
+    if not items or any(t.device.type != "cpu" or t.dtype not in _ST_DTYPES for _, t in items):
+        save_file({n: t.contiguous() for n, t in items}, path, metadata=metadata)
+        return
+    items = [(n, t.contiguous()) for n, t in items]
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    spans: list[list] = []  # [storage, first byte, end byte]: the data, adjacent tensors merged
+    offset = 0
+    for n, t in items:
+        size = t.numel() * t.element_size()
+        header[n] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+        if size == 0:
+            continue
+        storage, start = t.untyped_storage(), t.storage_offset() * t.element_size()
+        if spans and spans[-1][0].data_ptr() == storage.data_ptr() and spans[-1][2] == start:
+            spans[-1][2] = start + size
+        else:
+            spans.append([storage, start, start + size])
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data 8-byte aligned, as safetensors writes it
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, len(head).to_bytes(8, "little") + head)
+        for storage, start, end in spans:
+            _write_all(f, torch.empty(0, dtype=torch.uint8).set_(storage, start, (end - start,)).numpy())
+
+
+def _write_all(f, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view):]
 
 
 def point_current(path: str) -> str:

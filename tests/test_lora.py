@@ -124,6 +124,34 @@ def test_lora_config_refusals():
     assert LoraConfig(target_modules="q_proj,v_proj").target_modules == ("q_proj", "v_proj")
 
 
+def test_safetensors_written_from_the_tensors_bytes_read_back_as_save_files(tmp_path):
+    """write_safetensors (the adapter directory's file): what safetensors reads back is every tensor bit-equal, in
+    dtype and shape, whether the tensors fill one buffer (one write), lie apart, are not contiguous or empty; a dtype
+    outside its table goes through save_file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from bridge.adapters import write_safetensors
+
+    flat = torch.randn(700, dtype=torch.float32).to(torch.bfloat16)
+    cases = {
+        "one-buffer": {"a.lora_A.weight": flat[:160].view(16, 10), "a.lora_B.weight": flat[160:700].view(54, 10)},
+        "apart": {"x": torch.randn(3, 5), "y": flat[5:25].view(4, 5), "t": torch.randn(6, 4).t(),
+                  "empty": torch.zeros(0, 3, dtype=torch.float16), "i": torch.arange(7, dtype=torch.int64)},
+        "one-storage-apart": {"p": flat[:10], "q": flat[20:30], "r": flat[10:20]},  # a gap, then backwards
+        "save_file": {"c": torch.randn(2, 2, dtype=torch.complex64), "d": torch.randn(3)},
+    }
+    for case, tensors in cases.items():
+        path = str(tmp_path / f"{case}.safetensors")
+        write_safetensors(path, tensors, {"format": "pt"})
+        back = load_file(path)
+        assert set(back) == set(tensors), case
+        for n, t in tensors.items():
+            assert back[n].dtype == t.dtype and back[n].shape == t.shape and torch.equal(back[n], t), (case, n)
+        with safe_open(path, "pt") as f:
+            assert f.metadata() == {"format": "pt"}, case
+
+
 # ---------------------------------------------------------------------------------------------- publish
 
 
@@ -343,6 +371,10 @@ def test_adapter_publishes_into_the_reference_server(lora_server, adapter_root, 
     before = rank0["before"]
     assert before["tensors_equal"] and before["greedy_equal"] and before["version"] == str(ROUNDS), before
     assert rank0["base"] == (1 if via == "disk" else None), "the full sync of the base beside the adapter"
+    if via == "disk":  # the newest `keep` (3) directories stay (removed in the background, done by close()), v11's not
+        import os
+
+        assert sorted(os.listdir(os.path.join(adapter_root, "policy-disk"))) == ["v10", "v8", "v9"]
     assert rank0["served_after"]["checksums"] == {n: c for n, c in rank0["results"][-1].checksums.items()}
     assert not errors, f"{len(errors)} client errors while adapters were published: {errors[:3]}"
     for s in seen:
