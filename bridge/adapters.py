@@ -229,7 +229,7 @@ class AdapterPublisher:
         def gather() -> int:
             """The collective gather (every rank joins it, then agrees on it before rank 0 loads anything); then,
             on rank 0, the servers of this publish: their number bounds the next step on every rank."""
-            got = self._part("adapter:gather", lambda: _gathered(source, dtype), point_after=True) or {}
+            got = self._part("adapter:gather", lambda: _gathered(source, dtype, cfg.via == "tensors"), point_after=True) or {}
             new.config, new.pending_checksums = got.get("config", {}), got.get("checksums")
             new.tensors = got.get("tensors")
             return self._part("adapter:servers", self._find_servers)
@@ -511,9 +511,10 @@ class _Checksums:
         return {n: c for f in self._futures for n, c in f.result().items()}
 
 
-def _gathered(source, dtype) -> dict | None:
-    """The collective gather: ``{"tensors": on the CPU, "config": the PEFT config}`` on rank 0, None elsewhere."""
-    tensors = source.gather_adapter(dtype)
+def _gathered(source, dtype, shared: bool) -> dict | None:
+    """The collective gather: ``{"tensors": on the CPU, "config": the PEFT config}`` on rank 0, None elsewhere.
+    ``shared`` (by tensors): gathered into shared memory, which the servers map (``gather_adapter(shared=True)``)."""
+    tensors = source.gather_adapter(dtype, shared=True) if shared else source.gather_adapter(dtype)
     if tensors is None:
         return None
     # Views of the gathered buffer, which they keep alive: copied only when the gather ran on a GPU.

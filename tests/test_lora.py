@@ -37,12 +37,17 @@ def _train_body():
             train_step(engine, seed=step)
         base1 = {s.name: t.clone() for s, t in engine.iter_full_tensors() if t is not None}
         adapter1 = engine.gather_adapter()
+        # By tensors the publisher gathers into shared memory (file_system), which a same-host server maps: no copy
+        shared = engine.gather_adapter(torch.bfloat16, shared=True)
+        shared = None if shared is None else dict(
+            equal=all(torch.equal(shared[n], t.to(torch.bfloat16)) for n, t in adapter1.items()) and set(shared) == set(adapter1),
+            in_shm=all(t.untyped_storage().is_shared() for t in shared.values()))
         in_optimizer = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
         batch = _probe_batch()
         logits = engine.forward(batch)
         out = dict(base0=base0, base1=base1, adapter0=adapter0, adapter1=adapter1, config=engine.adapter_config(),
                    specs=[(s.name, s.shape) for s in engine.adapter_specs()], param_names=[s.name for s in engine.param_specs()],
-                   in_optimizer=in_optimizer, logits=logits)
+                   in_optimizer=in_optimizer, logits=logits, shared=shared)
         return _ship(out) if engine.rank == 0 else None
     finally:
         engine.destroy()
@@ -108,6 +113,7 @@ def test_gathered_adapter_is_the_trainers_model(trained):
         batch = _probe_batch()
         logits = pm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(logits, trained["logits"], rtol=1e-5, atol=1e-5)
+    assert trained["shared"] == {"equal": True, "in_shm": True}, "gathered into shared memory, bit-equal"
 
 
 def test_lora_config_refusals():

@@ -494,13 +494,16 @@ class FSDPEngine:
         self._adapter_params()  # raises without an adapter (the index is built once)
         return adapter_config_dict(self._model, base_model=self.config.model_path or f"wsync-preset-{self.config.preset}")
 
-    def gather_adapter(self, dtype: torch.dtype | None = None, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    def gather_adapter(self, dtype: torch.dtype | None = None, dst: int = 0,
+                       shared: bool = False) -> dict[str, torch.Tensor] | None:
         """Collective: the adapter's full tensors (``adapter_specs`` names, cast to ``dtype`` when given)
         on rank ``dst``, None on the others.
 
         An adapter is small (rank 16 on every projection of an 8B model: tens of MB), so it travels as one
         bucket through :func:`bridge.sources.gather_bucket_into`, the full sync's flat gathers: ``dst``
-        holds the bucket's buffer and nothing more; the tensors returned are views of it.
+        holds the bucket's buffer and nothing more; the tensors returned are views of it. ``shared`` (CPU): that
+        buffer in shared memory under torch's ``file_system`` strategy, which a server on this host maps when the
+        tensors are sent by reference (``/load_lora_adapter_from_tensors``), with no copy into shared memory first.
         """
         from bridge.buckets import Bucket, unflatten_bucket
         from bridge.sources import PIECE_BYTES, gather_bucket_into
@@ -510,7 +513,12 @@ class FSDPEngine:
         if dtype is not None:
             specs = [ParamSpec(s.name, s.shape, dtype) for s in specs]
         bucket = Bucket(sorted(specs, key=lambda s: -s.dtype.itemsize))  # aligned offsets (one dtype: kept order)
-        out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device) if self.rank == dst else None
+        out = None
+        if self.rank == dst and shared and self._device.type == "cpu" and bucket.nbytes:
+            storage = torch.UntypedStorage._new_using_filename_cpu(bucket.nbytes)
+            out = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (bucket.nbytes,))
+        elif self.rank == dst:
+            out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
         # Pieces as large as the full sync's largest (16 MiB): an adapter of tens of MB is a few gathers, not one per
         # MiB (rank dst holds world x piece beside the adapter, a few times the adapter at most).
         gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, dst=dst, piece_bytes=PIECE_BYTES)
