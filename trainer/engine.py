@@ -112,6 +112,7 @@ class FSDPEngine:
         self._param_index: dict[str, torch.Tensor] | None = None
         self._adapter_index: dict[str, torch.Tensor] | None = None  # the adapter's parameters, built once
         self._adapter_spec_list: list[ParamSpec] | None = None
+        self._adapter_scratch: dict = {}  # the adapter gather's send and receive buffers, reused (gather_bucket_into)
         # Under LoRA only the adapter requires a gradient: the frozen base weights never reach AdamW.
         self._optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
         self._scheduler = build_scheduler(self._optimizer, cfg.optimizer)
@@ -155,6 +156,7 @@ class FSDPEngine:
             self._publisher = self._publisher_key = None
         self._model = self._optimizer = self._scheduler = self._param_index = None
         self._adapter_index = self._adapter_spec_list = None
+        self._adapter_scratch = {}
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
@@ -521,7 +523,8 @@ class FSDPEngine:
             out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
         # Pieces as large as the full sync's largest (16 MiB): an adapter of tens of MB is a few gathers, not one per
         # MiB (rank dst holds world x piece beside the adapter, a few times the adapter at most).
-        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, dst=dst, piece_bytes=PIECE_BYTES)
+        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, dst=dst, piece_bytes=PIECE_BYTES,
+                           scratch=self._adapter_scratch)
         if out is None:
             return None
         return dict(unflatten_bucket(out, bucket.specs))
