@@ -168,6 +168,11 @@ class _Published:
     pending_checksums: _Checksums | None
     """sha256 of every tensor, computed once on rank 0 in the background (the servers check them when the adapter
     goes by tensors; the result reports them)."""
+    buffer: torch.Tensor | None = None
+    """The gathered buffer ``tensors`` are views of (its storage, 1-D uint8)."""
+    copied: bool = True
+    """Every server that loaded ``tensors`` copied them before it answered (reference servers; real SGLang keeps the
+    same-host tensors it is handed as the adapter's CPU weights): its buffer may be gathered into again."""
 
     @property
     def checksums(self) -> dict[str, str] | None:
@@ -197,6 +202,7 @@ class AdapterPublisher:
         self._announced: str | None = None  # rank 0: its announcement key, once made
         self._phases: dict[str, float] = {}
         self._removing = None  # rank 0, disk: the removal of old directories, left running by the last commit
+        self._spare: _Published | None = None  # rank 0: a gather's buffer no one uses any more, the next one's memory
 
     @property
     def last_version(self) -> int | None:
@@ -229,9 +235,11 @@ class AdapterPublisher:
         def gather() -> int:
             """The collective gather (every rank joins it, then agrees on it before rank 0 loads anything); then,
             on rank 0, the servers of this publish: their number bounds the next step on every rank."""
-            got = self._part("adapter:gather", lambda: _gathered(source, dtype, cfg.via == "tensors"), point_after=True) or {}
+            reuse = self._take_spare()
+            got = self._part("adapter:gather", lambda: _gathered(source, dtype, cfg.via == "tensors", reuse),
+                             point_after=True) or {}
             new.config, new.pending_checksums = got.get("config", {}), got.get("checksums")
-            new.tensors = got.get("tensors")
+            new.tensors, new.buffer = got.get("tensors"), got.get("buffer")
             return self._part("adapter:servers", self._find_servers)
 
         found = self._step("adapter:gather", gather, cfg.gather_timeout + cfg.http_timeout, undo)[0]
@@ -241,7 +249,8 @@ class AdapterPublisher:
             commit's fault point. One agreed step: a failure of any part on any rank undoes what was done."""
             if cfg.via == "disk":
                 new.path = self._part("adapter:write", lambda: self._write(version, new.tensors, new.config))
-                new.tensors = None  # the servers load the directory; the tensors are not kept
+                new.tensors = None  # the servers load the directory; the tensors are not kept, their buffer is spare
+                self._spare = _Published(version, None, {}, None, new.pending_checksums, new.buffer)
             self._part("adapter:load", lambda: self._load_all(new))
             if cfg.via == "disk":
                 self._part("adapter:announce", lambda: self._announce(new))
@@ -401,6 +410,7 @@ class AdapterPublisher:
         for i, client in enumerate(self._servers()):
             failpoint(f"adapter:load:{i}", 0)
             self._took.append(client)  # before the call: a server that timed out may have loaded it
+            new.copied = new.copied and client.is_reference_server
             self._load(client, new)
 
     def _load(self, client, p: _Published) -> None:
@@ -476,9 +486,23 @@ class AdapterPublisher:
         self._last = new.version
         if self._rank != 0:
             return
-        self._served, self._took, self._announced = new, [], None
+        old, self._served, self._took, self._announced = self._served, new, [], None
+        if old is not None and old.tensors is not None and old.copied:  # by tensors: no server holds its buffer
+            self._spare = old
         if new.path is not None:  # in the background (a few ms of unlinks): done before the next publish or close()
             self._removing = _BACKGROUND.submit(_remove_old, os.path.dirname(new.path), self.config.keep)
+
+    def _take_spare(self) -> torch.Tensor | None:
+        """Rank 0: the spare buffer to gather into (its checksums, which read it, finished first), or None."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare.buffer is None:
+            return None
+        if spare.pending_checksums is not None:
+            try:
+                spare.pending_checksums.result()
+            except Exception:  # a failed publish's: nothing reads them
+                pass
+        return spare.buffer
 
     def _removed(self) -> None:
         """Rank 0: wait for the old directories' removal started by the last commit (never raises)."""
@@ -511,17 +535,26 @@ class _Checksums:
         return {n: c for f in self._futures for n, c in f.result().items()}
 
 
-def _gathered(source, dtype, shared: bool) -> dict | None:
-    """The collective gather: ``{"tensors": on the CPU, "config": the PEFT config}`` on rank 0, None elsewhere.
-    ``shared`` (by tensors): gathered into shared memory, which the servers map (``gather_adapter(shared=True)``)."""
-    tensors = source.gather_adapter(dtype, shared=True) if shared else source.gather_adapter(dtype)
+def _gathered(source, dtype, shared: bool, reuse: torch.Tensor | None = None) -> dict | None:
+    """The collective gather: ``{"tensors": on the CPU, "config": the PEFT config, "checksums", "buffer": the buffer
+    the tensors are views of}`` on rank 0, None elsewhere. ``shared`` (by tensors): gathered into shared memory, which
+    the servers map (``gather_adapter(shared=True)``); ``reuse``: a spare buffer of an earlier gather to fill again."""
+    kwargs = {"shared": True} if shared else {}
+    if reuse is not None:
+        kwargs["reuse"] = reuse
+    tensors = source.gather_adapter(dtype, **kwargs)
     if tensors is None:
         return None
     # Views of the gathered buffer, which they keep alive: copied only when the gather ran on a GPU.
     if any(t.device.type != "cpu" for t in tensors.values()):
         tensors = {n: t.detach().to("cpu") for n, t in tensors.items()}
+    buffer = None
+    if tensors:
+        storage = next(iter(tensors.values())).untyped_storage()
+        if all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in tensors.values()):
+            buffer = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
     # sha256 of medium's 9.7 MB takes ~7 ms: computed on two threads beside the exchange, the write and the body.
-    return {"tensors": tensors, "config": source.adapter_config(), "checksums": _Checksums(tensors)}
+    return {"tensors": tensors, "config": source.adapter_config(), "checksums": _Checksums(tensors), "buffer": buffer}
 
 
 def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> str:

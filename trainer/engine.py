@@ -496,8 +496,8 @@ class FSDPEngine:
         self._adapter_params()  # raises without an adapter (the index is built once)
         return adapter_config_dict(self._model, base_model=self.config.model_path or f"wsync-preset-{self.config.preset}")
 
-    def gather_adapter(self, dtype: torch.dtype | None = None, dst: int = 0,
-                       shared: bool = False) -> dict[str, torch.Tensor] | None:
+    def gather_adapter(self, dtype: torch.dtype | None = None, dst: int = 0, shared: bool = False,
+                       reuse: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
         """Collective: the adapter's full tensors (``adapter_specs`` names, cast to ``dtype`` when given)
         on rank ``dst``, None on the others.
 
@@ -506,6 +506,9 @@ class FSDPEngine:
         holds the bucket's buffer and nothing more; the tensors returned are views of it. ``shared`` (CPU): that
         buffer in shared memory under torch's ``file_system`` strategy, which a server on this host maps when the
         tensors are sent by reference (``/load_lora_adapter_from_tensors``), with no copy into shared memory first.
+        ``reuse``: the buffer an earlier gather's tensors are views of (their storage as a 1-D uint8 tensor), once no
+        one uses them any more, gathered into again on rank ``dst`` when it fits (1-D uint8 of the adapter's bytes in ``dtype`` on this engine's device;
+        else a fresh buffer): fresh memory costs a page fault per page at its first write, more than the copies.
         """
         from bridge.buckets import Bucket, unflatten_bucket
         from bridge.sources import PIECE_BYTES, gather_bucket_into
@@ -515,11 +518,17 @@ class FSDPEngine:
         if dtype is not None:
             specs = [ParamSpec(s.name, s.shape, dtype) for s in specs]
         bucket = Bucket(sorted(specs, key=lambda s: -s.dtype.itemsize))  # aligned offsets (one dtype: kept order)
-        out = None
-        if self.rank == dst and shared and self._device.type == "cpu" and bucket.nbytes:
+        # (a buffer that does not fit is not an error raised here: rank dst alone would leave the collective)
+        fits = reuse is not None and reuse.dtype == torch.uint8 and reuse.dim() == 1 and reuse.numel() == bucket.nbytes \
+            and reuse.device == self._device
+        if self.rank != dst:
+            out = None
+        elif fits:
+            out = reuse
+        elif shared and self._device.type == "cpu" and bucket.nbytes:
             storage = torch.UntypedStorage._new_using_filename_cpu(bucket.nbytes)
             out = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (bucket.nbytes,))
-        elif self.rank == dst:
+        else:
             out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
         # Pieces as large as the full sync's largest (16 MiB): an adapter of tens of MB is a few gathers, not one per
         # MiB (rank dst holds world x piece beside the adapter, a few times the adapter at most).
