@@ -51,8 +51,8 @@ from bridge.protocol import tensor_checksum
 from bridge.snapshot.writer import fsync_path
 from bridge.tensors import dtype_from_str
 
-__all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key", "write_adapter_dir",
-           "write_safetensors"]
+__all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key", "sync_adapter_dir",
+           "write_adapter_dir", "write_safetensors"]
 
 logger = get_logger(__name__)
 
@@ -202,6 +202,7 @@ class AdapterPublisher:
         self._announced: str | None = None  # rank 0: its announcement key, once made
         self._phases: dict[str, float] = {}
         self._removing = None  # rank 0, disk: the removal of old directories, left running by the last commit
+        self._syncing = None  # rank 0, disk: the fsyncs of the directory being published (:meth:`_write`)
         self._spare: _Published | None = None  # rank 0: a gather's buffer no one uses any more, the next one's memory
 
     @property
@@ -365,10 +366,24 @@ class AdapterPublisher:
         return None
 
     def _write(self, version: int, tensors, adapter_config) -> str | None:
+        """Rank 0: the directory, in place but not yet durable: its fsyncs run while the servers load it (they read
+        what was written), and end before it is announced (:meth:`_durable`), the commit."""
         if self._rank != 0:
             return None
         folder = os.path.join(self.config.root, self.config.name)
-        return write_adapter_dir(folder, version, tensors, adapter_config)
+        path = write_adapter_dir(folder, version, tensors, adapter_config, durable=False)
+        self._syncing = _SYNCS.submit(sync_adapter_dir, path)
+        return path
+
+    def _durable(self) -> None:
+        """Rank 0: wait for the fsyncs of the directory written (:meth:`_write`); their error is the write's."""
+        syncing, self._syncing = self._syncing, None
+        if syncing is not None:
+            try:
+                syncing.result()
+            except BaseException as e:
+                in_step(e, "adapter:write")
+                raise
 
     def _find_servers(self) -> int:
         """Rank 0: the servers of this publish, found again (the fixed list, then each registry); their number.
@@ -421,6 +436,8 @@ class AdapterPublisher:
             # Real SGLang replaces by unload-then-load and reloads an unloaded name from its last path for a
             # generation asking for it in between: a stable path already showing this version makes that
             # generation get it (bridge.client.lora), never a refusal nor the old version.
+            if not client.is_reference_server:
+                self._durable()  # `current` only ever points at a durable directory
             path = p.path if client.is_reference_server else point_current(p.path)
             client.load_adapter_from_path(name, path, version=str(p.version), replace=True)
         else:
@@ -456,6 +473,10 @@ class AdapterPublisher:
         back, its announcement and its directory are removed. Never raises (what failed is logged)."""
         if self._rank != 0:
             return
+        try:
+            self._durable()  # (the directory is removed below: its fsyncs end first)
+        except BaseException:  # the publish fails anyway
+            pass
         status = self._load_back(self._took)
         self._took = []
         if self._announced is not None:
@@ -475,6 +496,7 @@ class AdapterPublisher:
     def _announce(self, new: _Published) -> None:
         if self._rank != 0:
             return
+        self._durable()  # a version announced is on disk
         cfg = self.config
         value = {"name": cfg.name, "version": new.version, "path": new.path}
         key = adapter_key(cfg.experiment, cfg.trial, cfg.name, new.version)
@@ -512,6 +534,7 @@ class AdapterPublisher:
 
 
 _BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-cleanup")
+_SYNCS = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-sync")
 _CHECKSUM_THREADS = 2
 _CHECKSUMS = ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="wsync-adapter-checksums")
 
@@ -557,12 +580,15 @@ def _gathered(source, dtype, shared: bool, reuse: torch.Tensor | None = None) ->
     return {"tensors": tensors, "config": source.adapter_config(), "checksums": _Checksums(tensors), "buffer": buffer}
 
 
-def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> str:
+def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict, *,
+                      durable: bool = True) -> str:
     """Write a PEFT adapter directory ``<folder>/v<version>`` atomically (temporary directory, fsync, rename);
     its path. A directory of that version already there (a failed publish's) is replaced.
 
     The safetensors file is written from the tensors' own bytes (:func:`write_safetensors`: one write for an adapter
     gathered flat); the two files and the temporary directory are fsynced at once, the journal's commits shared.
+    ``durable=False``: nothing is fsynced (the directory still appears whole, by the rename): call
+    :func:`sync_adapter_dir` before announcing it (:class:`AdapterPublisher` runs it while the servers load it).
 
     Raises:
         SnapshotError: the write failed (the disk is full, the folder is not writable).
@@ -576,12 +602,14 @@ def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor
         write_safetensors(os.path.join(tmp, ADAPTER_FILE), tensors, {"format": "pt"})
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(adapter_config, f, indent=2, sort_keys=True)
-        _fsync_all([(os.path.join(tmp, ADAPTER_FILE), False), (os.path.join(tmp, CONFIG_FILE), False), (tmp, True)])
+        if durable:
+            _fsync_all([(os.path.join(tmp, ADAPTER_FILE), False), (os.path.join(tmp, CONFIG_FILE), False), (tmp, True)])
         failpoint("adapter:rename", 0)
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
-        fsync_path(folder, directory=True)
+        if durable:
+            fsync_path(folder, directory=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
@@ -591,7 +619,24 @@ def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor
     return final
 
 
-_FSYNCS = ThreadPoolExecutor(2, thread_name_prefix="wsync-adapter-fsync")
+def sync_adapter_dir(path: str) -> None:
+    """Make an adapter directory written with ``durable=False`` durable: its two files, itself and its folder (the
+    rename) fsynced at once.
+
+    Raises:
+        SnapshotError: an fsync failed.
+    """
+    from bridge.errors import SnapshotError
+
+    try:
+        _fsync_all([(os.path.join(path, ADAPTER_FILE), False), (os.path.join(path, CONFIG_FILE), False), (path, True),
+                    (os.path.dirname(path), True)])
+    except OSError as e:
+        raise SnapshotError(f"could not write adapter directory {path} durably: {e}; free space or choose another "
+                            "root") from None
+
+
+_FSYNCS = ThreadPoolExecutor(3, thread_name_prefix="wsync-adapter-fsync")
 
 
 def _fsync_all(paths: list[tuple[str, bool]]) -> None:

@@ -7,6 +7,8 @@ holds, and the gathered adapter, which rank 0 loads into its own unsharded PEFT 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -156,6 +158,26 @@ def test_safetensors_written_from_the_tensors_bytes_read_back_as_save_files(tmp_
             assert back[n].dtype == t.dtype and back[n].shape == t.shape and torch.equal(back[n], t), (case, n)
         with safe_open(path, "pt") as f:
             assert f.metadata() == {"format": "pt"}, case
+
+
+def test_adapter_dir_in_place_first_made_durable_after(tmp_path):
+    """write_adapter_dir(durable=False) puts the whole directory in place (the publisher's servers load it while
+    sync_adapter_dir fsyncs it, before the announcement); sync_adapter_dir names a directory it cannot sync."""
+    from safetensors.torch import load_file
+
+    from bridge.adapters import sync_adapter_dir, write_adapter_dir
+    from bridge.errors import SnapshotError
+
+    tensors = {"base_model.model.x.lora_A.weight": torch.randn(4, 8)}
+    path = write_adapter_dir(str(tmp_path / "policy"), 3, tensors, {"r": 4}, durable=False)
+    assert sorted(os.listdir(tmp_path / "policy")) == ["v3"] and sorted(os.listdir(path)) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    sync_adapter_dir(path)
+    assert torch.equal(load_file(os.path.join(path, "adapter_model.safetensors"))["base_model.model.x.lora_A.weight"],
+                       tensors["base_model.model.x.lora_A.weight"])
+    os.remove(os.path.join(path, "adapter_config.json"))
+    with pytest.raises(SnapshotError, match=r"could not write adapter directory .*v3 durably: .*No such file"):
+        sync_adapter_dir(path)
 
 
 # ---------------------------------------------------------------------------------------------- publish
