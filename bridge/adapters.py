@@ -51,7 +51,8 @@ from bridge.protocol import tensor_checksum
 from bridge.snapshot.writer import fsync_path
 from bridge.tensors import dtype_from_str
 
-__all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key", "write_adapter_dir"]
+__all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key", "sync_adapter_dir",
+           "write_adapter_dir", "write_safetensors"]
 
 logger = get_logger(__name__)
 
@@ -167,6 +168,11 @@ class _Published:
     pending_checksums: _Checksums | None
     """sha256 of every tensor, computed once on rank 0 in the background (the servers check them when the adapter
     goes by tensors; the result reports them)."""
+    buffer: torch.Tensor | None = None
+    """The gathered buffer ``tensors`` are views of (its storage, 1-D uint8)."""
+    copied: bool = True
+    """Every server that loaded ``tensors`` copied them before it answered (reference servers; real SGLang keeps the
+    same-host tensors it is handed as the adapter's CPU weights): its buffer may be gathered into again."""
 
     @property
     def checksums(self) -> dict[str, str] | None:
@@ -195,6 +201,9 @@ class AdapterPublisher:
         self._took: list = []  # rank 0: the servers that loaded the version being published
         self._announced: str | None = None  # rank 0: its announcement key, once made
         self._phases: dict[str, float] = {}
+        self._removing = None  # rank 0, disk: the removal of old directories, left running by the last commit
+        self._syncing = None  # rank 0, disk: the fsyncs of the directory being published (:meth:`_write`)
+        self._spare: _Published | None = None  # rank 0: a gather's buffer no one uses any more, the next one's memory
 
     @property
     def last_version(self) -> int | None:
@@ -216,6 +225,7 @@ class AdapterPublisher:
         t0 = time.perf_counter()
         cfg = self.config
         self._phases = {}
+        self._removed()
         specs = self._step("adapter:prepare", lambda: self._part("adapter:prepare", lambda: self._prepare(source, version)),
                            SLACK_S)[0]
         dtype = dtype_from_str(cfg.dtype) if cfg.dtype is not None else None
@@ -226,9 +236,11 @@ class AdapterPublisher:
         def gather() -> int:
             """The collective gather (every rank joins it, then agrees on it before rank 0 loads anything); then,
             on rank 0, the servers of this publish: their number bounds the next step on every rank."""
-            got = self._part("adapter:gather", lambda: _gathered(source, dtype), point_after=True) or {}
+            reuse = self._take_spare()
+            got = self._part("adapter:gather", lambda: _gathered(source, dtype, cfg.via == "tensors", reuse),
+                             point_after=True) or {}
             new.config, new.pending_checksums = got.get("config", {}), got.get("checksums")
-            new.tensors = got.get("tensors")
+            new.tensors, new.buffer = got.get("tensors"), got.get("buffer")
             return self._part("adapter:servers", self._find_servers)
 
         found = self._step("adapter:gather", gather, cfg.gather_timeout + cfg.http_timeout, undo)[0]
@@ -238,7 +250,8 @@ class AdapterPublisher:
             commit's fault point. One agreed step: a failure of any part on any rank undoes what was done."""
             if cfg.via == "disk":
                 new.path = self._part("adapter:write", lambda: self._write(version, new.tensors, new.config))
-                new.tensors = None  # the servers load the directory; the tensors are not kept
+                new.tensors = None  # the servers load the directory; the tensors are not kept, their buffer is spare
+                self._spare = _Published(version, None, {}, None, new.pending_checksums, new.buffer)
             self._part("adapter:load", lambda: self._load_all(new))
             if cfg.via == "disk":
                 self._part("adapter:announce", lambda: self._announce(new))
@@ -256,6 +269,7 @@ class AdapterPublisher:
         if self._last is not None:
             self._agree.finish(SLACK_S)
             self._last = None
+        self._removed()
         for c in self._clients.values():
             c.close()
         for source in self._sources or ():
@@ -352,10 +366,24 @@ class AdapterPublisher:
         return None
 
     def _write(self, version: int, tensors, adapter_config) -> str | None:
+        """Rank 0: the directory, in place but not yet durable: its fsyncs run while the servers load it (they read
+        what was written), and end before it is announced (:meth:`_durable`), the commit."""
         if self._rank != 0:
             return None
         folder = os.path.join(self.config.root, self.config.name)
-        return write_adapter_dir(folder, version, tensors, adapter_config)
+        path = write_adapter_dir(folder, version, tensors, adapter_config, durable=False)
+        self._syncing = _SYNCS.submit(sync_adapter_dir, path)
+        return path
+
+    def _durable(self) -> None:
+        """Rank 0: wait for the fsyncs of the directory written (:meth:`_write`); their error is the write's."""
+        syncing, self._syncing = self._syncing, None
+        if syncing is not None:
+            try:
+                syncing.result()
+            except BaseException as e:
+                in_step(e, "adapter:write")
+                raise
 
     def _find_servers(self) -> int:
         """Rank 0: the servers of this publish, found again (the fixed list, then each registry); their number.
@@ -397,6 +425,7 @@ class AdapterPublisher:
         for i, client in enumerate(self._servers()):
             failpoint(f"adapter:load:{i}", 0)
             self._took.append(client)  # before the call: a server that timed out may have loaded it
+            new.copied = new.copied and client.is_reference_server
             self._load(client, new)
 
     def _load(self, client, p: _Published) -> None:
@@ -407,6 +436,8 @@ class AdapterPublisher:
             # Real SGLang replaces by unload-then-load and reloads an unloaded name from its last path for a
             # generation asking for it in between: a stable path already showing this version makes that
             # generation get it (bridge.client.lora), never a refusal nor the old version.
+            if not client.is_reference_server:
+                self._durable()  # `current` only ever points at a durable directory
             path = p.path if client.is_reference_server else point_current(p.path)
             client.load_adapter_from_path(name, path, version=str(p.version), replace=True)
         else:
@@ -442,6 +473,10 @@ class AdapterPublisher:
         back, its announcement and its directory are removed. Never raises (what failed is logged)."""
         if self._rank != 0:
             return
+        try:
+            self._durable()  # (the directory is removed below: its fsyncs end first)
+        except BaseException:  # the publish fails anyway
+            pass
         status = self._load_back(self._took)
         self._took = []
         if self._announced is not None:
@@ -461,6 +496,7 @@ class AdapterPublisher:
     def _announce(self, new: _Published) -> None:
         if self._rank != 0:
             return
+        self._durable()  # a version announced is on disk
         cfg = self.config
         value = {"name": cfg.name, "version": new.version, "path": new.path}
         key = adapter_key(cfg.experiment, cfg.trial, cfg.name, new.version)
@@ -472,11 +508,33 @@ class AdapterPublisher:
         self._last = new.version
         if self._rank != 0:
             return
-        self._served, self._took, self._announced = new, [], None
-        if new.path is not None:
-            _remove_old(os.path.dirname(new.path), self.config.keep)
+        old, self._served, self._took, self._announced = self._served, new, [], None
+        if old is not None and old.tensors is not None and old.copied:  # by tensors: no server holds its buffer
+            self._spare = old
+        if new.path is not None:  # in the background (a few ms of unlinks): done before the next publish or close()
+            self._removing = _BACKGROUND.submit(_remove_old, os.path.dirname(new.path), self.config.keep)
+
+    def _take_spare(self) -> torch.Tensor | None:
+        """Rank 0: the spare buffer to gather into (its checksums, which read it, finished first), or None."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare.buffer is None:
+            return None
+        if spare.pending_checksums is not None:
+            try:
+                spare.pending_checksums.result()
+            except Exception:  # a failed publish's: nothing reads them
+                pass
+        return spare.buffer
+
+    def _removed(self) -> None:
+        """Rank 0: wait for the old directories' removal started by the last commit (never raises)."""
+        removing, self._removing = self._removing, None
+        if removing is not None and (e := removing.exception()) is not None:
+            logger.warning("adapter %r: could not remove old versions' directories: %s", self.config.name, e)
 
 
+_BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-cleanup")
+_SYNCS = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-sync")
 _CHECKSUM_THREADS = 2
 _CHECKSUMS = ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="wsync-adapter-checksums")
 
@@ -500,43 +558,58 @@ class _Checksums:
         return {n: c for f in self._futures for n, c in f.result().items()}
 
 
-def _gathered(source, dtype) -> dict | None:
-    """The collective gather: ``{"tensors": on the CPU, "config": the PEFT config}`` on rank 0, None elsewhere."""
-    tensors = source.gather_adapter(dtype)
+def _gathered(source, dtype, shared: bool, reuse: torch.Tensor | None = None) -> dict | None:
+    """The collective gather: ``{"tensors": on the CPU, "config": the PEFT config, "checksums", "buffer": the buffer
+    the tensors are views of}`` on rank 0, None elsewhere. ``shared`` (by tensors): gathered into shared memory, which
+    the servers map (``gather_adapter(shared=True)``); ``reuse``: a spare buffer of an earlier gather to fill again."""
+    kwargs = {"shared": True} if shared else {}
+    if reuse is not None:
+        kwargs["reuse"] = reuse
+    tensors = source.gather_adapter(dtype, **kwargs)
     if tensors is None:
         return None
     # Views of the gathered buffer, which they keep alive: copied only when the gather ran on a GPU.
     if any(t.device.type != "cpu" for t in tensors.values()):
         tensors = {n: t.detach().to("cpu") for n, t in tensors.items()}
+    buffer = None
+    if tensors:
+        storage = next(iter(tensors.values())).untyped_storage()
+        if all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in tensors.values()):
+            buffer = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
     # sha256 of medium's 9.7 MB takes ~7 ms: computed on two threads beside the exchange, the write and the body.
-    return {"tensors": tensors, "config": source.adapter_config(), "checksums": _Checksums(tensors)}
+    return {"tensors": tensors, "config": source.adapter_config(), "checksums": _Checksums(tensors), "buffer": buffer}
 
 
-def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> str:
+def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict, *,
+                      durable: bool = True) -> str:
     """Write a PEFT adapter directory ``<folder>/v<version>`` atomically (temporary directory, fsync, rename);
     its path. A directory of that version already there (a failed publish's) is replaced.
+
+    The safetensors file is written from the tensors' own bytes (:func:`write_safetensors`: one write for an adapter
+    gathered flat); the two files and the temporary directory are fsynced at once, the journal's commits shared.
+    ``durable=False``: nothing is fsynced (the directory still appears whole, by the rename): call
+    :func:`sync_adapter_dir` before announcing it (:class:`AdapterPublisher` runs it while the servers load it).
 
     Raises:
         SnapshotError: the write failed (the disk is full, the folder is not writable).
     """
-    from safetensors.torch import save_file
-
     from bridge.errors import SnapshotError
 
     final = os.path.join(folder, f"v{version}")
     tmp = os.path.join(folder, f".tmp-v{version}-{uuid.uuid4().hex[:12]}")
     try:
         os.makedirs(tmp)
-        save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
+        write_safetensors(os.path.join(tmp, ADAPTER_FILE), tensors, {"format": "pt"})
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(adapter_config, f, indent=2, sort_keys=True)
-        for name in (ADAPTER_FILE, CONFIG_FILE, ""):
-            fsync_path(os.path.join(tmp, name) if name else tmp, directory=not name)
+        if durable:
+            _fsync_all([(os.path.join(tmp, ADAPTER_FILE), False), (os.path.join(tmp, CONFIG_FILE), False), (tmp, True)])
         failpoint("adapter:rename", 0)
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
-        fsync_path(folder, directory=True)
+        if durable:
+            fsync_path(folder, directory=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
@@ -544,6 +617,84 @@ def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor
                                 "another root") from None
         raise
     return final
+
+
+def sync_adapter_dir(path: str) -> None:
+    """Make an adapter directory written with ``durable=False`` durable: its two files, itself and its folder (the
+    rename) fsynced at once.
+
+    Raises:
+        SnapshotError: an fsync failed.
+    """
+    from bridge.errors import SnapshotError
+
+    try:
+        _fsync_all([(os.path.join(path, ADAPTER_FILE), False), (os.path.join(path, CONFIG_FILE), False), (path, True),
+                    (os.path.dirname(path), True)])
+    except OSError as e:
+        raise SnapshotError(f"could not write adapter directory {path} durably: {e}; free space or choose another "
+                            "root") from None
+
+
+_FSYNCS = ThreadPoolExecutor(3, thread_name_prefix="wsync-adapter-fsync")
+
+
+def _fsync_all(paths: list[tuple[str, bool]]) -> None:
+    """fsync every ``(path, is_directory)`` at once (all but the first on :data:`_FSYNCS`, the first here): the
+    filesystem commits them together instead of one after the other. Raises the first OSError."""
+    futures = [_FSYNCS.submit(fsync_path, p, directory=d) for p, d in paths[1:]]
+    try:
+        fsync_path(paths[0][0], directory=paths[0][1])
+    finally:
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file of ``tensors`` (in their order), written from their own bytes: the header, then each
+    tensor's bytes, tensors that lie side by side in one storage in one write (an adapter gathered flat: the whole
+    data in one write, no copy). safetensors' ``save_file`` writes anything else (a tensor not on the CPU, a dtype
+    outside the format's common ones). Read back by safetensors (and so PEFT and SGLang) as ``save_file``'s."""
+    from safetensors.torch import save_file
+
+    items = [(str(n), t.detach()) for n, t in tensors.items()]
+    if not items or any(t.device.type != "cpu" or t.dtype not in _ST_DTYPES for _, t in items):
+        save_file({n: t.contiguous() for n, t in items}, path, metadata=metadata)
+        return
+    items = [(n, t.contiguous()) for n, t in items]
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    spans: list[list] = []  # [storage, first byte, end byte]: the data, adjacent tensors merged
+    offset = 0
+    for n, t in items:
+        size = t.numel() * t.element_size()
+        header[n] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+        if size == 0:
+            continue
+        storage, start = t.untyped_storage(), t.storage_offset() * t.element_size()
+        if spans and spans[-1][0].data_ptr() == storage.data_ptr() and spans[-1][2] == start:
+            spans[-1][2] = start + size
+        else:
+            spans.append([storage, start, start + size])
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data 8-byte aligned, as safetensors writes it
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, len(head).to_bytes(8, "little") + head)
+        for storage, start, end in spans:
+            _write_all(f, torch.empty(0, dtype=torch.uint8).set_(storage, start, (end - start,)).numpy())
+
+
+def _write_all(f, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view):]
 
 
 def point_current(path: str) -> str:

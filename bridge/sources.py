@@ -190,7 +190,8 @@ def _row_sharded(p: torch.Tensor, world: int) -> bool:
 
 @torch.no_grad()  # no autograd bookkeeping: DTensor.to_local() costs ~2 us instead of ~19 us per parameter
 def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: Bucket, out: torch.Tensor | None,
-                       piece_bytes: int | None = None, group: dist.ProcessGroup | None = None, dst: int = 0) -> None:
+                       piece_bytes: int | None = None, group: dist.ProcessGroup | None = None, dst: int = 0,
+                       scratch: dict | None = None) -> None:
     """Collective: fill rank ``dst``'s ``out`` (the bucket's uint8 wire buffer) with the full parameters.
 
     ``dst`` is rank 0 for the transports that send from rank 0; the disk transport gathers each bucket
@@ -201,6 +202,10 @@ def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: 
     placements) is gathered one by one. Shards are cast to the wire dtype before they travel.
     ``torch.chunk`` semantics decide the rows of rank r: ``[r*c, min((r+1)*c, d0))`` with
     ``c = ceil(d0 / world)``, so every send buffer is padded to ``c`` rows per parameter.
+
+    ``scratch``: a dict the caller keeps from one gather of the same bucket to the next (an adapter's, at every
+    publish), where the send and receive buffers stay to be reused: fresh memory costs a page fault per page at its
+    first touch, more than the copies into it. One gather at a time per dict.
     """
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
     piece_bytes = piece_bytes if piece_bytes is not None else piece_bytes_for(bucket.nbytes, world)
@@ -211,7 +216,7 @@ def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: 
     def flush() -> None:
         nonlocal piece, size
         if piece:
-            _gather_piece(piece, offsets, out, world, rank, group, dst)
+            _gather_piece(piece, offsets, out, world, rank, group, dst, scratch)
         piece, size = [], 0
 
     for spec, p in items:
@@ -231,7 +236,19 @@ def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: 
     flush()
 
 
-def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, world: int, rank: int, group, dst: int) -> None:
+def _buffer(scratch: dict | None, key: str, nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of uint8 on ``device``: kept in ``scratch`` under ``key`` and reused (grown when too small), or fresh
+    without a ``scratch``."""
+    if scratch is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buf = scratch.get(key)
+    if buf is None or buf.numel() < nbytes or buf.device != device:
+        buf = scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes]
+
+
+def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, world: int, rank: int, group, dst: int,
+                  scratch: dict | None = None) -> None:
     layout = []  # (spec, rows per rank c, bytes per row, offset in the send buffer)
     total = 0
     for spec, _ in piece:
@@ -242,7 +259,7 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
     device = piece[0][1].to_local().device  # (gather_bucket_into runs under no_grad)
     if dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # CPU-offloaded shards under NCCL
-    send = torch.empty(total, dtype=torch.uint8, device=device)
+    send = _buffer(scratch, "send", total, device)
     locals_ = [p.to_local() for _, p in piece]
     for (spec, _), local, (_, c, _row, _off) in zip(piece, locals_, layout):
         expected = max(0, min(c, spec.shape[0] - rank * c))
@@ -272,7 +289,7 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
             if n != total and n:
                 out[b : b + n].copy_(buf[:n])
         return
-    recv = torch.empty(world * total, dtype=torch.uint8, device=device)
+    recv = _buffer(scratch, "recv", world * total, device)
     dist.gather(send, list(recv.split(total)), dst=dst, group=group)
     del send
     if out is None:

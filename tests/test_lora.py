@@ -7,6 +7,8 @@ holds, and the gathered adapter, which rank 0 loads into its own unsharded PEFT 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -37,12 +39,17 @@ def _train_body():
             train_step(engine, seed=step)
         base1 = {s.name: t.clone() for s, t in engine.iter_full_tensors() if t is not None}
         adapter1 = engine.gather_adapter()
+        # By tensors the publisher gathers into shared memory (file_system), which a same-host server maps: no copy
+        shared = engine.gather_adapter(torch.bfloat16, shared=True)
+        shared = None if shared is None else dict(
+            equal=all(torch.equal(shared[n], t.to(torch.bfloat16)) for n, t in adapter1.items()) and set(shared) == set(adapter1),
+            in_shm=all(t.untyped_storage().is_shared() for t in shared.values()))
         in_optimizer = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
         batch = _probe_batch()
         logits = engine.forward(batch)
         out = dict(base0=base0, base1=base1, adapter0=adapter0, adapter1=adapter1, config=engine.adapter_config(),
                    specs=[(s.name, s.shape) for s in engine.adapter_specs()], param_names=[s.name for s in engine.param_specs()],
-                   in_optimizer=in_optimizer, logits=logits)
+                   in_optimizer=in_optimizer, logits=logits, shared=shared)
         return _ship(out) if engine.rank == 0 else None
     finally:
         engine.destroy()
@@ -108,6 +115,7 @@ def test_gathered_adapter_is_the_trainers_model(trained):
         batch = _probe_batch()
         logits = pm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(logits, trained["logits"], rtol=1e-5, atol=1e-5)
+    assert trained["shared"] == {"equal": True, "in_shm": True}, "gathered into shared memory, bit-equal"
 
 
 def test_lora_config_refusals():
@@ -122,6 +130,54 @@ def test_lora_config_refusals():
     with pytest.raises(ConfigError, match="lora must be a LoraConfig"):
         EngineConfig(preset="tiny", lora={"rank": 4})
     assert LoraConfig(target_modules="q_proj,v_proj").target_modules == ("q_proj", "v_proj")
+
+
+def test_safetensors_written_from_the_tensors_bytes_read_back_as_save_files(tmp_path):
+    """write_safetensors (the adapter directory's file): what safetensors reads back is every tensor bit-equal, in
+    dtype and shape, whether the tensors fill one buffer (one write), lie apart, are not contiguous or empty; a dtype
+    outside its table goes through save_file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from bridge.adapters import write_safetensors
+
+    flat = torch.randn(700, dtype=torch.float32).to(torch.bfloat16)
+    cases = {
+        "one-buffer": {"a.lora_A.weight": flat[:160].view(16, 10), "a.lora_B.weight": flat[160:700].view(54, 10)},
+        "apart": {"x": torch.randn(3, 5), "y": flat[5:25].view(4, 5), "t": torch.randn(6, 4).t(),
+                  "empty": torch.zeros(0, 3, dtype=torch.float16), "i": torch.arange(7, dtype=torch.int64)},
+        "one-storage-apart": {"p": flat[:10], "q": flat[20:30], "r": flat[10:20]},  # a gap, then backwards
+        "save_file": {"c": torch.randn(2, 2, dtype=torch.complex64), "d": torch.randn(3)},
+    }
+    for case, tensors in cases.items():
+        path = str(tmp_path / f"{case}.safetensors")
+        write_safetensors(path, tensors, {"format": "pt"})
+        back = load_file(path)
+        assert set(back) == set(tensors), case
+        for n, t in tensors.items():
+            assert back[n].dtype == t.dtype and back[n].shape == t.shape and torch.equal(back[n], t), (case, n)
+        with safe_open(path, "pt") as f:
+            assert f.metadata() == {"format": "pt"}, case
+
+
+def test_adapter_dir_in_place_first_made_durable_after(tmp_path):
+    """write_adapter_dir(durable=False) puts the whole directory in place (the publisher's servers load it while
+    sync_adapter_dir fsyncs it, before the announcement); sync_adapter_dir names a directory it cannot sync."""
+    from safetensors.torch import load_file
+
+    from bridge.adapters import sync_adapter_dir, write_adapter_dir
+    from bridge.errors import SnapshotError
+
+    tensors = {"base_model.model.x.lora_A.weight": torch.randn(4, 8)}
+    path = write_adapter_dir(str(tmp_path / "policy"), 3, tensors, {"r": 4}, durable=False)
+    assert sorted(os.listdir(tmp_path / "policy")) == ["v3"] and sorted(os.listdir(path)) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    sync_adapter_dir(path)
+    assert torch.equal(load_file(os.path.join(path, "adapter_model.safetensors"))["base_model.model.x.lora_A.weight"],
+                       tensors["base_model.model.x.lora_A.weight"])
+    os.remove(os.path.join(path, "adapter_config.json"))
+    with pytest.raises(SnapshotError, match=r"could not write adapter directory .*v3 durably: .*No such file"):
+        sync_adapter_dir(path)
 
 
 # ---------------------------------------------------------------------------------------------- publish
@@ -343,6 +399,10 @@ def test_adapter_publishes_into_the_reference_server(lora_server, adapter_root, 
     before = rank0["before"]
     assert before["tensors_equal"] and before["greedy_equal"] and before["version"] == str(ROUNDS), before
     assert rank0["base"] == (1 if via == "disk" else None), "the full sync of the base beside the adapter"
+    if via == "disk":  # the newest `keep` (3) directories stay (removed in the background, done by close()), v11's not
+        import os
+
+        assert sorted(os.listdir(os.path.join(adapter_root, "policy-disk"))) == ["v10", "v8", "v9"]
     assert rank0["served_after"]["checksums"] == {n: c for n, c in rank0["results"][-1].checksums.items()}
     assert not errors, f"{len(errors)} client errors while adapters were published: {errors[:3]}"
     for s in seen:

@@ -25,14 +25,20 @@ def _gather_matches_full_tensor():
     specs = source.param_specs()
     specs = [s.with_dtype(torch.bfloat16) if i % 2 else s for i, s in enumerate(specs)]
     results = []
+    scratch: dict = {}  # the send and receive buffers kept from one gather to the next (an adapter's publishes)
     for piece_bytes in (1, 64, 1 << 20):  # one parameter per piece, a few per piece, all in one
         for bucket in plan_buckets(specs, 1 << 20):
-            out = torch.zeros(bucket.nbytes, dtype=torch.uint8) if dist.get_rank() == 0 else None
-            gather_bucket_into([(s, source._params[s.name]) for s in bucket.specs], bucket, out, piece_bytes=piece_bytes)
-            full = {s.name: t for s, t in source.iter_full_tensors(bucket.specs)}
-            if out is not None:
-                results.append(torch.equal(out, flatten_tensors(bucket, full)))
-    return results
+            for keep in (None, scratch, scratch):  # fresh buffers, then the kept ones twice, the weights changed between
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1.0)
+                out = torch.zeros(bucket.nbytes, dtype=torch.uint8) if dist.get_rank() == 0 else None
+                gather_bucket_into([(s, source._params[s.name]) for s in bucket.specs], bucket, out,
+                                   piece_bytes=piece_bytes, scratch=keep)
+                full = {s.name: t for s, t in source.iter_full_tensors(bucket.specs)}
+                if out is not None:
+                    results.append(torch.equal(out, flatten_tensors(bucket, full)))
+    return results + [bool(scratch)]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -112,6 +112,7 @@ class FSDPEngine:
         self._param_index: dict[str, torch.Tensor] | None = None
         self._adapter_index: dict[str, torch.Tensor] | None = None  # the adapter's parameters, built once
         self._adapter_spec_list: list[ParamSpec] | None = None
+        self._adapter_scratch: dict = {}  # the adapter gather's send and receive buffers, reused (gather_bucket_into)
         # Under LoRA only the adapter requires a gradient: the frozen base weights never reach AdamW.
         self._optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
         self._scheduler = build_scheduler(self._optimizer, cfg.optimizer)
@@ -155,6 +156,7 @@ class FSDPEngine:
             self._publisher = self._publisher_key = None
         self._model = self._optimizer = self._scheduler = self._param_index = None
         self._adapter_index = self._adapter_spec_list = None
+        self._adapter_scratch = {}
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
@@ -494,13 +496,19 @@ class FSDPEngine:
         self._adapter_params()  # raises without an adapter (the index is built once)
         return adapter_config_dict(self._model, base_model=self.config.model_path or f"wsync-preset-{self.config.preset}")
 
-    def gather_adapter(self, dtype: torch.dtype | None = None, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    def gather_adapter(self, dtype: torch.dtype | None = None, dst: int = 0, shared: bool = False,
+                       reuse: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
         """Collective: the adapter's full tensors (``adapter_specs`` names, cast to ``dtype`` when given)
         on rank ``dst``, None on the others.
 
         An adapter is small (rank 16 on every projection of an 8B model: tens of MB), so it travels as one
         bucket through :func:`bridge.sources.gather_bucket_into`, the full sync's flat gathers: ``dst``
-        holds the bucket's buffer and nothing more; the tensors returned are views of it.
+        holds the bucket's buffer and nothing more; the tensors returned are views of it. ``shared`` (CPU): that
+        buffer in shared memory under torch's ``file_system`` strategy, which a server on this host maps when the
+        tensors are sent by reference (``/load_lora_adapter_from_tensors``), with no copy into shared memory first.
+        ``reuse``: the buffer an earlier gather's tensors are views of (their storage as a 1-D uint8 tensor), once no
+        one uses them any more, gathered into again on rank ``dst`` when it fits (1-D uint8 of the adapter's bytes in ``dtype`` on this engine's device;
+        else a fresh buffer): fresh memory costs a page fault per page at its first write, more than the copies.
         """
         from bridge.buckets import Bucket, unflatten_bucket
         from bridge.sources import PIECE_BYTES, gather_bucket_into
@@ -510,10 +518,22 @@ class FSDPEngine:
         if dtype is not None:
             specs = [ParamSpec(s.name, s.shape, dtype) for s in specs]
         bucket = Bucket(sorted(specs, key=lambda s: -s.dtype.itemsize))  # aligned offsets (one dtype: kept order)
-        out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device) if self.rank == dst else None
+        # (a buffer that does not fit is not an error raised here: rank dst alone would leave the collective)
+        fits = reuse is not None and reuse.dtype == torch.uint8 and reuse.dim() == 1 and reuse.numel() == bucket.nbytes \
+            and reuse.device == self._device
+        if self.rank != dst:
+            out = None
+        elif fits:
+            out = reuse
+        elif shared and self._device.type == "cpu" and bucket.nbytes:
+            storage = torch.UntypedStorage._new_using_filename_cpu(bucket.nbytes)
+            out = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (bucket.nbytes,))
+        else:
+            out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._device)
         # Pieces as large as the full sync's largest (16 MiB): an adapter of tens of MB is a few gathers, not one per
         # MiB (rank dst holds world x piece beside the adapter, a few times the adapter at most).
-        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, dst=dst, piece_bytes=PIECE_BYTES)
+        gather_bucket_into([(s, params[s.name]) for s in bucket.specs], bucket, out, dst=dst, piece_bytes=PIECE_BYTES,
+                           scratch=self._adapter_scratch)
         if out is None:
             return None
         return dict(unflatten_bucket(out, bucket.specs))
