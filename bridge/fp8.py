@@ -286,7 +286,10 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
                 at = offsets[n + SCALE_SUFFIX]
                 out[at: at + scales[n].numel() * 4].view(torch.float32).copy_(scales[n].reshape(-1))
         parts = [_Part(wire[n], shards[n], world, rank, scales.get(n), by_name[n].dtype) for n in moved]
-    limit = piece_bytes if piece_bytes is not None else piece_bytes_for(bucket.nbytes, world)
+    # Pieces of a quarter of a bucket over all ranks (the full sync's are an eighth: bridge.sources.piece_bytes_for):
+    # half as many gathers, each one step of the ranks in lock, with the quantization of each piece between them;
+    # rank dst holds two buckets and 3/8 of one at most (2 ranks), under 2.5x.
+    limit = piece_bytes if piece_bytes is not None else piece_bytes_for(2 * bucket.nbytes, world)
     piece: list[_Part] = []
     for p in parts:
         if piece and sum(q.slot for q in piece) + p.slot > limit:
