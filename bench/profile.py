@@ -16,8 +16,13 @@ rank 0 times the pieces of each sync instead of the sync alone:
 The wrappers only read the clock around the real calls; nothing is replaced. A cProfile of rank 0 over
 the timed syncs (top functions by cumulative time) is kept with the figures. One warm-up sync first.
 
+``--link RATE`` puts the servers behind a shaped link, as ``wsync bench --link`` does, so that what the link hides
+and what it does not are timed where bytes cost; ``--method fp8-32MiB`` and ``delta-lr<LR>`` time the FP8 bucket
+fills and the delta encoding's steps too.
+
 Example:
     python -m bench.profile --size many --method per-tensor --repeats 3
+    python -m bench.profile --size medium --method fp8-32MiB --link 1gbit
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ def _run_linked(args, argv: list[str]) -> int:
     import subprocess
     from dataclasses import asdict
 
-    from bench.netns import _ROOT, Link, LinkSpec, require
+    from bench.netns import Link, LinkSpec, require
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, importable inside
 
     require()
     link = Link(args.link)
@@ -93,9 +100,9 @@ def _run_linked(args, argv: list[str]) -> int:
         measured = link.measure(32.0)
         spec = asdict(LinkSpec(rate=args.link, delay=None, trainer_ns=link.ns["t"], server_ns=link.ns["s"],
                                trainer_addr=link.addr["t"], server_addr=link.addr["s"], measured=measured))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         inner = subprocess.Popen([*link.on("t"), sys.executable, "-m", "bench.profile", *argv, "--_link-spec",
-                                  json.dumps(spec)], cwd=_ROOT, env=env)
+                                  json.dumps(spec)], cwd=root, env=env)
         return inner.wait()
     finally:
         if inner is not None and inner.poll() is None:
