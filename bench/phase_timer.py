@@ -137,10 +137,18 @@ def _instrument(bench, totals, counts) -> list:
         undo.append(lambda: setattr(owner, attr, real))
 
     timed(CheckedSource, "gather", "gather")
+    import bridge.encodings.fp8 as fp8_encoding
+    from bridge.encodings.delta import DeltaEncoding
+
+    timed(fp8_encoding, "gather_fp8_bucket", "fp8 bucket fill")
+    for attr in ("prepare", "_diff", "_write_records", "end"):  # the delta encoding's own work (and fp8_delta's)
+        timed(DeltaEncoding, attr, f"delta {attr.strip('_')}")
     timed(Agreement, "exchange", lambda args: f"agreement {_kind(args[1])}")
     timed(Agreement, "step", lambda args: f"step {_kind(args[1])}")
     timed(Connection, "call", lambda args: f"http {args[2]}")  # (self, method, route, ...)
-    for pub in [bench.broadcast, bench.colocated, *bench.disks.values()]:
+    extra = [bench.fp8.pub] if getattr(bench, "fp8", None) is not None else []
+    extra += list(bench.delta.pubs.values()) if getattr(bench, "delta", None) is not None else []
+    for pub in [bench.broadcast, bench.colocated, *bench.disks.values(), *extra]:
         transport = getattr(pub, "_transport", None) if pub is not None else None
         if transport is not None:  # built at the warm-up publish
             for attr in ("begin", "buffer", "send", "settle", "commit"):

@@ -16,8 +16,13 @@ rank 0 times the pieces of each sync instead of the sync alone:
 The wrappers only read the clock around the real calls; nothing is replaced. A cProfile of rank 0 over
 the timed syncs (top functions by cumulative time) is kept with the figures. One warm-up sync first.
 
+``--link RATE`` puts the servers behind a shaped link, as ``wsync bench --link`` does, so that what the link hides
+and what it does not are timed where bytes cost; ``--method fp8-32MiB`` and ``delta-lr<LR>`` time the FP8 bucket
+fills and the delta encoding's steps too.
+
 Example:
     python -m bench.profile --size many --method per-tensor --repeats 3
+    python -m bench.profile --size medium --method fp8-32MiB --link 1gbit
 """
 
 from __future__ import annotations
@@ -47,24 +52,63 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--top", type=int, default=30, help="functions of the cProfile to show (by cumulative time)")
     p.add_argument("--json", help="also write the breakdown here")
+    p.add_argument("--link", metavar="RATE", help="the servers behind a link shaped to RATE (as wsync bench --link: root, "
+                                                  "iproute2), so that the pieces are timed where bytes cost")
+    p.add_argument("--log-level", default="WARNING", help="log level of every process (the servers' INFO lines time "
+                                                         "each request); with --keep-run their logs stay")
+    p.add_argument("--keep-run", action="store_true", help="keep the run folder (logs)")
+    p.add_argument("--_link-spec", dest="link_spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.link and not args.link_spec:
+        return _run_linked(args, argv if argv is not None else sys.argv[1:])
+    link = json.loads(args.link_spec) if args.link_spec else None
     kw = {"workdir": args.workdir} if args.workdir else {}
     # delta-lr<LR>: the delta rows' publisher (bench.delta), one optimizer step at LR before each timed sync.
     lrs = [float(args.method[len("delta-lr"):])] if args.method.startswith("delta-lr") else []
     cfg = BenchConfig(sizes=[args.size], bucket_mb=[args.bucket_mb], repeats=args.repeats, nproc=args.nproc, etcd=False,
-                      delta_lrs=lrs, lora_rank=16 if args.method.startswith("lora-") else 0, **kw)
+                      delta_lrs=lrs, lora_rank=16 if args.method.startswith("lora-") else 0,
+                      colocated=link is None, log_level=args.log_level, keep_run=args.keep_run, **kw)
     place = placement(cfg.device, cfg.nproc)
     run_dir = tempfile.mkdtemp(prefix="profile-", dir=ensure_dir(cfg.workdir, "runs"))
     try:
         out = measure_size(cfg, args.size, preset_model_dir(cfg.workdir, args.size), run_dir, None, place,
-                           extra={"profile": {"method": args.method, "repeats": args.repeats, "top": args.top}})
+                           extra={"profile": {"method": args.method, "repeats": args.repeats, "top": args.top}},
+                           link=link)
     finally:
-        clean_run(run_dir, keep=False)
+        clean_run(run_dir, keep=args.keep_run)
     print(format_breakdown(out))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def _run_linked(args, argv: list[str]) -> int:
+    """Build the link (:class:`bench.netns.Link`), run this profile again inside its trainer namespace, remove it."""
+    import subprocess
+    from dataclasses import asdict
+
+    from bench.netns import Link, LinkSpec, require
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, importable inside
+
+    require()
+    link = Link(args.link)
+    inner = None
+    try:
+        link.up()
+        measured = link.measure(32.0)
+        spec = asdict(LinkSpec(rate=args.link, delay=None, trainer_ns=link.ns["t"], server_ns=link.ns["s"],
+                               trainer_addr=link.addr["t"], server_addr=link.addr["s"], measured=measured))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        inner = subprocess.Popen([*link.on("t"), sys.executable, "-m", "bench.profile", *argv, "--_link-spec",
+                                  json.dumps(spec)], cwd=root, env=env)
+        return inner.wait()
+    finally:
+        if inner is not None and inner.poll() is None:
+            inner.terminate()
+            inner.wait(60)
+        link.down()
 
 
 def format_breakdown(out: dict) -> str:

@@ -30,6 +30,7 @@ model on one rank.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,6 +125,19 @@ def quantization_config(specs: Sequence[ParamSpec], rule: Fp8Rule) -> dict:
 # ---------------------------------------------------------------- the arithmetic
 
 
+_scratch = threading.local()
+
+
+def _reused(key: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` elements of a buffer this thread keeps across calls (grown as needed): the quantization's block buffers
+    and the gather's pieces took a fresh mapping each, and its page faults, per weight and per piece."""
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    buf = bufs.get((key, dtype, device))
+    if buf is None or buf.numel() < n:
+        buf = bufs[(key, dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n]
+
+
 def block_amax(rows: torch.Tensor, row0: int, n_blocks: int, served: torch.dtype | None = None) -> torch.Tensor:
     """Absmax per 128x128 block of the full tensor's grid, over ``rows`` (its rows ``row0 ..``) cast to ``served``
     (default: their dtype); 0 elsewhere."""
@@ -170,8 +184,8 @@ def quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torch
         b0, kb = row0 // BLOCK, k // BLOCK
         inv = 1.0 / scale[b0: b0 + n // BLOCK]
         out = torch.empty(n, k, dtype=FP8_DTYPE, device=rows.device) if out is None else out
-        tmp = torch.empty(BLOCK, kb, BLOCK, dtype=torch.float32, device=rows.device)
-        cast = None if rows.dtype == served else torch.empty(BLOCK, kb, BLOCK, dtype=served, device=rows.device)
+        tmp = _reused("tmp", BLOCK * k, torch.float32, rows.device).view(BLOCK, kb, BLOCK)
+        cast = None if rows.dtype == served else _reused("cast", BLOCK * k, served, rows.device).view(BLOCK, kb, BLOCK)
         # The product in fp32 of fp32 operands: torch.mul of a bf16 and an fp32 tensor into fp32 computes the same
         # values but takes a path 2x slower on CPU than a copy into fp32 followed by an fp32 multiply.
         for b in range(n // BLOCK):
@@ -272,7 +286,10 @@ def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[st
                 at = offsets[n + SCALE_SUFFIX]
                 out[at: at + scales[n].numel() * 4].view(torch.float32).copy_(scales[n].reshape(-1))
         parts = [_Part(wire[n], shards[n], world, rank, scales.get(n), by_name[n].dtype) for n in moved]
-    limit = piece_bytes if piece_bytes is not None else piece_bytes_for(bucket.nbytes, world)
+    # Pieces of a quarter of a bucket over all ranks (the full sync's are an eighth: bridge.sources.piece_bytes_for):
+    # half as many gathers, each one step of the ranks in lock, with the quantization of each piece between them;
+    # rank dst holds two buckets and 3/8 of one at most (2 ranks), under 2.5x.
+    limit = piece_bytes if piece_bytes is not None else piece_bytes_for(2 * bucket.nbytes, world)
     piece: list[_Part] = []
     for p in parts:
         if piece and sum(q.slot for q in piece) + p.slot > limit:
@@ -324,8 +341,8 @@ def _quantize_own_blocks(rows: torch.Tensor, out: torch.Tensor, served: torch.dt
     n, k = rows.shape
     kb = k // BLOCK
     grid = torch.empty(n // BLOCK, kb, dtype=torch.float32, device=rows.device)
-    tmp = torch.empty(BLOCK, kb, BLOCK, dtype=torch.float32, device=rows.device)
-    cast = None if rows.dtype == served else torch.empty(BLOCK, kb, BLOCK, dtype=served, device=rows.device)
+    tmp = _reused("tmp", BLOCK * k, torch.float32, rows.device).view(BLOCK, kb, BLOCK)
+    cast = None if rows.dtype == served else _reused("cast", BLOCK * k, served, rows.device).view(BLOCK, kb, BLOCK)
     for b in range(n // BLOCK):
         block = rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK)
         if cast is not None:
@@ -428,7 +445,7 @@ def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group
     device = next((p.local.device for p in parts if p.local is not None), torch.device("cpu"))
     if world > 1 and dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    send = torch.empty(total, dtype=torch.uint8, device=device)  # (padding bytes are sent, never read)
+    send = _reused("send", total, torch.uint8, device)  # (padding bytes are sent, never read)
     at, later = 0, []
     for p in parts:
         if isinstance(p, _ScalePart):  # after the weights: their one-pass quantization takes the scales first
@@ -446,7 +463,7 @@ def _gather_parts(parts: list[_Part], offsets, out, world: int, rank: int, group
         return
     else:
         direct = _direct_views(parts, offsets, out, total, device)
-        recv = direct or list(torch.empty(world * total, dtype=torch.uint8, device=device).split(total))
+        recv = direct or list(_reused("recv", world * total, torch.uint8, device).split(total))
         dist.gather(send, recv, dst=dst, group=group)
         if direct:
             return
