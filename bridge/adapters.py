@@ -372,7 +372,7 @@ class AdapterPublisher:
             return None
         folder = os.path.join(self.config.root, self.config.name)
         path = write_adapter_dir(folder, version, tensors, adapter_config, durable=False)
-        self._syncing = _SYNCS.submit(sync_adapter_dir, path)
+        self._syncing = _BACKGROUND.submit(sync_adapter_dir, path)
         return path
 
     def _durable(self) -> None:
@@ -533,8 +533,9 @@ class AdapterPublisher:
             logger.warning("adapter %r: could not remove old versions' directories: %s", self.config.name, e)
 
 
-_BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-cleanup")
-_SYNCS = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-sync")
+_BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-disk")
+"""Rank 0's disk work beside a publish: a directory's fsyncs (:meth:`AdapterPublisher._write`), the removal of old
+ones after a commit (one thread: a publish waits for the removal before it writes)."""
 _CHECKSUM_THREADS = 2
 _CHECKSUMS = ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="wsync-adapter-checksums")
 

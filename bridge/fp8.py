@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from bridge.buckets import Bucket, plan_buckets
 from bridge.errors import ConfigError
-from bridge.tensors import ParamSpec
+from bridge.tensors import ParamSpec, kept_buffer
 
 __all__ = [
     "BLOCK", "FIRST_BUCKET_DIVISOR", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "Fp8Linear", "Fp8Rule", "OwnScales",
@@ -129,13 +129,9 @@ _scratch = threading.local()
 
 
 def _reused(key: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``n`` elements of a buffer this thread keeps across calls (grown as needed): the quantization's block buffers
-    and the gather's pieces took a fresh mapping each, and its page faults, per weight and per piece."""
-    bufs = _scratch.__dict__.setdefault("bufs", {})
-    buf = bufs.get((key, dtype, device))
-    if buf is None or buf.numel() < n:
-        buf = bufs[(key, dtype, device)] = torch.empty(n, dtype=dtype, device=device)
-    return buf[:n]
+    """``n`` elements of a buffer this thread keeps across calls (:func:`bridge.tensors.kept_buffer`): the
+    quantization's block buffers and the gather's pieces took a fresh mapping each, per weight and per piece."""
+    return kept_buffer(_scratch.__dict__.setdefault("bufs", {}), (key, dtype, device), n, dtype, device)
 
 
 def block_amax(rows: torch.Tensor, row0: int, n_blocks: int, served: torch.dtype | None = None) -> torch.Tensor:

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from bridge.buckets import Bucket, pack_one
 from bridge.errors import ConfigError
 from bridge.failpoints import failpoint
-from bridge.tensors import ParamSpec
+from bridge.tensors import ParamSpec, kept_buffer
 
 __all__ = [
     "CAPABILITIES", "CheckedSource", "Digests", "GathersBuckets", "LocalShard", "LocalShards", "ModuleSource",
@@ -241,10 +241,7 @@ def _buffer(scratch: dict | None, key: str, nbytes: int, device: torch.device) -
     without a ``scratch``."""
     if scratch is None:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    buf = scratch.get(key)
-    if buf is None or buf.numel() < nbytes or buf.device != device:
-        buf = scratch[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buf[:nbytes]
+    return kept_buffer(scratch, key, nbytes, torch.uint8, device)
 
 
 def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, world: int, rank: int, group, dst: int,

@@ -9,7 +9,7 @@ import torch
 
 from bridge.errors import ConfigError
 
-__all__ = ["ParamSpec", "dtype_from_str", "dtype_to_str", "host_buffer"]
+__all__ = ["ParamSpec", "dtype_from_str", "dtype_to_str", "host_buffer", "kept_buffer"]
 
 # The dtypes a weight update may carry. SGLang resolves each with getattr(torch, name), so the wire form
 # is the bare attribute name ("bfloat16"), never "torch.bfloat16".
@@ -85,3 +85,13 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     syncs reuse them. A process that never touched CUDA gets plain memory (no CUDA context is created)."""
     pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def kept_buffer(store: dict, key, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` elements of a buffer kept in ``store`` under ``key`` from one call to the next (replaced when too small or
+    of another dtype or device): fresh memory costs a page fault per page at its first touch, more than the copies
+    into it (the FP8 quantization's blocks, the gathers' send and receive buffers)."""
+    buf = store.get(key)
+    if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+        buf = store[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n]
