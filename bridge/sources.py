@@ -180,7 +180,7 @@ def piece_bytes_for(bucket_bytes: int, world: int) -> int:
     return max(1 << 20, min(PIECE_BYTES, bucket_bytes // (8 * max(1, world))))
 
 
-def _row_sharded(p: torch.Tensor, world: int) -> bool:
+def row_sharded(p: torch.Tensor, world: int) -> bool:
     """True for an FSDP2 parameter: a DTensor sharded on dim 0 over all ranks of the default group."""
     if not isinstance(p, DTensor) or p.dim() == 0:
         return False
@@ -220,7 +220,7 @@ def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: 
         piece, size = [], 0
 
     for spec, p in items:
-        if world > 1 and _row_sharded(p, world):
+        if world > 1 and row_sharded(p, world):
             padded = -(-spec.shape[0] // world) * (spec.nbytes // spec.shape[0])
             if piece and size + padded > piece_bytes:
                 flush()
@@ -346,7 +346,7 @@ def local_shards_of(items: Sequence[tuple[ParamSpec, torch.Tensor]]) -> list[Loc
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
     out = []
     for spec, p in items:
-        if _row_sharded(p, world):
+        if row_sharded(p, world):
             local = p.to_local().reshape(-1)
             rows = -(-spec.shape[0] // world)
             out.append(LocalShard(spec, local if local.numel() else None, rank * rows * (spec.numel // spec.shape[0]),
