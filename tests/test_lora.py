@@ -371,7 +371,8 @@ def _generate_while(url: str, name: str, stop, seen: list, errors: list) -> None
 
 
 @pytest.mark.parametrize("via,fault", [("disk", "adapter:announce@0=RuntimeError"),
-                                       ("tensors", "adapter:commit@1=RuntimeError")])
+                                       ("tensors", "adapter:commit@1=RuntimeError"),
+                                       ("broadcast", "adapter:commit@1=RuntimeError")])
 def test_adapter_publishes_into_the_reference_server(lora_server, adapter_root, tmp_path, via, fault):
     """ROUNDS adapter publishes (2 ranks): the served adapter bit-equal to the trainer's, its greedy answer the
     trainer's PEFT model's, the version reported on each answer; 4 client threads meanwhile see no error and
