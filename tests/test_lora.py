@@ -577,6 +577,85 @@ def test_adapter_publishes_find_their_servers_in_a_registry(lora_server, second_
         assert served["wsync_lora_version"] == "2" and served["checksums"] == rank0[2], url
 
 
+def _unregister(registry: str, trial: str, url: str) -> None:
+    from bridge.fleet.discovery import server_id, servers_prefix
+    from bridge.name_resolve import DEFAULT_EXPERIMENT, make_name_resolve
+
+    nr = make_name_resolve(registry)
+    try:
+        nr.delete(f"{servers_prefix(DEFAULT_EXPERIMENT, trial)}/{server_id(url)}")
+    finally:
+        nr.close()
+
+
+def _broadcast_faults(registry: str, trial: str, urls: list[str], small: str):
+    """By broadcast to the servers registered for ``trial`` (``urls``): version 1; version 2 with ``small`` (its
+    --max-lora-rank below the adapter's rank) registered too; version 3 after it left; version 4 with a fault after
+    every server loaded it; version 5. After each: what every rank raised, what ``urls`` serve, their groups."""
+    import os
+
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-bc", via="broadcast", server_registry=registry,
+                                                  trial=trial, group_timeout=20))
+    out: dict = {"published": {}, "failed": {}, "served": {}, "groups": {}}
+    try:
+        for version in (1, 2, 3, 4, 5):
+            if engine.rank == 0 and version in (2, 3):
+                (_register if version == 2 else _unregister)(registry, trial, small)
+            train_step(engine, seed=version)
+            if version == 4:
+                os.environ["WSYNC_FAILPOINTS"] = "adapter:commit@0=RuntimeError"
+            try:
+                out["published"][version] = pub.publish(engine, version=version).checksums
+            except Exception as e:  # compared across ranks by the test
+                out["failed"][version] = f"{type(e).__name__}: {e}"
+            os.environ.pop("WSYNC_FAILPOINTS", None)
+            for u in urls if engine.rank == 0 else ():
+                c = ServerClient(u)
+                out["served"].setdefault(version, {})[u] = c.adapter_checksums("policy-bc")
+                out["groups"].setdefault(version, {})[u] = c.server_info()["internal_states"][0]["weight_update_groups"]
+                c.close()
+        return out
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_broadcast_publish_refused_by_a_server_or_failed_keeps_the_previous_adapter(lora_server, second_lora_server,
+                                                                                      server_factory, tmp_path):
+    """via='broadcast', 2 ranks: a server that refuses the adapter (rank over its --max-lora-rank, SGLang's words)
+    fails the publish on every rank with its message, and a fault after every server loaded it too; each time the
+    servers serve the previous version, bit for bit; the group is made again for the next publish (a new server set
+    or a failed publish: one group per server at a time, the old ones dropped on both sides)."""
+    small = server_factory(extra_args=["--enable-lora", "--max-lora-rank", "2"])
+    registry, urls = f"file://{tmp_path}/registry", [lora_server.url, second_lora_server.url]
+    for u in urls:
+        _register(registry, "lora-bc", u)
+    rank0, rank1 = run_ranks(_broadcast_faults, 2, args=(registry, "lora-bc", urls, small.url), timeout=120)
+    assert rank0["failed"] == rank1["failed"] and sorted(rank0["failed"]) == [2, 4], rank0["failed"]
+    refused, fault = rank0["failed"][2], rank0["failed"][4]
+    assert refused.startswith("SyncError") and "publish failed at adapter:load" in refused, refused
+    assert small.url in refused and r"with rank 4 is incompatible" in refused and "`--max-lora-rank` (2)" in refused
+    assert "adapter:commit" in fault and "rank 0" in fault, fault
+    serving = {1: 1, 2: 1, 3: 3, 4: 3, 5: 5}  # after each publish: the version served
+    for version, want in serving.items():
+        for u in urls:
+            served = rank0["served"][version][u]
+            assert served["wsync_lora_version"] == str(want), (version, u, served)
+            assert served["checksums"] == rank0["published"][want], (version, u)
+    groups = rank0["groups"]
+    for version in (1, 3, 4, 5):
+        assert [len(groups[version][u]) for u in urls] == [1, 1], (version, groups[version])
+        assert groups[version][urls[0]] == groups[version][urls[1]] and groups[version][urls[0]][0].startswith(
+            "wsync_lora_policy-bc-")
+    assert groups[1] != groups[3] != groups[4], "a new server set and a failed publish each get a new group"
+    assert groups[4] == groups[5], "the group is kept across publishes"
+
+
 def _interrupted_publish(url: str, via: str, root: str, nr_url: str, point: str):
     """Version 1, then version 2 with a real SIGINT sent at ``point`` (after the server loaded version 2), then
     version 2 for real: what each rank raised, and what the server served after the interrupt."""
