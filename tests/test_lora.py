@@ -416,8 +416,7 @@ def test_adapter_publishes_into_the_reference_server(lora_server, adapter_root, 
     (["--lora-alpha", "3"], "add --lora-rank R"),
     (["--lora-rank", "0"], "lora.rank must be an integer >= 1"),
     (["--publish-adapter", "p"], "train one with --lora-rank R"),
-    (["--lora-rank", "4", "--publish-adapter", "p", "--publish", "broadcast", "--server", "http://127.0.0.1:1"],
-     "--publish-adapter goes by --publish disk"),
+    (["--lora-rank", "4", "--publish-adapter", "p", "--publish", "broadcast"], "via=.broadcast. sends the adapter to servers"),
     (["--lora-rank", "4", "--publish-adapter", "a/b", "--publish", "disk"], "adapter name must be"),
 ])
 def test_train_lora_flags_refused(argv, message):
@@ -441,6 +440,21 @@ def test_train_publish_adapter_takes_the_server_registry():
     plain = _adapter_config(build_parser().parse_args(["train", "--lora-rank", "4", "--publish-adapter", "p",
                                                        "--publish", "disk"]))
     assert (plain.server_registry, plain.min_servers) == (None, 1), "without the flags: the config's defaults"
+
+
+def test_train_publish_adapter_by_broadcast_takes_the_group_flags():
+    """``wsync train --publish-adapter NAME --publish broadcast``: the adapter over a weight-update group, with the
+    weight broadcast's --group-timeout, --master-address, --master-port and --backend."""
+    from wsync.cli import build_parser
+    from wsync.train import _adapter_config, check_arguments
+
+    args = build_parser().parse_args(["train", "--lora-rank", "4", "--publish-adapter", "p", "--publish", "broadcast",
+                                      "--server", "http://10.0.0.2:30000", "--group-timeout", "7", "--master-address",
+                                      "10.0.0.1", "--master-port", "29999", "--backend", "gloo"])
+    check_arguments(args)
+    cfg = _adapter_config(args)
+    assert (cfg.via, cfg.servers, cfg.group_timeout, cfg.master_address, cfg.master_port, cfg.backend) == (
+        "broadcast", ["http://10.0.0.2:30000"], 7.0, "10.0.0.1", 29999, "gloo")
 
 
 @pytest.mark.slow
