@@ -459,17 +459,20 @@ def test_train_publish_adapter_by_broadcast_takes_the_group_flags():
 
 @pytest.mark.slow
 def test_demo_lora_end_to_end(tmp_path):
-    """``wsync demo --lora``: the adapter alone by disk and by tensors, each server's answer with it the trainer's."""
+    """``wsync demo --lora --transport all``: the adapter alone by disk, by tensors and by broadcast, each server's
+    answer with it the trainer's."""
     import json
 
     from tests.test_cli import wsync
 
     report = tmp_path / "out.json"
-    out = wsync("demo", "--lora", "--steps", "2", "--json", str(report), "--workdir", str(tmp_path / "w"))
+    out = wsync("demo", "--lora", "--transport", "all", "--steps", "2", "--json", str(report), "--workdir",
+                str(tmp_path / "w"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     data = json.loads(report.read_text())
     assert data["ok"] is True and data["lora"] is True
-    assert [(s["step"], s["transport"]) for s in data["syncs"]] == [(1, "disk"), (1, "tensors"), (2, "disk"), (2, "tensors")]
+    assert [(s["step"], s["transport"]) for s in data["syncs"]] == [
+        (step, via) for step in (1, 2) for via in ("disk", "tensors", "broadcast")]
     for s in data["syncs"]:
         assert s["bytes"] > 0
         for served in s["servers"].values():
