@@ -714,7 +714,8 @@ def _interrupted_publish(url: str, via: str, root: str, nr_url: str, point: str)
 
 
 @pytest.mark.parametrize("via,point,rank", [("disk", "adapter:announce@0=SIGINT", 0),
-                                            ("tensors", "adapter:commit@1=SIGINT", 1)])
+                                            ("tensors", "adapter:commit@1=SIGINT", 1),
+                                            ("broadcast", "adapter:commit@0=SIGINT", 0)])
 def test_ctrl_c_during_an_adapter_publish_leaves_the_previous_adapter(lora_server, adapter_root, tmp_path, via,
                                                                       point, rank):
     """A real SIGINT to one rank after the server loaded the new version: that rank raises KeyboardInterrupt
