@@ -5,7 +5,8 @@ Reference servers only: SGLang has no distributed adapter route, so real SGLang 
 host, by tensors. The group is made on the first load (``/init_weights_update_group`` to every server at once, this
 process joining as rank 0: :func:`bridge.transports.broadcast.make_group`, the weight broadcast's own), named
 ``wsync_lora_<name>-<8 hex>``, and kept across publishes; it is torn down (both sides, best effort) after a failed
-load, when the set of servers changes, and on close. A load posts ``/wsync/load_lora_adapter_from_distributed`` to
+load, when the set of servers changes, when a server no longer lists it (``/server_info``, asked before each load:
+restarted at its URL), and on close. A load posts ``/wsync/load_lora_adapter_from_distributed`` to
 every server at once and broadcasts the flat buffer the adapter was gathered into (``dist.broadcast`` of uint8), then
 waits for the answers and the broadcast against one deadline (``group_timeout + http_timeout``), as the weight
 broadcast's ``settle`` does.
@@ -26,9 +27,17 @@ from bridge.log import get_logger
 from bridge.process_group import default_backend
 from bridge.tensors import ParamSpec
 
-__all__ = ["AdapterGroup", "flat_layout", "require_reference_servers"]
+__all__ = ["AdapterGroup", "GroupLost", "flat_layout", "require_reference_servers"]
 
 logger = get_logger(__name__)
+
+_NO_GROUP = "Please call init_weights_update_group first"
+"""SGLang's words (and the reference server's) for a request on a group the server does not have."""
+
+
+class GroupLost(SyncError):
+    """A server no longer has the group (it restarted at the same URL, or dropped the group): a new group, made for
+    the same servers, can carry the load again."""
 
 
 def require_reference_servers(clients) -> None:
@@ -76,7 +85,10 @@ class AdapterGroup:
 
         urls = [c.url for c in clients]
         if self.pg is not None and self.servers.urls == urls:
-            return
+            lost = self._lost()
+            if not lost:
+                return
+            logger.info("adapter group %s: %s no longer have it (restarted?); making a new one", self.name, lost)
         self.teardown(keep=set(urls))
         cfg = self.config
         servers = ServerGroup(clients)
@@ -89,6 +101,22 @@ class AdapterGroup:
             servers.close(clients=False)
             raise
         self.servers = servers
+
+    def _lost(self) -> list[str]:
+        """The servers that no longer list the group (``/server_info``: a server restarted at its URL has lost it),
+        asked all at once; one that does not answer counts as lost (a new group then finds out)."""
+        futures = self.servers.submit(lambda c: c.server_info(timeout=self.config.http_timeout))
+        lost = []
+        for c, f in zip(self.servers.clients, futures):
+            try:
+                states = f.result().get("internal_states") or [{}]
+            except Exception:  # unreachable or a foreign answer: a new group finds out what is wrong
+                lost.append(c.url)
+                continue
+            groups = states[0].get("weight_update_groups") if isinstance(states[0], dict) else None
+            if groups is not None and self.name not in groups:
+                lost.append(c.url)
+        return lost
 
     def load(self, version: int, config: dict, tensors: dict[str, torch.Tensor], buffer: torch.Tensor | None,
              checksums: dict[str, str] | None) -> None:
@@ -146,4 +174,6 @@ def _answers(clients: list, futures: list, deadline: float, seconds: float) -> N
             errors.append(ServerError(c.url, f"{type(e).__name__}: {e}"))
     if errors:
         kind = VersionError if all(isinstance(e, VersionError) for e in errors) else SyncError
+        if kind is SyncError and any(isinstance(e, ServerError) and _NO_GROUP in str(e) for e in errors):
+            kind = GroupLost
         raise kind("; ".join(map(str, errors)))

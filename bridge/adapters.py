@@ -491,7 +491,7 @@ class AdapterPublisher:
 
     def _broadcast_all(self, new: _Published) -> None:
         """Rank 0, broadcast: every server loads ``new`` at once over the group (made on the first publish)."""
-        from bridge.adapter_broadcast import AdapterGroup
+        from bridge.adapter_broadcast import AdapterGroup, GroupLost
 
         clients = self._servers()
         for i in range(len(clients)):
@@ -500,7 +500,12 @@ class AdapterPublisher:
             self._group = AdapterGroup(self.config)
         self._group.ensure(clients)
         self._took.extend(clients)  # before the call: a server that timed out may have loaded it
-        self._group.load(new.version, new.config, new.tensors, new.buffer, new.checksums)
+        try:
+            self._group.load(new.version, new.config, new.tensors, new.buffer, new.checksums)
+        except GroupLost as e:  # a server lost the kept group (restarted at its URL): once more on a new one
+            logger.info("adapter %r: %s; loading it again over a new group", self.config.name, e)
+            self._group.ensure(clients)
+            self._group.load(new.version, new.config, new.tensors, new.buffer, new.checksums)
 
     def _broadcast_back(self, clients, prev: _Published) -> list[str]:
         """Rank 0, broadcast: ``clients`` load ``prev`` again, over a group of theirs (the failed publish's group

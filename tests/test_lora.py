@@ -608,7 +608,8 @@ def _unregister(registry: str, trial: str, url: str) -> None:
 def _broadcast_faults(registry: str, trial: str, urls: list[str], small: str):
     """By broadcast to the servers registered for ``trial`` (``urls``): version 1; version 2 with ``small`` (its
     --max-lora-rank below the adapter's rank) registered too; version 3 after it left; version 4 with a fault after
-    every server loaded it; version 5. After each: what every rank raised, what ``urls`` serve, their groups."""
+    every server loaded it; version 5; version 6 after the first server dropped the group (as a server restarted at
+    its URL has lost it). After each: what every rank raised, what ``urls`` serve, their groups."""
     import os
 
     from bridge import AdapterPublisher, AdapterPublisherConfig
@@ -620,9 +621,13 @@ def _broadcast_faults(registry: str, trial: str, urls: list[str], small: str):
                                                   trial=trial, group_timeout=20))
     out: dict = {"published": {}, "failed": {}, "served": {}, "groups": {}}
     try:
-        for version in (1, 2, 3, 4, 5):
+        for version in (1, 2, 3, 4, 5, 6):
             if engine.rank == 0 and version in (2, 3):
                 (_register if version == 2 else _unregister)(registry, trial, small)
+            if engine.rank == 0 and version == 6:
+                lost = ServerClient(urls[0])
+                lost.destroy_weights_update_group(out["groups"][5][urls[0]][0])
+                lost.close()
             train_step(engine, seed=version)
             if version == 4:
                 os.environ["WSYNC_FAILPOINTS"] = "adapter:commit@0=RuntimeError"
@@ -647,7 +652,8 @@ def test_broadcast_publish_refused_by_a_server_or_failed_keeps_the_previous_adap
     """via='broadcast', 2 ranks: a server that refuses the adapter (rank over its --max-lora-rank, SGLang's words)
     fails the publish on every rank with its message, and a fault after every server loaded it too; each time the
     servers serve the previous version, bit for bit; the group is made again for the next publish (a new server set
-    or a failed publish: one group per server at a time, the old ones dropped on both sides)."""
+    or a failed publish: one group per server at a time, the old ones dropped on both sides), and again within the
+    publish when a server lost it."""
     small = server_factory(extra_args=["--enable-lora", "--max-lora-rank", "2"])
     registry, urls = f"file://{tmp_path}/registry", [lora_server.url, second_lora_server.url]
     for u in urls:
@@ -658,19 +664,19 @@ def test_broadcast_publish_refused_by_a_server_or_failed_keeps_the_previous_adap
     assert refused.startswith("SyncError") and "publish failed at adapter:load" in refused, refused
     assert small.url in refused and r"with rank 4 is incompatible" in refused and "`--max-lora-rank` (2)" in refused
     assert "adapter:commit" in fault and "rank 0" in fault, fault
-    serving = {1: 1, 2: 1, 3: 3, 4: 3, 5: 5}  # after each publish: the version served
+    serving = {1: 1, 2: 1, 3: 3, 4: 3, 5: 5, 6: 6}  # after each publish: the version served
     for version, want in serving.items():
         for u in urls:
             served = rank0["served"][version][u]
             assert served["wsync_lora_version"] == str(want), (version, u, served)
             assert served["checksums"] == rank0["published"][want], (version, u)
     groups = rank0["groups"]
-    for version in (1, 3, 4, 5):
+    for version in (1, 3, 4, 5, 6):
         assert [len(groups[version][u]) for u in urls] == [1, 1], (version, groups[version])
         assert groups[version][urls[0]] == groups[version][urls[1]] and groups[version][urls[0]][0].startswith(
             "wsync_lora_policy-bc-")
     assert groups[1] != groups[3] != groups[4], "a new server set and a failed publish each get a new group"
-    assert groups[4] == groups[5], "the group is kept across publishes"
+    assert groups[4] == groups[5] != groups[6], "the group is kept across publishes, and made again when lost"
 
 
 def _interrupted_publish(url: str, via: str, root: str, nr_url: str, point: str):
