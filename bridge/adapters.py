@@ -126,8 +126,8 @@ class AdapterPublisherConfig:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ConfigError(f"adapter name must be letters, digits, '.', '_' or '-' (a path component), got {self.name!r}")
         if self.via not in VIAS:
-            raise ConfigError(f"via must be one of {', '.join(VIAS)} (an adapter goes by disk or, on one host, by "
-                              f"tensors), got {self.via!r}")
+            raise ConfigError(f"via must be one of {', '.join(VIAS)} (an adapter goes by disk, on one host by tensors, "
+                              f"or to reference servers by broadcast), got {self.via!r}")
         if isinstance(self.servers, str):
             raise ConfigError(f"servers must be a list of URLs, got the string {self.servers!r}")
         self.servers = [str(s).rstrip("/") for s in self.servers]
@@ -156,7 +156,6 @@ class AdapterPublisherConfig:
 
             self.root = os.path.join(tempfile.gettempdir(), f"wsync_{os.getuid()}", "adapters", self.experiment, self.trial)
 
-
     def _check_broadcast(self) -> None:
         if self.backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"backend must be gloo or nccl (or None: nccl with CUDA, gloo without), got {self.backend!r}")
@@ -164,7 +163,8 @@ class AdapterPublisherConfig:
                                              or not 0 < self.master_port < 65536):
             raise ConfigError(f"master_port must be a port number (1-65535), got {self.master_port!r}")
         if self.master_address is not None and not str(self.master_address).strip():
-            raise ConfigError("master_address must not be empty (leave it out to let the servers' route choose)")
+            raise ConfigError("master_address must not be empty (leave it out: 127.0.0.1 for servers on this host, "
+                              "else this host's address on the way to them)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,6 +132,21 @@ def test_lora_config_refusals():
     assert LoraConfig(target_modules="q_proj,v_proj").target_modules == ("q_proj", "v_proj")
 
 
+def test_adapter_publisher_config_refusals_for_broadcast():
+    from bridge import AdapterPublisherConfig
+
+    url = ["http://127.0.0.1:1"]
+    for kwargs, message in [({}, "via='broadcast' sends the adapter to servers: give servers="),
+                            ({"servers": url, "backend": "mpi"}, "backend must be gloo or nccl"),
+                            ({"servers": url, "master_port": 0}, r"master_port must be a port number \(1-65535\)"),
+                            ({"servers": url, "master_address": " "}, "master_address must not be empty"),
+                            ({"servers": url, "group_timeout": 0}, "group_timeout must be a positive number")]:
+        with pytest.raises(ConfigError, match=message):
+            AdapterPublisherConfig(name="p", via="broadcast", **kwargs)
+    with pytest.raises(ConfigError, match="via must be one of disk, tensors, broadcast"):
+        AdapterPublisherConfig(name="p", via="nccl")
+
+
 def test_safetensors_written_from_the_tensors_bytes_read_back_as_save_files(tmp_path):
     """write_safetensors (the adapter directory's file): what safetensors reads back is every tensor bit-equal, in
     dtype and shape, whether the tensors fill one buffer (one write), lie apart, are not contiguous or empty; a dtype
