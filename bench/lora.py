@@ -2,8 +2,8 @@
 
 One reference server (``--enable-lora``, the preset in bfloat16) and ``--nproc`` FSDP2 ranks training a LoRA
 adapter (rank ``--rank`` on every projection). Each round, after a barrier, rank 0 times: the full sync of
-the base (``WeightPublisher``, broadcast of flattened buckets), the adapter by tensors and the adapter by
-disk (``AdapterPublisher``); round 0 is a warm-up. Prints one line per method (median seconds, bytes, and the
+the base (``WeightPublisher``, broadcast of flattened buckets), the adapter by tensors, by disk and by broadcast
+(``AdapterPublisher``); round 0 is a warm-up (it makes the broadcast's group). Prints one line per method (median seconds, bytes, and the
 adapter's fraction of the full sync's time) and writes them to ``--json``.
 
     python -m bench.lora --preset medium --rank 16 --repeats 3 --json lora.json
@@ -47,6 +47,8 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, out_path: str) -> N
                                                                    dtype=spec["dtype"])),
         "adapter-disk": AdapterPublisher(AdapterPublisherConfig(name="bench-disk", via="disk", servers=[url], dtype=spec["dtype"],
                                                                 root=spec["root"], name_resolve="memory://bench-lora")),
+        "adapter-broadcast": AdapterPublisher(AdapterPublisherConfig(name="bench-broadcast", via="broadcast",
+                                                                     servers=[url], dtype=spec["dtype"])),
     }
     times: dict[str, list[float]] = {k: [] for k in pubs}
     phases: dict[str, list[dict]] = {k: [] for k in pubs}

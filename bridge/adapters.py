@@ -11,7 +11,10 @@ it does not go through the full-weight encodings: :class:`AdapterPublisher` gath
   the stable link ``<root>/<name>/current``, switched to that directory first, see :func:`point_current`), then
   announces it in name resolution under :func:`adapter_key` (the commit: a version announced is served);
 - by tensors, on one host (``via="tensors"``): ``/load_lora_adapter_from_tensors`` with the PEFT config
-  and the tensors (the payload as the server's SGLang version takes it).
+  and the tensors (the payload as the server's SGLang version takes it);
+- by broadcast, reference servers only, any host (``via="broadcast"``): the project route
+  ``/wsync/load_lora_adapter_from_distributed`` to every server at once and one broadcast of the gathered buffer on
+  a weight-update group kept across publishes (:mod:`bridge.adapter_broadcast`).
 
 The servers replace the adapter under its name in one step (the reference server's ``wsync_replace``): a
 client asking for the adapter by name never finds it missing. A publish is collective and every rank raises
@@ -24,7 +27,8 @@ The source (the FSDP2 engine in ``trainer/`` with ``EngineConfig(lora=...)``) of
 Fault points (:mod:`bridge.failpoints`): ``adapter:prepare``, ``adapter:gather`` (after the gather),
 ``adapter:write`` (disk, before the write), ``adapter:rename`` (disk, after the files were written, before
 the rename), ``adapter:servers`` (the servers found), ``adapter:load`` and ``adapter:load:<i>`` (before server ``i`` is told), ``adapter:announce``
-(disk) and ``adapter:commit``.
+(disk) and ``adapter:commit``. By broadcast every server is told at once: the ``adapter:load:<i>`` points all
+come before that.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ __all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig",
 
 logger = get_logger(__name__)
 
-VIAS = ("disk", "tensors")
+VIAS = ("disk", "tensors", "broadcast")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 SLACK_S = 5.0
 """Added to each step's bound: the exchange itself, on a loaded machine."""
@@ -81,7 +85,8 @@ class AdapterPublisherConfig:
     name: str
     """The adapter's stable name on the servers (SGLang's ``lora_name``; what ``lora_path`` asks for)."""
     via: str = "disk"
-    """``disk`` (a PEFT adapter directory, any host that sees ``root``) or ``tensors`` (servers on this host)."""
+    """``disk`` (a PEFT adapter directory, any host that sees ``root``), ``tensors`` (servers on this host) or
+    ``broadcast`` (reference servers on any host, over a weight-update group)."""
     servers: Sequence[str] = ()
     """Base URLs of the servers that serve the adapter."""
     server_registry: str | Sequence[str] | None = None
@@ -106,13 +111,23 @@ class AdapterPublisherConfig:
     """Seconds the gather step may take on every rank."""
     api_key: str | None = None
     admin_api_key: str | None = None
+    group_timeout: float = 60.0
+    """Broadcast: seconds for the group's rendezvous and for each broadcast."""
+    master_address: str | None = None
+    """Broadcast: this host's address as the servers reach it (default: 127.0.0.1 with local servers only, else the
+    address of the interface that routes to them)."""
+    master_port: int | None = None
+    """Broadcast: the group's rendezvous port (default: a free one)."""
+    backend: str | None = None
+    """Broadcast: ``gloo`` or ``nccl`` (default: :func:`bridge.process_group.default_backend`; the reference server
+    on CPU takes gloo)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ConfigError(f"adapter name must be letters, digits, '.', '_' or '-' (a path component), got {self.name!r}")
         if self.via not in VIAS:
-            raise ConfigError(f"via must be one of {', '.join(VIAS)} (an adapter goes by disk or, on one host, by "
-                              f"tensors), got {self.via!r}")
+            raise ConfigError(f"via must be one of {', '.join(VIAS)} (an adapter goes by disk, on one host by tensors, "
+                              f"or to reference servers by broadcast), got {self.via!r}")
         if isinstance(self.servers, str):
             raise ConfigError(f"servers must be a list of URLs, got the string {self.servers!r}")
         self.servers = [str(s).rstrip("/") for s in self.servers]
@@ -125,19 +140,31 @@ class AdapterPublisherConfig:
             check_registry_url(url)
         if isinstance(self.min_servers, bool) or not isinstance(self.min_servers, int) or self.min_servers < 1:
             raise ConfigError(f"min_servers must be an integer >= 1, got {self.min_servers!r}")
-        if self.via == "tensors" and not self.servers and not self.server_registry:
-            raise ConfigError("via='tensors' sends the adapter to servers: give servers=[URL, ...] or server_registry=URL")
+        if self.via in ("tensors", "broadcast") and not self.servers and not self.server_registry:
+            raise ConfigError(f"via={self.via!r} sends the adapter to servers: give servers=[URL, ...] or "
+                              "server_registry=URL")
+        self._check_broadcast()
         if self.keep < 2:
             raise ConfigError(f"keep must be >= 2 (the previous adapter is what a failed publish goes back to), got {self.keep}")
         if self.dtype is not None:
             dtype_from_str(self.dtype)  # raises ConfigError naming the dtype
-        for what in ("http_timeout", "gather_timeout"):
+        for what in ("http_timeout", "gather_timeout", "group_timeout"):
             if not getattr(self, what) > 0:
                 raise ConfigError(f"{what} must be a positive number of seconds, got {getattr(self, what)}")
         if self.root is None:
             import tempfile
 
             self.root = os.path.join(tempfile.gettempdir(), f"wsync_{os.getuid()}", "adapters", self.experiment, self.trial)
+
+    def _check_broadcast(self) -> None:
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ConfigError(f"backend must be gloo or nccl (or None: nccl with CUDA, gloo without), got {self.backend!r}")
+        if self.master_port is not None and (isinstance(self.master_port, bool) or not isinstance(self.master_port, int)
+                                             or not 0 < self.master_port < 65536):
+            raise ConfigError(f"master_port must be a port number (1-65535), got {self.master_port!r}")
+        if self.master_address is not None and not str(self.master_address).strip():
+            raise ConfigError("master_address must not be empty (leave it out: 127.0.0.1 for servers on this host, "
+                              "else this host's address on the way to them)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +231,7 @@ class AdapterPublisher:
         self._removing = None  # rank 0, disk: the removal of old directories, left running by the last commit
         self._syncing = None  # rank 0, disk: the fsyncs of the directory being published (:meth:`_write`)
         self._spare: _Published | None = None  # rank 0: a gather's buffer no one uses any more, the next one's memory
+        self._group = None  # rank 0, broadcast: the servers' weight-update group (bridge.adapter_broadcast)
 
     @property
     def last_version(self) -> int | None:
@@ -258,6 +286,8 @@ class AdapterPublisher:
             return self._part("adapter:commit", lambda: new.checksums)
 
         bound = cfg.http_timeout * (1 + found + (2 if cfg.via == "disk" else 0))  # + the write and the announcement
+        if cfg.via == "broadcast":  # + the group's rendezvous and the broadcast
+            bound += 2 * cfg.group_timeout
         checksums = self._step("adapter:load", deliver, bound, undo)[0]
         self._committed(new)
         return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
@@ -270,6 +300,9 @@ class AdapterPublisher:
             self._agree.finish(SLACK_S)
             self._last = None
         self._removed()
+        if self._group is not None:
+            self._group.teardown()
+            self._group = None
         for c in self._clients.values():
             c.close()
         for source in self._sources or ():
@@ -405,6 +438,10 @@ class AdapterPublisher:
                             f"min_servers={cfg.min_servers}; register more servers (wsync serve --register) or lower "
                             "min_servers")
         self._current = urls
+        if cfg.via == "broadcast":  # before anything moves
+            from bridge.adapter_broadcast import require_reference_servers
+
+            require_reference_servers(self._servers())
         return len(urls)
 
     def _servers(self):
@@ -421,6 +458,9 @@ class AdapterPublisher:
     def _load_all(self, new: _Published) -> None:
         """Rank 0: every server loads ``new`` (the ones that did are recorded, for :meth:`_undo`)."""
         if self._rank != 0:
+            return
+        if self.config.via == "broadcast":
+            self._broadcast_all(new)
             return
         for i, client in enumerate(self._servers()):
             failpoint(f"adapter:load:{i}", 0)
@@ -449,11 +489,45 @@ class AdapterPublisher:
             client.load_adapter_from_tensors(name, p.config, p.tensors, version=str(p.version), replace=True,
                                              checksums=p.checksums)
 
+    def _broadcast_all(self, new: _Published) -> None:
+        """Rank 0, broadcast: every server loads ``new`` at once over the group (made on the first publish)."""
+        from bridge.adapter_broadcast import AdapterGroup, GroupLost
+
+        clients = self._servers()
+        for i in range(len(clients)):
+            failpoint(f"adapter:load:{i}", 0)
+        if self._group is None:
+            self._group = AdapterGroup(self.config)
+        self._group.ensure(clients)
+        self._took.extend(clients)  # before the call: a server that timed out may have loaded it
+        try:
+            self._group.load(new.version, new.config, new.tensors, new.buffer, new.checksums)
+        except GroupLost as e:  # a server lost the kept group (restarted at its URL): once more on a new one
+            logger.info("adapter %r: %s; loading it again over a new group", self.config.name, e)
+            self._group.ensure(clients)
+            self._group.load(new.version, new.config, new.tensors, new.buffer, new.checksums)
+
+    def _broadcast_back(self, clients, prev: _Published) -> list[str]:
+        """Rank 0, broadcast: ``clients`` load ``prev`` again, over a group of theirs (the failed publish's group
+        was torn down); what failed, one clause each."""
+        try:
+            self._group.ensure(clients)
+            self._group.load(prev.version, prev.config, prev.tensors, prev.buffer, prev.checksums)
+        except BaseException as e:  # report it; the error raised is the publish's own
+            return [f"{', '.join(c.url for c in clients)}: {e}"]
+        return []
+
     def _load_back(self, clients) -> str:
         """Load the previous version into ``clients``; a clause for the error saying what they serve now."""
         if not clients:
             return ""
         prev = self._served
+        if prev is not None and self.config.via == "broadcast":
+            failed = self._broadcast_back(clients, prev)
+            what = f"version {prev.version}"
+            if failed:
+                return f"; could not put {what} back on {'; '.join(failed)}"
+            return f"; {len(clients)} server(s) that had loaded it serve {what} again"
         failed = []
         for client in clients:
             try:
@@ -477,6 +551,8 @@ class AdapterPublisher:
             self._durable()  # (the directory is removed below: its fsyncs end first)
         except BaseException:  # the publish fails anyway
             pass
+        if self._group is not None:  # not trusted after a failure: a new one for the servers that go back
+            self._group.teardown()
         status = self._load_back(self._took)
         self._took = []
         if self._announced is not None:

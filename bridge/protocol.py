@@ -255,7 +255,7 @@ ADMIN_ROUTES = frozenset({
     "/update_weight_version", "/pause_generation", "/continue_generation", "/flush_cache", "/get_weights_by_name",
     "/release_memory_occupation", "/resume_memory_occupation", "/abort_request", "/weights_checker", "/wsync/weights_checksum", "/wsync/bench/recv_raw",
     "/wsync/abort_weight_update", "/wsync/writer_lease", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
-    "/unload_lora_adapter", "/wsync/lora_checksum",
+    "/unload_lora_adapter", "/wsync/lora_checksum", "/wsync/load_lora_adapter_from_distributed",
 })
 
 

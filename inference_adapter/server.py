@@ -114,7 +114,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
     lo = p.add_argument_group("LoRA", "serve PEFT LoRA adapters by name (SGLang's flags; docs/lora.md)")
     lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters: /load_lora_adapter, "
-                    "/load_lora_adapter_from_tensors, /unload_lora_adapter, and lora_path in /generate")
+                    "/load_lora_adapter_from_tensors, /unload_lora_adapter, /wsync/load_lora_adapter_from_distributed, and "
+                    "lora_path in /generate")
     lo.add_argument("--max-lora-rank", type=int, default=64, help="the largest adapter rank loaded (default 64; "
                     "SGLang needs it given when no --lora-paths are)")
     lo.add_argument("--max-loaded-loras", type=int, default=None, help="adapters loaded at once; beyond it the least "

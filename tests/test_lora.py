@@ -132,6 +132,21 @@ def test_lora_config_refusals():
     assert LoraConfig(target_modules="q_proj,v_proj").target_modules == ("q_proj", "v_proj")
 
 
+def test_adapter_publisher_config_refusals_for_broadcast():
+    from bridge import AdapterPublisherConfig
+
+    url = ["http://127.0.0.1:1"]
+    for kwargs, message in [({}, "via='broadcast' sends the adapter to servers: give servers="),
+                            ({"servers": url, "backend": "mpi"}, "backend must be gloo or nccl"),
+                            ({"servers": url, "master_port": 0}, r"master_port must be a port number \(1-65535\)"),
+                            ({"servers": url, "master_address": " "}, "master_address must not be empty"),
+                            ({"servers": url, "group_timeout": 0}, "group_timeout must be a positive number")]:
+        with pytest.raises(ConfigError, match=message):
+            AdapterPublisherConfig(name="p", via="broadcast", **kwargs)
+    with pytest.raises(ConfigError, match="via must be one of disk, tensors, broadcast"):
+        AdapterPublisherConfig(name="p", via="nccl")
+
+
 def test_safetensors_written_from_the_tensors_bytes_read_back_as_save_files(tmp_path):
     """write_safetensors (the adapter directory's file): what safetensors reads back is every tensor bit-equal, in
     dtype and shape, whether the tensors fill one buffer (one write), lie apart, are not contiguous or empty; a dtype
@@ -371,7 +386,8 @@ def _generate_while(url: str, name: str, stop, seen: list, errors: list) -> None
 
 
 @pytest.mark.parametrize("via,fault", [("disk", "adapter:announce@0=RuntimeError"),
-                                       ("tensors", "adapter:commit@1=RuntimeError")])
+                                       ("tensors", "adapter:commit@1=RuntimeError"),
+                                       ("broadcast", "adapter:commit@1=RuntimeError")])
 def test_adapter_publishes_into_the_reference_server(lora_server, adapter_root, tmp_path, via, fault):
     """ROUNDS adapter publishes (2 ranks): the served adapter bit-equal to the trainer's, its greedy answer the
     trainer's PEFT model's, the version reported on each answer; 4 client threads meanwhile see no error and
@@ -415,8 +431,7 @@ def test_adapter_publishes_into_the_reference_server(lora_server, adapter_root, 
     (["--lora-alpha", "3"], "add --lora-rank R"),
     (["--lora-rank", "0"], "lora.rank must be an integer >= 1"),
     (["--publish-adapter", "p"], "train one with --lora-rank R"),
-    (["--lora-rank", "4", "--publish-adapter", "p", "--publish", "broadcast", "--server", "http://127.0.0.1:1"],
-     "--publish-adapter goes by --publish disk"),
+    (["--lora-rank", "4", "--publish-adapter", "p", "--publish", "broadcast"], "via=.broadcast. sends the adapter to servers"),
     (["--lora-rank", "4", "--publish-adapter", "a/b", "--publish", "disk"], "adapter name must be"),
 ])
 def test_train_lora_flags_refused(argv, message):
@@ -442,19 +457,37 @@ def test_train_publish_adapter_takes_the_server_registry():
     assert (plain.server_registry, plain.min_servers) == (None, 1), "without the flags: the config's defaults"
 
 
+def test_train_publish_adapter_by_broadcast_takes_the_group_flags():
+    """``wsync train --publish-adapter NAME --publish broadcast``: the adapter over a weight-update group, with the
+    weight broadcast's --group-timeout, --master-address, --master-port and --backend."""
+    from wsync.cli import build_parser
+    from wsync.train import _adapter_config, check_arguments
+
+    args = build_parser().parse_args(["train", "--lora-rank", "4", "--publish-adapter", "p", "--publish", "broadcast",
+                                      "--server", "http://10.0.0.2:30000", "--group-timeout", "7", "--master-address",
+                                      "10.0.0.1", "--master-port", "29999", "--backend", "gloo"])
+    check_arguments(args)
+    cfg = _adapter_config(args)
+    assert (cfg.via, cfg.servers, cfg.group_timeout, cfg.master_address, cfg.master_port, cfg.backend) == (
+        "broadcast", ["http://10.0.0.2:30000"], 7.0, "10.0.0.1", 29999, "gloo")
+
+
 @pytest.mark.slow
 def test_demo_lora_end_to_end(tmp_path):
-    """``wsync demo --lora``: the adapter alone by disk and by tensors, each server's answer with it the trainer's."""
+    """``wsync demo --lora --transport all``: the adapter alone by disk, by tensors and by broadcast, each server's
+    answer with it the trainer's."""
     import json
 
     from tests.test_cli import wsync
 
     report = tmp_path / "out.json"
-    out = wsync("demo", "--lora", "--steps", "2", "--json", str(report), "--workdir", str(tmp_path / "w"))
+    out = wsync("demo", "--lora", "--transport", "all", "--steps", "2", "--json", str(report), "--workdir",
+                str(tmp_path / "w"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     data = json.loads(report.read_text())
     assert data["ok"] is True and data["lora"] is True
-    assert [(s["step"], s["transport"]) for s in data["syncs"]] == [(1, "disk"), (1, "tensors"), (2, "disk"), (2, "tensors")]
+    assert [(s["step"], s["transport"]) for s in data["syncs"]] == [
+        (step, via) for step in (1, 2) for via in ("disk", "tensors", "broadcast")]
     for s in data["syncs"]:
         assert s["bytes"] > 0
         for served in s["servers"].values():
@@ -576,6 +609,91 @@ def test_adapter_publishes_find_their_servers_in_a_registry(lora_server, second_
         assert served["wsync_lora_version"] == "2" and served["checksums"] == rank0[2], url
 
 
+def _unregister(registry: str, trial: str, url: str) -> None:
+    from bridge.fleet.discovery import server_id, servers_prefix
+    from bridge.name_resolve import DEFAULT_EXPERIMENT, make_name_resolve
+
+    nr = make_name_resolve(registry)
+    try:
+        nr.delete(f"{servers_prefix(DEFAULT_EXPERIMENT, trial)}/{server_id(url)}")
+    finally:
+        nr.close()
+
+
+def _broadcast_faults(registry: str, trial: str, urls: list[str], small: str):
+    """By broadcast to the servers registered for ``trial`` (``urls``): version 1; version 2 with ``small`` (its
+    --max-lora-rank below the adapter's rank) registered too; version 3 after it left; version 4 with a fault after
+    every server loaded it; version 5; version 6 after the first server dropped the group (as a server restarted at
+    its URL has lost it). After each: what every rank raised, what ``urls`` serve, their groups."""
+    import os
+
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-bc", via="broadcast", server_registry=registry,
+                                                  trial=trial, group_timeout=20))
+    out: dict = {"published": {}, "failed": {}, "served": {}, "groups": {}}
+    try:
+        for version in (1, 2, 3, 4, 5, 6):
+            if engine.rank == 0 and version in (2, 3):
+                (_register if version == 2 else _unregister)(registry, trial, small)
+            if engine.rank == 0 and version == 6:
+                lost = ServerClient(urls[0])
+                lost.destroy_weights_update_group(out["groups"][5][urls[0]][0])
+                lost.close()
+            train_step(engine, seed=version)
+            if version == 4:
+                os.environ["WSYNC_FAILPOINTS"] = "adapter:commit@0=RuntimeError"
+            try:
+                out["published"][version] = pub.publish(engine, version=version).checksums
+            except Exception as e:  # compared across ranks by the test
+                out["failed"][version] = f"{type(e).__name__}: {e}"
+            os.environ.pop("WSYNC_FAILPOINTS", None)
+            for u in urls if engine.rank == 0 else ():
+                c = ServerClient(u)
+                out["served"].setdefault(version, {})[u] = c.adapter_checksums("policy-bc")
+                out["groups"].setdefault(version, {})[u] = c.server_info()["internal_states"][0]["weight_update_groups"]
+                c.close()
+        return out
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_broadcast_publish_refused_by_a_server_or_failed_keeps_the_previous_adapter(lora_server, second_lora_server,
+                                                                                      server_factory, tmp_path):
+    """via='broadcast', 2 ranks: a server that refuses the adapter (rank over its --max-lora-rank, SGLang's words)
+    fails the publish on every rank with its message, and a fault after every server loaded it too; each time the
+    servers serve the previous version, bit for bit; the group is made again for the next publish (a new server set
+    or a failed publish: one group per server at a time, the old ones dropped on both sides), and again within the
+    publish when a server lost it."""
+    small = server_factory(extra_args=["--enable-lora", "--max-lora-rank", "2"])
+    registry, urls = f"file://{tmp_path}/registry", [lora_server.url, second_lora_server.url]
+    for u in urls:
+        _register(registry, "lora-bc", u)
+    rank0, rank1 = run_ranks(_broadcast_faults, 2, args=(registry, "lora-bc", urls, small.url), timeout=120)
+    assert rank0["failed"] == rank1["failed"] and sorted(rank0["failed"]) == [2, 4], rank0["failed"]
+    refused, fault = rank0["failed"][2], rank0["failed"][4]
+    assert refused.startswith("SyncError") and "publish failed at adapter:load" in refused, refused
+    assert small.url in refused and r"with rank 4 is incompatible" in refused and "`--max-lora-rank` (2)" in refused
+    assert "adapter:commit" in fault and "rank 0" in fault, fault
+    serving = {1: 1, 2: 1, 3: 3, 4: 3, 5: 5, 6: 6}  # after each publish: the version served
+    for version, want in serving.items():
+        for u in urls:
+            served = rank0["served"][version][u]
+            assert served["wsync_lora_version"] == str(want), (version, u, served)
+            assert served["checksums"] == rank0["published"][want], (version, u)
+    groups = rank0["groups"]
+    for version in (1, 3, 4, 5, 6):
+        assert [len(groups[version][u]) for u in urls] == [1, 1], (version, groups[version])
+        assert groups[version][urls[0]] == groups[version][urls[1]] and groups[version][urls[0]][0].startswith(
+            "wsync_lora_policy-bc-")
+    assert groups[1] != groups[3] != groups[4], "a new server set and a failed publish each get a new group"
+    assert groups[4] == groups[5] != groups[6], "the group is kept across publishes, and made again when lost"
+
+
 def _interrupted_publish(url: str, via: str, root: str, nr_url: str, point: str):
     """Version 1, then version 2 with a real SIGINT sent at ``point`` (after the server loaded version 2), then
     version 2 for real: what each rank raised, and what the server served after the interrupt."""
@@ -617,7 +735,8 @@ def _interrupted_publish(url: str, via: str, root: str, nr_url: str, point: str)
 
 
 @pytest.mark.parametrize("via,point,rank", [("disk", "adapter:announce@0=SIGINT", 0),
-                                            ("tensors", "adapter:commit@1=SIGINT", 1)])
+                                            ("tensors", "adapter:commit@1=SIGINT", 1),
+                                            ("broadcast", "adapter:commit@0=SIGINT", 0)])
 def test_ctrl_c_during_an_adapter_publish_leaves_the_previous_adapter(lora_server, adapter_root, tmp_path, via,
                                                                       point, rank):
     """A real SIGINT to one rank after the server loaded the new version: that rank raises KeyboardInterrupt

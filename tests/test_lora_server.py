@@ -491,3 +491,97 @@ def test_lora_gates_are_each_installed_releases():
         assert seen[v] == (f.lora_from_tensors, f.lora_from_tensors and f.lora_tensors_per_rank), (v, seen[v], fields)
         assert not route or {"serialized_named_tensors", "serialized_tensors"} & fields
     assert seen["0.5.8"] == (True, False) and seen["0.5.23"] == (True, True) and seen["0.5.7"] == (False, False)
+
+
+# ------------------------------------------------------------------ over a weight-update group (the project route)
+
+def _over_group(trainer, client, name: str, cfg: dict, tensors: dict, *, version: str, checksums=None,
+                broadcast: bool = True, before_broadcast=None) -> dict:
+    """``/wsync/load_lora_adapter_from_distributed`` of ``tensors`` and one broadcast of their flat buffer from
+    ``trainer`` (group rank 0 in this process); ``before_broadcast()`` runs while the server waits for it."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from bridge.adapter_broadcast import flat_layout
+
+    bucket, buf = flat_layout(tensors, None)
+    f = trainer.pool.submit(client.load_adapter_from_distributed, name, cfg, names=[s.name for s in bucket.specs],
+                            dtypes=[s.dtype for s in bucket.specs], shapes=[list(s.shape) for s in bucket.specs],
+                            group_name=trainer.group_name, version=version, replace=True, checksums=checksums,
+                            timeout=trainer.timeout + 10)
+    if before_broadcast is not None:
+        deadline = time.monotonic() + trainer.timeout  # the server's receive waits at most --receive-timeout
+        while client.server_info()["internal_states"][0]["receiving_on_group"] != trainer.group_name:
+            assert not f.done(), f.result()
+            assert time.monotonic() < deadline, "the server never waited for the broadcast"
+            time.sleep(0.02)
+        before_broadcast()
+    if broadcast:
+        work = dist.broadcast(buf, src=0, group=trainer.pg, async_op=True)
+        try:
+            work.wait(datetime.timedelta(seconds=trainer.timeout))
+        except RuntimeError:  # the server dropped the group without receiving: its answer says why
+            pass
+    return f.result(timeout=trainer.timeout + 20)
+
+
+def test_an_adapter_over_a_weight_update_group(lora_server, server_factory, adapters):
+    """The reference server's ``/wsync/load_lora_adapter_from_distributed``: the broadcast adapter gives PEFT's
+    answer, bit-equal, and generation goes on while the server waits for the broadcast. Refused after the receive
+    (the group stays usable), in SGLang's words: a checksum mismatch, a rank over ``--max-lora-rank``. Refused before
+    it, the group destroyed: an announcement that describes no buffer, LoRA not enabled. A broadcast that never
+    comes ends by the receive bound. Every refusal leaves the previous adapter serving."""
+    from tests.fixtures_server import Trainer
+
+    c = lora_server.client
+    (cfg1, t1, want1), (cfg2, t2, want2) = adapters[1], adapters[2]
+
+    def sums(t):
+        return {n: tensor_checksum(x) for n, x in t.items()}
+
+    def serves(client, version, want, t):
+        r = _gen(client, "bc")
+        assert r["output_ids"] == want and r["meta_info"]["wsync_lora_version"] == version
+        assert client.adapter_checksums("bc")["checksums"] == sums(t)
+
+    with Trainer([c]) as tr:
+        out = _over_group(tr, c, "bc", cfg1, t1, version="1", checksums=sums(t1))
+        assert out["loaded_adapters"]["bc"] == "__distributed__" and out["wsync_lora_version"] == "1", out
+        serves(c, "1", want1, t1)
+        with pytest.raises(ServerError, match=r"\[LORA-CHECK\] rank0 adapter sync MISMATCH of 28 expected: 28 value-diff"):
+            _over_group(tr, c, "bc", cfg2, t2, version="2", checksums={n: "0" * 64 for n in t2})
+        big_cfg, big_t, _ = _adapter(9, r=32)
+        with pytest.raises(ServerError, match=r"with rank 32 is incompatible .* `--max-lora-rank` \(16\)"):
+            _over_group(tr, c, "bc", big_cfg, big_t, version="2")
+        serves(c, "1", want1, t1)
+        # the group is still usable; a generation answers while the server waits for the broadcast
+        _over_group(tr, c, "bc", cfg2, t2, version="2", checksums=sums(t2),
+                    before_broadcast=lambda: serves(c, "1", want1, t1))
+        serves(c, "2", want2, t2)
+        names = list(t1)
+        with pytest.raises(ServerError, match=r"dtype 'float99', which is not a torch dtype name.*was not received, "
+                                              r"so group wsync-test-\S+ was destroyed"):
+            c.load_adapter_from_distributed("bc", cfg1, names=names, dtypes=["float99"] * len(names),
+                                            shapes=[list(t1[n].shape) for n in names], group_name=tr.group_name,
+                                            version="3", replace=True)
+        with pytest.raises(ServerError, match=r"Group wsync-test-\S+ not in \[\] \(the server destroyed it because it "
+                                              r"was sent an adapter it could not receive\)"):
+            _over_group(tr, c, "bc", cfg1, t1, version="3", broadcast=False)
+        serves(c, "2", want2, t2)
+    c.unload_adapter("bc")
+
+    # --group-timeout 3: a group dropped while a receive waits on it is destroyed once that receive ends (gloo)
+    quick, plain = server_factory.many([{"extra_args": ["--enable-lora", "--receive-timeout", "1", "--group-timeout", "3"]}, {}])
+    with Trainer([quick.client]) as tr:
+        _over_group(tr, quick.client, "bc", cfg1, t1, version="1")
+        with pytest.raises(ServerError, match=r"broadcast on group \S+ failed .*did not arrive within .* The group was "
+                                              "destroyed; call init_weights_update_group again. The served adapter is "
+                                              "unchanged"):
+            _over_group(tr, quick.client, "bc", cfg2, t2, version="2", broadcast=False)
+        serves(quick.client, "1", want1, t1)
+    with Trainer([plain.client]) as tr:
+        with pytest.raises(ServerError, match=r"LoRA is not enabled. Please set `--enable-lora` to enable LoRA. The "
+                                              r"trainer's broadcast was not received, so group \S+ was destroyed"):
+            _over_group(tr, plain.client, "bc", cfg1, t1, version="1")

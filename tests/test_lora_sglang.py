@@ -130,6 +130,43 @@ def test_publisher_loads_the_trainers_adapter_through_sglang_own_code(sglang_lor
     assert len(ids) == len(checks)  # every publish a load of its own
 
 
+def _broadcast_into_sglang(url: str):
+    """via='broadcast' to real SGLang: what each rank raised."""
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-bc", via="broadcast", servers=[url]))
+    try:
+        pub.publish(engine, version=1)
+    except Exception as e:  # compared across ranks by the test
+        return f"{type(e).__name__}: {e}"
+    finally:
+        pub.close()
+        engine.destroy()
+    return None
+
+
+def test_an_adapter_by_broadcast_is_refused_for_sglang_before_anything_moves(sglang_lora):
+    """SGLang has no distributed adapter route: the client refuses ``load_adapter_from_distributed`` before it sends
+    anything, and ``via='broadcast'`` fails on every rank once the servers are found, before any group or load."""
+    from bridge.client import ServerClient
+    from bridge.errors import ConfigError
+
+    c = ServerClient(sglang_lora.url)
+    try:
+        with pytest.raises(ConfigError, match=r"is not the reference server \(wsync serve\): SGLang has no route .* "
+                                              r"publish it by disk \(via='disk'\)"):
+            c.load_adapter_from_distributed("policy-bc", {}, names=["x"], dtypes=["float32"], shapes=[[1]],
+                                            group_name="g")
+    finally:
+        c.close()
+    failed = run_ranks(_broadcast_into_sglang, 2, args=(sglang_lora.url,), timeout=120)
+    assert failed[0] and failed[0] == failed[1], failed
+    assert failed[0].startswith("ConfigError") and "publish failed at adapter:servers" in failed[0], failed[0]
+    assert "only the reference server (wsync serve) takes" in failed[0] and sglang_lora.url in failed[0], failed[0]
+    assert "policy-bc" not in (sglang_lora.lora()["loaded"] or {})
+
+
 # ------------------------------------------------------------------ the replace (unload, then load) on SGLang's code
 
 HOLD_S = 300.0  # an in-flight generation's length: it ends when the test releases it (/wsync_harness/release_holds)

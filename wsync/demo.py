@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flags(p, only=("bucket_mb", "serving_dtype"))
     p.add_argument("--lora", action="store_true",
                    help="train a LoRA adapter (rank 8 on every projection) and publish only the adapter, by disk and by "
-                        "tensors (--transport disk, colocated, or both); the servers serve it as lora_path=policy")
+                        "tensors (--transport disk, colocated, broadcast, both = disk and tensors, or all); the servers "
+                        "serve it as lora_path=policy")
     # Internal: set when the demo re-runs itself as a trainer rank under torchrun.
     p.add_argument("--_trainer-spec", dest="trainer_spec", help=argparse.SUPPRESS)
 
@@ -207,10 +208,12 @@ def _publishers(spec: dict) -> dict:
 
 
 def _adapter_publishers(spec: dict) -> dict:
-    """via -> AdapterPublisher of the adapter alone: disk (``--transport disk``), tensors (``colocated``), or both."""
+    """via -> AdapterPublisher of the adapter alone: disk (``--transport disk``), tensors (``colocated``), broadcast
+    (``broadcast``), disk and tensors (``both``) or all three (``all``)."""
     from bridge import AdapterPublisher, AdapterPublisherConfig
 
-    vias = {"disk": ["disk"], "colocated": ["tensors"]}.get(spec["transport"], ["disk", "tensors"])
+    vias = {"disk": ["disk"], "colocated": ["tensors"], "broadcast": ["broadcast"],
+            "all": ["disk", "tensors", "broadcast"]}.get(spec["transport"], ["disk", "tensors"])
     root = os.path.join(spec["snapshot_root"], "adapters")
     return {via: AdapterPublisher(AdapterPublisherConfig(
         name=f"{ADAPTER}-{via}" if len(vias) > 1 else ADAPTER, via=via, servers=spec["servers"], root=root,

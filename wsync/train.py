@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--publish-adapter", default=None, metavar="NAME",
                    help="publish the adapter alone under NAME after every step: with --publish disk a PEFT "
                         "directory under --snapshot-root, announced in --name-resolve; with --publish colocated by "
-                        "tensors to servers on this host (they serve it as lora_path=NAME)")
+                        "tensors to servers on this host; with --publish broadcast over a weight-update group to "
+                        "reference servers (wsync serve) on any host (they serve it as lora_path=NAME)")
     p.add_argument("--save", metavar="DIR", help="save the trained model here at the end")
     p.add_argument("--save-format", default="hf", choices=["hf", "dcp"], help="format of --save")
     p.add_argument("--start-version", type=int, metavar="N",
@@ -260,12 +261,17 @@ def _adapter_config(args: argparse.Namespace):
 
     if args.lora_rank is None:
         raise ConfigError("--publish-adapter publishes a LoRA adapter; train one with --lora-rank R")
-    vias = {"disk": "disk", "colocated": "tensors"}
-    if args.transport not in vias:
-        raise ConfigError(f"--publish-adapter goes by --publish disk or, to servers on this host, --publish colocated; "
-                          f"got --publish {args.transport}")
+    from bridge.transports import transport_class
+
+    vias = {"disk": "disk", "colocated": "tensors", "broadcast": "broadcast"}
+    transport = transport_class(args.transport).name if args.transport != "none" else "none"
+    if transport not in vias:
+        raise ConfigError(f"--publish-adapter goes by --publish disk, colocated (servers on this host) or broadcast "
+                          f"(reference servers); got --publish {args.transport}")
     root = os.path.join(args.snapshot_root, "adapters") if args.snapshot_root else None
-    return AdapterPublisherConfig(name=args.publish_adapter, via=vias[args.transport], servers=args.servers or (),
+    group = {k: getattr(args, k) for k in ("group_timeout", "master_address", "master_port", "backend", "http_timeout")
+             if getattr(args, k, None) is not None}  # the weight broadcast's flags, where given
+    return AdapterPublisherConfig(name=args.publish_adapter, via=vias[transport], servers=args.servers or (), **group,
                                   server_registry=args.server_registry or None,
                                   **({"min_servers": args.min_servers} if args.min_servers is not None else {}),
                                   root=root, name_resolve=args.name_resolve,

@@ -7,7 +7,10 @@
   ``expected_checksums``), 0.5.8-0.5.19 one string ``serialized_tensors``
   (:attr:`bridge.protocol.ProtocolFeatures.lora_tensors_per_rank`). Entries are SGLang's
   ``MultiprocessingSerializer`` output (:func:`serialize_adapter`): same-host tensors by reference, so this is a
-  one-host path; across hosts an adapter goes by disk.
+  one-host path; across hosts an adapter goes by disk (or,
+  to the reference server, by :meth:`LoraRoutes.load_adapter_from_distributed`).
+* :meth:`LoraRoutes.load_adapter_from_distributed`: the reference server's ``/wsync/load_lora_adapter_from_distributed``
+  (the tensors broadcast on a weight-update group, any host; SGLang has no such route).
 * :meth:`LoraRoutes.unload_adapter`: ``/unload_lora_adapter``.
 * :meth:`LoraRoutes.adapter_checksums`: the reference server's ``/wsync/lora_checksum``.
 
@@ -32,6 +35,7 @@ import torch
 from bridge.errors import ConfigError, ServerError
 from bridge.log import get_logger
 from bridge.protocol import ProtocolFeatures
+from bridge.tensors import dtype_to_str
 
 __all__ = ["LoraRoutes", "serialize_adapter", "tensors_body"]
 
@@ -184,6 +188,33 @@ class LoraRoutes:
             out = self._http.call("POST", "/load_lora_adapter_from_tensors", body, timeout=timeout)
         del held
         return out
+
+    def load_adapter_from_distributed(self, name: str, config: Mapping[str, Any], *, names: list[str], dtypes: list,
+                                      shapes: list, group_name: str, version: str | None = None,
+                                      replace: bool = False, pinned: bool = False,
+                                      checksums: Mapping[str, str] | None = None, rollback: bool = False,
+                                      timeout: float | None = None) -> dict:
+        """Reference server only: ``/wsync/load_lora_adapter_from_distributed``: the server receives the adapter's
+        tensors (``names``/``dtypes``/``shapes``, one flat buffer in :class:`bridge.buckets.Bucket`'s layout) from one
+        broadcast on the weight-update group ``group_name``, which the caller (group rank 0) sends once this request
+        is on its way; then checks ``checksums`` and loads it as :meth:`load_adapter_from_tensors` does.
+
+        Raises:
+            ConfigError: the server is not the reference server (SGLang has no distributed adapter route), before
+                anything is sent.
+        """
+        if not self.is_reference_server:
+            raise ConfigError(f"{self.url} is not the reference server (wsync serve): SGLang has no route that loads an "
+                              "adapter over a weight-update group; publish it by disk (via='disk'), or by tensors "
+                              "(via='tensors') from its host")
+        body: dict[str, Any] = {
+            "lora_name": str(name), "config_dict": dict(config), "names": [str(n) for n in names],
+            "dtypes": [d if isinstance(d, str) else dtype_to_str(d) for d in dtypes],
+            "shapes": [[int(x) for x in s] for s in shapes], "group_name": str(group_name), "pinned": bool(pinned)}
+        if checksums is not None:
+            body["expected_checksums"] = dict(checksums)
+        body = self._lora_body(body, version, replace, rollback)
+        return self._http.call("POST", "/wsync/load_lora_adapter_from_distributed", body, timeout=timeout)
 
     def unload_adapter(self, name: str, timeout: float | None = None) -> dict:
         """``/unload_lora_adapter``; ServerError (SGLang's "does not exist") if no adapter has that name."""

@@ -50,7 +50,8 @@ from bridge.transports.base import (
 )
 from bridge.transports.registry import register
 
-__all__ = ["BroadcastOptions", "BroadcastTransport", "is_local", "is_loopback", "master_address_for"]
+__all__ = ["BroadcastOptions", "BroadcastTransport", "destroy_on", "is_local", "is_loopback", "make_group",
+           "master_address_for", "teardown_group"]
 
 logger = get_logger(__name__)
 
@@ -201,61 +202,91 @@ class BroadcastTransport(Transport):
     def _ensure_group(self) -> None:
         if self.pg is not None:
             return
-        cfg, servers = self.config, self.servers
-        address = master_address_for(servers.urls, cfg.master_address)
-        port = cfg.master_port or find_free_port("0.0.0.0" if address != "127.0.0.1" else address)
-        name = f"{cfg.group_name}-{uuid.uuid4().hex[:8]}"
-        world_size = servers.world_size()
-        offset_of = dict(zip(servers.urls, servers.rank_offsets()))
-        logger.info("creating weight-update group %s at %s:%d (%s, world size %d)", name, address, port, self.backend, world_size)
-        deadline = time.monotonic() + cfg.group_timeout + cfg.http_timeout
-        futures = servers.submit(
-            lambda c: c.init_weights_update_group(
-                master_address=address, master_port=port, rank_offset=offset_of[c.url], world_size=world_size,
-                group_name=name, backend=self.backend, timeout=cfg.group_timeout,
-            )
-        )
-        try:
-            pg = _join_unless_refused(futures, servers.clients, lambda: init_custom_process_group(
-                master_address=address, master_port=port, world_size=world_size, rank=0,
-                group_name=name, backend=self.backend, timeout=cfg.group_timeout,
-            ))
-        except SyncTimeout as e:
-            failed = [f"{c.url}: {f.exception()}" for c, f in zip(servers.clients, futures) if f.done() and f.exception()]
-            missing = [c.url for c, f in zip(servers.clients, futures) if not f.done()]
-            raise SyncTimeout(
-                f"servers did not join the weight-update group within group_timeout={cfg.group_timeout:g} s: "
-                f"{'; '.join(failed) or missing or '?'} ({e}); they were told to meet trainer rank 0 at "
-                f"{address}:{port}: if they cannot reach it, set master_address and master_port (wsync train "
-                "--master-address, --master-port) to an address and port they can reach"
-            ) from e
-        self.pg, self.group_name = pg, name
-        for c, f in zip(servers.clients, futures):
-            try:
-                f.result(timeout=deadline_left(deadline))
-            except FutureTimeout:
-                raise SyncTimeout(f"{c.url}: no answer to init_weights_update_group within "
-                                  f"{cfg.group_timeout + cfg.http_timeout:.0f} s (group_timeout + http_timeout)") from None
+        cfg = self.config
+        self.pg, self.group_name = make_group(
+            self.servers, prefix=cfg.group_name, master_address=cfg.master_address, master_port=cfg.master_port,
+            backend=self.backend, group_timeout=cfg.group_timeout, http_timeout=cfg.http_timeout)
 
     def _teardown_group(self, keep: set[str] | None = None) -> None:
         """Destroy the group here and ask the servers (those in ``keep`` only, when given) to drop theirs
         (best effort, bounded)."""
         pg, name, self.pg, self.group_name = self.pg, self.group_name, None, None
-        if pg is None:
-            return
-        destroy_custom_process_group(pg)
-        for c in self.servers.clients:
-            if keep is not None and c.url not in keep:
-                continue
-            try:
-                self._destroy_on(c, name)
-            except BridgeError as e:
-                logger.debug("destroy_weights_update_group on %s: %s", c.url, e)
+        clients = [c for c in self.servers.clients if keep is None or c.url in keep]
+        teardown_group(pg, name, clients)
 
     @staticmethod
     def _destroy_on(c, name: str) -> None:
-        if c.features.destroy_group:
-            c.destroy_weights_update_group(group_name=name)
+        destroy_on(c, name)
+
+
+def make_group(servers, *, prefix: str, master_address: str | None, master_port: int | None, backend: str,
+               group_timeout: float, http_timeout: float) -> tuple[dist.ProcessGroup, str]:
+    """A fresh weight-update group (``<prefix>-<8 hex>``) of trainer rank 0 (this process) and every server of
+    ``servers`` (a :class:`bridge.client.ServerGroup`): ``/init_weights_update_group`` to every server at once,
+    each with its ``rank_offset``, while this process joins as rank 0; ``(group, name)``.
+
+    Raises:
+        SyncError: a server refused to join (at once, not after group_timeout).
+        SyncTimeout: the servers did not join within group_timeout (the error names the address they were told).
+        ConfigError: no address of this host reaches the servers (:func:`master_address_for`).
+    """
+    address = master_address_for(servers.urls, master_address)
+    port = master_port or find_free_port("0.0.0.0" if address != "127.0.0.1" else address)
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    world_size = servers.world_size()
+    offset_of = dict(zip(servers.urls, servers.rank_offsets()))
+    logger.info("creating weight-update group %s at %s:%d (%s, world size %d)", name, address, port, backend, world_size)
+    deadline = time.monotonic() + group_timeout + http_timeout
+    futures = servers.submit(
+        lambda c: c.init_weights_update_group(
+            master_address=address, master_port=port, rank_offset=offset_of[c.url], world_size=world_size,
+            group_name=name, backend=backend, timeout=group_timeout,
+        )
+    )
+    try:
+        pg = _join_unless_refused(futures, servers.clients, lambda: init_custom_process_group(
+            master_address=address, master_port=port, world_size=world_size, rank=0,
+            group_name=name, backend=backend, timeout=group_timeout,
+        ))
+    except SyncTimeout as e:
+        failed = [f"{c.url}: {f.exception()}" for c, f in zip(servers.clients, futures) if f.done() and f.exception()]
+        missing = [c.url for c, f in zip(servers.clients, futures) if not f.done()]
+        raise SyncTimeout(
+            f"servers did not join the weight-update group within group_timeout={group_timeout:g} s: "
+            f"{'; '.join(failed) or missing or '?'} ({e}); they were told to meet trainer rank 0 at "
+            f"{address}:{port}: if they cannot reach it, set master_address and master_port (wsync train "
+            "--master-address, --master-port) to an address and port they can reach"
+        ) from e
+    try:
+        for c, f in zip(servers.clients, futures):
+            try:
+                f.result(timeout=deadline_left(deadline))
+            except FutureTimeout:
+                raise SyncTimeout(f"{c.url}: no answer to init_weights_update_group within "
+                                  f"{group_timeout + http_timeout:.0f} s (group_timeout + http_timeout)") from None
+    except BaseException:  # a server that joined and did not answer: the group is not trusted (dropped both sides)
+        teardown_group(pg, name, servers.clients)
+        raise
+    return pg, name
+
+
+def teardown_group(pg: dist.ProcessGroup | None, name: str | None, clients) -> None:
+    """Destroy group ``pg`` here and ask each of ``clients`` to drop its side (best effort, bounded: a refusal or
+    an unreachable server is logged, never raised)."""
+    if pg is None:
+        return
+    destroy_custom_process_group(pg)
+    for c in clients:
+        try:
+            destroy_on(c, name)
+        except BridgeError as e:
+            logger.debug("destroy_weights_update_group on %s: %s", c.url, e)
+
+
+def destroy_on(c, name: str) -> None:
+    """Ask server ``c`` to drop group ``name`` (servers too old for ``/destroy_weights_update_group`` are skipped)."""
+    if c.features.destroy_group:
+        c.destroy_weights_update_group(group_name=name)
 
 
 def _join_unless_refused(futures, clients, join):

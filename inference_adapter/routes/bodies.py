@@ -35,7 +35,8 @@ from bridge.protocol import (
 from inference_adapter.checks import RunClaim, version_problem
 from inference_adapter.errors import RequestError
 
-__all__ = ["BeginBody", "DiskBody", "DistributedBody", "LeaseBody", "LoraPathBody", "LoraTensorsBody", "LoraUnloadBody",
+__all__ = ["BeginBody", "DiskBody", "DistributedBody", "LeaseBody", "LoraDistributedBody", "LoraPathBody", "LoraTensorsBody",
+           "LoraUnloadBody",
            "PauseBody",
            "TensorBody", "VersionBody", "WriterBody"]
 
@@ -262,6 +263,22 @@ class LoraTensorsBody(LoadLoRAAdapterFromTensorsReq, _LoraFields, _RunFields):
             raise RequestError("/load_lora_adapter_from_tensors needs serialized_named_tensors (one entry per TP rank; "
                                "serialized_tensors, one string, on SGLang 0.5.8-0.5.19)")
         return self
+
+
+class LoraDistributedBody(_LoraFields, _RunFields):
+    """The project's ``/wsync/load_lora_adapter_from_distributed``: the adapter's PEFT config and its tensors as one
+    flat buffer broadcast on ``group_name`` (``names``/``dtypes``/``shapes`` as ``/update_weights_from_distributed``
+    announces a flattened bucket), ``expected_checksums`` as ``/load_lora_adapter_from_tensors`` checks them."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    config_dict: dict[str, Any]
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    pinned: bool = False
+    expected_checksums: dict[str, str] | None = None
 
 
 class LoraUnloadBody(UnloadLoRAAdapterReq, _RunFields):

@@ -1,5 +1,6 @@
 """SGLang's LoRA adapter routes: ``/load_lora_adapter``, ``/load_lora_adapter_from_tensors`` (from 0.5.8),
-``/unload_lora_adapter``, and the project's ``/wsync/lora_checksum``.
+``/unload_lora_adapter``, and the project's ``/wsync/lora_checksum`` and ``/wsync/load_lora_adapter_from_distributed``
+(an adapter broadcast on a weight-update group, :mod:`inference_adapter.lora_distributed`).
 
 Answers are SGLang's ``LoRAUpdateOutput``: ``{"success", "error_message", "loaded_adapters": {name: path}}``,
 400 with ``success: false`` for a refusal (SGLang's words where SGLang refuses the same thing), plus the project's
@@ -19,8 +20,9 @@ from starlette.concurrency import run_in_threadpool
 from bridge.protocol import tensor_checksum
 from inference_adapter.errors import RequestError
 from inference_adapter.lora import adapter_from_dir, build_adapter
+from inference_adapter.lora_distributed import receive_adapter
 from inference_adapter.model_state import ModelState
-from inference_adapter.routes.bodies import LoraPathBody, LoraTensorsBody, LoraUnloadBody
+from inference_adapter.routes.bodies import LoraDistributedBody, LoraPathBody, LoraTensorsBody, LoraUnloadBody
 from inference_adapter.routes.common import Served, absent, parse
 from inference_adapter.tensor_payload import PayloadRefused, adapter_tensors
 
@@ -95,6 +97,29 @@ async def load_lora_adapter_from_tensors(request: Request, state: Served):
             return _publish(state, req, req.config_dict, tensors, "__tensor__")
         pending = _checksums_meanwhile(tensors)  # while the adapter is built and checked
         return _publish(state, req, req.config_dict, tensors, "__tensor__",
+                        check=lambda: _check_expected(expected, tensors, {n: c for f in pending for n, c in f.result().items()}))
+
+    return await run_in_threadpool(_answer, state, load)
+
+
+DISTRIBUTED_PATH = "__distributed__"
+"""The path ``loaded_adapters`` lists for an adapter received over a group (SGLang lists ``__tensor__`` for tensors)."""
+
+
+@router.post("/wsync/load_lora_adapter_from_distributed")
+async def load_lora_adapter_from_distributed(request: Request, state: Served):
+    """The adapter broadcast on ``group_name`` (received into a buffer of the server's own, which its tensors stay
+    views of), checked against ``expected_checksums`` and built as ``/load_lora_adapter_from_tensors`` builds one."""
+    req = await parse(request, LoraDistributedBody)
+
+    def load():
+        tensors = receive_adapter(state.updates, state.adapters, lora_name=req.lora_name, group_name=req.group_name,
+                                  names=req.names, dtypes=req.dtypes, shapes=req.shapes)
+        expected = req.expected_checksums
+        if expected is None:
+            return _publish(state, req, req.config_dict, tensors, DISTRIBUTED_PATH)
+        pending = _checksums_meanwhile(tensors)  # while the adapter is built and checked
+        return _publish(state, req, req.config_dict, tensors, DISTRIBUTED_PATH,
                         check=lambda: _check_expected(expected, tensors, {n: c for f in pending for n, c in f.result().items()}))
 
     return await run_in_threadpool(_answer, state, load)
