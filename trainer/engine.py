@@ -529,9 +529,9 @@ class FSDPEngine:
                 specs = [ParamSpec(s.name, s.shape, dtype) for s in specs]
             bucket = Bucket(sorted(specs, key=lambda s: -s.dtype.itemsize))  # aligned offsets (one dtype: kept order)
             self._adapter_buckets[dtype] = bucket
-        # (a buffer that does not fit is not an error raised here: rank dst alone would leave the collective)
         # Ranks on one host (CPU): each writes its rows straight into dst's buffer in shared memory (bridge.shm_gather).
         through_shm = self._device.type == "cpu" and bucket.nbytes > 0 and self._shm_gather.usable(dst)
+        # (a buffer that does not fit is not an error raised here: rank dst alone would leave the collective)
         fits = reuse is not None and reuse.dtype == torch.uint8 and reuse.dim() == 1 and reuse.numel() == bucket.nbytes \
             and reuse.device == self._device and (not through_shm or reuse.untyped_storage().is_shared())
         if self.rank != dst:

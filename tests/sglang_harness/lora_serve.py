@@ -34,6 +34,7 @@ STUB, each one:
 from __future__ import annotations
 
 import hashlib
+import time
 import types
 
 import torch
@@ -173,6 +174,16 @@ class LoraHarness:
     # ------------------------------------------------------------------ view
 
     def view(self) -> dict:
+        """What the tests read; SGLang's scheduler thread loads and unloads meanwhile, so a read that raced it (a dict
+        changed under it, an adapter half removed) is taken again."""
+        for _ in range(50):
+            try:
+                return self._view()
+            except (RuntimeError, KeyError):
+                time.sleep(0.001)
+        return self._view()
+
+    def _view(self) -> dict:
         tm = self.h.tm
         reg = tm.lora_registry.get_all_adapters()
         out = {"registry": {n: r.lora_id for n, r in reg.items()},
@@ -181,7 +192,7 @@ class LoraHarness:
                "update_lock_waiters": len(getattr(tm.lora_update_lock, "_waiters", None) or ())}
         if self.enabled:
             m = self.manager
-            for lid, ref in m.lora_refs.items():
+            for lid, ref in list(m.lora_refs.items()):
                 out["loaded"][ref.lora_name] = {
                     "lora_id": lid, "lora_path": ref.lora_path, "r": m.configs[lid].r,
                     "checksums": dict(self.recorded.get(lid, {})),
