@@ -208,11 +208,15 @@ def recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float, keep: bool
     g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
     pattern = torch.randint(0, 256, (nbytes + _PROBE - lo,), dtype=torch.uint8, generator=g)
     buf[lo : nbytes + _PROBE] = pattern
-    work = dist.broadcast(buf, src=0, group=pg, async_op=True)
+    # gloo itself gives up at the bound too, not at the group's timeout: a receive left waiting in gloo makes
+    # whichever thread lets go of the dropped group last (the garbage collector's, in a generation) wait for it.
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, datetime.timedelta(seconds=timeout)
+    work = pg.broadcast([buf], opts)
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
-        _drop_reserve()  # gloo may still write into it
+        _drop_reserve()  # gloo may still write into it until its own bound
         if "timed out" not in str(e).lower():
             raise
         raise ReceiveTimeout(f"{what}: the {nbytes} announced bytes did not arrive within {timeout:g} s (the receive "

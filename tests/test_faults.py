@@ -565,6 +565,54 @@ def test_rendezvous_nobody_joins_within_the_timeout(rank):
     assert time.monotonic() - t < 3 + 2
 
 
+def _receive_nothing_then_drop(port: int, marker: str):
+    """Group rank 1 (a server) receives a broadcast that group rank 0 (a trainer, alive) never sends, with a 1 s
+    receive bound on a group whose own timeout is 60 s; then drops the group and lets go of every reference to
+    it. Returns (the receive's error, seconds the drop took)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from bridge.process_group import destroy_custom_process_group, init_custom_process_group
+    from inference_adapter.wire import ReceiveTimeout, recv_bytes
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()  # only the custom group below; run_ranks made the default one
+    pg = init_custom_process_group(master_address="127.0.0.1", master_port=port, world_size=2, rank=rank,
+                                   group_name="never-sent", backend="gloo", timeout=60)
+    if rank == 0:  # stays in the group, sending nothing, until rank 1 is done
+        deadline = time.monotonic() + 100
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        destroy_custom_process_group(pg)
+        return None
+    try:
+        recv_bytes(pg, 4096, 7, "the bucket", 1.0)
+        error = "received"
+    except ReceiveTimeout as e:
+        error = str(e)
+    t = time.monotonic()
+    destroy_custom_process_group(pg)
+    del pg
+    gc.collect()
+    seconds = time.monotonic() - t
+    open(marker, "w").close()
+    return error, seconds
+
+
+def test_a_receive_that_gives_up_leaves_nothing_waiting_in_the_group(tmp_path):
+    """The server's receive bound (``--receive-timeout``) is shorter than its group's timeout (``--group-timeout``,
+    120 s by default). A receive that gave up at its bound must not leave gloo still waiting on the group: the
+    group's last reference, let go later in whichever thread (the garbage collector's, inside a generation),
+    would wait for it there, and a surviving server answered no generation for seconds after a sync failed."""
+    from bridge.process_group import find_free_port
+
+    _, (error, seconds) = run_ranks(_receive_nothing_then_drop, 2, args=(find_free_port(), str(tmp_path / "done")),
+                                    timeout=120)
+    assert "did not arrive within 1 s" in error, error
+    assert seconds < 5, f"dropping the group waited {seconds:.1f} s for the receive that had given up"
+
+
 def _stop_server_mid_sync(urls: list[str], pid: int):
     from bridge import PublisherConfig, WeightPublisher
 
