@@ -484,6 +484,7 @@ def test_demo_lora_end_to_end(tmp_path):
     out = wsync("demo", "--lora", "--transport", "all", "--steps", "2", "--json", str(report), "--workdir",
                 str(tmp_path / "w"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Warning" not in out.stdout + out.stderr, "a library's warning the user cannot act on"
     data = json.loads(report.read_text())
     assert data["ok"] is True and data["lora"] is True
     assert [(s["step"], s["transport"]) for s in data["syncs"]] == [

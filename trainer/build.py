@@ -16,7 +16,6 @@ Each step is a function of the config alone, run identically on every rank:
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -141,12 +140,10 @@ def apply_lora(model: torch.nn.Module, cfg: EngineConfig) -> torch.nn.Module:
     """
     if cfg.lora is None:
         return model
-    import peft
+    from trainer.lora import peft_model
 
     try:
-        with warnings.catch_warnings():  # PEFT reads transformers' deprecated `is_gradient_checkpointing`: not the user's
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return peft.get_peft_model(model, cfg.lora.peft_config())
+        return peft_model(model, cfg.lora.peft_config())
     except ValueError as e:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ConfigError(

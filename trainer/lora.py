@@ -16,12 +16,24 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ADAPTER_NAME", "adapter_config_dict", "adapter_name", "base_name", "is_adapter_param"]
+__all__ = ["ADAPTER_NAME", "adapter_config_dict", "adapter_name", "base_name", "is_adapter_param", "peft_model"]
 
 ADAPTER_NAME = "default"
 """The PEFT adapter the engine trains (``get_peft_model``'s default name)."""
 _PREFIX = "base_model.model."
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+
+
+def peft_model(model, lora_config):
+    """``peft.get_peft_model(model, lora_config)``, without the FutureWarning PEFT causes by reading transformers'
+    deprecated ``is_gradient_checkpointing`` (not the user's to act on)."""
+    import warnings
+
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(model, lora_config)
 
 
 def is_adapter_param(name: str) -> bool:

@@ -280,11 +280,13 @@ def _with_adapter(cache: dict, model, config: dict, adapter: dict):
     """``model`` wrapped by PEFT (made once) with ``adapter`` loaded by PEFT's own loader: what the servers serve."""
     import peft
 
+    from trainer.lora import peft_model
+
     pm = cache.get("peft")
     if pm is None:
         known = set(peft.LoraConfig.__dataclass_fields__)
         lora = peft.LoraConfig(**{k: v for k, v in config.items() if k in known and k not in ("peft_type", "inference_mode")})
-        pm = cache["peft"] = peft.get_peft_model(model, lora).eval()
+        pm = cache["peft"] = peft_model(model, lora).eval()
     peft.set_peft_model_state_dict(pm, {n: t.clone() for n, t in adapter.items()})
     return pm
 
