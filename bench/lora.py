@@ -1,4 +1,4 @@
-"""The LoRA row: an adapter publish against the full sync of the same model, in the same run (issue 37).
+"""The LoRA row: an adapter publish against the full sync of the same model, in the same run.
 
 One reference server (``--enable-lora``, the preset in bfloat16) and ``--nproc`` FSDP2 ranks training a LoRA
 adapter (rank ``--rank`` on every projection). Each round, after a barrier, rank 0 times: the full sync of
@@ -166,12 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     from inference_adapter.launcher import launch_server
 
     p = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="medium")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank on every projection")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    from bridge.presets import PRESETS
+
+    p.add_argument("--preset", default="medium", choices=sorted(PRESETS),
+                   help="the model built from a config (no download) for the trainer and the server (default medium)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank on every projection (default 16)")
+    p.add_argument("--nproc", type=int, default=2, help="FSDP2 trainer ranks (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up; medians are printed (default 3)")
     p.add_argument("--dtype", default=None, help="the adapter's wire and serving dtype (default: the trainer's, float32)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = p.parse_args(argv)
     root = tempfile.mkdtemp(prefix="wsync-bench-lora-")
     server = launch_server(preset=args.preset, extra_args=["--enable-lora", "--max-lora-rank", str(args.rank),

@@ -1,5 +1,5 @@
 """Publishing a LoRA adapter alone: its tensors gathered from their FSDP shards, loaded by the servers under a
-stable name, the version as the adapter's weight version (issue 37).
+stable name, the version as the adapter's weight version.
 
 An adapter is small (rank 16 on every projection of an 8B model: tens of MB against 16 GB of weights), so
 it does not go through the full-weight encodings: :class:`AdapterPublisher` gathers it in one flat gather
