@@ -8,6 +8,7 @@ What runs across hosts:
   and with no flag (the bug this tier reproduced: rank 0 told the servers to meet it at its host name's
   address, 127.0.0.1 here, and gloo bound its connections to that address too); colocated and a loopback
   ``--master-address`` refused at once, naming why;
+- a LoRA adapter alone by broadcast from a 2-rank trainer on A into the server on C (no shared disk);
 - disk with etcd on A, the server and ``wsync watch`` on B, snapshots on the shared directory;
 - a 2-node trainer (rank 0 on A, rank 1 on C, torchrun's multi-node rendezvous) publishing by broadcast
   and by disk (every rank writes its share) to the server on B;
@@ -132,10 +133,11 @@ def shared_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(net, shared_dir, tmp_path_factory):
-    """Reference servers on B and C, listening only on their own addresses; B may load from ``shared_dir``."""
+    """Reference servers on B and C, listening only on their own addresses; B may load from ``shared_dir``, C serves
+    LoRA adapters."""
     logs = tmp_path_factory.mktemp("server-logs")
     with open(logs / "B.log", "w") as lb, open(logs / "C.log", "w") as lc:
-        with _serve(net, "B", lb, "--disk-root", str(shared_dir)) as b, _serve(net, "C", lc) as c:
+        with _serve(net, "B", lb, "--disk-root", str(shared_dir)) as b, _serve(net, "C", lc, "--enable-lora") as c:
             yield {"B": b, "C": c}
 
 
@@ -215,6 +217,24 @@ def test_colocated_to_servers_on_other_hosts_is_refused_at_once_naming_why(net, 
     assert out.returncode != 0 and time.monotonic() - t < 60
     last = out.stderr.strip().splitlines()[-1]
     assert "colocated" in last and servers["B"] in last and "broadcast" in last, last
+
+
+def test_an_adapter_by_broadcast_from_a_to_c_needs_no_shared_disk(net, servers):
+    """``wsync train --publish-adapter NAME --publish broadcast`` on A: the adapter alone, over a weight-update group,
+    into the reference server on C, which serves it by name with the version of the last step."""
+    from bridge.client import ServerClient
+
+    out = subprocess.run([*net.on("A"), sys.executable, "-m", "wsync", "train", "--steps", "2", "--nproc", "2",
+                          "--lora-rank", "4", "--publish-adapter", "mh-policy", "--publish", "broadcast",
+                          "--server", servers["C"], "--trial", "mh-lora"],
+                         capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    c = ServerClient(servers["C"])
+    served = c.adapter_checksums("mh-policy")
+    assert served["wsync_lora_version"] == "2" and served["checksums"], served
+    answer = c.generate(input_ids=[5, 72, 101], sampling_params={"temperature": 0, "max_new_tokens": 4},
+                        lora_path="mh-policy")
+    assert answer["meta_info"]["wsync_lora_version"] == "2", answer["meta_info"]
 
 
 def test_the_address_announced_is_the_one_that_routes_to_the_servers(net):
