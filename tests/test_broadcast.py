@@ -125,7 +125,10 @@ def _kill_server_mid_sync(urls: list[str], victim_pid: int):
 
 
 def test_server_killed_mid_sync(server_factory, tiny_model_dir):
-    victim, survivor = server_factory.many([dict(model=tiny_model_dir), dict(model=tiny_model_dir)])
+    # A survivor waiting for a bucket the victim would have relayed (gloo's broadcast is a tree) gives up at its
+    # receive bound: 3 s here instead of the default 10, which the trainer's abort waits for.
+    fast = dict(model=tiny_model_dir, extra_args=["--receive-timeout", "3"])
+    victim, survivor = server_factory.many([fast, fast])
     urls = [survivor.url, victim.url]
     rank0, rank1 = run_ranks(_kill_server_mid_sync, 2, args=(urls, victim.process.pid), timeout=240)
     for kind, seconds, *_ in (rank0, rank1):
