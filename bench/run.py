@@ -8,12 +8,13 @@ Step by step, and which process runs each step:
    starts etcd on free loopback ports when an ``etcd`` binary is on PATH (temp data dir, stopped at
    the end).
 2. driver, per model size: starts the reference server on that directory, serving the serving dtype,
-   (whose ``/wsync/bench/recv_raw`` route times the raw broadcast); starts one
+   (whose ``/wsync/bench/recv_raw`` route times the raw broadcast), and the delta, FP8 and LoRA rows' own
+   servers, all at the same time; starts one
    :class:`~inference_adapter.watcher.DiskWatcher` thread per name-resolution backend (directory, and etcd
    when present) that loads each announced snapshot into the server.
 3. torchrun job of ``nproc`` ranks (``wsync bench --_worker-spec JSON``): FSDP2 trainer; rank 0 measures
    every method and floor (:mod:`bench.worker`) and writes the size's results JSON.
-4. driver: stops the watchers and the server; after the last size, builds the rows, the table, the
+4. driver: stops the watchers and the servers; after the last size, builds the rows, the table, the
    target checks, the JSON and the plot (:mod:`bench.report`), and removes the run's snapshots.
 
 Example:
@@ -253,9 +254,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
     from bench.netns import SERVER_PORTS
     from bridge.launch import start_ranks
 
-    ports = iter(SERVER_PORTS)
-
-    def launch_server(**kw):
+    def launch_server(port, **kw):
         if link is None:
             from inference_adapter.launcher import launch_server as launch
 
@@ -263,7 +262,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
         from bench.netns import LinkSpec, launch_server_in
 
         kw.pop("use_sglang", None)
-        return launch_server_in(LinkSpec(**link), next(ports), **kw)
+        return launch_server_in(LinkSpec(**link), port, **kw)
 
     size_dir = ensure_dir(run_dir, label)
     quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
@@ -275,43 +274,40 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
     backends = {"dir": f"file://{ensure_dir(run_dir, 'name_resolve')}"}
     if etcd is not None:
         backends["etcd"] = etcd.url
-    server = watchers = trainer = delta_server = fp8_server = fp8_delta_server = lora_server = None
+    # Each method's own server, all started at once (one at a time, five reference servers took most of a tiny
+    # bench's set-up).
+    common = dict(model=model_dir, dtype=cfg.serving_dtype, use_sglang=False, env={**quiet, **place["server_env"]},
+                  ready_timeout=300)
+    timeout_flags = ["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)]
+    specs = {"server": dict(extra_args=timeout_flags, disk_roots=[size_dir])}
+    if cfg.delta_lrs:  # the delta rows' own server (bench.delta)
+        specs["delta"] = dict(extra_args=timeout_flags)
+    if cfg.fp8:  # the FP8 rows' own server (bench.fp8): it serves the projections as block FP8
+        specs["fp8"] = dict(extra_args=[*timeout_flags, "--quantization", "fp8"])
+    if cfg.fp8 and cfg.delta_lrs:  # the FP8 delta rows' own server (bench.delta, encoding fp8_delta): FP8 too
+        specs["fp8-delta"] = dict(extra_args=[*timeout_flags, "--quantization", "fp8"])
+    lora_root = None
+    if cfg.lora_rank and link is None:  # the LoRA rows' own server (bench.lora); tensors go by reference: one host
+        lora_root = ensure_dir(size_dir, "adapters")
+        specs["lora"] = dict(extra_args=["--log-level", cfg.log_level, "--enable-lora", "--max-lora-rank",
+                                         str(cfg.lora_rank)], disk_roots=[lora_root])
+    watchers = trainer = None
+    servers = _start_servers(launch_server, {  # in the link's server namespace: each on a port of its own
+        role: {**common, **kw, "port": port,
+               "log_path": os.path.join(size_dir, "server.log" if role == "server" else f"{role}-server.log")}
+        for (role, kw), port in zip(specs.items(), SERVER_PORTS)})
     try:
-        if cfg.delta_lrs:  # the delta rows' own server (bench.delta)
-            delta_server = launch_server(
-                model=model_dir, log_path=os.path.join(size_dir, "delta-server.log"), dtype=cfg.serving_dtype,
-                use_sglang=False, extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)],
-                env={**quiet, **place["server_env"]}, ready_timeout=300)
-            extra = {"delta_server": delta_server.url, "delta_lrs": cfg.delta_lrs, "delta_warmup": cfg.delta_warmup,
+        server = servers["server"]
+        if "delta" in servers:
+            extra = {"delta_server": servers["delta"].url, "delta_lrs": cfg.delta_lrs, "delta_warmup": cfg.delta_warmup,
                      **(extra or {})}
-        if cfg.fp8:  # the FP8 rows' own server (bench.fp8): it serves the projections as block FP8
-            fp8_server = launch_server(
-                model=model_dir, log_path=os.path.join(size_dir, "fp8-server.log"), dtype=cfg.serving_dtype,
-                use_sglang=False, extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout),
-                                              "--quantization", "fp8"],
-                env={**quiet, **place["server_env"]}, ready_timeout=300)
-            extra = {"fp8_server": fp8_server.url, **(extra or {})}
-        if cfg.fp8 and cfg.delta_lrs:  # the FP8 delta rows' own server (bench.delta, encoding fp8_delta): FP8 too
-            fp8_delta_server = launch_server(
-                model=model_dir, log_path=os.path.join(size_dir, "fp8-delta-server.log"), dtype=cfg.serving_dtype,
-                use_sglang=False, extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout),
-                                              "--quantization", "fp8"],
-                env={**quiet, **place["server_env"]}, ready_timeout=300)
-            extra = {"fp8_delta_server": fp8_delta_server.url, **(extra or {})}
-        if cfg.lora_rank and link is None:  # the LoRA rows' own server (bench.lora); tensors go by reference: one host
-            lora_root = ensure_dir(size_dir, "adapters")
-            lora_server = launch_server(
-                model=model_dir, log_path=os.path.join(size_dir, "lora-server.log"), dtype=cfg.serving_dtype,
-                use_sglang=False, extra_args=["--log-level", cfg.log_level, "--enable-lora", "--max-lora-rank",
-                                              str(cfg.lora_rank)],
-                env={**quiet, **place["server_env"]}, ready_timeout=300, disk_roots=[lora_root])
-            extra = {"lora_server": lora_server.url, "lora_rank": cfg.lora_rank, "lora_root": lora_root, **(extra or {})}
-        server = launch_server(
-            model=model_dir, log_path=os.path.join(size_dir, "server.log"), dtype=cfg.serving_dtype, use_sglang=False,
-            extra_args=["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)],
-            env={**quiet, **place["server_env"]}, ready_timeout=300,
-            disk_roots=[size_dir],
-        )
+        if "fp8" in servers:
+            extra = {"fp8_server": servers["fp8"].url, **(extra or {})}
+        if "fp8-delta" in servers:
+            extra = {"fp8_delta_server": servers["fp8-delta"].url, **(extra or {})}
+        if "lora" in servers:
+            extra = {"lora_server": servers["lora"].url, "lora_rank": cfg.lora_rank, "lora_root": lora_root,
+                     **(extra or {})}
         disk = [{"backend": b, "trial": f"{label}-{b}", "name_resolve": url,
                  "snapshot_root": os.path.join(size_dir, f"snapshots-{b}")} for b, url in backends.items()]
         if _has_disk_writers() and cfg.nproc > 1:
@@ -338,9 +334,32 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
             trainer.close()
         for w in watchers or ():
             w.stop()
-        for s in (server, delta_server, fp8_server, fp8_delta_server, lora_server):
-            if s is not None:
-                s.stop()
+        _stop_all(servers.values())
+
+
+def _start_servers(launch, specs: dict[str, dict]) -> dict:
+    """``launch(**spec)`` for every role of ``specs`` at once; the servers by role. If one fails to start, the others
+    are stopped and its error raised."""
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(len(specs)) as pool:
+        futures = {role: pool.submit(launch, **spec) for role, spec in specs.items()}
+    started = {role: f.result() for role, f in futures.items() if f.exception() is None}
+    failed = [f.exception() for f in futures.values() if f.exception() is not None]
+    if failed:
+        _stop_all(started.values())
+        raise failed[0]
+    return started
+
+
+def _stop_all(servers) -> None:
+    """Stop every server at once (each waits for its graceful shutdown)."""
+    import concurrent.futures as cf
+
+    servers = list(servers)
+    if servers:
+        with cf.ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda s: s.stop(), servers))
 
 
 def _has_disk_writers() -> bool:

@@ -86,6 +86,42 @@ def test_quick_bench_on_tiny_writes_every_row_and_the_plot(tmp_path):
     assert "targets:" in proc.stdout and "per-tensor" in proc.stdout
 
 
+def test_the_bench_servers_start_at_once_and_one_that_fails_stops_the_others(tiny_model_dir, tmp_path):
+    """The bench starts each method's reference server at the same time; if one cannot start, the ones that did are
+    stopped and its error is what the bench reports."""
+    import time
+
+    from bench.run import _start_servers
+    from bridge.client import ServerClient
+    from bridge.errors import BridgeError
+    from inference_adapter.launcher import launch_server
+
+    def launch(**kw):
+        started.append(time.monotonic())
+        return launch_server(**kw)
+
+    started = []
+    spec = dict(model=tiny_model_dir, use_sglang=False, env={"OMP_NUM_THREADS": "1"}, ready_timeout=120)
+    servers = _start_servers(launch, {"a": {**spec, "log_path": str(tmp_path / "a.log")},
+                                      "b": {**spec, "log_path": str(tmp_path / "b.log")}})
+    try:
+        assert sorted(servers) == ["a", "b"] and max(started) - min(started) < 1.0, started
+        assert all(ServerClient(s.url).model_info()["weight_version"] for s in servers.values())
+    finally:
+        for s in servers.values():
+            s.stop()
+    with pytest.raises(BridgeError) as e:
+        _start_servers(launch, {"good": {**spec, "log_path": str(tmp_path / "good.log")},
+                                "bad": {**spec, "extra_args": ["--max-lora-rank", "nine"],
+                                        "log_path": str(tmp_path / "bad.log")}})
+    assert "nine" in str(e.value) or "max-lora-rank" in str(e.value), e.value
+    import re
+
+    good_url = re.search(r"Uvicorn running on (http://\S+)", (tmp_path / "good.log").read_text()).group(1)
+    with pytest.raises(BridgeError, match="connection refused|cannot reach"):
+        ServerClient(good_url, timeout=2).model_info()  # stopped with the bench's error
+
+
 def test_device_placement_names_what_is_missing():
     """--device cuda on a host without CUDA fails before anything starts, naming the fix; cpu hides GPUs."""
     import torch
