@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -23,14 +22,26 @@ from torch.distributed.tensor import DTensor
 
 from bridge.buckets import Bucket
 from bridge.failpoints import failpoint
-from bridge.sources import row_sharded
+from bridge.sources import row_sharded, shard_nbytes
 from bridge.tensors import ParamSpec
 
-__all__ = ["SharedGather", "shared_buffer"]
+__all__ = ["KEPT", "SharedGather", "keep_newest", "shared_buffer"]
 
 KEPT = 3
 """Buffers a rank keeps (mapped, by name) with their views: rank ``dst`` gathers into the same few again and again
 (an adapter publisher's served one and its spare); an older one is let go."""
+
+
+def keep_newest(cache: dict, key, make, valid=lambda value: True):
+    """``cache[key]`` (``make()`` when missing or not ``valid``), made the newest entry; only the newest :data:`KEPT`
+    entries stay in ``cache`` (an insertion-ordered dict)."""
+    value = cache.pop(key, None)
+    if value is None or not valid(value):
+        value = make()
+    cache[key] = value
+    while len(cache) > KEPT:
+        cache.pop(next(iter(cache)))
+    return value
 
 
 def shared_buffer(nbytes: int) -> torch.Tensor:
@@ -47,7 +58,7 @@ class SharedGather:
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
         self._usable: bool | None = None
-        self._kept: OrderedDict[bytes, tuple] = OrderedDict()  # buffer name -> (its mapping here, {id(bucket): views})
+        self._kept: dict[bytes, tuple] = {}  # buffer name -> (its mapping here, {id(bucket): views}), newest last
 
     def usable(self, dst: int = 0) -> bool:
         """Collective, once (the answer is kept): True when every rank could map a buffer rank ``dst`` made and
@@ -101,14 +112,7 @@ class SharedGather:
         ``(True, a view of its rows)`` for a row-sharded DTensor (its ``torch.chunk`` rows; None when it has none),
         ``(False, a view of the whole tensor)`` for anything else on ``dst``, ``(False, None)`` elsewhere. Kept
         (:data:`KEPT` buffers) with the buffer: the same few come back at every publish."""
-        name = handle[1]
-        kept = self._kept.pop(name, None)
-        if kept is None:
-            kept = (out if rank == dst else _mapped(handle), {})
-        self._kept[name] = kept
-        while len(self._kept) > KEPT:
-            self._kept.popitem(last=False)
-        buf, by_bucket = kept
+        buf, by_bucket = keep_newest(self._kept, handle[1], lambda: (out if rank == dst else _mapped(handle), {}))
         got = by_bucket.get(id(bucket))
         if got is not None and got[0] is bucket:
             return got[1]
@@ -117,7 +121,7 @@ class SharedGather:
             rows = row_sharded(p, world)
             if rows:
                 shape = p.to_local().shape
-                start = offset + rank * -(-spec.shape[0] // world) * (spec.nbytes // spec.shape[0])
+                start = offset + rank * shard_nbytes(spec, world)
             elif rank == dst:
                 shape, start = spec.shape, offset
             else:

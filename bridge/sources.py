@@ -45,8 +45,8 @@ from bridge.tensors import ParamSpec, kept_buffer
 
 __all__ = [
     "CAPABILITIES", "CheckedSource", "Digests", "GathersBuckets", "LocalShard", "LocalShards", "ModuleSource",
-    "WeightSource", "as_source", "check_source", "gather_bucket_into", "local_digest", "local_shards_of",
-    "tied_embedding_names",
+    "WeightSource", "as_source", "check_source", "gather_bucket_into", "local_digest", "local_shards_of", "row_sharded",
+    "shard_nbytes", "tied_embedding_names",
 ]
 
 
@@ -188,6 +188,12 @@ def row_sharded(p: torch.Tensor, world: int) -> bool:
     return mesh.ndim == 1 and mesh.size() == world and tuple(p.placements) == (Shard(0),)
 
 
+def shard_nbytes(spec: ParamSpec, world: int) -> int:
+    """Bytes of one rank's rows of a row-sharded ``spec`` (``torch.chunk``'s ``ceil(rows / world)`` rows; the last
+    ranks hold fewer, or none): rank ``r``'s rows start ``r`` times this far into the tensor."""
+    return -(-spec.shape[0] // world) * (spec.nbytes // spec.shape[0])
+
+
 @torch.no_grad()  # no autograd bookkeeping: DTensor.to_local() costs ~2 us instead of ~19 us per parameter
 def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: Bucket, out: torch.Tensor | None,
                        piece_bytes: int | None = None, group: dist.ProcessGroup | None = None, dst: int = 0,
@@ -221,7 +227,7 @@ def gather_bucket_into(items: Sequence[tuple[ParamSpec, torch.Tensor]], bucket: 
 
     for spec, p in items:
         if world > 1 and row_sharded(p, world):
-            padded = -(-spec.shape[0] // world) * (spec.nbytes // spec.shape[0])
+            padded = shard_nbytes(spec, world)
             if piece and size + padded > piece_bytes:
                 flush()
             piece.append((spec, p))

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from bridge.errors import ConfigError
 from bridge.log import get_logger
-from bridge.shm_gather import KEPT, SharedGather
+from bridge.shm_gather import SharedGather, keep_newest
 from bridge.tensors import ParamSpec
 from trainer.batch_plan import BatchPlan, plan_batch
 from trainer.build import apply_lora, check_model_dir, join_process_group, load_model, shard_model
@@ -552,13 +552,9 @@ class FSDPEngine:
         if out is None:
             return None
         # The same few buffers come back: their views are kept (with the buffer, so its address stays its own).
-        key = (id(bucket), out.untyped_storage().data_ptr())
-        views = self._adapter_views.pop(key, None)
-        if views is None or views[0] is not bucket:
-            views = (bucket, out, dict(unflatten_bucket(out, bucket.specs)))
-        self._adapter_views[key] = views
-        while len(self._adapter_views) > KEPT:
-            self._adapter_views.pop(next(iter(self._adapter_views)))
+        views = keep_newest(self._adapter_views, (id(bucket), out.untyped_storage().data_ptr()),
+                            lambda: (bucket, out, dict(unflatten_bucket(out, bucket.specs))),
+                            valid=lambda kept: kept[0] is bucket)
         return dict(views[2])
 
     def _adapter_params(self) -> dict[str, torch.Tensor]:
