@@ -225,7 +225,7 @@ def launch_server_in(link: LinkSpec, port: int, **kw):
     from inference_adapter.launcher import LaunchedServer, server_command, wait_until_ready
 
     host = link.server_addr
-    cmd = server_command(False, kw["model"], None, host, port, kw.get("dtype", "bfloat16"), kw.get("disk_roots", ()))
+    cmd = server_command(kw["model"], None, host, port, kw.get("dtype", "bfloat16"), kw.get("disk_roots", ()))
     cmd = ["ip", "netns", "exec", link.server_ns, *cmd, *[str(a) for a in kw.get("extra_args", ())]]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ADAPTER_ROOT, *filter(None, [env.get("PYTHONPATH")])])

@@ -251,7 +251,7 @@ class _Bench:
         import shutil
 
         from bridge.log import fmt_bytes
-        from bridge.transports.colocated import shm_dir
+        from bridge.transports.shm import shm_dir
 
         need = self.nbytes + 3 * int(bucket_mb * 2**20)
         free = shutil.disk_usage(shm_dir()).free

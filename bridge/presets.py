@@ -1,7 +1,8 @@
 """Models and tokenizers built locally, so nothing is ever downloaded.
 
 ``make_model_dir(path, "tiny")`` writes a complete HF directory (config, generation config, safetensors
-weights, tokenizer) for a Qwen2-style causal LM with seeded random weights; it loads with
+weights, tokenizer) for a Qwen2-style causal LM with seeded random weights (``tiny-llama``: a Llama, whose
+SGLang model class reads every tensor back through ``/get_weights_by_name``); it loads with
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` offline.
 
 The tokenizer is byte-level: every UTF-8 byte is one token (ids 3..258) plus ``<pad>``, ``<bos>`` and
@@ -18,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from bridge.errors import ConfigError
 
 __all__ = ["PRESETS", "build_config", "build_model", "build_tokenizer", "make_model_dir"]
 
+_FIRST_IMPORT = threading.Lock()
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 VOCAB_SIZE = 272  # 3 specials + 256 bytes, rounded up to a multiple of 16
 
@@ -43,12 +46,17 @@ PRESETS: dict[str, dict] = {
     # so a sync pays real models' per-tensor costs in seconds on a laptop (`wsync bench --sizes many`).
     "many": dict(hidden_size=256, intermediate_size=640, num_hidden_layers=28, num_attention_heads=4, num_key_value_heads=2,
                  tie_word_embeddings=False),
+    # tiny's shapes as a Llama (no q/k/v biases, its own head): SGLang's Llama answers /get_weights_by_name for every
+    # tensor, its Qwen2 for none, so the real-SGLang tests read each served tensor back from this one.
+    "tiny-llama": dict(architecture="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
 }
 
 
 def build_config(preset: str = "tiny"):
-    """The ``Qwen2Config`` of a preset (byte-level vocabulary; tied embeddings unless the preset says otherwise)."""
-    from transformers import Qwen2Config
+    """The ``Qwen2Config`` of a preset (``LlamaConfig`` where it says ``architecture="llama"``; byte-level
+    vocabulary; tied embeddings unless the preset says otherwise)."""
+    from transformers import LlamaConfig, Qwen2Config
 
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -63,7 +71,9 @@ def build_config(preset: str = "tiny"):
         eos_token_id=2,
         dtype="float32",
     )
-    return Qwen2Config(**{**defaults, **PRESETS[preset]})
+    fields = dict(PRESETS[preset])
+    config_class = LlamaConfig if fields.pop("architecture", "qwen2") == "llama" else Qwen2Config
+    return config_class(**{**defaults, **fields})
 
 
 def build_model(preset: str = "tiny", seed: int = 0):
@@ -119,9 +129,12 @@ def _byte_of(char: str) -> int:
 
 
 def make_model_dir(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> str:
-    """Write a complete HF model directory for ``preset`` at ``path`` and return the path."""
+    """Write a complete HF model directory for ``preset`` at ``path`` and return the path (from several threads at
+    once too: transformers' first imports are not thread-safe, so they are made under a lock)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    with _FIRST_IMPORT:
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: F401
     model = build_model(preset, seed)
     model.generation_config.do_sample = False
     model.save_pretrained(path, safe_serialization=True)

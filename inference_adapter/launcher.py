@@ -1,4 +1,5 @@
-"""Start an inference server as a subprocess: real SGLang on a CUDA host, the reference server elsewhere.
+"""Start an inference server as a subprocess: the reference server, or real SGLang (on a CUDA host by default;
+on any host with ``use_sglang=True``, :mod:`inference_adapter.real_sglang`).
 
 Example:
     >>> with launch_server(preset="tiny") as s:                          # doctest: +SKIP
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +21,7 @@ from bridge.client import ServerClient
 from bridge.errors import ServerError, SyncTimeout
 from bridge.log import get_logger
 from bridge.process_group import find_free_port
+from inference_adapter.launched import LaunchedServer
 
 __all__ = ["LaunchedServer", "launch_server", "sglang_available"]
 
@@ -35,57 +36,6 @@ def sglang_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-class LaunchedServer:
-    """A running server process: ``url``, ``client``, ``process``, ``log_path``, ``kind`` (``"sglang"`` or ``"reference"``)."""
-
-    def __init__(self, process: subprocess.Popen, url: str, client: ServerClient, log_path: str, kind: str, log_file):
-        self.process, self.url, self.client, self.log_path, self.kind = process, url, client, log_path, kind
-        self._log_file = log_file
-
-    def __repr__(self) -> str:
-        return f"LaunchedServer({self.kind} {self.url}, pid {self.process.pid})"
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it if it is still there after ``timeout`` seconds."""
-        if self.process.poll() is None:
-            _signal_group(self.process, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.process, signal.SIGKILL)
-                self.process.wait(timeout=timeout)
-        self.client.close()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-
-    def __enter__(self) -> LaunchedServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # the server runs in its own session; SGLang has child processes
-    except (ProcessLookupError, PermissionError):
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
 
 
 def launch_server(
@@ -110,8 +60,9 @@ def launch_server(
             (for SGLang, the preset is first written to a temporary directory).
         port: default: a free port. ``host``: address to listen on and to reach the server at.
         dtype: serving dtype. ``extra_args``: more command-line flags for the server.
-        use_sglang: True forces real SGLang, False the reference server, None picks SGLang when it is
-            importable and CUDA is available.
+        use_sglang: True starts real SGLang (on a host without CUDA, on its CPU engine:
+            :func:`inference_adapter.real_sglang.launch_sglang`), False the reference server, None picks SGLang
+            when it is importable and CUDA is available.
         ready_timeout: seconds to wait for readiness.
         api_key: for the returned client (pass the server's flag in ``extra_args`` too).
         log_path: file for the server's stdout/stderr (default: a temporary file).
@@ -125,37 +76,33 @@ def launch_server(
     if model is None and preset is None:
         preset = "tiny"
     sglang = sglang_available() if use_sglang is None else use_sglang
+    if sglang:
+        from inference_adapter.real_sglang import launch_sglang
+
+        return launch_sglang(model, preset, port=port, host=host, dtype=dtype, extra_args=extra_args,
+                             ready_timeout=ready_timeout, api_key=api_key, log_path=log_path, env=env)
     port = port or find_free_port(host)
-    cmd = server_command(sglang, model, preset, host, port, dtype, disk_roots) + [str(a) for a in extra_args]
-    kind = "sglang" if sglang else "reference"
+    cmd = server_command(model, preset, host, port, dtype, disk_roots) + [str(a) for a in extra_args]
     if log_path is None:
-        fd, log_path = tempfile.mkstemp(prefix=f"wsync-{kind}-{port}-", suffix=".log")
+        fd, log_path = tempfile.mkstemp(prefix=f"wsync-reference-{port}-", suffix=".log")
         os.close(fd)
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join([CHECKOUT, *filter(None, [child_env.get("PYTHONPATH")])])
     child_env.update(env or {})
     log_file = open(log_path, "ab")
-    logger.info("starting %s server on %s:%d (log %s)", kind, host, port, log_path)
+    logger.info("starting the reference server on %s:%d (log %s)", host, port, log_path)
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
-                            cwd=CHECKOUT if not sglang else None)
+                            cwd=CHECKOUT)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-    server = LaunchedServer(proc, url, ServerClient(url, api_key=api_key, timeout=60.0), log_path, kind, log_file)
+    server = LaunchedServer(proc, url, ServerClient(url, api_key=api_key, timeout=60.0), log_path, "reference", log_file)
     wait_until_ready(server, ready_timeout)
-    logger.info("%s server ready at %s", kind, url)
+    logger.info("reference server ready at %s", url)
     return server
 
 
-def server_command(sglang: bool, model: str | None, preset: str | None, host: str, port: int, dtype: str,
-             disk_roots: Sequence[str]) -> list[str]:
-    """The command line that starts real SGLang (a preset is first written to a temporary directory) or
-    the reference server."""
-    if sglang:
-        if model is None:
-            from bridge.presets import make_model_dir
-
-            model = make_model_dir(tempfile.mkdtemp(prefix=f"wsync-{preset}-"), preset)
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port),
-                "--dtype", dtype]
+def server_command(model: str | None, preset: str | None, host: str, port: int, dtype: str,
+                   disk_roots: Sequence[str]) -> list[str]:
+    """The command line that starts the reference server (real SGLang's: :func:`inference_adapter.real_sglang.sglang_command`)."""
     cmd = [sys.executable, "-m", "inference_adapter.server", "--host", host, "--port", str(port), "--dtype", dtype]
     cmd += ["--model", model] if model is not None else ["--preset", preset]
     for root in disk_roots:

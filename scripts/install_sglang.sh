@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Puts SGLang's own code on this machine for the `sglang_code` test tier (tests/test_sglang_*.py), from PyPI only.
+# Puts SGLang's own code on this machine, from PyPI only: for the `sglang_code` test tier (tests/test_sglang_*.py),
+# and SGLang 0.5.23's whole server for the `real_sglang` tier (tests/test_real_sglang.py, `wsync sglang`).
 #
-# SGLang's server cannot run on a CPU machine (its kernel package has no CPU build), but its HTTP app and its
-# weight-update code import and run; tests/sglang_harness/ composes them into a receiving server. This script:
+# SGLang's kernel package has no CPU build; its server runs on CPU with the stand-ins of inference_adapter/sglang_cpu
+# (test infrastructure: on GPU hosts SGLang runs as shipped), and its HTTP app and weight-update code of older
+# releases import and run; tests/sglang_harness/ composes them into a receiving server. This script:
 #   1. installs the pure-Python packages SGLang imports at module level into the current environment
 #      (--no-deps each, so nothing replaces the project's torch/transformers pins);
 #   2. unpacks each SGLang version with `pip install --no-deps --target $CACHE/sglang-<ver>`, side by side;
 #      the harness runs each version in its own subprocess with that folder on PYTHONPATH;
-#   3. checks that each version's weight-update modules import (with the stand-ins in tests/sglang_harness).
+#   3. checks that each version's weight-update modules import (with the stand-ins in tests/sglang_harness);
+#   4. checks that SGLang 0.5.23's server imports on this host (`wsync sglang --check`).
 # Idempotent: a version folder is complete once its `.complete` stamp exists; its import check is recorded in
 # `.imports-ok` (a fingerprint of the harness's bootstrap/stand-ins and of torch, triton, transformers, fastapi and
 # pydantic), so a second run re-checks only what changed.
@@ -92,4 +95,22 @@ for v in "${VERSIONS[@]}"; do
     echo "$fp" > "$dir/.imports-ok"
     echo "   sglang $v: $(echo "$out" | tail -1)"
 done
+# Real SGLang's whole server on this host (the real_sglang tier, tests/test_real_sglang.py): SGLang 0.5.23 from its
+# folder above, its Python dependencies (DEPS), the CPU stand-ins of inference_adapter/sglang_cpu, and this checkout
+# on its PYTHONPATH (so --custom-weight-loader bridge.sglang_delta_loader.load_delta resolves). `wsync sglang --check`
+# imports what its processes import; recorded in `.server-ok` like the import checks above.
+server="$CACHE/sglang-0.5.23"
+if [ -f "$server/.complete" ]; then
+    if [ "$(cat "$server/.server-ok" 2>/dev/null)" = "$fp" ]; then
+        echo "   SGLang 0.5.23's server: imports ok (checked before, nothing changed since)"
+    elif out=$(WSYNC_SGLANG_CACHE="$CACHE" python -m wsync sglang --check 2>&1); then
+        echo "$fp" > "$server/.server-ok"
+        echo "   $out"
+    else
+        rm -f "$server/.server-ok"
+        echo "$out" | tail -20 >&2
+        echo "install_sglang.sh: SGLang 0.5.23's server does not import on this host; see above" >&2
+        exit 1
+    fi
+fi
 echo "== SGLang code ready in $CACHE ($(( $(date +%s) - t0 )) s)"

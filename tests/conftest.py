@@ -24,7 +24,7 @@ os.environ["WSYNC_PLUGINS"] = ",".join(sorted(
     if name.endswith(".py") and name != "__init__.py"))
 os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
 
-pytest_plugins = [p for p in ("tests.fixtures_server", "tests.fixtures_etcd", "tests.fixtures_router") if os.path.exists(
+pytest_plugins = [p for p in ("tests.fixtures_server", "tests.fixtures_etcd", "tests.fixtures_router", "tests.fixtures_sglang") if os.path.exists(
     os.path.join(os.path.dirname(__file__), p.split(".")[1] + ".py"))]
 
 
@@ -41,7 +41,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 # scoped to a module, such as SGLang's harness, start once). The longest files start first, so that none
 # starts last on one worker while the other idles. The order changes no result; keep it roughly right
 # (``--durations`` prints the current figures).
-LONGEST_FIRST = ("test_readme.py", "test_multihost.py", "test_sglang_code.py", "test_interrupts.py",
+LONGEST_FIRST = ("test_real_sglang.py", "test_readme.py", "test_multihost.py", "test_sglang_code.py", "test_interrupts.py",
                  "test_sglang_versions.py", "test_faults.py", "test_cuda_ipc.py", "test_cli.py",
                  "test_lora.py", "test_delta_sglang.py", "test_fleet.py", "test_disk_sync.py", "test_broadcast.py",
                  "test_name_resolve.py", "test_bench.py")
@@ -67,6 +67,7 @@ ALLOWED_SKIPS = (
     "this host has CUDA",           # the CPU-only error path, on a GPU host
     "one version is enough",        # a check of the server info, run on one SGLang release only
     "one release with sessions is enough",
+    "runs in the real tier",        # SGLang's own code of the release whose whole server the real tier runs
 )
 """Substrings of the skip reasons strict mode accepts: the tests that are meant to run elsewhere (a GPU
 host) or once (one SGLang release stands for all)."""
@@ -82,7 +83,7 @@ def missing_prerequisites() -> list[str]:
     import importlib.util
     import shutil
 
-    from tests.sglang_harness import ALL_VERSIONS, installed
+    from tests.sglang_harness import ALL_VERSIONS, installed, sglang_dir
 
     missing = []
     if shutil.which("etcd") is None:
@@ -98,6 +99,9 @@ def missing_prerequisites() -> list[str]:
     absent = [v for v in ALL_VERSIONS if not installed(v)]
     if absent:
         missing.append(f"SGLang {', '.join(absent)} not unpacked: bash scripts/install_sglang.sh (the sglang_code tier)")
+    elif not os.path.exists(os.path.join(sglang_dir("0.5.23"), ".server-ok")):
+        missing.append("SGLang 0.5.23's server was not checked on this host: bash scripts/install_sglang.sh (its step "
+                       "`wsync sglang --check`; the real_sglang tier)")
     return missing
 
 

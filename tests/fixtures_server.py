@@ -121,7 +121,7 @@ def launch_forked(*, model: str | None = None, preset: str | None = None, port: 
     line, environment and log, without importing torch, transformers and the server again (about 2.5 s a
     server). The server's command-line entry point itself is tested by ``wsync serve`` tests."""
     port = port or find_free_port(host)
-    argv = launcher.server_command(False, model, preset or ("tiny" if model is None else None), host, port, dtype,
+    argv = launcher.server_command(model, preset or ("tiny" if model is None else None), host, port, dtype,
                              disk_roots)[3:] + [str(a) for a in extra_args]
     fd, log_path = tempfile.mkstemp(prefix=f"wsync-reference-{port}-", suffix=".log")
     os.close(fd)

@@ -163,11 +163,12 @@ def _refused(urls: list[str], match: str, model_dir: str) -> None:
 
 @pytest.mark.sglang_code
 def test_colocated_refuses_sglang_older_than_flattened_buckets(tiny_model_dir):
-    """SGLang 0.4.9 cannot decode the payload (its module paths differ): refused before anything moves,
-    naming the release it needs, whatever this host has."""
+    """SGLang 0.4.9 can take neither payload: not CUDA IPC (its module paths differ), nor shared memory from a
+    trainer without CUDA (it moves every tensor to CUDA): refused before anything moves, naming the release
+    it needs for the route this host takes (0.5.6 with CUDA, 0.5.1 without)."""
     _need("0.4.9")
     with launch("0.4.9", tiny_model_dir) as srv:
-        _refused([srv.url], r"SGLang >= 0\.5\.6", tiny_model_dir)
+        _refused([srv.url], r"SGLang >= 0\.5\.6" if torch.cuda.is_available() else r"SGLang >= 0\.5\.1", tiny_model_dir)
         assert srv.alive()
 
 

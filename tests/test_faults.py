@@ -155,10 +155,11 @@ def test_any_exception_on_any_rank_at_any_step(server, tmp_path):
 
 @pytest.mark.sglang_code
 def test_the_fault_matrix_against_sglangs_own_code(tiny_model_dir, tmp_path):
-    """The same faults, broadcast into SGLang 0.5.23's own code, which loads buckets as they arrive and
-    resumes only when told to: every rank raises the same error and the server keeps its version label.
-    Before any bucket went out it answers at once; after, its weights may be torn (it has no staging), so
-    it is held paused and answers nothing until the final publish, which resends every tensor, repairs it
+    """The same faults, broadcast into SGLang 0.5.23's own code, which loads each request as soon as it received it
+    and resumes only when told to: every rank raises the same error and the server keeps its version label. The
+    sync goes as one request (``atomic_mb``), received whole before any of it is loaded, so a fault before the last
+    bucket went out leaves it on its weights, answering at once; after that (settle, commit) it holds the new
+    weights under the old label, so it is held paused and answers nothing until the final publish repairs it
     (checked bit-equal)."""
     runs0, runs1, url = sb.run_into_sglang(_fault_matrix, tiny_model_dir, tmp_path, [("broadcast", 10)])
     _check_fault_matrix(runs0, runs1, [("broadcast", 10)], [url])
@@ -179,8 +180,8 @@ def _check_fault_matrix(runs0: dict, runs1: dict, transports: list[tuple[str, in
             if sb.announces(transport):
                 assert after == r0["before"] == [v0], f"{where}: announced {after}"
                 continue
-            for url in urls:  # SGLang's own code loads buckets as they arrive: torn once a bucket went out
-                torn = after[url]["checksums"] is None and point not in ("prepare", "begin")
+            for url in urls:  # SGLang's own code loaded the whole request once every bucket went out
+                torn = after[url]["checksums"] is None and point in ("settle", "commit")
                 sb.assert_left_on(after[url], v0, r0["before"][url], r0["own_before"], r0["own_after"], where, torn)
         kind, message = r0["same_version"]
         assert r1["same_version"] == r0["same_version"] and kind == "VersionError" and "different weights" in message

@@ -256,16 +256,17 @@ def pair(server_factory, tiny_model_dir):
 
 
 def test_a_torn_server_never_answers_until_the_next_publish_repairs_it(pair, router_factory, model):
-    """A sync fails at bucket 3: the staging server drops what it staged and serves on; the one that
-    loaded buckets 0-2 already holds a mix of two versions under the old label, so it stays paused and
-    leaves the router instead of being resumed; the next publish sends it every tensor."""
+    """A sync bucket by bucket (``atomic_mb=0``, as one above the limit goes) fails at bucket 3: the staging server
+    drops what it staged and serves on; the one that loaded buckets 0-2 already holds a mix of two versions under
+    the old label, so it stays paused and leaves the router instead of being resumed; the next publish sends it
+    every tensor."""
     from bridge.failpoints import ENV
 
     staging, loading = pair[0], pair[1]
     router = router_factory("sglang-router", sorted([staging.url, loading.url]))
     lease = 1.0  # the trainer's writer lease runs out while the torn server waits for the next publish
     cfg = _config(servers=[staging.url, loading.url], server_registry=f"router+{router.url}", trial="torn",
-                  writer_lease=lease)
+                  writer_lease=lease, atomic_mb=0)
     with WeightPublisher(cfg) as pub:
         pub.publish(model, version=1)
         old = _own(model)

@@ -17,6 +17,8 @@ COMMANDS = {
     "train": ("wsync.train", "train with the FSDP2 engine (launches its own ranks), optionally publishing weights"),
     "serve": ("wsync.serve", "run the reference server, which speaks SGLang's HTTP protocol on CPU"),
     "watch": ("wsync.watch", "follow disk announcements in name resolution and load each version into servers"),
+    "sglang": ("wsync.sglang", "start real SGLang on this host (its CPU engine where there is no GPU) and wait until "
+                               "it generates"),
     "register": ("wsync.register", "keep a server's entry in a registry (etcd, a directory) while it answers: the "
                                    "sidecar for real SGLang"),
     "bench": ("wsync.bench", "measure broadcast vs disk vs per-tensor sync against the raw transport"),

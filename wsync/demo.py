@@ -250,7 +250,7 @@ def _trainer_answer(engine, spec: dict, cache: dict) -> str | None:
     from transformers import AutoModelForCausalLM
 
     from bridge.tensors import dtype_from_str
-    from wsync.tasks import prompt_ids
+    from wsync.tasks import pad_id, prompt_ids
 
     dtype = dtype_from_str(spec["serving_dtype"])
     state = {}
@@ -272,7 +272,7 @@ def _trainer_answer(engine, spec: dict, cache: dict) -> str | None:
     ids = torch.tensor([prompt_ids(engine.tokenizer)])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=spec["max_new_tokens"], pad_token_id=engine.tokenizer.pad_token_id)
+                             max_new_tokens=spec["max_new_tokens"], pad_token_id=pad_id(engine.tokenizer))
     return engine.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 

@@ -228,6 +228,15 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
         except BridgeError:
             return False
 
+    def health_generate(self, timeout: float = 10.0) -> None:
+        """``/health_generate``: SGLang answers 200 once it generated a token (the reference server once its model
+        loaded).
+
+        Raises:
+            ServerError / SyncTimeout: it did not, with its answer.
+        """
+        self._http.call("GET", "/health_generate", timeout=timeout, text=True)
+
     def wait_ready(self, timeout: float = 300.0, interval: float = 0.5) -> dict:
         """Poll ``/model_info`` until it answers 200; return it.
 

@@ -9,12 +9,22 @@ answer and the broadcast, against one deadline. ``commit``: ``/end_weight_update
 server swaps weights and version here), then resume. ``abort``: destroy the group on both sides (the
 reference server drops what it staged), discard the sessions, resume.
 
+**One request for the whole sync** (``atomic_mb``): real SGLang loads each request as soon as it received
+it, so a sync that fails after some buckets leaves it torn. But every release receives all of a request's
+tensors before it loads any of them. A full sync of at most ``atomic_mb`` to servers that load as they
+arrive is therefore sent as one per-tensor request, announced with the first bucket and answered after
+the last; the buckets still travel one after the other (rank 0 holds two at most), one broadcast per
+tensor. If the sync fails, no such server loaded anything unless it received every tensor, so it keeps
+its version and is resumed.
+
 Every group gets a fresh name (``<group_name>-<8 hex>``): a group whose destroy failed on some
 server keeps its name there, and must not block the next one.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import gc
 import ipaddress
 import threading
 import time
@@ -66,6 +76,12 @@ class BroadcastOptions(SessionOptions):
     master_address: str | None = option(None, "address of trainer rank 0 as the servers reach it (default: "
                                               "127.0.0.1 if every server is local, else this host's address)")
     master_port: int | None = option(None, "port of the weight-update group's rendezvous (default: a free port)")
+    atomic_mb: float = option(1024.0, "a full sync of at most this many MB reaches servers that load buckets as "
+                                      "they arrive (real SGLang) as one request, received whole before any of it is "
+                                      "loaded, so a failed sync leaves them on their version; each holds that much "
+                                      "more memory during the sync (every TP rank the whole tensors). Larger syncs "
+                                      "go bucket by bucket, and one that fails part-way leaves such servers torn, "
+                                      "out of rotation until a publish repairs them; 0: always bucket by bucket")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,6 +91,8 @@ class BroadcastOptions(SessionOptions):
             raise ConfigError("group_name must not be empty")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigError(f"master_port must be a port number (1-65535), got {self.master_port}")
+        if isinstance(self.atomic_mb, bool) or not isinstance(self.atomic_mb, (int, float)) or not self.atomic_mb >= 0:
+            raise ConfigError(f"atomic_mb must be a number of MB, 0 or more, got {self.atomic_mb!r}")
 
 
 @register
@@ -105,12 +123,16 @@ class BroadcastTransport(Transport):
         self.group_name: str | None = None
         self.load_format = "flattened_bucket"
         self._inflight = None  # (k, broadcast works, HTTP futures, buffer)
+        self._whole: _WholeSync | None = None  # this sync goes as one request (see the module docstring)
 
     # ------------------------------------------------------------------ lifecycle
 
     def begin(self, plan: Plan) -> None:
         self.check_servers(self.config, self.servers.urls)
         self.load_format = self._pick_load_format()
+        self._whole = self._whole_sync(plan)
+        if self._whole is not None:
+            self.load_format = "per_tensor"
         self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
         self.sessions.open()
         t = time.perf_counter()
@@ -123,6 +145,9 @@ class BroadcastTransport(Transport):
         return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
+        if self._whole is not None:
+            self._send_whole(k, bucket, buf, version)
+            return
         cfg, last = self.config, version is not None
         fields = bucket.request_fields()
         futures = self.servers.submit(
@@ -146,32 +171,112 @@ class BroadcastTransport(Transport):
         """Wait for every server's answer, then the broadcast, against one deadline."""
         if self._inflight is None:
             return
+        if self._whole is not None:
+            self._settle_whole()
+            return
         (k, works, futures, _), self._inflight = self._inflight, None
         cfg = self.config
         deadline = time.monotonic() + cfg.group_timeout + cfg.http_timeout
-        # On an error, a server that refused the bucket may not have joined its broadcast: the group is
-        # not trustworthy any more (abort tears it down; the next publish builds a new one).
-        bucket_answers(self.servers.clients, futures, k, cfg.group_timeout + cfg.http_timeout,
-                       "group_timeout + http_timeout")
-        for w in works:
-            try:
-                w.wait(timedelta(seconds=deadline_left(deadline)))
-            except RuntimeError as e:
-                raise SyncError(f"broadcast of bucket {k} failed: {e}") from e
+        try:
+            # On an error, a server that refused the bucket may not have joined its broadcast: the group is
+            # not trustworthy any more (abort tears it down; the next publish builds a new one).
+            bucket_answers(self.servers.clients, futures, k, cfg.group_timeout + cfg.http_timeout,
+                           "group_timeout + http_timeout")
+            error = _first_error(works, lambda w: w.wait(timedelta(seconds=deadline_left(deadline))))
+        finally:
+            works.clear()  # see _first_error
+        if error is not None:
+            raise SyncError(f"broadcast of bucket {k} failed: {error}")
 
     def commit(self, plan: Plan, reports: list) -> dict:
+        self._whole = None
         return {"servers": self.sessions.commit(plan.version)}
 
     def abort(self, reason: str) -> str:
         self._inflight = None
-        pg, name, self.pg, self.group_name = self.pg, self.group_name, None, None
-        if pg is not None:
-            destroy_custom_process_group(pg)
+        whole, self._whole = self._whole, None
+        name, had_group = self.group_name, self.pg is not None
+        self._close_group()  # a server still receiving gives up now, not after its group's timeout
         if self.sessions is None:
             return ""
+
+        def first(c) -> None:
+            if whole is not None:
+                whole.loaded_nothing(c, self.sessions)
+            if had_group:
+                self._destroy_on(c, name)
+
         # Per server: drop its group (the reference server drops what it staged), discard, resume.
-        self.sessions.abort(first=(lambda c: self._destroy_on(c, name)) if pg is not None else None)
+        self.sessions.abort(first=first if had_group or whole is not None else None)
         return self.sessions.serving()
+
+    def _close_group(self) -> None:
+        """Destroy the group here and let go of it: gloo closes its connections only when the group's last reference
+        goes (destroying it only unregisters it), and real SGLang waits for a broadcast until its connection closes
+        or its own group timeout (30 minutes) runs out."""
+        if self.pg is not None:
+            destroy_custom_process_group(self.pg)
+            self.pg = self.group_name = None
+            gc.collect()
+
+    # ------------------------------------------------------------------ one request for the whole sync
+
+    def _whole_sync(self, plan: Plan) -> _WholeSync | None:
+        """A full sync of at most ``atomic_mb`` with a server that loads buckets as they arrive goes as one request
+        (auto and per_tensor load formats only: flattened_bucket asked for is kept)."""
+        cfg = self.config
+        if (plan.encoded is not None or cfg.load_format == "flattened_bucket" or not cfg.atomic_mb
+                or plan.nbytes > cfg.atomic_mb * 2**20 or all(c.stages_updates for c in self.servers.clients)):
+            return None
+        return _WholeSync(plan)
+
+    def _send_whole(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
+        """Bucket ``k`` of a sync sent as one request: the request goes out with bucket 0, then each bucket as one
+        broadcast per tensor, in the request's order."""
+        cfg, whole = self.config, self._whole
+        if bucket.specs != whole.buckets[k].specs:
+            raise SyncError(f"bucket {k} is not the one planned at begin; the sync cannot go as one request")
+        if k == 0:
+            fields = whole.request_fields()
+            whole.futures = self.servers.submit(
+                lambda c: c.update_weights_from_distributed(
+                    **fields, group_name=self.group_name, load_format=None, flush_cache=True,
+                    weight_version=str(whole.version) if c.stages_updates else None,
+                    timeout=len(whole.buckets) * (cfg.group_timeout + cfg.http_timeout),
+                )
+            )
+        works = [
+            dist.broadcast(buf[o : o + s.nbytes].view(s.dtype).view(s.shape), src=0, group=self.pg, async_op=True)
+            for s, o in zip(bucket.specs, bucket.offsets)
+        ]
+        whole.sent = k + 1
+        self._inflight = (k, works, whole.futures if version is not None else None, buf)
+
+    def _settle_whole(self) -> None:
+        """The broadcasts of the bucket in flight, polled against one deadline while watching the answers: a server
+        that refused the request (it never joins the broadcasts) fails the sync at once. After the last bucket,
+        every server's answer."""
+        (k, works, answers, _), self._inflight = self._inflight, None
+        cfg, whole = self.config, self._whole
+        bound = cfg.group_timeout + cfg.http_timeout
+        deadline = time.monotonic() + bound
+        try:
+            while not all(w.is_completed() for w in works):
+                refused = [i for i, f in enumerate(whole.futures) if f.done() and f.exception() is not None]
+                if refused:
+                    bucket_answers([self.servers.clients[i] for i in refused], [whole.futures[i] for i in refused],
+                                   k, bound, "group_timeout + http_timeout")
+                if time.monotonic() > deadline:
+                    raise SyncTimeout(f"broadcast of bucket {k} did not end within {bound:g} s "
+                                      "(group_timeout + http_timeout)")
+                time.sleep(0.002)
+            error = _first_error(works, lambda w: w.wait())  # completed: raises its error, if it failed
+        finally:
+            works.clear()  # see _first_error
+        if error is not None:
+            raise SyncError(f"broadcast of bucket {k} failed: {error}")
+        if answers is not None:
+            bucket_answers(self.servers.clients, answers, k, bound, "group_timeout + http_timeout")
 
     def use_servers(self, servers) -> None:
         """A group is made for one set of servers: another set (a server died, or joined) gets a new one, and
@@ -217,6 +322,50 @@ class BroadcastTransport(Transport):
     @staticmethod
     def _destroy_on(c, name: str) -> None:
         destroy_on(c, name)
+
+
+def _first_error(works: list, wait) -> str | None:
+    """``wait(work)`` for each broadcast of ``works``; the first one's error, as text. The caller lets go of the works
+    (``works.clear()``) before it raises: a gloo work holds the group's connections, so one kept alive by an
+    exception's traceback would keep a server that still receives waiting for its own group timeout after abort
+    closed the group."""
+    for w in works:
+        try:
+            wait(w)
+        except RuntimeError as e:
+            return str(e)
+    return None
+
+
+class _WholeSync:
+    """A sync sent as one request (see the module docstring): its buckets, the request's answers, how many buckets
+    went out."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.version, self.buckets = plan.version, plan.buckets
+        self.futures: list = []
+        self.sent = 0
+
+    def request_fields(self) -> dict:
+        specs = [s for b in self.buckets for s in b.specs]
+        return Bucket(specs).request_fields() if specs else {"names": [], "dtypes": [], "shapes": []}
+
+    def loaded_nothing(self, c, sessions: ServerSessions, wait_s: float = 3.0) -> None:
+        """After a failed sync: tell ``sessions`` that ``c`` loaded nothing of it, when its request failed (it gives up
+        receiving once the group is destroyed; waited for up to ``wait_s``) before the last bucket went out, or with
+        SGLang's "Failed to receive weights" (0.5.21 on). A server that answered success, failed after every bucket
+        went out (its loader may have run), or did not answer, may be torn."""
+        if not self.futures:
+            sessions.loaded_nothing(c)  # the request never went out
+            return
+        f = self.futures[sessions.servers.clients.index(c)]
+        try:
+            f.result(timeout=wait_s)
+        except cf.TimeoutError:
+            return
+        except BridgeError as e:
+            if self.sent < len(self.buckets) or "Failed to receive weights" in str(e):
+                sessions.loaded_nothing(c)
 
 
 def make_group(servers, *, prefix: str, master_address: str | None, master_port: int | None, backend: str,

@@ -18,9 +18,13 @@ Which way a bucket goes depends on the servers, decided in ``begin`` before anyt
   one entry per TP rank, built with SGLang's serializer from the trainer host's SGLang installation). The
   buffer is kept until every server answered. **Not yet run on a GPU**: the payload is checked by SGLang's
   own code on CPU only (``tests/test_cuda_ipc.py``; its ``gpu`` tests run it end to end on a CUDA host).
-* **Anything else** is a ConfigError before any byte moves: real SGLang without CUDA here (it would unpickle
-  a ``wsync_shm`` entry in its scheduler and die; use ``broadcast`` or ``disk``), SGLang older than 0.5.6
-  (no flattened buckets, other module paths in the pickle), no SGLang importable on the trainer host, or a
+* **Real SGLang and a trainer without CUDA** (SGLang on its CPU engine, on this host): named shared memory
+  (:mod:`bridge.transports.shared_tensors`). Rank 0 gathers each bucket into one of two reused segments and
+  posts SGLang's plain payload, the bucket's tensors as views of that segment pickled by name
+  (``load_format`` unset), which SGLang's scheduler maps and loads without a copy. Any SGLang release; no
+  SGLang needed on the trainer's side.
+* **Anything else** is a ConfigError before any byte moves: CUDA IPC into SGLang older than 0.5.6 (no
+  flattened buckets, other module paths in the pickle) or without SGLang importable on the trainer host, or a
   mix of reference and real servers in one publisher.
 
 Every server URL must be a loopback address.
@@ -30,18 +34,14 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
-import errno
-import glob
 import json
 import os
-import tempfile
-import uuid
 
 import torch
 
 from bridge.buckets import Bucket
 from bridge.errors import ConfigError
-from bridge.log import fmt_bytes, get_logger
+from bridge.log import get_logger
 from bridge.protocol import SHM_LOAD_FORMAT
 from bridge.transports import cuda_ipc
 from bridge.transports.base import (
@@ -51,16 +51,17 @@ from bridge.transports.base import (
     Transport,
     bucket_answers,
     is_local,
-    remove_file,
 )
 from bridge.transports.registry import register
+from bridge.transports.shared_tensors import SharedBuckets
+from bridge.transports.shm import remove, shm_buffer, sweep_stale_files
 
-__all__ = ["ColocatedTransport", "sweep_stale_files"]
+__all__ = ["ColocatedTransport", "shm_buffer", "sweep_stale_files"]
 
 logger = get_logger(__name__)
 
-PREFIX = "wsync-"
-
+SHARED_MIN_RELEASE = (0, 5, 1)
+"""The first SGLang release that loads the tensors it is handed on its own device (earlier ones move them to CUDA)."""
 
 @register
 class ColocatedTransport(Transport):
@@ -70,8 +71,10 @@ class ColocatedTransport(Transport):
 
     def __init__(self, config, servers):
         super().__init__(config, servers)
-        self.device: torch.device | None = None  # the buckets' CUDA device for real SGLang; None: shm files
-        self._inflight = None  # (k, futures, path or CUDA buffer)
+        self.route = "files"  # files (reference server), cuda_ipc or shared (real SGLang): see _choose_route
+        self.device: torch.device | None = None  # the buckets' CUDA device (cuda_ipc)
+        self._shared: SharedBuckets | None = None  # the two reused segments (shared)
+        self._inflight = None  # (k, futures, path or buffer)
         self._paths: list[str] = []
         sweep_stale_files()
 
@@ -88,22 +91,35 @@ class ColocatedTransport(Transport):
 
     def begin(self, plan: Plan) -> None:
         self.check_servers(self.config, self.servers.urls)
-        self.device = self._choose_device()
+        self.route = self._choose_route()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.route == "cuda_ipc" else None
+        if self.route == "shared" and self._shared is None:
+            self._shared = SharedBuckets()
         self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
         self.sessions.open()
 
-    def _choose_device(self) -> torch.device | None:
-        """None (shared-memory files) when every server is the reference server, the CUDA device for real
-        SGLang; a ConfigError naming the server and the fix otherwise. Reads server info only."""
+    def _choose_route(self) -> str:
+        """``files`` when every server is the reference server; for real SGLang ``cuda_ipc`` from a trainer with
+        CUDA, ``shared`` from one without; a ConfigError naming the server and the fix otherwise. Reads server
+        info only."""
         reference = self.servers.map(lambda c: c.is_reference_server)
         if all(reference):
-            return None
+            return "files"
         real = [c for c, ref in zip(self.servers.clients, reference) if not ref]
         if any(reference):
             raise ConfigError(
                 f"the colocated transport mixes the wsync reference server (shared-memory files) with real SGLang "
                 f"(CUDA IPC) at {[c.url for c in real]}; publish to each kind with a publisher of its own"
             )
+        if not torch.cuda.is_available():  # SGLang on its CPU engine, on this host (every URL is a loopback one)
+            for c in real:
+                if c.features.release < SHARED_MIN_RELEASE:
+                    raise ConfigError(
+                        f"{c.url} runs SGLang {c.version}, which moves every tensor it is handed to a CUDA device; "
+                        f"a trainer without CUDA hands real SGLang its weights in shared memory, which needs SGLang >= "
+                        f"{'.'.join(map(str, SHARED_MIN_RELEASE))}; upgrade it, or use transport='broadcast' or 'disk'"
+                    )
+            return "shared"
         need = ".".join(map(str, cuda_ipc.MIN_RELEASE))
         for c in real:
             if c.features.release < cuda_ipc.MIN_RELEASE:
@@ -112,28 +128,27 @@ class ColocatedTransport(Transport):
                     f"flattened buckets of CUDA IPC handles, which needs SGLang >= {need} on the server (older "
                     "releases cannot decode the payload); upgrade it, or use transport='broadcast' or 'disk'"
                 )
-        if not torch.cuda.is_available():
-            # Real SGLang takes co-located weights only as CUDA IPC handles; wsync_shm would kill its scheduler.
-            real[0].require_reference_server(
-                f"the colocated transport's shared-memory buckets (load_format={SHM_LOAD_FORMAT!r}), and this "
-                "trainer has no CUDA device for CUDA IPC"
-            )
         cuda_ipc.sglang_code()  # importable here, before anything is paused
-        return torch.device("cuda", torch.cuda.current_device())
+        return "cuda_ipc"
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
-        if self.device is not None:
+        if self.route == "cuda_ipc":
             return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+        if self.route == "shared":
+            return self._shared.buffer(k, bucket.nbytes)
         buf, path = shm_buffer(bucket.nbytes, k)
         self._paths.append(path)
         return buf
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
         cfg, last = self.config, version is not None
-        if self.device is not None:
+        if self.route == "cuda_ipc":
             flattened = cfg.load_format != "per_tensor"
             entries = {c.url: cuda_ipc.serialize_bucket(bucket, buf, c.tp_size, flattened) for c in self.servers.clients}
             load_format, held = (cuda_ipc.FLATTENED if flattened else None), buf
+        elif self.route == "shared":
+            entries = {c.url: self._shared.serialize(bucket, buf, c.tp_size) for c in self.servers.clients}
+            load_format, held = None, buf
         else:
             entry = {"path": self._paths[-1], "nbytes": bucket.nbytes, **bucket.request_fields(), "pid": os.getpid()}
             entry = base64.b64encode(json.dumps(entry).encode()).decode()
@@ -164,7 +179,9 @@ class ColocatedTransport(Transport):
 
     def abort(self, reason: str) -> str:
         inflight, self._inflight = self._inflight, None
-        if inflight is not None and isinstance(inflight[2], torch.Tensor):
+        if self._shared is not None and inflight is not None and not all(f.done() for f in inflight[1]):
+            self._shared.set_aside()  # a server that has not answered may still read them: never written again
+        if inflight is not None and self.route == "cuda_ipc":
             # A server may still be reading the CUDA buffer; torch's contract is that the producer keeps a
             # shared CUDA tensor while a consumer uses it. Each call is bounded by http_timeout.
             cf.wait(inflight[1], timeout=self.config.http_timeout)
@@ -178,76 +195,12 @@ class ColocatedTransport(Transport):
     def close(self) -> None:
         for p in list(self._paths):
             self._unlink(p)
+        if self._shared is not None:
+            self._shared.close()
         if self.sessions is not None:
             self.sessions.close()
 
     def _unlink(self, path: str) -> None:
         if path in self._paths:
             self._paths.remove(path)
-        _unlink(path)
-
-
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def shm_buffer(nbytes: int, k: int, directory: str | None = None) -> tuple[torch.Tensor, str]:
-    """A uint8 tensor of ``nbytes`` backed by a new file in ``directory`` (default :func:`shm_dir`)
-    whose space is reserved; (tensor, path)."""
-    directory = directory or shm_dir()
-    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}-{k}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        if nbytes:
-            # Reserve the pages now: writing into a mapped sparse file on a full tmpfs is a SIGBUS.
-            os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        os.close(fd)
-        _unlink(path)
-        if e.errno in (errno.ENOSPC, errno.EFBIG):
-            raise ConfigError(
-                f"not enough shared memory for a {fmt_bytes(nbytes)} bucket in {directory} "
-                f"({fmt_bytes(_free_bytes(directory))} free): "
-                "lower bucket_mb (--bucket-mb), or give the container more shared memory (docker --shm-size)"
-            ) from e
-        raise
-    os.close(fd)
-    try:
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8), path
-        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), path
-    except BaseException:
-        _unlink(path)
-        raise
-
-
-def sweep_stale_files() -> list[str]:
-    """Remove bucket files left by trainers that no longer run (killed mid-sync); the removed paths."""
-    removed = []
-    for path in glob.glob(os.path.join(shm_dir(), f"{PREFIX}*-*-*")):
-        pid = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            _unlink(path)
-            removed.append(path)
-    if removed:
-        logger.info("removed %d shared-memory bucket files left by dead trainers", len(removed))
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _free_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def _unlink(path: str) -> None:
-    remove_file(path, "shared-memory file")
+        remove(path)

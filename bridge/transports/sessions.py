@@ -40,12 +40,14 @@ class ServerSessions:
         """url -> ``torn: why`` or ``failed: why``: servers left paused on purpose after this sync (their
         weights may be partly changed, or they did not take the version beside the others)."""
         self._sent: dict[str, int] = {}  # each client's updates_sent when the sync opened
+        self._untouched: set[str] = set()  # servers known to have loaded nothing of a failed sync
         self._pool = servers.pool  # the group's threads: their connections are open from the last sync
 
     def open(self) -> None:
         """Take every server (one writer at a time), pause it (unless ``pause_mode`` is none), then open a
         session where one is needed."""
         self._sent = {c.url: c.updates_sent for c in self.servers.clients}
+        self._untouched = set()
         paused = False
         if self.lease is not None:
             paused = self.lease.take(self._pause_taking if self.pause_mode != "none" else None)
@@ -122,8 +124,14 @@ class ServerSessions:
         return status
 
     def may_be_torn(self, c) -> bool:
-        """True when ``c`` loads buckets as they arrive and was sent some during this sync (open, not committed)."""
-        return c.url in self._sent and not c.stages_updates and c.updates_sent > self._sent[c.url]
+        """True when ``c`` loads buckets as they arrive and was sent some during this sync (open, not committed),
+        unless the transport knows it loaded nothing (:meth:`loaded_nothing`)."""
+        return (c.url in self._sent and not c.stages_updates and c.updates_sent > self._sent[c.url]
+                and c.url not in self._untouched)
+
+    def loaded_nothing(self, c) -> None:
+        """The transport knows that ``c`` loaded nothing of this failed sync (it is not torn)."""
+        self._untouched.add(c.url)
 
     def hold(self, c, why: str) -> None:
         """Leave ``c`` paused (out of rotation) instead of resuming it; ``held`` says why. Never raises."""

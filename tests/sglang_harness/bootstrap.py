@@ -12,7 +12,10 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STUBS = os.path.join(HERE, "stubs")              # torchvision stand-in (every version)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+# The torchvision stand-in of real SGLang on CPU (every version; its strict sgl_kernel is shadowed by STUBS_KERNEL
+# on the releases that need the inert one).
+STUBS = os.path.join(ROOT, "inference_adapter", "sglang_cpu")
 STUBS_KERNEL = os.path.join(HERE, "stubs_kernel")  # sgl_kernel / vllm stand-ins (versions that import them)
 
 
@@ -29,7 +32,7 @@ def setup(sglang_dir: str, cuda: bool = False) -> tuple[int, int, int]:
     ``cuda``: this process keeps the host's GPUs (the CUDA IPC check of ``ipc_payload cuda``), so SGLang's
     import-time probes see CUDA and its CUDA-only imports need the kernel stand-ins on every release."""
     rel = release_of(sglang_dir)
-    paths = [sglang_dir, STUBS] + ([STUBS_KERNEL] if rel < (0, 5, 23) or cuda else [])
+    paths = [sglang_dir] + ([STUBS_KERNEL] if rel < (0, 5, 23) or cuda else []) + [STUBS]
     for p in reversed(paths):
         if p not in sys.path:
             sys.path.insert(0, p)

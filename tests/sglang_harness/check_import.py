@@ -22,12 +22,14 @@ def fingerprint() -> str:
         except importlib.metadata.PackageNotFoundError:
             h.update(f"{pkg}=none\n".encode())
     files = [os.path.join(HERE, "bootstrap.py"), os.path.join(HERE, "check_import.py")]
-    for sub in ("stubs", "stubs_kernel"):
-        for root, dirs, names in os.walk(os.path.join(HERE, sub)):
+    from tests.sglang_harness.bootstrap import STUBS, STUBS_KERNEL
+
+    for folder in (STUBS, STUBS_KERNEL):
+        for root, dirs, names in os.walk(folder):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".py")]
     for path in files:
-        h.update(os.path.relpath(path, HERE).encode())
+        h.update(os.path.relpath(path, os.path.dirname(HERE)).encode())
         with open(path, "rb") as f:
             h.update(hashlib.sha256(f.read()).digest())
     return h.hexdigest()

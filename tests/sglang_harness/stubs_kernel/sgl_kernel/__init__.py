@@ -6,7 +6,7 @@ every attribute is an inert placeholder that raises when called. Put on ``sys.pa
 versions that need it.
 """
 
-from _wsync_standin import install
+from _standin import install
 
 __version__ = "0.0.0+wsync.standin"
 install("sgl_kernel", globals())

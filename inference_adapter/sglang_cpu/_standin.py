@@ -30,7 +30,7 @@ def make(name: str) -> type:
     """A placeholder class named ``name`` that refuses to be constructed or called."""
 
     def _refuse(*a, **k):
-        raise RuntimeError(f"stand-in: {name} is not available in the SGLang-code test tier (CPU)")
+        raise RuntimeError(f"stand-in: {name} is not available on a CPU host (a stand-in of inference_adapter/sglang_cpu)")
 
     return _StubMeta(name, (), {"__init__": _refuse, "__call__": _refuse})
 

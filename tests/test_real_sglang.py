@@ -1,0 +1,576 @@
+"""Real SGLang in the loop: SGLang 0.5.23's whole server (``python -m sglang.launch_server``: HTTP server,
+tokenizer manager, scheduler and detokenizer processes) on CPU, started by the project's launcher, with every path
+the project claims for SGLang driven into it by a 2-rank FSDP2 trainer.
+
+Two servers live for the module, both of the ``tiny-llama`` preset: SGLang's Llama answers ``/get_weights_by_name``
+for every tensor, so every served tensor is read back and compared with the trainer's (SGLang's Qwen2 has no such
+method: on a Qwen2 what can be checked from outside is the version SGLang reports and its greedy answer, and SGLang's
+own Qwen2 ``load_weights`` is compared tensor by tensor in the ``sglang_code`` tier). ``llama`` is started with the
+delta loader; ``spare`` takes the generating clients, and with ``llama`` makes the fleet of two that the fault tests
+cut in half. Versions only go up on a server shared by the tests: each test publishes from its own block.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests import sync_bodies as sb
+from tests.dist_utils import run_ranks
+
+pytestmark = pytest.mark.real_sglang
+
+LOADER = "bridge.sglang_delta_loader.load_delta"
+LLAMA = "tiny-llama"
+BOUNDS = dict(group_timeout=20, http_timeout=20)
+
+
+@pytest.fixture(scope="module")
+def servers(real_sglang):
+    llama, spare = real_sglang.start([dict(preset=LLAMA, extra_args=["--custom-weight-loader", LOADER]),
+                                      dict(preset=LLAMA)])
+    return SimpleNamespace(llama=llama, spare=spare, all=real_sglang)
+
+
+# ---------------------------------------------------------------------------------------------- the oracles
+
+
+def served_mismatches(url: str, full: dict[str, torch.Tensor]) -> list[str]:
+    """The trainer's tensors (``full``, HF names) that the server does not serve bit-equal in bfloat16, read back
+    one by one through SGLang's ``/get_weights_by_name`` (q/k/v and gate/up as their slices of SGLang's stacked
+    tensors; float32 lists of the bf16 values, so the comparison is exact)."""
+    from bridge.client import ServerClient
+
+    c = ServerClient(url, timeout=30)
+    bad = []
+    for name, t in full.items():
+        want = t.to(torch.bfloat16).to(torch.float32)
+        got = torch.tensor(c.get_weights_by_name(name, truncate_size=want.shape[0]), dtype=torch.float32)
+        if got.shape != want.shape or not torch.equal(got, want):
+            bad.append(name)
+    return bad
+
+
+def own_full(engine) -> dict[str, torch.Tensor] | None:
+    """Every tensor of the trainer, whole (collective; rank 0 gets them, the others None)."""
+    full = {s.name: t.clone() for s, t in engine.iter_full_tensors() if t is not None}
+    return full if engine.rank == 0 else None
+
+
+def greedy_expected(engine, full: dict, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy answer on the trainer's weights in bfloat16 (what SGLang serves)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(engine.model_config, dtype=torch.bfloat16).eval()
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in full.items()}, strict=False)
+    model.tie_weights()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def left_as_it_was(url: str, version: int, full: dict | None) -> dict:
+    """A server right after a failed sync: answers a generation at once (not paused), labelled ``version``, a new
+    update session opens (none was left open), and (``full``: the trainer's weights of ``version``) serves them."""
+    from bridge.client import ServerClient
+
+    c = ServerClient(url, timeout=15)
+    t = time.monotonic()
+    try:
+        answer = c.generate(input_ids=[1, 4, 5], sampling_params={"temperature": 0, "max_new_tokens": 1})
+        generate = dict(seconds=time.monotonic() - t, version=answer["meta_info"]["weight_version"])
+    except Exception as e:  # a paused server holds the generation until the timeout
+        generate = dict(error=str(e))
+    version_now = c.model_info()["weight_version"]
+    c.begin_weight_update()
+    c.end_weight_update()
+    return dict(generate=generate, version=version_now, expected=str(version),
+                mismatched=served_mismatches(url, full) if full is not None else None)
+
+
+def assert_left(state: dict, where: str) -> None:
+    assert "seconds" in state["generate"], f"{where}: no generation answered: {state['generate']}"
+    assert state["version"] == state["expected"] == state["generate"]["version"], f"{where}: {state}"
+    assert state["mismatched"] in (None, []), f"{where}: torn: {state['mismatched'][:5]}"
+
+
+# ---------------------------------------------------------------------------------------------- every path
+
+
+def _publish_and_read_back(url: str, first: int, steps: int, config: dict):
+    """Every rank: train and publish ``steps`` versions from ``first`` (a step between each), then compare every
+    served tensor with the trainer's (rank 0)."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine(LLAMA)
+    pub = WeightPublisher(PublisherConfig(servers=[url], bucket_mb=0.1, progress=False, **{**BOUNDS, **config}))
+    try:
+        results = []
+        for v in range(first, first + steps):
+            sb.train_step(engine, v)
+            r = pub.publish(engine, version=v)
+            results.append(dict(version=r.version, servers=r.servers, encoding=r.encoding, buckets=r.buckets,
+                                bytes=r.bytes))
+        full = own_full(engine)
+        if engine.rank != 0:
+            return None
+        from bridge.client import ServerClient
+
+        return dict(results=results, mismatched=served_mismatches(url, full), total=len(full),
+                    version=ServerClient(url).model_info()["weight_version"])
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+@pytest.mark.parametrize("transport,first", [("broadcast", 100), ("colocated", 200)])
+def test_every_served_tensor_equals_the_trainers(servers, transport, first):
+    """Broadcast (the whole sync in one request, and bucket by bucket) and colocated (the buckets in shared memory,
+    SGLang's plain per-tensor payload): after each run every tensor real SGLang serves is the trainer's."""
+    for i, config in enumerate([dict(), dict(atomic_mb=0)] if transport == "broadcast" else [dict()]):
+        v0 = first + 10 * i
+        rank0, _ = run_ranks(_publish_and_read_back, 2, args=(servers.llama.url, v0, 3, dict(transport=transport, **config)),
+                             timeout=300)
+        assert [r["version"] for r in rank0["results"]] == [v0, v0 + 1, v0 + 2], rank0
+        assert all(r["servers"] == {servers.llama.url: "ok"} and r["buckets"] > 1 for r in rank0["results"]), rank0
+        assert rank0["mismatched"] == [], f"{transport} {config}: {rank0['mismatched'][:5]} of {rank0['total']} differ"
+        assert rank0["version"] == str(v0 + 2)
+    assert servers.llama.alive()
+
+
+def _mapped_segments(server) -> list[str]:
+    """The project's shared-memory files that a process of the server has mapped now."""
+    import psutil
+
+    found = []
+    for proc in [psutil.Process(server.process.pid), *psutil.Process(server.process.pid).children(recursive=True)]:
+        with open(f"/proc/{proc.pid}/maps") as f:
+            found += [line.split()[-1] for line in f if "/wsync-" in line]
+    return found
+
+
+def test_a_colocated_bucket_leaves_nothing_mapped_or_waiting(servers):
+    """A colocated bucket real SGLang refuses (outside an update session: refused before it is unpickled) answers at
+    once and leaves no segment mapped in any of the server's processes; one it loads is let go of once answered; the
+    segments are removed when the publisher closes."""
+    from bridge.buckets import flatten_tensors, plan_buckets
+    from bridge.client import ServerClient
+    from bridge.errors import ServerError
+    from bridge.presets import build_model
+    from bridge.tensors import ParamSpec
+    from bridge.transports.shared_tensors import SharedBuckets
+
+    c = ServerClient(servers.llama.url)
+    weights = {n: p.detach().to(torch.bfloat16) for n, p in build_model(LLAMA, seed=5).named_parameters()}
+    bucket = plan_buckets([ParamSpec(n, tuple(t.shape), t.dtype) for n, t in weights.items()], 1 << 30)[0]
+    shared = SharedBuckets()
+    try:
+        buf = shared.buffer(0, bucket.nbytes)
+        flatten_tensors(bucket, weights, out=buf)
+        entries = shared.serialize(bucket, buf, c.tp_size)
+        with pytest.raises(ServerError, match="begin_weight_update"):
+            c.update_weights_from_tensor(entries, timeout=30)
+        assert _mapped_segments(servers.llama) == []
+        c.begin_weight_update()
+        try:
+            c.update_weights_from_tensor(entries, timeout=30)
+        finally:
+            c.update_weight_version("segments")
+            c.end_weight_update()
+        assert _mapped_segments(servers.llama) == []
+        assert served_mismatches(servers.llama.url, {"model.norm.weight": weights["model.norm.weight"]}) == []
+        paths = [seg.path for seg in shared._segments if seg is not None]
+        assert paths and all(os.path.exists(p) for p in paths)
+    finally:
+        shared.close()
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def test_deltas_through_sglangs_loader_with_anchors(servers):
+    """The delta encoding into real SGLang started with ``--custom-weight-loader bridge.sglang_delta_loader.load_delta``:
+    anchors where due (the first sync, every third), deltas between them, and every served tensor the trainer's."""
+    rank0, _ = run_ranks(_publish_and_read_back, 2, args=(servers.llama.url, 300, 6, dict(
+        transport="broadcast", encoding="delta", delta_anchor_every=3, delta_max_fraction=1.0)), timeout=300)
+    kinds = [r["encoding"] for r in rank0["results"]]
+    assert kinds[0] == "anchor" and "delta" in kinds and kinds.count("anchor") >= 2, kinds
+    anchor = rank0["results"][0]["bytes"]
+    assert all(r["bytes"] < anchor for r in rank0["results"] if r["encoding"] == "delta"), rank0["results"]
+    assert rank0["mismatched"] == [], rank0["mismatched"][:5]
+    assert rank0["version"] == "305"
+
+
+def _publish_disk(nr: str, root: str, first: int, steps: int):
+    """Every rank: publish ``steps`` versions by disk (announced in ``nr``); rank 0 returns the trainer's tensors."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine(LLAMA)
+    pub = WeightPublisher(PublisherConfig(transport="disk", name_resolve=nr, snapshot_root=root, experiment="real",
+                                          trial=f"disk{first}", progress=False, **BOUNDS))
+    try:
+        for v in range(first, first + steps):
+            sb.train_step(engine, v)
+            pub.publish(engine, version=v)
+        return own_full(engine)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def _wait_version(url: str, version: int, seconds: float) -> str:
+    from bridge.client import ServerClient
+
+    c, deadline = ServerClient(url), time.monotonic() + seconds
+    while (now := c.model_info()["weight_version"]) != str(version) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return now
+
+
+def test_disk_with_wsync_watch_and_with_disk_watcher(servers, tmp_path):
+    """Disk: snapshots announced in a directory, loaded into real SGLang by ``wsync watch`` (the command, as a user
+    runs it) and by :class:`inference_adapter.DiskWatcher` (the API); every served tensor is the trainer's."""
+    from bridge.client import ServerGroup
+    from inference_adapter import DiskWatcher
+
+    url, nr, root = servers.llama.url, f"file://{tmp_path / 'nr'}", str(tmp_path / "snap")
+    watch = subprocess.Popen([sys.executable, "-m", "wsync", "watch", "--server", url, "--name-resolve", nr,
+                              "--experiment", "real", "--trial", "disk400"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        full = run_ranks(_publish_disk, 2, args=(nr, root, 400, 2), timeout=300)[0]
+        assert _wait_version(url, 401, 30) == "401"
+        assert served_mismatches(url, full) == []
+    finally:
+        watch.send_signal(signal.SIGINT)
+        out = watch.communicate(timeout=30)[0]
+    assert "401" in out, out[-2000:]
+
+    watcher = DiskWatcher(nr, "real", "disk500", ServerGroup([url]))
+    watcher.start()
+    try:
+        full = run_ranks(_publish_disk, 2, args=(nr, root, 500, 2), timeout=300)[0]
+        assert _wait_version(url, 501, 30) == "501"
+        assert served_mismatches(url, full) == []
+    finally:
+        watcher.stop()
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+def _publish_while_generating(url: str, mode: str, first: int, n: int):
+    """Every rank: 4 client threads (rank 0) generate throughout while ``n`` versions are published by broadcast with
+    ``pause_mode=mode``, a training step between each; then rank 0 compares a greedy answer with transformers'."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.client import ServerClient
+
+    engine = sb.engine(LLAMA)
+    pub = WeightPublisher(PublisherConfig(servers=[url], pause_mode=mode, bucket_mb=0.1, progress=False, **BOUNDS))
+    stop, answers, errors = threading.Event(), [], []
+
+    def client(i: int) -> None:
+        c = ServerClient(url, timeout=60)
+        while not stop.is_set():
+            try:
+                out = c.generate(input_ids=[1] + [3 + b for b in f"rev {i}=".encode()],
+                                 sampling_params={"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+                answers.append(dict(thread=i, meta=out["meta_info"]))
+            except Exception as e:  # counted: the test expects none
+                errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)] if engine.rank == 0 else []
+    try:
+        for t in threads:
+            t.start()
+        published = []
+        for v in range(first, first + n):
+            sb.train_step(engine, v)
+            published.append(pub.publish(engine, version=v).version)
+            time.sleep(0.1)
+        stop.set()
+        for t in threads:
+            t.join(120)
+        full = own_full(engine)
+        if engine.rank != 0:
+            return None
+        prompt = [1] + [3 + b for b in b"rev hello="]
+        got = ServerClient(url).generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8})
+        return dict(published=published, answers=answers, errors=errors, greedy=got["output_ids"],
+                    expected=greedy_expected(engine, full, prompt, 8), version=got["meta_info"]["weight_version"])
+    finally:
+        stop.set()
+        pub.close()
+        engine.destroy()
+
+
+@pytest.mark.parametrize("mode,first", [("abort", 1000), ("retract", 2000), ("in_place", 3000)])
+def test_ten_publishes_while_four_clients_generate(servers, mode, first):
+    """In each pause mode SGLang 0.5.23 has: 10 broadcast publishes with training steps between them while 4 client
+    threads generate: no request fails (none is aborted but by ``abort``), each thread sees versions only go up, and
+    the spans SGLang reports (``meta_info.weight_versions``) cover each answer's tokens with published versions in
+    order; then SGLang's greedy answer is transformers' on the trainer's weights."""
+    r = run_ranks(_publish_while_generating, 2, args=(servers.spare.url, mode, first, 10), timeout=400)[0]
+    assert r["errors"] == [], r["errors"][:3]
+    assert r["published"] == list(range(first, first + 10))
+    labels = {str(v) for v in r["published"]} | {str(first - 1000 + 9) if first > 1000 else "default"}
+    aborted = [a for a in r["answers"] if a["meta"]["finish_reason"]["type"] == "abort"]
+    if mode != "abort":
+        assert not aborted, f"{len(aborted)} of {len(r['answers'])} aborted under pause_mode={mode}"
+    done = [a for a in r["answers"] if a["meta"]["finish_reason"]["type"] != "abort"]
+    assert len(done) >= 8, f"only {len(done)} answers in {mode}"
+    last_seen: dict[int, int] = {}
+    for a in done:
+        spans, meta = a["meta"]["weight_versions"], a["meta"]
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == meta["completion_tokens"], meta
+        assert all(x["end"] == y["start"] for x, y in zip(spans, spans[1:])), spans
+        assert all(s["version"] in labels for s in spans), (spans, sorted(labels))
+        numbers = [int(s["version"]) for s in spans if s["version"] != "default"]
+        assert numbers == sorted(numbers) and spans[-1]["version"] == meta["weight_version"], spans
+        if numbers:
+            assert numbers[0] >= last_seen.get(a["thread"], 0), f"thread {a['thread']} went back: {spans}"
+            last_seen[a["thread"]] = numbers[-1]
+    assert r["version"] == str(first + 9)
+    assert r["greedy"] == r["expected"], (r["greedy"], r["expected"])
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def _publish_model(url: str, preset: str, version: int, steps: int, config: dict):
+    """Every rank: train ``preset`` for ``steps`` steps, publish ``version``; what publish() answered or raised, the
+    trainer's tensors (rank 0)."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine(preset)
+    pub = WeightPublisher(PublisherConfig(servers=[url], progress=False, **{**BOUNDS, **config}))
+    try:
+        for s in range(steps):
+            sb.train_step(engine, version * 10 + s)
+        try:
+            got = ("ok", pub.publish(engine, version=version).servers)
+        except Exception as e:
+            got = (type(e).__name__, str(e))
+        return dict(got=got, full=own_full(engine))
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def _requests_seen(server, route: str) -> int:
+    with open(server.log_path, errors="replace") as f:
+        return sum(f'"POST {route} ' in line for line in f)
+
+
+def test_a_model_real_sglang_cannot_take_is_refused_before_any_byte_moves(servers):
+    """A Qwen2 trainer (q/k/v biases, a tied head) into SGLang serving a Llama: every rank raises the same ConfigError
+    naming the differences, and SGLang was never paused nor sent an update (its own access log), its weights as
+    they were."""
+    url = servers.llama.url
+    before = run_ranks(_publish_model, 2, args=(url, LLAMA, 600, 1, {}), timeout=300)[0]
+    assert before["got"][0] == "ok", before["got"]
+    pauses, updates = _requests_seen(servers.llama, "/pause_generation"), _requests_seen(servers.llama, "/update_weights")
+    r0, r1 = run_ranks(_publish_model, 2, args=(url, "tiny", 601, 1, {}), timeout=300)
+    assert r0["got"][0] == r1["got"][0] == "ConfigError", r0["got"]
+    assert r0["got"][1] == r1["got"][1] and "q_proj.bias" in r0["got"][1], r0["got"][1]
+    assert _requests_seen(servers.llama, "/pause_generation") == pauses
+    assert _requests_seen(servers.llama, "/update_weights") == updates
+    assert_left(left_as_it_was(url, 600, before["full"]), "after the refusal")
+
+
+def test_a_new_process_publishing_the_served_version_with_other_weights_is_refused(servers):
+    """A trainer publishes version 700; a new trainer process of the same run publishes 700 with other weights: every
+    rank raises VersionError before anything moves, and SGLang keeps serving the first trainer's 700. The same
+    weights again are a safe retry."""
+    url = servers.llama.url
+    first = run_ranks(_publish_model, 2, args=(url, LLAMA, 700, 1, {}), timeout=300)[0]
+    assert first["got"][0] == "ok", first["got"]
+    updates = _requests_seen(servers.llama, "/update_weights")
+    r0, r1 = run_ranks(_publish_model, 2, args=(url, LLAMA, 700, 2, {}), timeout=300)
+    assert r0["got"][0] == r1["got"][0] == "VersionError", r0["got"]
+    assert "other weights" in r0["got"][1], r0["got"][1]
+    assert _requests_seen(servers.llama, "/update_weights") == updates
+    assert_left(left_as_it_was(url, 700, first["full"]), "after the refused relabel")
+    again = run_ranks(_publish_model, 2, args=(url, LLAMA, 700, 1, {}), timeout=300)[0]
+    assert again["got"][0] == "ok", again["got"]
+
+
+def test_wsync_train_on_a_tokenizer_without_a_bos_token(servers, tmp_path):
+    """``wsync train --model DIR`` with a tokenizer that has no BOS token (as Qwen2's own) trains and publishes into
+    real SGLang."""
+    from transformers import AutoTokenizer
+
+    from bridge.presets import make_model_dir
+
+    model = make_model_dir(tmp_path / "model", LLAMA)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.bos_token = None
+    tok.save_pretrained(model)
+    assert AutoTokenizer.from_pretrained(model).bos_token_id is None
+    out = subprocess.run([sys.executable, "-m", "wsync", "train", "--model", model, "--steps", "2", "--publish",
+                          "broadcast", "--server", servers.spare.url, "--start-version", "4000"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "published v4001" in out.stdout, out.stdout
+    assert _wait_version(servers.spare.url, 4001, 5) == "4001"
+
+
+# ---------------------------------------------------------------------------------------------- faults
+
+
+class Acting:
+    """The engine as a weight source that runs ``act()`` on ``rank`` when it gathers its ``call``-th bucket."""
+
+    def __init__(self, engine, rank: int, call: int, act) -> None:
+        self.engine, self.rank, self.call, self.act, self.calls = engine, rank, call, act, 0
+
+    def param_specs(self):
+        return self.engine.param_specs()
+
+    def iter_full_tensors(self, specs=None):
+        return self.engine.iter_full_tensors(specs)
+
+    def local_digest(self):
+        return self.engine.local_digest()
+
+    def local_shards(self, specs):
+        return self.engine.local_shards(specs)
+
+    def gather_bucket(self, bucket, out, group=None, dst: int = 0):
+        self.calls += 1
+        if self.engine.rank == self.rank and self.calls == self.call:
+            self.act()
+        self.engine.gather_bucket(bucket, out, group=group, dst=dst)
+
+
+def _rank_dies_mid_sync(urls: list[str], first: int):
+    """Every rank: publish ``first``, train; then rank 1 dies inside the gather of the third bucket of ``first + 1``.
+    Rank 0 returns what it raised, how long that took, and the state each server was left in."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine(LLAMA)
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, progress=False, group_timeout=4, http_timeout=4))
+    pub.publish(engine, version=first)
+    before = own_full(engine)
+    sb.train_step(engine, first)
+
+    t = time.monotonic()
+    try:
+        pub.publish(Acting(engine, rank=1, call=3, act=lambda: os._exit(9)), version=first + 1)
+        return ("ok", "", 0.0, {})
+    except Exception as e:
+        seconds = time.monotonic() - t
+        return (type(e).__name__, str(e), seconds, {u: left_as_it_was(u, first, before) for u in urls})
+    finally:
+        pub.close()
+
+
+def test_a_trainer_rank_killed_mid_sync(servers):
+    """Rank 1 SIGKILLed mid-broadcast into two real SGLang servers: rank 0 raises within ``dead_rank_bound``; both
+    servers answer at once, on the previous version, every tensor the previous one (the sync went as one request,
+    received whole before any of it would be loaded), with no session left open."""
+    from bridge import PublisherConfig
+    from bridge.publisher import dead_rank_bound
+
+    urls = [servers.llama.url, servers.spare.url]
+    r0, r1 = run_ranks(_rank_dies_mid_sync, 2, args=(urls, 5000), timeout=300, may_die=(1,))
+    assert r1 is None
+    kind, message, seconds, states = r0
+    assert kind in ("SyncError", "SyncTimeout"), message
+    bound = dead_rank_bound(PublisherConfig(servers=urls, group_timeout=4, http_timeout=4))
+    assert seconds < bound + 3, f"{seconds:.1f} s against {bound:g} s: {message}"
+    for url, state in states.items():
+        assert_left(state, url)
+
+
+def _interrupted_mid_sync(urls: list[str], first: int):
+    """Every rank: publish ``first``, train; then rank 0 gets a real SIGINT at bucket 2 of ``first + 1``."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.failpoints import ENV
+
+    engine = sb.engine(LLAMA)
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, progress=False, **BOUNDS))
+    pub.publish(engine, version=first)
+    before = own_full(engine)
+    sb.train_step(engine, first)
+    os.environ[ENV] = "bucket:2@0=SIGINT"
+    t = time.monotonic()
+    try:
+        pub.publish(engine, version=first + 1)
+        got = ("ok", "")
+    except BaseException as e:  # KeyboardInterrupt on rank 0, SyncError on rank 1
+        got = (type(e).__name__, str(e))
+    finally:
+        del os.environ[ENV]
+    seconds = time.monotonic() - t
+    states = {u: left_as_it_was(u, first, before) for u in urls} if engine.rank == 0 else None
+    pub.close()
+    engine.destroy()
+    return dict(got=got, seconds=seconds, states=states)
+
+
+def test_ctrl_c_mid_sync(servers):
+    """A real SIGINT on rank 0 in the middle of a broadcast into two real SGLang servers: rank 0 raises
+    KeyboardInterrupt, rank 1 the SyncError that names it, within the bucket's bound; both servers answer at once
+    on the previous version and weights."""
+    from bridge import PublisherConfig
+    from bridge.publisher import bucket_bound
+
+    urls = [servers.llama.url, servers.spare.url]
+    r0, r1 = run_ranks(_interrupted_mid_sync, 2, args=(urls, 6000), timeout=300)
+    assert r0["got"][0] == "KeyboardInterrupt", r0["got"]
+    assert r1["got"][0] == "SyncError" and "interrupted" in r1["got"][1], r1["got"]
+    bound = bucket_bound(PublisherConfig(servers=urls, **BOUNDS))
+    assert max(r0["seconds"], r1["seconds"]) < bound, (r0["seconds"], r1["seconds"], bound)
+    for url, state in r0["states"].items():
+        assert_left(state, url)
+
+
+def _server_dies_mid_sync(urls: list[str], victim_pgid: int, first: int):
+    """Every rank: publish ``first`` to both servers, train; rank 0 SIGKILLs the second server while gathering the
+    third bucket of ``first + 1``; then publish ``first + 1`` again. Rank 0 returns both outcomes, the survivor's
+    state after the failure, and what it serves at the end."""
+    from bridge import PublisherConfig, WeightPublisher
+
+    engine = sb.engine(LLAMA)
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, progress=False, min_servers=1, **BOUNDS))
+    pub.publish(engine, version=first)
+    before = own_full(engine)
+    sb.train_step(engine, first)
+    try:
+        pub.publish(Acting(engine, rank=0, call=3, act=lambda: os.killpg(victim_pgid, signal.SIGKILL)), version=first + 1)
+        failed = ("ok", "")
+    except Exception as e:
+        failed = (type(e).__name__, str(e))
+    survivor = left_as_it_was(urls[0], first, before) if engine.rank == 0 and failed[0] != "ok" else None
+    try:
+        again = ("ok", pub.publish(engine, version=first + 1).servers)
+    except Exception as e:
+        again = (type(e).__name__, str(e))
+    full = own_full(engine)
+    pub.close()
+    engine.destroy()
+    if engine.rank != 0:
+        return None
+    return dict(failed=failed, survivor=survivor, again=again, mismatched=served_mismatches(urls[0], full))
+
+
+def test_one_of_two_real_servers_killed_mid_sync(servers):
+    """One of two real SGLang servers SIGKILLed in the middle of a broadcast: the publish fails on every rank, the
+    survivor keeps its version and weights and answers at once; the next publish goes on without the dead one and
+    the survivor serves it bit-equal."""
+    urls = [servers.llama.url, servers.spare.url]
+    r0 = run_ranks(_server_dies_mid_sync, 2, args=(urls, servers.spare.process.pid, 7000), timeout=300)[0]
+    servers.all.kill(servers.spare)
+    assert r0["failed"][0] in ("SyncError", "SyncTimeout"), r0["failed"]
+    assert_left(r0["survivor"], "the survivor")
+    assert r0["again"][0] == "ok", r0["again"]
+    assert r0["again"][1][urls[0]] == "ok" and r0["again"][1][urls[1]] != "ok", r0["again"]
+    assert r0["mismatched"] == [], r0["mismatched"][:5]
