@@ -533,15 +533,16 @@ def test_ctrl_c_mid_sync(servers):
         assert_left(state, url)
 
 
-def _server_dies_mid_sync(urls: list[str], victim_pgid: int, first: int):
-    """Every rank: publish ``first`` to both servers, train; rank 0 SIGKILLs the second server while gathering the
+def _server_dies_mid_sync(registry: str, survivor: str, victim_pgid: int, first: int):
+    """Every rank: publish ``first`` to the fleet a router lists, train; rank 0 SIGKILLs one server while gathering the
     third bucket of ``first + 1``; then publish ``first + 1`` again. Rank 0 returns both outcomes, the survivor's
-    state after the failure, and what it serves at the end."""
+    state after the failure, and whether it serves the trainer's tensors at the end."""
     from bridge import PublisherConfig, WeightPublisher
 
     engine = sb.engine(LLAMA)
-    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, progress=False, min_servers=1, **BOUNDS))
-    pub.publish(engine, version=first)
+    pub = WeightPublisher(PublisherConfig(server_registry=registry, bucket_mb=0.05, progress=False, min_servers=1,
+                                          probe_timeout=3, **BOUNDS))
+    first_servers = pub.publish(engine, version=first).servers
     before = own_full(engine)
     sb.train_step(engine, first)
     try:
@@ -549,7 +550,7 @@ def _server_dies_mid_sync(urls: list[str], victim_pgid: int, first: int):
         failed = ("ok", "")
     except Exception as e:
         failed = (type(e).__name__, str(e))
-    survivor = left_as_it_was(urls[0], first, before) if engine.rank == 0 and failed[0] != "ok" else None
+    left = left_as_it_was(survivor, first, before) if engine.rank == 0 and failed[0] != "ok" else None
     try:
         again = ("ok", pub.publish(engine, version=first + 1).servers)
     except Exception as e:
@@ -559,18 +560,24 @@ def _server_dies_mid_sync(urls: list[str], victim_pgid: int, first: int):
     engine.destroy()
     if engine.rank != 0:
         return None
-    return dict(failed=failed, survivor=survivor, again=again, mismatched=served_mismatches(urls[0], full))
+    return dict(first=first_servers, failed=failed, survivor=left, again=again,
+                mismatched=served_mismatches(survivor, full))
 
 
-def test_one_of_two_real_servers_killed_mid_sync(servers):
-    """One of two real SGLang servers SIGKILLed in the middle of a broadcast: the publish fails on every rank, the
-    survivor keeps its version and weights and answers at once; the next publish goes on without the dead one and
-    the survivor serves it bit-equal."""
-    urls = [servers.llama.url, servers.spare.url]
-    r0 = run_ranks(_server_dies_mid_sync, 2, args=(urls, servers.spare.process.pid, 7000), timeout=300)[0]
+def test_one_of_two_real_servers_behind_smg_killed_mid_sync(servers, router_factory):
+    """Two real SGLang workers behind SGLang's gateway ``smg``, the publisher finding them through it: a publish
+    reaches both; one SIGKILLed in the middle of the next broadcast fails it on every rank, the survivor keeps
+    its version and weights and answers at once; the next publish goes on without the dead one, which leaves the
+    router, and generation through the router answers from the new version, served bit-equal."""
+    router = router_factory("smg", [servers.llama.url, servers.spare.url])
+    survivor = servers.llama.url
+    r0 = run_ranks(_server_dies_mid_sync, 2, args=(f"router+{router.url}", survivor, servers.spare.process.pid, 7000),
+                   timeout=300)[0]
     servers.all.kill(servers.spare)
+    assert r0["first"] == {servers.llama.url: "ok", servers.spare.url: "ok"}, r0["first"]
     assert r0["failed"][0] in ("SyncError", "SyncTimeout"), r0["failed"]
     assert_left(r0["survivor"], "the survivor")
-    assert r0["again"][0] == "ok", r0["again"]
-    assert r0["again"][1][urls[0]] == "ok" and r0["again"][1][urls[1]] != "ok", r0["again"]
+    assert r0["again"][0] == "ok" and r0["again"][1].get(survivor) == "ok", r0["again"]
     assert r0["mismatched"] == [], r0["mismatched"][:5]
+    assert router.workers() == [survivor]
+    assert router.generate()["meta_info"]["weight_version"] == "7001"
