@@ -304,9 +304,12 @@ class WeightUpdates(SessionControl):
                                 f"{list(target.shape)}; the trainer's model is not the served one (or it sent a shard: send full tensors)")
             if target.dtype != s.dtype and FP8_DTYPE in (target.dtype, s.dtype):
                 problems.append(_quantization_problem(s, target))
-            elif target.dtype != s.dtype:
+            elif target.dtype != s.dtype and not (target.dtype.is_floating_point and s.dtype.is_floating_point):
+                # SGLang's loaders copy what they receive into the parameter, casting a float32 tensor to a bf16 one;
+                # a tensor of integers or booleans is never weights (SGLang would cast that too).
                 problems.append(f"tensor {s.name!r} is sent as {dtype_to_str(s.dtype)} but served as "
-                                f"{dtype_to_str(target.dtype)}; cast to {dtype_to_str(target.dtype)} before sending")
+                                f"{dtype_to_str(target.dtype)}; send floating-point weights (they are cast to "
+                                f"{dtype_to_str(target.dtype)} as SGLang casts them)")
         if flattened:
             try:
                 Bucket(list(specs))

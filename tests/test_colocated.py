@@ -120,7 +120,7 @@ def _bad_cases(desc, tmp_path):
         ("path outside /dev/shm", _entry({**desc, "path": "/etc/passwd"}), "not under"),
         ("missing key", _entry({k: v for k, v in desc.items() if k != "shapes"}), "lacks"),
         ("unknown name", _entry({**desc, "names": ["model.nope"]}), "not a parameter"),
-        ("wrong dtype", _entry({**desc, "dtypes": ["float32"], "nbytes": desc["nbytes"] * 2}), "served as"),
+        ("wrong dtype", _entry({**desc, "dtypes": ["int32"], "nbytes": desc["nbytes"] * 2}), "served as"),
     ]
 
 

@@ -214,7 +214,8 @@ def _bad(kind: str):
         return [(mlp[0], torch.ones(256, 128, dtype=torch.bfloat16)), good], None, None, False, \
             ["has shape [256, 128] but the served parameter has shape [128, 256]"]
     if kind == "dtype":
-        return [good, (mlp[0], mlp[1].float())], None, None, True, ["sent as float32 but served as bfloat16", "cast to bfloat16"]
+        return [good, (mlp[0], mlp[1].to(torch.int32))], None, None, True, ["sent as int32 but served as bfloat16",
+                                                                             "send floating-point weights"]
     if kind == "bucket_bytes_more":
         buf = torch.cat([mlp[1].reshape(-1).view(torch.uint8), good[1].view(torch.uint8), torch.zeros(64, dtype=torch.uint8)])
         return [mlp, good], None, [buf], True, ["broadcast more than the 65792 bytes"]
@@ -240,6 +241,20 @@ def test_bad_update_is_rejected_and_nothing_changes(client, trainer, kind):
     assert served(client) == before
     # The broadcast was received and discarded, so the same group still works.
     sync(trainer, {"model.norm.weight": torch.full((128,), 2.0, dtype=torch.bfloat16)}, before["version"], buckets=1)
+
+
+def test_float32_weights_for_a_bf16_model_are_cast_as_sglang_casts_them(client, trainer):
+    """SGLang's loaders copy a received tensor into its parameter, casting it: a float32 tensor sent for a bfloat16
+    parameter is served as its bfloat16 cast, as real SGLang serves it (SGLang's own test_update_weights_from_tensor
+    sends float32 tensors to a bf16 model)."""
+    w = torch.randn(128, 256)
+    client.begin_weight_update()
+    [r] = trainer.send([("model.layers.0.mlp.down_proj.weight", w)], weight_version="f32")
+    assert r["success"], r
+    client.end_weight_update()
+    now = served(client)
+    assert now["version"] == "f32"
+    assert now["checksums"]["model.layers.0.mlp.down_proj.weight"] == tensor_checksum(w.to(torch.bfloat16))
 
 
 def test_unknown_group_and_missing_session(client, trainer):
