@@ -1,7 +1,9 @@
 """``wsync demo``: the whole system on this machine, for real, in a few minutes on 2 CPU cores.
 
 What runs:
-- ``--servers`` reference-server processes (SGLang's HTTP protocol, transformers on CPU);
+- ``--servers`` server processes: the reference server (SGLang's HTTP protocol, transformers on CPU), or with
+  ``--engine sglang`` real SGLang, started by :func:`inference_adapter.real_sglang.launch_sglang` (on its CPU
+  engine where there is no GPU);
 - for the disk transport, a watcher following announcements in name resolution (a directory under the
   run's folder by default, or ``--name-resolve etcd://host:port``) that loads each version into the servers;
 - a 2-rank FSDP2 trainer (local ranks in torchrun's environment, gloo) that trains on a string-reversal
@@ -32,13 +34,16 @@ from wsync.train import add_model_arguments
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--steps", type=int, default=20, help="training steps (one publish per step and transport)")
+    p.add_argument("--steps", type=int, default=25, help="training steps (one publish per step and transport)")
     from bridge.transports import transport_names
 
     p.add_argument("--transport", default="both", choices=[*transport_names(), "both", "all"],
                    help="how weights reach the servers: both = broadcast and disk; all = every registered transport "
                         f"({', '.join(transport_names())})")
-    p.add_argument("--servers", type=int, default=1, help="number of reference servers to start")
+    p.add_argument("--servers", type=int, default=1, help="number of servers to start")
+    p.add_argument("--engine", default="reference", choices=["reference", "sglang"],
+                   help="the servers: the reference server, or real SGLang (on its CPU engine where there is no GPU; "
+                        "about 20 s to start each; installed by scripts/install_sglang.sh on a CPU host)")
     p.add_argument("--nproc", type=int, default=2, help="FSDP ranks of the trainer")
     p.add_argument("--name-resolve", metavar="URL",
                    help="name resolution for the disk transport: etcd://host:port, file:///path (default: a directory in the work folder)")
@@ -46,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder for the model, snapshots, logs, kept afterwards (default: a new temp folder, deleted "
                         "at the end unless the demo failed)")
     p.add_argument("--json", metavar="PATH", help="write every step's facts as JSON here")
-    p.add_argument("--lr", type=float, default=1e-2, help="learning rate")
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="learning rate (at the default the tiny model answers the prompt right within about 20 steps)")
     p.add_argument("--batch-size", type=int, default=32, help="global batch size")
     p.add_argument("--max-new-tokens", type=int, default=12, help="length of the greedy answers compared")
     p.add_argument("--log-level", default="WARNING", help="log level of the demo's processes")
@@ -70,10 +76,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _driver(args: argparse.Namespace) -> int:
     from bridge.presets import make_model_dir
-    from inference_adapter.launcher import launch_server
     from wsync.serve import require_server_stack
 
-    require_server_stack()
+    if args.engine == "reference":
+        require_server_stack()
+    elif args.lora:
+        raise ConfigError("--lora runs on the reference server only (--engine reference); real SGLang takes adapters "
+                          "from AdapterPublisher, see docs/lora.md")
 
     for flag in ("steps", "servers", "nproc", "batch_size", "max_new_tokens"):
         if getattr(args, flag) < 1:
@@ -88,7 +97,8 @@ def _driver(args: argparse.Namespace) -> int:
     name_resolve = args.name_resolve or f"file://{os.path.join(workdir, 'name_resolve')}"
     print(f"wsync demo: work folder {workdir}"
           + (" (deleted at the end unless the demo fails; --workdir DIR keeps it)" if temporary else ""), flush=True)
-    print(f"  model {model_dir}\n  transport {args.transport}, {args.servers} server(s), {args.nproc} trainer ranks"
+    print(f"  model {model_dir}\n  transport {args.transport}, {args.servers} {args.engine} server(s), {args.nproc} "
+          "trainer ranks"
           + (f", name resolution {name_resolve}" if args.transport in ("disk", "both", "all") else ""), flush=True)
 
     servers, watcher, trainer, failed = [], None, None, True
@@ -96,12 +106,7 @@ def _driver(args: argparse.Namespace) -> int:
     snapshot_root = os.path.join(workdir, "snapshots")
     os.makedirs(snapshot_root, exist_ok=True)
     try:
-        for i in range(args.servers):
-            servers.append(launch_server(
-                model=model_dir, dtype=args.serving_dtype, log_path=os.path.join(workdir, f"server{i}.log"),
-                extra_args=["--log-level", args.log_level, *(["--enable-lora"] if args.lora else [])],
-                disk_roots=[snapshot_root],
-            ))
+        servers.extend(_start_servers(args, model_dir, workdir, snapshot_root))
         urls = [s.url for s in servers]
         print(f"  servers ready: {', '.join(urls)}", flush=True)
         if args.transport in ("disk", "both", "all") and not args.lora:  # the trainer tells the servers of an adapter
@@ -111,6 +116,7 @@ def _driver(args: argparse.Namespace) -> int:
             snapshot_root=snapshot_root, lr=args.lr, batch_size=args.batch_size,
             bucket_mb=args.bucket_mb, serving_dtype=args.serving_dtype, max_new_tokens=args.max_new_tokens,
             json=os.path.abspath(args.json) if args.json else None, log_level=args.log_level, lora=args.lora,
+            engine=args.engine,
         )
         trainer = start_ranks(args.nproc, ["demo", "--_trainer-spec", json.dumps(spec)],
                               env={"WSYNC_LOG_LEVEL": args.log_level})
@@ -129,6 +135,31 @@ def _driver(args: argparse.Namespace) -> int:
             s.stop()
         if temporary and not failed:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start_servers(args: argparse.Namespace, model_dir: str, workdir: str, snapshot_root: str) -> list:
+    """``--servers`` servers of ``--engine``, started at once; if one fails, the others are stopped."""
+    import concurrent.futures as cf
+
+    from inference_adapter.launcher import launch_server
+
+    sglang = args.engine == "sglang"
+    extra = ["--log-level", args.log_level.lower() if sglang else args.log_level,
+             *(["--enable-lora"] if args.lora else [])]
+
+    def one(i: int):
+        return launch_server(model=model_dir, dtype=args.serving_dtype, log_path=os.path.join(workdir, f"server{i}.log"),
+                             extra_args=extra, disk_roots=[snapshot_root], use_sglang=sglang)
+
+    with cf.ThreadPoolExecutor(args.servers) as pool:
+        futures = [pool.submit(one, i) for i in range(args.servers)]
+    started = [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for s in started:
+            s.stop()
+        raise errors[0]
+    return started
 
 
 def _start_watcher(name_resolve: str, urls: list[str]):
@@ -221,12 +252,21 @@ def _adapter_publishers(spec: dict) -> dict:
 
 
 def _summary(spec: dict, records: list, ok: bool) -> None:
+    from wsync.tasks import ANSWER, PROMPT
+
     verdict = "every server served the trainer's latest version with identical answers" if ok else "MISMATCH"
     print(f"\nwsync demo: {len(records)} syncs over {spec['steps']} steps; {verdict}", flush=True)
+    rights = [r["step"] for r in records if all(s["answer"] == ANSWER for s in r["servers"].values())]
+    right = rights[0] if rights else None
+    last = bool(rights) and rights[-1] == records[-1]["step"]
+    print(f"wsync demo: the servers answered {PROMPT!r} right ({ANSWER!r}) first at step {right}"
+          f"{', and at the last step' if last else ' (not at the last step)'}" if right else
+          f"wsync demo: the servers do not answer {PROMPT!r} right ({ANSWER!r}) yet: more --steps", flush=True)
     if spec["json"]:
         with open(spec["json"], "w") as f:
             json.dump({"ok": ok, "steps": spec["steps"], "transport": spec["transport"], "lora": bool(spec.get("lora")),
-                       "servers": spec["servers"], "syncs": records}, f, indent=2)
+                       "servers": spec["servers"], "engine": spec.get("engine", "reference"), "right_from_step": right,
+                       "syncs": records}, f, indent=2)
         print(f"wsync demo: wrote {spec['json']}", flush=True)
 
 

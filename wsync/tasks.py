@@ -11,9 +11,11 @@ import random
 import torch
 from tensordict import TensorDict
 
-__all__ = ["PROMPT", "make_batch"]
+__all__ = ["ANSWER", "PROMPT", "make_batch", "pad_id", "prompt_ids"]
 
 PROMPT = "rev wsync="
+ANSWER = "cnysw"
+"""The right answer to :data:`PROMPT`."""
 # A small vocabulary, so the tiny model memorises the reversals within a few steps and the demo's
 # fixed prompt (whose word is among them) visibly converges to the right answer "cnysw".
 WORDS = ("wsync", "fsdp", "sglang", "bucket", "gloo", "etcd", "snapshot", "version")
