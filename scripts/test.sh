@@ -42,7 +42,8 @@ echo "== running the tests (GPU tests deselected)"
 # 'not gpu': tests that need CUDA, NCCL or a real SGLang server run only on GPU hosts.
 # Strict mode (tests/conftest.py): a machine that lacks a tier's needs stops the run at once, naming them, and a
 # test that skips for a reason outside the short allowlist fails.
-# Two workers (pytest-xdist), a whole file per worker at a time, the longest files first (tests/conftest.py):
-# most tests wait on bounds, processes and sockets rather than compute. `-n 0` (passed on) runs in one process.
+# Three workers (pytest-xdist) on 2 cores, a whole file per worker at a time, the longest files first
+# (tests/conftest.py): most tests wait on bounds, processes and sockets rather than compute, so a third worker fills
+# the waits (docs/testing.md has the figures). `-n 0` (passed on) runs in one process.
 export WSYNC_STRICT=1
-python -m pytest -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25 "$@"
+python -m pytest -m "not gpu" -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25 "$@"

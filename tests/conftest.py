@@ -37,7 +37,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 # ------------------------------------------------------------------ order: the longest files first
-# scripts/test.sh runs the suite on 2 pytest-xdist workers, a whole file per worker at a time (fixtures
+# scripts/test.sh runs the suite on 3 pytest-xdist workers, a whole file per worker at a time (fixtures
 # scoped to a module, such as SGLang's harness, start once). The longest files start first, so that none
 # starts last on one worker while the other idles. The order changes no result; keep it roughly right
 # (``--durations`` prints the current figures).

@@ -146,14 +146,14 @@ class WeightUpdateRoutes:
     def require_reference_server(self, what: str = "the shared-memory extension") -> None:
         """Raise ConfigError unless the server says it is the project's reference server.
 
-        The colocated transport calls this before any byte moves: SGLang has no ``wsync_shm`` format and
-        its scheduler dies unpickling such an entry; with real SGLang use CUDA IPC on a GPU host.
+        Called before any byte moves: SGLang has no ``wsync_shm`` format and its scheduler dies unpickling such an
+        entry; the colocated transport hands real SGLang SGLang's own payload instead.
         """
         if not self.is_reference_server:
             raise ConfigError(
                 f"{self.url} (SGLang {self.version}) is not the wsync reference server, so it cannot take {what}; "
-                "real SGLang takes co-located weights only as CUDA IPC handles on a GPU (use transport='broadcast' "
-                "or 'disk' here)"
+                "real SGLang takes co-located weights from the colocated transport (transport='colocated'), or use "
+                "transport='broadcast' or 'disk'"
             )
 
     def abort_weight_update(self) -> dict:
