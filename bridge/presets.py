@@ -28,7 +28,7 @@ from bridge.errors import ConfigError
 
 __all__ = ["PRESETS", "build_config", "build_model", "build_tokenizer", "make_model_dir"]
 
-_FIRST_IMPORT = threading.Lock()
+_ONE_AT_A_TIME = threading.RLock()  # transformers' first imports and torch's generator: one model built at a time
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 VOCAB_SIZE = 272  # 3 specials + 256 bytes, rounded up to a multiple of 16
 
@@ -77,20 +77,24 @@ def build_config(preset: str = "tiny"):
 
 
 def build_model(preset: str = "tiny", seed: int = 0):
-    """A freshly initialised causal LM for ``preset``, seeded so every process builds the same weights."""
-    from transformers import AutoModelForCausalLM
+    """A freshly initialised causal LM for ``preset``, seeded so every process builds the same weights (and every
+    thread: torch's generator is the process's, so two threads that build at once would draw from it in turn and
+    build other weights; one builds at a time)."""
+    with _ONE_AT_A_TIME:
+        from transformers import AutoModelForCausalLM
 
-    config = build_config(preset)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        config = build_config(preset)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model
 
 
 def build_tokenizer():
     """A byte-level ``PreTrainedTokenizerFast`` built in memory (no files, no network)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    with _ONE_AT_A_TIME:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
 
     byte_chars = sorted(set(pre_tokenizers.ByteLevel.alphabet()), key=lambda c: _byte_of(c))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -130,11 +134,9 @@ def _byte_of(char: str) -> int:
 
 def make_model_dir(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> str:
     """Write a complete HF model directory for ``preset`` at ``path`` and return the path (from several threads at
-    once too: transformers' first imports are not thread-safe, so they are made under a lock)."""
+    once too: :func:`build_model`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    with _FIRST_IMPORT:
-        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: F401
     model = build_model(preset, seed)
     model.generation_config.do_sample = False
     model.save_pretrained(path, safe_serialization=True)

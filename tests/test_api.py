@@ -197,3 +197,22 @@ def test_a_second_update_session_is_refused_as_already_open(server):
         assert isinstance(e.value, ServerError) and e.value.status == 400 and e.value.server == server.url
     finally:
         c.abort_weight_update()
+
+
+def test_preset_models_built_in_threads_at_once_are_the_seeded_ones(tmp_path):
+    """``make_model_dir`` from several threads at once (the launchers start servers concurrently) writes the seeded
+    weights every time: torch's generator is the process's, and two builds drawing from it in turn built other
+    weights (a LoRA adapter then met another base on the server than the trainer's)."""
+    import concurrent.futures as cf
+
+    import torch
+    from safetensors.torch import load_file
+
+    from bridge.presets import build_model, make_model_dir
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        dirs = list(pool.map(lambda i: make_model_dir(tmp_path / f"m{i}", "tiny" if i % 2 else "tiny-llama"), range(4)))
+    for i, d in enumerate(dirs):
+        want = build_model("tiny" if i % 2 else "tiny-llama").state_dict()
+        got = load_file(f"{d}/model.safetensors")
+        assert all(torch.equal(got[n], want[n]) for n in got), d

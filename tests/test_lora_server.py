@@ -391,7 +391,7 @@ def test_client_bodies_pass_sglang_own_structs_and_unpickler(version, adapters, 
                          sglang_dir(version), "--bodies", str(path)], capture_output=True, text=True, timeout=300,
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    del held
+    held.close()
     assert rc.returncode == 0, rc.stderr[-3000:]
     got = json.loads(rc.stdout.strip().splitlines()[-1])
     assert got["checksums"] == {n: tensor_checksum(x) for n, x in t.items()}
@@ -458,7 +458,7 @@ def test_bad_bodies_are_refused_and_change_nothing(lora_server, adapters, adapte
         r = requests.post(lora_server.url + route, data=data, headers={"Content-Type": "application/json"}, timeout=60)
         if not 400 <= r.status_code < 500:
             problems.append(f"{route} {body!r:.120}: HTTP {r.status_code} {r.text[:200]}")
-    del held
+    held.close()
     assert not problems, "\n".join(problems)
     r = _gen(c, "steady")
     assert r["output_ids"] == want and r["meta_info"]["wsync_lora_version"] == "1"

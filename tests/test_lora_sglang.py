@@ -373,7 +373,7 @@ def test_the_older_body_through_sglang_0_5_8s_own_code(tiny_model_dir):
         assert s.lora()["loaded"]["old"]["checksums"] == {n: tensor_checksum(x) for n, x in t2.items()}
         newer, held = tensors_body(ProtocolFeatures.from_version("0.5.23"), 1, "other", cfg, t)
         r = requests.post(s.url + "/load_lora_adapter_from_tensors", json=newer, timeout=60)
-        del held
+        held.close()
         assert 400 <= r.status_code < 500 and "serialized_tensors" in r.text, r.text[:300]
         assert "other" not in s.lora()["registry"]
         # Through the client: the field SGLang's app names, not the whole body it echoes (payload and all).

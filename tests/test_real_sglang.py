@@ -2,12 +2,13 @@
 tokenizer manager, scheduler and detokenizer processes) on CPU, started by the project's launcher, with every path
 the project claims for SGLang driven into it by a 2-rank FSDP2 trainer.
 
-Two servers live for the module, both of the ``tiny-llama`` preset: SGLang's Llama answers ``/get_weights_by_name``
+Three servers live for the module. Two of the ``tiny-llama`` preset: SGLang's Llama answers ``/get_weights_by_name``
 for every tensor, so every served tensor is read back and compared with the trainer's (SGLang's Qwen2 has no such
 method: on a Qwen2 what can be checked from outside is the version SGLang reports and its greedy answer, and SGLang's
 own Qwen2 ``load_weights`` is compared tensor by tensor in the ``sglang_code`` tier). ``llama`` is started with the
 delta loader; ``spare`` takes the generating clients, and with ``llama`` makes the fleet of two that the fault tests
-cut in half. Versions only go up on a server shared by the tests: each test publishes from its own block.
+cut in half. ``lora``, the ``tiny`` Qwen2 with SGLang's LoRA enabled, takes the adapters. Versions only go up on a
+server shared by the tests: each test publishes from its own block.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ pytestmark = pytest.mark.real_sglang
 LOADER = "bridge.sglang_delta_loader.load_delta"
 LLAMA = "tiny-llama"
 BOUNDS = dict(group_timeout=20, http_timeout=20)
+# SGLang's LoRA on CPU: the torch-native backend, every projection (the trainer's LoraConfig targets them all).
+LORA_FLAGS = ["--enable-lora", "--lora-backend", "torch_native", "--max-lora-rank", "8", "--max-loras-per-batch", "2",
+              "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+OFFLINE = {"HF_HUB_OFFLINE": "1"}  # SGLang's reload of an adapter that came by tensors asks the hub for "__tensor__"
 
 
 @pytest.fixture(scope="module")
 def servers(real_sglang):
-    llama, spare = real_sglang.start([dict(preset=LLAMA, extra_args=["--custom-weight-loader", LOADER]),
-                                      dict(preset=LLAMA)])
-    return SimpleNamespace(llama=llama, spare=spare, all=real_sglang)
+    llama, spare, lora = real_sglang.start([dict(preset=LLAMA, extra_args=["--custom-weight-loader", LOADER]),
+                                            dict(preset=LLAMA), dict(preset="tiny", extra_args=LORA_FLAGS, env=OFFLINE)])
+    return SimpleNamespace(llama=llama, spare=spare, lora=lora, all=real_sglang)
 
 
 # ---------------------------------------------------------------------------------------------- the oracles
@@ -339,6 +344,88 @@ def test_ten_publishes_while_four_clients_generate(servers, mode, first):
             last_seen[a["thread"]] = numbers[-1]
     assert r["version"] == str(first + 9)
     assert r["greedy"] == r["expected"], (r["greedy"], r["expected"])
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def _adapters_while_generating(url: str, root: str, nr: str, via: str, n: int):
+    """Every rank: ``n`` adapter publishes by ``via`` with a training step before each, while 4 client threads (rank 0)
+    generate with ``lora_path`` all along; after each publish rank 0 compares SGLang's greedy answer with the adapter
+    to the trainer's PEFT model on the same base weights."""
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from bridge.client import ServerClient
+    from tests.test_lora import lora_engine
+    from wsync.demo import _with_adapter
+
+    engine = lora_engine(lr=3e-2)
+    name = f"policy-{via}"
+    pub = AdapterPublisher(AdapterPublisherConfig(name=name, via=via, servers=[url], root=root, name_resolve=nr))
+    stop, answers, errors, cache, checks = threading.Event(), [], [], {}, []
+    prompt = [1] + [3 + b for b in b"rev wsync="]
+
+    def client() -> None:
+        c = ServerClient(url, timeout=60)
+        while not stop.is_set():
+            try:
+                out = c.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 4}, lora_path=name)
+                answers.append(out["output_ids"])
+            except Exception as e:  # counted: by disk none is expected
+                errors.append(str(e)[:300])
+
+    threads = []
+    try:
+        for v in range(1, n + 1):
+            sb.train_step(engine, v)
+            seconds = pub.publish(engine, version=v).seconds
+            adapter = engine.gather_adapter()  # collective
+            if engine.rank != 0:
+                continue
+            if v == 1:  # the adapter exists now: the clients start
+                threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+                for t in threads:
+                    t.start()
+            base = cache.get("base")
+            if base is None:
+                from bridge.presets import build_model
+
+                base = cache["base"] = build_model("tiny").to(torch.bfloat16).eval()
+            model = _with_adapter(cache, base, engine.adapter_config(), {k: t.to(torch.bfloat16) for k, t in adapter.items()})
+            with torch.no_grad():
+                ids = torch.tensor([prompt])
+                want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+            got = ServerClient(url).generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8},
+                                             lora_path=name)["output_ids"]
+            checks.append(dict(version=v, seconds=seconds, equal=got == want[:len(got)] and len(got) > 0, got=got, want=want))
+        stop.set()
+        for t in threads:
+            t.join(60)
+        return dict(checks=checks, answers=len(answers), errors=errors) if engine.rank == 0 else None
+    finally:
+        stop.set()
+        pub.close()
+        engine.destroy()
+
+
+@pytest.mark.parametrize("via", ["disk", "tensors"])
+def test_ten_adapter_publishes_while_four_clients_generate_with_it(servers, tmp_path, via):
+    """LoRA into real SGLang (``--enable-lora --lora-backend torch_native``): 10 adapter publishes by disk and by tensors
+    with training steps between them while 4 clients generate with ``lora_path``; after each, SGLang's greedy answer
+    with the adapter is the trainer's PEFT model's. SGLang cannot replace a loaded adapter: it is unloaded, then
+    loaded. By disk no request is refused in that gap (SGLang reloads the publisher's ``current`` link, already the new
+    version); by tensors a generation arriving in it is refused, with SGLang's own one-line error (docs/lora.md)."""
+    r = run_ranks(_adapters_while_generating, 2, args=(servers.lora.url, str(tmp_path / "adapters"),
+                                                        f"file://{tmp_path / 'nr'}", via, 10), timeout=400)[0]
+    assert [c["version"] for c in r["checks"]] == list(range(1, 11))
+    assert all(c["equal"] for c in r["checks"]), "; ".join(f"v{c['version']}: {c['got']} against the trainer's {c['want']}" for c in r["checks"])
+    assert r["answers"] >= 10, r
+    if via == "disk":
+        assert r["errors"] == [], r["errors"][:3]
+    else:
+        assert all("\n" not in e for e in r["errors"]), r["errors"][:3]
+    print(f"{via}: {r['answers']} answers, {len(r['errors'])} refused in the unload-then-load gaps; publish seconds "
+          f"{[round(c['seconds'], 3) for c in r['checks']]}")
 
 
 # ---------------------------------------------------------------------------------------------- refusals

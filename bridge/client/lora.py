@@ -26,7 +26,6 @@ path, the replace done; by tensors (path ``__tensor__``) that reload fails and t
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,34 +44,30 @@ REPLACE_TRIES = 3
 """Unload-then-load rounds of a replace on real SGLang whose load found the name reloaded from another path."""
 
 
-def serialize_adapter(tensors: Mapping[str, torch.Tensor]) -> str:
-    """One TP rank's entry: SGLang ``Engine``'s ``MultiprocessingSerializer.serialize(dict)``, base64.
+def serialize_adapter(tensors: Mapping[str, torch.Tensor]):
+    """One TP rank's entry, as SGLang ``Engine``'s ``MultiprocessingSerializer.serialize(dict)`` writes it (base64 of
+    torch's ``ForkingPickler``), and what it refers to: ``(entry, shared)``.
 
-    torch's ``ForkingPickler`` of the dict, CPU tensors under the ``file_system`` sharing strategy (so another
-    process on this host can open them by name; the strategy is set for this call only). The entry refers to
-    the tensors' storage: keep ``tensors`` alive until the server has answered. Only globals SGLang 0.5.23's
+    The tensors are copied into a shared-memory file of this process's (:class:`bridge.transports.shared_tensors.
+    SharedBuckets`) and pickled by its name, as torch's ``file_system`` strategy does, so the server on this host
+    maps them: keep ``shared`` until the server answered, then ``shared.close()``. Only globals SGLang 0.5.23's
     ``SafeUnpickler`` allows (``tests/test_lora_server.py`` unpickles it with SGLang's own).
     """
-    import io
-    from multiprocessing.reduction import ForkingPickler
+    from bridge.transports.shared_tensors import SharedBuckets
 
-    import torch.multiprocessing as mp  # registers torch's reducers with ForkingPickler
-
-    old = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
+    shared = SharedBuckets()
     try:
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(dict(tensors))
-    finally:
-        mp.set_sharing_strategy(old)
-    return base64.b64encode(buf.getvalue()).decode()
+        return shared.share(dict(tensors)), shared
+    except BaseException:
+        shared.close()
+        raise
 
 
 def tensors_body(features: ProtocolFeatures, tp_size: int, name: str, config: Mapping[str, Any],
                  tensors: Mapping[str, torch.Tensor], *, pinned: bool = False,
                  checksums: Mapping[str, str] | None = None, url: str = "the server") -> tuple[dict, dict]:
     """The ``/load_lora_adapter_from_tensors`` body of SGLang ``features.version`` (without the project's fields),
-    and the tensors its entries refer to (keep them alive until the server has answered).
+    and the shared memory its entries refer to (close it once the server has answered: :func:`serialize_adapter`).
 
     Raises:
         ConfigError: that version has no such route (< 0.5.8), or cannot take it (0.5.8-0.5.19 with TP > 1).
@@ -83,8 +78,7 @@ def tensors_body(features: ProtocolFeatures, tp_size: int, name: str, config: Ma
                           ">= 0.5.8); load the adapter from a directory (load_adapter_from_path)")
     if not tensors:
         raise ConfigError("load_adapter_from_tensors needs the adapter's tensors; got none")
-    held = {str(n): t.detach().contiguous() for n, t in tensors.items()}
-    entry = serialize_adapter(held)
+    entry, held = serialize_adapter({str(n): t.detach().contiguous() for n, t in tensors.items()})
     body: dict[str, Any] = {"lora_name": str(name), "config_dict": dict(config), "pinned": bool(pinned)}
     if f.lora_tensors_per_rank:
         body["serialized_named_tensors"] = [entry] * max(1, tp_size)
@@ -182,11 +176,21 @@ class LoraRoutes:
         body, held = tensors_body(self.features, self.tp_size, name, config, tensors, pinned=pinned,
                                   checksums=checksums, url=self.url)
         body = self._lora_body(body, version, replace, rollback)
-        if replace and not self.is_reference_server:
-            out = self._replace_on_sglang("/load_lora_adapter_from_tensors", body, timeout)
-        else:
-            out = self._http.call("POST", "/load_lora_adapter_from_tensors", body, timeout=timeout)
-        del held
+        answered = False
+        try:
+            if replace and not self.is_reference_server:
+                out = self._replace_on_sglang("/load_lora_adapter_from_tensors", body, timeout)
+            else:
+                out = self._http.call("POST", "/load_lora_adapter_from_tensors", body, timeout=timeout)
+            answered = True
+        except ServerError as e:
+            answered = e.status is not None
+            raise
+        finally:
+            # Unanswered (a timeout, a lost connection): the server may still map the file, and an unpickling error
+            # kills SGLang's scheduler; it is left to the sweep once this process is gone.
+            if answered:
+                held.close()
         return out
 
     def load_adapter_from_distributed(self, name: str, config: Mapping[str, Any], *, names: list[str], dtypes: list,

@@ -96,12 +96,29 @@ class SharedBuckets:
         entries, one per TP rank."""
         if tp_size < 1:
             raise ConfigError(f"tp_size must be at least 1, got {tp_size}")
+        return [self.pickled(unflatten_bucket(buf, bucket.specs))] * tp_size
+
+    def pickled(self, obj) -> str:
+        """``base64(pickle(obj))`` as SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` writes it,
+        each tensor of ``obj`` (views of this object's buffers only) by the name of its segment."""
         out = io.BytesIO()
         pickler = ForkingPickler(out)
         pickler.dispatch_table[torch.UntypedStorage] = self._reduce_storage
-        pickler.dump(unflatten_bucket(buf, bucket.specs))
-        entry = base64.b64encode(out.getvalue()).decode()
-        return [entry] * tp_size
+        pickler.dump(obj)
+        return base64.b64encode(out.getvalue()).decode()
+
+    def share(self, tensors: dict[str, torch.Tensor]) -> str:
+        """``tensors`` copied into segment 0 (one bucket), pickled as a dict of views by :meth:`pickled`: an adapter's
+        entry of ``/load_lora_adapter_from_tensors``. Keep this object until the server answered, then ``close`` it."""
+        from bridge.buckets import flatten_tensors, plan_buckets
+        from bridge.tensors import ParamSpec
+
+        specs = [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+        [bucket] = plan_buckets(specs, max(sum(s.nbytes for s in specs), 1))
+        buf = self.buffer(0, bucket.nbytes)
+        flatten_tensors(bucket, tensors, out=buf)
+        views = dict(unflatten_bucket(buf, bucket.specs))
+        return self.pickled({n: views[n] for n in tensors})
 
     def set_aside(self) -> None:
         """A server may still read the segments (a request it has not answered): never write them again; they are
