@@ -41,6 +41,8 @@ from bench.lora import lora_fields, lora_notes, lora_targets
 __all__ = ["TARGETS", "build_rows", "build_warmups", "check_targets", "format_link", "format_table", "link_rows", "plot",
            "stats"]
 
+ENGINES = {"reference": "the reference server", "sglang": "real SGLang (one-request-*: the whole sync as one request, "
+           "its default up to atomic_mb; the raw broadcast floor into a reference server)"}
 FLOOR_GATHER = "floor: gather"
 FLOOR_BROADCAST = "floor: gather+broadcast"
 FLOOR_SHM = "floor: gather+shm write+read"
@@ -62,12 +64,14 @@ MANY_TENSORS = 300
 _FLOORS = {
     "flattened": (FLOOR_BROADCAST, "raw-broadcast"),
     "per-tensor": (FLOOR_BROADCAST, "raw-broadcast"),
+    "one-request": (FLOOR_BROADCAST, "raw-broadcast"),  # real SGLang: the whole sync in one request (atomic_mb)
     "fp8": (FLOOR_BROADCAST_FP8, FP8_RAW),  # the FP8 bytes through the same transport (bench.fp8)
     "colocated": (FLOOR_SHM, "raw-shm"),
     "disk": (FLOOR_DISK, "raw-disk"),
 }
-_PUBLISHED = ("flattened", "fp8", "per-tensor", "colocated", "disk")
-_TRANSPORT_OF = {"flattened": "broadcast", "fp8": "broadcast fp8", "colocated": "colocated", "disk": "disk"}
+_PUBLISHED = ("flattened", "one-request", "fp8", "per-tensor", "colocated", "disk")
+_TRANSPORT_OF = {"flattened": "broadcast", "one-request": "broadcast", "fp8": "broadcast fp8", "colocated": "colocated",
+                 "disk": "disk"}
 
 
 def stats(values: Sequence[float]) -> dict:
@@ -84,6 +88,8 @@ def _kind(name: str) -> str:
         return "flattened"
     if name == "per-tensor":
         return "per-tensor"
+    if name.startswith("one-request-"):
+        return "one-request"
     if name.startswith("colocated-"):
         return "colocated"
     if name.startswith("disk-"):
@@ -131,7 +137,7 @@ def build_rows(sizes: Sequence[dict], link: str | None = None) -> list[dict]:
                 floor_first[floor] = gather_first + items[raw]["first"]["seconds"]
         floor_stats = {k: stats(v) for k, v in floors.items()}
         base = {"size": size["label"], "params": size["params"], "model_bytes": size["bytes"],
-                "tensors": size.get("tensors")}
+                "tensors": size.get("tensors"), "engine": size.get("engine", "reference")}
         for name, rec in items.items():
             kind = _kind(name)
             runs = rec["runs"]
@@ -198,8 +204,8 @@ def build_rows(sizes: Sequence[dict], link: str | None = None) -> list[dict]:
     serving = {s["label"]: s.get("serving_dtype", "bfloat16") for s in sizes}
     for r in rows:
         r.update(encoding=_encoding(r["method"], r["kind"], serving[r["size"]]), link=link)
-    order = {"floor": 0, "gather": 1, "flattened": 2, "fp8": 3, "delta": 4, "per-tensor": 5, "colocated": 6, "disk": 7,
-             "lora": 8}
+    order = {"floor": 0, "gather": 1, "flattened": 2, "one-request": 3, "fp8": 4, "delta": 5, "per-tensor": 6,
+             "colocated": 7, "disk": 8, "lora": 9}
     floor_order = ["raw-gather", "raw-gather-chunked", FLOOR_GATHER, "raw-broadcast", FLOOR_BROADCAST, FP8_RAW,
                    FLOOR_BROADCAST_FP8, "raw-shm", FLOOR_SHM, "raw-disk", FLOOR_DISK]
     sizes_order = [s["label"] for s in sizes]
@@ -317,7 +323,8 @@ def check_targets(rows: Sequence[dict], link: str | None = None) -> list[dict]:
     worst = {t: worst[t] for t in _TRANSPORT_OF.values() if t in worst}  # broadcast, colocated, disk (, fp8)
     measured = [f"{t} worst {r['peak_ratio']:.2f}x ({r['size']} {r['method']}: {r['peak_extra_bytes'] / 2**20:.0f} MiB "
                 f"peak, bucket {r['bucket_bytes'] / 2**20:.0f} MiB)" for t, r in worst.items()]
-    expected = [t for k, t in _TRANSPORT_OF.items() if k != "fp8" or any(r["kind"] == "fp8" for r in rows)]
+    expected = list(dict.fromkeys(t for k, t in _TRANSPORT_OF.items()
+                                  if k not in ("fp8", "one-request") or any(r["kind"] == k for r in rows)))
     missing = [t for t in expected if t not in worst]
     if missing:
         measured.append(f"not measured for {', '.join(missing)}")
@@ -341,7 +348,8 @@ def format_table(rows: Sequence[dict], targets: Sequence[dict], warmups: dict | 
     head = (f"{'size':<8} {'method':<36} {'MB':>7} {'median s':>9} {'min-max s':>15} {'GB/s':>6} {'ratio':>6} "
             f"{'r@min':>6} {'xfer s':>7} {'x-rat':>6} {'x@min':>6} {'first s':>8} {'peak MiB':>9} {'pk/bkt':>6} "
             f"{'x p-t':>6} {'xfer p-t':>8}")
-    lines = [head, "-" * len(head)]
+    engines = sorted({r.get("engine", "reference") for r in rows})
+    lines = [f"servers: {' and '.join(ENGINES.get(e, e) for e in engines)}", head, "-" * len(head)]
     last = None
     for r in rows:
         if last is not None and r["size"] != last:
@@ -448,7 +456,7 @@ def format_link(rows: Sequence[dict], link: dict) -> str:
 
 # One colour family per kind, used by the method lines and by that kind's target line, so the legend reads
 # the same in every panel.
-_FAMILY = {"floor": "Greys", "flattened": "Blues", "fp8": "YlOrBr", "delta": "Reds", "per-tensor": "Oranges", "colocated": "Purples", "disk": "Greens",
+_FAMILY = {"floor": "Greys", "flattened": "Blues", "one-request": "GnBu", "fp8": "YlOrBr", "delta": "Reds", "per-tensor": "Oranges", "colocated": "Purples", "disk": "Greens",
            "lora": "PuRd"}
 _TARGET_OF = {"flattened": "flat_ratio", "disk": "disk_ratio"}
 

@@ -7,9 +7,10 @@ Step by step, and which process runs each step:
 1. driver: builds each preset's HF directory once, cached under ``<workdir>/models/<preset>``;
    starts etcd on free loopback ports when an ``etcd`` binary is on PATH (temp data dir, stopped at
    the end).
-2. driver, per model size: starts the reference server on that directory, serving the serving dtype,
-   (whose ``/wsync/bench/recv_raw`` route times the raw broadcast), and the delta, FP8 and LoRA rows' own
-   servers, all at the same time; starts one
+2. driver, per model size: starts the server on that directory, serving the serving dtype (the reference
+   server, whose ``/wsync/bench/recv_raw`` route times the raw broadcast; with ``engine="sglang"`` real SGLang,
+   and a reference server beside it for that floor), and the delta, FP8 and LoRA rows' own servers, all at the
+   same time; starts one
    :class:`~inference_adapter.watcher.DiskWatcher` thread per name-resolution backend (directory, and etcd
    when present) that loads each announced snapshot into the server.
 3. torchrun job of ``nproc`` ranks (``wsync bench --_worker-spec JSON``): FSDP2 trainer; rank 0 measures
@@ -101,6 +102,11 @@ class BenchConfig:
     """With ``link``: a netem delay on each leg of the link (``1ms``)."""
     link_probe_mb: float = 32.0
     """With ``link``: MB of the plain TCP transfer that measures the link once at the start."""
+    engine: str = "reference"
+    """The servers every method syncs into: ``reference`` (the reference server) or ``sglang`` (real SGLang, started
+    by :func:`inference_adapter.real_sglang.launch_sglang`, on its CPU engine where there is no GPU; the raw
+    broadcast floor is then taken against a reference server, and there are no FP8 rows: SGLang's FP8 layers need
+    a GPU or AMX)."""
 
     def __post_init__(self) -> None:
         from bridge.presets import PRESETS
@@ -141,6 +147,11 @@ class BenchConfig:
                 raise ConfigError(f"link_probe_mb must be positive, got {self.link_probe_mb}")
         elif self.link_delay:
             raise ConfigError("--link-delay needs --link RATE")
+        if self.engine not in ("reference", "sglang"):
+            raise ConfigError(f"engine must be reference or sglang, got {self.engine!r}")
+        if self.engine == "sglang" and self.link is not None:
+            raise ConfigError("--engine sglang runs on this host's loopback: the shaped link (--link) starts reference "
+                              "servers in a network namespace only")
 
 
 def placement(device: str, nproc: int) -> dict:
@@ -276,24 +287,10 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
         backends["etcd"] = etcd.url
     # Each method's own server, all started at once (one at a time, five reference servers took most of a tiny
     # bench's set-up).
-    common = dict(model=model_dir, dtype=cfg.serving_dtype, use_sglang=False, env={**quiet, **place["server_env"]},
-                  ready_timeout=300)
-    timeout_flags = ["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)]
-    specs = {"server": dict(extra_args=timeout_flags, disk_roots=[size_dir])}
-    if cfg.delta_lrs:  # the delta rows' own server (bench.delta)
-        specs["delta"] = dict(extra_args=timeout_flags)
-    if cfg.fp8:  # the FP8 rows' own server (bench.fp8): it serves the projections as block FP8
-        specs["fp8"] = dict(extra_args=[*timeout_flags, "--quantization", "fp8"])
-    if cfg.fp8 and cfg.delta_lrs:  # the FP8 delta rows' own server (bench.delta, encoding fp8_delta): FP8 too
-        specs["fp8-delta"] = dict(extra_args=[*timeout_flags, "--quantization", "fp8"])
-    lora_root = None
-    if cfg.lora_rank and link is None:  # the LoRA rows' own server (bench.lora); tensors go by reference: one host
-        lora_root = ensure_dir(size_dir, "adapters")
-        specs["lora"] = dict(extra_args=["--log-level", cfg.log_level, "--enable-lora", "--max-lora-rank",
-                                         str(cfg.lora_rank)], disk_roots=[lora_root])
+    specs, lora_root = _server_specs(cfg, model_dir, size_dir, {**quiet, **place["server_env"]}, link)
     watchers = trainer = None
     servers = _start_servers(launch_server, {  # in the link's server namespace: each on a port of its own
-        role: {**common, **kw, "port": port,
+        role: {**kw, "port": port,
                "log_path": os.path.join(size_dir, "server.log" if role == "server" else f"{role}-server.log")}
         for (role, kw), port in zip(specs.items(), SERVER_PORTS)})
     try:
@@ -308,6 +305,8 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
         if "lora" in servers:
             extra = {"lora_server": servers["lora"].url, "lora_rank": cfg.lora_rank, "lora_root": lora_root,
                      **(extra or {})}
+        if "floor" in servers:  # real SGLang has no raw-receive route: the raw broadcast goes to a reference server
+            extra = {"floor_server": servers["floor"].url, **(extra or {})}
         disk = [{"backend": b, "trial": f"{label}-{b}", "name_resolve": url,
                  "snapshot_root": os.path.join(size_dir, f"snapshots-{b}")} for b, url in backends.items()]
         if _has_disk_writers() and cfg.nproc > 1:
@@ -319,7 +318,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
         spec = dict(label=label, model_dir=model_dir, server=server.url, serving_dtype=cfg.serving_dtype,
                     buckets_mb=cfg.bucket_mb, per_tensor_bucket_mb=cfg.per_tensor_bucket_mb, repeats=cfg.repeats,
                     disk=disk, floor_dir=os.path.join(size_dir, "floor"), out=out, timeout=cfg.timeout,
-                    colocated=cfg.colocated, backend=place["backend"], **(extra or {}))
+                    colocated=cfg.colocated, backend=place["backend"], engine=cfg.engine, **(extra or {}))
         # The trainer's ranks write to this process's stderr (progress, warnings, tracebacks).
         trainer = start_ranks(cfg.nproc, ["bench", "--_worker-spec", json.dumps(spec)], env=trainer_env)
         rc = trainer.wait()
@@ -335,6 +334,37 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
         for w in watchers or ():
             w.stop()
         _stop_all(servers.values())
+
+
+def _server_specs(cfg: BenchConfig, model_dir: str, size_dir: str, env: dict, link: dict | None):
+    """Each role's server (``launch_server`` keywords), and the LoRA rows' adapter root: ``server`` (every method but
+    the delta, FP8 and LoRA rows), ``delta``, ``fp8``, ``fp8-delta``, ``lora``, and with real SGLang ``floor`` (a
+    reference server for the raw broadcast floor)."""
+    from inference_adapter.real_sglang import lora_flags
+
+    sglang = cfg.engine == "sglang"
+    common = dict(model=model_dir, dtype=cfg.serving_dtype, use_sglang=sglang, env=env, ready_timeout=300)
+    # SGLang takes its log level in lower case and has no --group-timeout (its groups wait 30 minutes).
+    flags = ["--log-level", cfg.log_level.lower()] if sglang else ["--log-level", cfg.log_level, "--group-timeout",
+                                                                    str(cfg.timeout)]
+    specs = {"server": {**common, "extra_args": flags, "disk_roots": [size_dir]}}
+    if sglang:
+        specs["floor"] = {**common, "use_sglang": False, "preset": None,
+                          "extra_args": ["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)]}
+    if cfg.delta_lrs:  # the delta rows' own server (bench.delta): real SGLang applies deltas with the project's loader
+        loader = ["--custom-weight-loader", "bridge.sglang_delta_loader.load_delta"] if sglang else []
+        specs["delta"] = {**common, "extra_args": [*flags, *loader]}
+    if cfg.fp8 and not sglang:  # the FP8 rows' own server (bench.fp8): it serves the projections as block FP8
+        specs["fp8"] = {**common, "extra_args": [*flags, "--quantization", "fp8"]}
+        if cfg.delta_lrs:  # the FP8 delta rows' own server (bench.delta, encoding fp8_delta): FP8 too
+            specs["fp8-delta"] = {**common, "extra_args": [*flags, "--quantization", "fp8"]}
+    lora_root = None
+    if cfg.lora_rank and link is None:  # the LoRA rows' own server (bench.lora); tensors go by reference: one host
+        lora_root = ensure_dir(size_dir, "adapters")
+        lora = lora_flags(cfg.lora_rank) if sglang else ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank)]
+        specs["lora"] = {**common, "extra_args": [*flags[:2], *lora], "disk_roots": [lora_root],
+                         "env": {**env, "HF_HUB_OFFLINE": "1"}}
+    return specs, lora_root
 
 
 def _start_servers(launch, specs: dict[str, dict]) -> dict:

@@ -122,6 +122,8 @@ class _Bench:
         self.engine, self.spec = engine, spec
         self.rank0 = engine.rank == 0
         self.url = spec["server"]
+        self.floor_url = spec.get("floor_server") or self.url  # where the raw broadcast floor goes (a reference server)
+        self.sglang = spec.get("engine") == "sglang"
         self.device = engine.device
         dtype = dtype_from_str(spec["serving_dtype"])
         self.wire = [s.with_dtype(dtype) if s.dtype.is_floating_point else s for s in engine.param_specs()]
@@ -190,6 +192,9 @@ class _Bench:
             out.append((name, lambda b=budget, d=device: self._gather_only(b, d)))
         for mb in spec["buckets_mb"]:
             out.append((f"flat-{mb:g}MiB", lambda mb=mb: self._publish_broadcast("flattened_bucket", mb)))
+        if self.sglang:  # what a publisher sends real SGLang by default: the whole sync as one request (atomic_mb)
+            mb = spec["buckets_mb"][0]
+            out.append((f"one-request-{mb:g}MiB", lambda mb=mb: self._publish_broadcast("auto", mb, atomic=True)))
         out += self.fp8.items() if self.fp8 is not None else []
         out += self.delta.items() if self.delta is not None else []
         out += self.lora.items() if self.lora is not None else []
@@ -243,6 +248,7 @@ class _Bench:
             "device": str(self.device), "server_backend": self.backend or _default_backend(),
             "serving_dtype": self.spec["serving_dtype"], "repeats": repeats, "items": records,
             "seconds_total": time.perf_counter() - t_start, "skipped": self.skipped,
+            "engine": self.spec.get("engine", "reference"),
         }
 
     def _shm_short(self, bucket_mb: float) -> str | None:
@@ -284,9 +290,13 @@ class _Bench:
 
     # ------------------------------------------------------------------ methods
 
-    def _publish_broadcast(self, load_format: str, bucket_mb: float) -> dict | None:
+    def _publish_broadcast(self, load_format: str, bucket_mb: float, atomic: bool = False) -> dict | None:
+        """The broadcast publisher with ``load_format`` and ``bucket_mb``, bucket by bucket (one request per bucket, or
+        per tensor: the seed's way), or with ``atomic`` the whole sync as one request where the server loads as it
+        receives (real SGLang)."""
         cfg = self.broadcast.config
         cfg.options.load_format, cfg.bucket_mb = load_format, bucket_mb
+        cfg.options.atomic_mb = 1e9 if atomic else 0
         gather = _gather_name(cfg.bucket_bytes, self.wire_device, per_tensor=load_format == "per_tensor")
         return self._publish(self.broadcast, gather)
 
@@ -362,7 +372,7 @@ class _Bench:
         """One broadcast of ``nbytes`` (default: the model's bytes) to the server at ``url`` (default: the main one)."""
         if not self.rank0:
             return None
-        url, nbytes = url or self.url, nbytes or self.nbytes
+        url, nbytes = url or self.floor_url, nbytes or self.nbytes
         first = url not in self.raw_pgs
         t_init = time.perf_counter()
         if first:  # (group names are per process: one more server, one more name)
@@ -458,11 +468,12 @@ class _Bench:
         """Fail before anything is broadcast when the server has no raw-receive route."""
         import requests
 
-        r = requests.post(self.url + RECV_RAW_ROUTE, json={"group_name": RAW_GROUP, "nbytes": 0}, timeout=self.timeout)
+        r = requests.post(self.floor_url + RECV_RAW_ROUTE, json={"group_name": RAW_GROUP, "nbytes": 0},
+                          timeout=self.timeout)
         if r.status_code == 404:
             raise ConfigError(
-                f"{self.url} has no {RECV_RAW_ROUTE} route: the raw broadcast floor needs the project's reference "
-                "server (`wsync serve`), not real SGLang"
+                f"{self.floor_url} has no {RECV_RAW_ROUTE} route: the raw broadcast floor needs the project's "
+                "reference server (`wsync serve`), not real SGLang"
             )
 
     def _init_raw_group(self, url: str, name: str):

@@ -40,8 +40,8 @@ from bridge.log import get_logger
 from bridge.process_group import find_free_port
 from inference_adapter.launched import LaunchedServer
 
-__all__ = ["CPU_FLAGS", "CPU_RELEASE", "STANDINS", "check_server_imports", "find_sglang", "launch_sglang", "sglang_command",
-           "sglang_env"]
+__all__ = ["CPU_FLAGS", "CPU_RELEASE", "STANDINS", "check_server_imports", "find_sglang", "launch_sglang", "lora_flags",
+           "sglang_command", "sglang_env"]
 
 logger = get_logger(__name__)
 
@@ -129,6 +129,16 @@ def sglang_env(base: dict[str, str] | None = None, cpu: bool | None = None) -> d
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+def lora_flags(rank: int, cpu: bool | None = None) -> list[str]:
+    """SGLang's flags for LoRA adapters of up to ``rank`` on every projection (what the trainer's ``LoraConfig``
+    targets), two adapters per batch; on a CPU host (``cpu``: default, when there is no CUDA device) with the
+    torch-native backend, the only one that runs there. Adapters that came by tensors are reloaded by the name
+    ``__tensor__``: start SGLang with ``HF_HUB_OFFLINE=1`` so that it does not ask the hub for it."""
+    flags = ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras-per-batch", "2", "--lora-target-modules",
+             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return flags + (["--lora-backend", "torch_native"] if (not has_cuda() if cpu is None else cpu) else [])
 
 
 SERVER_MODULES = ("sglang.launch_server", "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",

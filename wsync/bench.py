@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "network namespaces and a veth pair the bench makes and removes (needs root and iproute2); "
                         "the link is measured once with plain TCP; colocated is not measured")
     p.add_argument("--link-delay", metavar="DELAY", help="with --link: netem delay on each leg (e.g. 1ms)")
+    p.add_argument("--engine", choices=["reference", "sglang"], default="reference",
+                   help="the servers every method syncs into: the reference server, or real SGLang (on its CPU engine "
+                        "where there is no GPU; no FP8 rows there; the raw broadcast floor into a reference server)")
     p.add_argument("--link-probe-mb", type=float, default=32.0, metavar="MB",
                    help="with --link: MB of the TCP transfer that measures the link (default 32)")
     # Internal: set when the bench re-runs itself inside the trainer namespace of a --link run.
@@ -96,7 +99,7 @@ def config_from_args(args: argparse.Namespace):
                        device=args.device, colocated=args.colocated and not args.link, delta_lrs=list(args.delta_lrs), fp8=args.fp8,
                        lora_rank=args.lora_rank,
                        delta_warmup=args.delta_warmup, link=args.link, link_delay=args.link_delay,
-                       link_probe_mb=args.link_probe_mb, **kw)
+                       link_probe_mb=args.link_probe_mb, engine=args.engine, **kw)
 
 
 def run(args: argparse.Namespace) -> int:
