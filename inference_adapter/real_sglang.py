@@ -60,15 +60,26 @@ CPU_FLAGS: dict[str, str | None] = {
     "--disable-radix-cache": None,
     "--skip-server-warmup": None,
     "--sleep-on-idle": None,
-    "--mem-fraction-static": "0.05",
+    "--mem-fraction-static": None,  # from the model's size: cpu_memory_fraction
     "--max-total-tokens": "4096",
     "--max-running-requests": "8",
     "--chunked-prefill-size": "1024",
     "--tp-size": "1",
 }
 """SGLang's flags for its CPU engine on a host without AMX (every layer takes its ``forward_native`` path), and
-``--sleep-on-idle`` (else its scheduler spins a core while it has nothing to do); ``None``: a switch. A flag in
-``extra_args`` replaces its entry here."""
+``--sleep-on-idle`` (else its scheduler spins a core while it has nothing to do); ``None``: a switch (but
+``--mem-fraction-static``, :func:`cpu_memory_fraction`). A flag in ``extra_args`` replaces its entry here."""
+
+
+def cpu_memory_fraction(model: str) -> str:
+    """``--mem-fraction-static`` on CPU: SGLang reserves that fraction of the host's available memory for the weights
+    and the KV cache (capped at ``--max-total-tokens``), and loading a checkpoint passes through about three times its
+    file size; 0.05 at least, 0.9 at most."""
+    size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors")) \
+        if os.path.isdir(model) else 0
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return f"{min(0.9, max(0.05, (3 * size + (512 << 20)) / available)):.3f}"
 
 
 def cache_dir() -> str:
@@ -101,7 +112,9 @@ def sglang_command(model: str, host: str, port: int, dtype: str = "bfloat16", ex
     extra = [str(a) for a in extra_args]
     if not has_cuda() if cpu is None else cpu:
         for flag, value in CPU_FLAGS.items():
-            if flag not in extra:
+            if flag == "--mem-fraction-static" and flag not in extra:
+                cmd += [flag, cpu_memory_fraction(str(model))]
+            elif flag not in extra:
                 cmd += [flag] if value is None else [flag, value]
     return cmd + extra
 

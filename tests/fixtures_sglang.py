@@ -84,6 +84,13 @@ class RealServers:
         server.process.wait(30)
         self._release(server)
 
+    def died(self) -> str | None:
+        """For each server that exited without being stopped or killed here: its URL, exit status and the end of its
+        log; None when every one is alive."""
+        dead = [s for s in self.started if id(s) in self._slots and not s.alive()]
+        return "\n".join(f"real SGLang at {s.url} died (exit {s.process.returncode}); the end of its log "
+                         f"({s.log_path}):\n{s.log_tail(25)}" for s in dead) or None
+
     def stop_all(self) -> None:
         if self.started:
             with cf.ThreadPoolExecutor(len(self.started)) as pool:
@@ -118,6 +125,15 @@ def real_sglang():
         yield servers
     finally:
         servers.stop_all()
+
+
+@pytest.fixture
+def real_sglang_alive(real_sglang):
+    """After the test, a real server that died is an error that shows the end of its log (not a bare timeout)."""
+    yield
+    died = real_sglang.died()
+    if died:
+        pytest.fail(died, pytrace=False)
 
 
 def served_tensor(server: LaunchedServer, name: str, rows: int):
