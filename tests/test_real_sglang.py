@@ -13,6 +13,7 @@ server shared by the tests: each test publishes from its own block.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ import torch
 from tests import sync_bodies as sb
 from tests.dist_utils import run_ranks
 
-pytestmark = pytest.mark.real_sglang
+pytestmark = [pytest.mark.real_sglang, pytest.mark.usefixtures("real_sglang_alive")]
 
 LOADER = "bridge.sglang_delta_loader.load_delta"
 LLAMA = "tiny-llama"
@@ -429,6 +430,76 @@ def test_ten_adapter_publishes_while_four_clients_generate_with_it(servers, tmp_
 
 
 # ---------------------------------------------------------------------------------------------- refusals
+
+
+def test_sglangs_own_http_weight_update_tests(servers, tmp_path):
+    """SGLang's own HTTP tests of /update_weights_from_disk (a model and back, a path that does not exist,
+    abort_all_requests), /update_weights_from_tensor (float32 tensors while generations run paused in_place and by
+    retract) and /get_weights_by_name, their steps and checks (:mod:`tests.sglang_own_checks`), against real SGLang;
+    ``tests/test_sglang_own_tests.py`` runs the same against the reference server."""
+    from bridge.presets import make_model_dir
+    from tests import sglang_own_checks as own
+
+    own.run_all(servers.spare.url, make_model_dir(tmp_path / "other", LLAMA, seed=1))
+
+
+def _differences(url: str) -> dict:
+    """What a server answers where docs/guarantees.md says real SGLang 0.5.23 and the reference server differ."""
+    import concurrent.futures as cf
+
+    import requests
+
+    from bridge.client import ServerClient
+    from bridge.errors import ServerError
+
+    def post(route: str, body: dict) -> tuple[int, str]:
+        r = requests.post(url + route, json=body, timeout=60)
+        return r.status_code, r.text
+
+    from tests.sglang_own_checks import long_tokens
+
+    out, c, n = {}, ServerClient(url, timeout=60), long_tokens(url)
+    with cf.ThreadPoolExecutor(4) as pool:  # a flush while generations run
+        running = [pool.submit(c.generate, input_ids=[1, 4, 5], sampling_params={
+            "temperature": 0, "max_new_tokens": n, "ignore_eos": True}) for _ in range(4)]
+        time.sleep(1.0)
+        out["flush"] = post("/flush_cache", {})
+        [f.result() for f in running]
+    label = c.model_info()["weight_version"]
+    out["relabel"] = post("/update_weight_version", {"new_version": "900"})
+    out["older"] = post("/update_weight_version", {"new_version": "899"})
+    out["checker"] = post("/weights_checker", {})
+    out["n2"] = post("/generate", {"input_ids": [1, 4, 5], "sampling_params": {"n": 2, "max_new_tokens": 2}})
+    out["version_routes"] = [requests.get(url + r, timeout=30).status_code for r in ("/get_weight_version",
+                                                                                      "/weight_version")]
+    c.begin_weight_update()  # an update refused inside a session: is the session still open?
+    try:
+        c.update_weights_from_distributed(["model.norm.weight"], ["bfloat16"], [[128]], group_name="no-such-group")
+    except ServerError as e:
+        out["refused"] = e.status
+    out["end"] = post("/end_weight_update", {})
+    post("/update_weight_version", {"new_version": label})  # (the shared real server keeps its label)
+    return out
+
+
+def test_what_real_sglang_does_differently_from_the_reference_server(servers, server_factory):
+    """docs/guarantees.md's "What real SGLang does differently", asked of both servers side by side: real SGLang
+    refuses a flush while requests run, takes an older version label, checksums its own layout at /weights_checker,
+    generates n=2, and keeps an update session open after a refused update; the reference server answers otherwise,
+    as that page lists. Neither serves /get_weight_version or /weight_version at 0.5.23."""
+    ref = server_factory(preset=LLAMA, strict_versions=True)
+    real, emulated = _differences(servers.spare.url), _differences(ref.url)
+    assert real["flush"] == (400, "Flush cache failed.\n") and emulated["flush"][0] == 200, (real, emulated)
+    assert real["relabel"][0] == real["older"][0] == emulated["relabel"][0] == 200
+    assert emulated["older"][0] == 400 and "older than the served version" in emulated["older"][1]
+    assert real["checker"][0] == 200 and "qkv_proj" in real["checker"][1]  # SGLang's own stacked layout
+    assert emulated["checker"][0] == 501 and "/wsync/weights_checksum" in emulated["checker"][1]
+    assert real["n2"][0] == 200 and len(json.loads(real["n2"][1])) == 2
+    assert emulated["n2"][0] == 400 and "n=1" in emulated["n2"][1]
+    assert real["version_routes"] == emulated["version_routes"] == [404, 404]
+    assert real["refused"] == emulated["refused"] == 400
+    assert real["end"][0] == 200 and emulated["end"][0] == 400 and "aborted" in emulated["end"][1], (real, emulated)
+    assert servers.spare.alive()
 
 
 def _publish_model(url: str, preset: str, version: int, steps: int, config: dict):
