@@ -21,6 +21,8 @@ COMMANDS = {
                                "it generates"),
     "register": ("wsync.register", "keep a server's entry in a registry (etcd, a directory) while it answers: the "
                                    "sidecar for real SGLang"),
+    "status": ("wsync.status", "one table of the fleet: each server's version, paused or out of rotation, how far "
+                               "behind; exit status 0 when every server is on the newest version"),
     "bench": ("wsync.bench", "measure broadcast vs disk vs per-tensor sync against the raw transport"),
     "make-model": ("wsync.make_model",
                    "write a complete HF model directory (config, weights, tokenizer) from a preset"),
