@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from bridge.client import ServerClient
 from bridge.errors import BridgeError
 from bridge.fleet.discovery import Registry, RouterServers, open_sources
+from bridge.fleet.fleet import _behind, _newest
 from bridge.fleet.router import normalize_url
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 
@@ -85,16 +86,17 @@ def fleet_status(servers: Sequence[str] = (), registries: Sequence[str] = (), *,
     are announced (their newest is then the fleet's newest)."""
     sources = open_sources(list(servers), list(registries), experiment, trial, timeout=timeout)
     try:
-        urls = list(dict.fromkeys(u for src in sources for u in src.urls()))
+        listed = {src: src.urls() for src in sources}  # (each asked once: a router's list is an HTTP call)
+        urls = list(dict.fromkeys(u for found in listed.values() for u in found))
         out = {}  # url -> (why, since), from the registries' out_of_rotation entries
         routed: set[str] | None = None
         registered = False
-        for src in sources:
+        for src, found in listed.items():
             if isinstance(src, Registry):
                 registered = True
                 out.update(_out_of_rotation(src))
             elif isinstance(src, RouterServers):
-                routed = (routed or set()) | set(src.urls())
+                routed = (routed or set()) | set(found)
         urls += [u for u in out if u not in urls]  # taken out of a router: the registry still remembers them
     finally:
         for src in sources:
@@ -103,7 +105,7 @@ def fleet_status(servers: Sequence[str] = (), registries: Sequence[str] = (), *,
     with cf.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
         answers = dict(zip(urls, pool.map(lambda u: _ask(u, timeout), urls)))
     served = [v for v, _ in answers.values() if v is not None]
-    newest = _newest([*served, announced])
+    newest = _newest([*served, None if announced is None else str(announced)])
     rows = []
     for url in urls:
         version, healthy = answers[url]
@@ -118,7 +120,7 @@ def fleet_status(servers: Sequence[str] = (), registries: Sequence[str] = (), *,
             state, why = "out", why or "not listed by the router"
         elif not healthy:
             state = "paused"
-        elif version != newest and (behind is None or behind > 0):
+        elif newest is not None and _behind(version, newest):
             state = "behind"
         else:
             state = "ok"
@@ -162,9 +164,3 @@ def _announced(name_resolve: str, experiment: str, trial: str) -> int | None:
         return latest.version if latest is not None else None
     finally:
         sub.close()
-
-
-def _newest(versions) -> str | None:
-    numeric = [int(v) for v in versions if v is not None and str(v).isdigit()]
-    return str(max(numeric)) if numeric else None
-
