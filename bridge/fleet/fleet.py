@@ -32,7 +32,7 @@ from bridge.errors import BridgeError, SyncError, SyncTimeout
 from bridge.fleet.discovery import RouterServers, ServerSource, open_sources
 from bridge.log import get_logger
 
-__all__ = ["Fleet", "list_servers", "registries_of"]
+__all__ = ["Fleet", "is_behind", "list_servers", "newest_version", "registries_of"]
 
 logger = get_logger(__name__)
 
@@ -89,11 +89,11 @@ class Fleet:
                 self._exclude(u, found[u])
             elif self.excluded.pop(u, None) is not None:
                 logger.warning("server %s answers again (serves version %s)", u, found[u])
-        fleet = self.version if self.version is not None else _newest(found[u] for u in live)
+        fleet = self.version if self.version is not None else newest_version(found[u] for u in live)
         for u in live:
             why = self.torn.get(u)
             tracked = self.clients[u].features.weight_version  # SGLang < 0.5.1 has no version to compare
-            if why is None and fleet is not None and tracked and _behind(found[u], fleet):
+            if why is None and fleet is not None and tracked and is_behind(found[u], fleet):
                 why = f"serves version {found[u]}, behind the fleet's {fleet}"
             if why is None and u in self.out:
                 why = self.out[u]
@@ -317,12 +317,13 @@ class _Down:
         return self.why
 
 
-def _newest(versions) -> str | None:
+def newest_version(versions) -> str | None:
+    """The highest numbered version among ``versions`` (labels such as ``default`` do not count), or None."""
     numeric = [int(v) for v in versions if isinstance(v, str) and v.isdigit()]
     return str(max(numeric)) if numeric else None
 
 
-def _behind(served: str, fleet: str) -> bool:
+def is_behind(served: str, fleet: str) -> bool:
     """True when a server that serves ``served`` is behind the fleet's version: an older version, or a label
     that is no version of this run (``default``, a base model). A server ahead of it (another publisher of
     the same run gave it a newer version, as the demo's broadcast and disk publishers take turns) is not."""

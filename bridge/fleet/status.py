@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from bridge.client import ServerClient
 from bridge.errors import BridgeError
 from bridge.fleet.discovery import Registry, RouterServers, open_sources
-from bridge.fleet.fleet import _behind, _newest
+from bridge.fleet.fleet import is_behind, newest_version
 from bridge.fleet.router import normalize_url
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 
@@ -105,7 +105,7 @@ def fleet_status(servers: Sequence[str] = (), registries: Sequence[str] = (), *,
     with cf.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
         answers = dict(zip(urls, pool.map(lambda u: _ask(u, timeout), urls)))
     served = [v for v, _ in answers.values() if v is not None]
-    newest = _newest([*served, None if announced is None else str(announced)])
+    newest = newest_version([*served, None if announced is None else str(announced)])
     rows = []
     for url in urls:
         version, healthy = answers[url]
@@ -120,7 +120,7 @@ def fleet_status(servers: Sequence[str] = (), registries: Sequence[str] = (), *,
             state, why = "out", why or "not listed by the router"
         elif not healthy:
             state = "paused"
-        elif newest is not None and _behind(version, newest):
+        elif newest is not None and is_behind(version, newest):
             state = "behind"
         else:
             state = "ok"
