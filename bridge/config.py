@@ -14,7 +14,7 @@ options``
 ================  ======================  ==================================================================
 
 Besides them, at the top: ``transport``, ``encoding``, ``bucket_mb``, ``serving_dtype``, ``backend``,
-``progress``. Every group is given either as its object (``fleet=Fleet(servers=[...])``) or as flat keywords,
+``progress``, ``metrics_port``. Every group is given either as its object (``fleet=Fleet(servers=[...])``) or as flat keywords,
 as it always was (``PublisherConfig(transport="disk", keep_snapshots=5, servers=[...])``); a setting reads
 back flat too (``config.http_timeout`` is ``config.timeouts.http_timeout``). An option of another transport
 or encoding is a ConfigError naming the one it belongs to (it would have no effect), and so is a keyword
@@ -157,6 +157,9 @@ class PublisherConfig:
     backend: str | None = option(None, "nccl or gloo for the trainer's gathers and the weight-update group "
                                        "(default: nccl with CUDA, gloo without)", choices=("nccl", "gloo"))
     progress: bool = option(True, "show a progress bar for syncs that take longer than a second")
+    metrics_port: int | None = option(None, "serve Prometheus metrics (sync seconds and bytes, failures, versions, "
+                                            "servers excluded; bridge.metrics) at http://HOST:PORT/metrics from "
+                                            "trainer rank 0 (default: off)", metavar="PORT")
     run: RunIdentity = option(help="which run this is", factory=RunIdentity)
     fleet: Fleet = option(help="the servers", factory=Fleet)
     timeouts: Timeouts = option(help="how long calls may take", factory=Timeouts)
@@ -224,6 +227,9 @@ class PublisherConfig:
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         dtype_from_str(self.serving_dtype)
+        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(
+                self.metrics_port, int) or not 0 < self.metrics_port < 65536):
+            raise ConfigError(f"metrics_port must be a port number (1-65535), got {self.metrics_port!r}")
         if self.backend not in (None, "nccl", "gloo"):
             raise ConfigError(f"backend must be nccl or gloo (or None: nccl with CUDA, gloo without), got {self.backend!r}")
 

@@ -22,8 +22,6 @@ import os
 import threading
 from pathlib import Path
 
-import torch
-
 from bridge.errors import ConfigError
 
 __all__ = ["PRESETS", "build_config", "build_model", "build_tokenizer", "make_model_dir"]
@@ -81,6 +79,7 @@ def build_model(preset: str = "tiny", seed: int = 0):
     thread: torch's generator is the process's, so two threads that build at once would draw from it in turn and
     build other weights; one builds at a time)."""
     with _ONE_AT_A_TIME:
+        import torch  # here, not at the top: the CLI reads PRESETS for its --help without paying for torch
         from transformers import AutoModelForCausalLM
 
         config = build_config(preset)

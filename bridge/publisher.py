@@ -71,6 +71,7 @@ from bridge.failpoints import failpoint
 from bridge.interrupts import held
 from bridge.log import fmt_bytes, get_logger, progress_bar
 from bridge.memory import PeakMemory
+from bridge.metrics import SYNC, serve_metrics
 from bridge.preflight import check_servers_serve
 from bridge.process_group import default_backend
 from bridge.result import PublishResult
@@ -163,15 +164,19 @@ class WeightPublisher:
         except BridgeError as e:
             self._ended(plan, committed=False)
             failed = self._failed(version, e, began)
+            SYNC.failed(self.config.transport, e.interrupt or failed)
             if e.interrupt is not None:  # raised in a step on this rank: it ends the program, after the clean-up
                 raise e.interrupt from failed
             raise failed from None
         except BaseException as e:  # outside every step (a second Ctrl-C, a bug): leave, and clean up alone
             self._ended(plan, committed=False)
+            SYNC.failed(self.config.transport, e)
             self._leave(e, began)
             raise
         self._ended(plan, committed=True)
-        return self._result(plan, outcome, time.perf_counter() - t0)
+        result = self._result(plan, outcome, time.perf_counter() - t0)
+        SYNC.committed(result)
+        return result
 
     def _result(self, plan: Plan, outcome: dict, seconds: float) -> PublishResult:
         enc = plan.report()
@@ -278,6 +283,8 @@ class WeightPublisher:
             mine.append(specs)
             labels, servers = None, False
             if self._rank == 0:
+                if cfg.metrics_port is not None:  # here, in a step: a port another process holds fails every rank
+                    serve_metrics(cfg.metrics_port)
                 self._open_servers()
                 servers = self._transport.servers is not None  # checked once the encoding planned what travels
                 labels = None if retry else self._served_labels(version, specs)

@@ -93,6 +93,7 @@ class GenerationMixin:
         self._pause_mode = "abort"
         self._gens: set[_Gen] = set()
         self._released: set[str] = set()  # memory tags released (/release_memory_occupation), not yet resumed
+        self._served = dict(requests=0, aborted=0, prompt_tokens=0, generation_tokens=0)  # since start (/metrics)
 
     def generate(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str | None = None,
                  watch: Callable[[str, bool, int], None] | None = None, adapter=None) -> dict:
@@ -157,7 +158,21 @@ class GenerationMixin:
         if st.finish is None:
             st.finish = {"type": "abort", "message": gen.abort, "status_code": None, "err_type": None}
             st.final_version = gen.abort_version or self.weights.version
+        with self._cv:
+            served = self._served
+            served["requests"] += 1
+            served["aborted"] += st.finish["type"] == "abort"
+            served["prompt_tokens"] += len(prompt)
+            served["generation_tokens"] += len(st.out)
         return st.result(gen.rid, restarts, time.perf_counter() - t0)
+
+    def request_counts(self) -> dict[str, int]:
+        """For ``/metrics``: generations ``running`` now (started, parked by a pause or not) and ``waiting`` to
+        start, and since the start the ``requests`` that ended, those ``aborted``, their ``prompt_tokens`` and
+        ``generation_tokens``."""
+        with self._cv:
+            running = sum(1 for g in self._gens if g.state != "waiting")
+            return dict(self._served, running=running, waiting=len(self._gens) - running)
 
     def _record_version_change(self, old: str, new: str) -> None:
         """The version label changed from ``old`` (under the weights' writer lock: nothing computes): every

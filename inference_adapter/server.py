@@ -111,6 +111,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--admin-api-key", default=None, help="control routes (weight updates, pause, flush) accept only this key")
     p.add_argument("--served-model-name", default=None, help="name reported on /model_info (default: the model path)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice / OMP_NUM_THREADS)")
+    p.add_argument("--enable-metrics", action="store_true",
+                   help="answer /metrics in Prometheus' format, as SGLang's flag does: requests and tokens under SGLang's "
+                        "names, the served weight version, paused, torn (inference_adapter/metrics.py)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
     lo = p.add_argument_group("LoRA", "serve PEFT LoRA adapters by name (SGLang's flags; docs/lora.md)")
     lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters: /load_lora_adapter, "
@@ -178,7 +181,20 @@ def create_app(state, *, api_key: str | None = None, admin_api_key: str | None =
     for router in ROUTERS:
         app.include_router(router)
     register_bench_routes(app, state)
+    if app.state.server_args.get("enable_metrics"):
+        _metrics_route(app, state)
     return app
+
+
+def _metrics_route(app, state) -> None:
+    """``GET /metrics`` (``--enable-metrics``; without it the route does not exist, as in SGLang)."""
+    from fastapi.responses import Response
+
+    from inference_adapter.metrics import CONTENT_TYPE_LATEST, server_metrics
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(server_metrics(state), media_type=CONTENT_TYPE_LATEST)
 
 
 def _auth(api_key: str | None, admin_api_key: str | None):

@@ -63,6 +63,7 @@ from collections.abc import Callable, Sequence
 
 from bridge.errors import BridgeError, ConfigError, SnapshotError
 from bridge.log import fmt_bytes, get_logger, setup_logging
+from bridge.metrics import WATCH, serve_metrics
 from bridge.name_resolve import (
     DEFAULT_EXPERIMENT,
     DEFAULT_TRIAL,
@@ -214,6 +215,7 @@ class DiskWatcher:
                 continue
             if ann is not None:
                 found.append(ann)
+                WATCH.announced(ann.version, ann.created_at)
         self._load_newest(found)
         return self.latest_version
 
@@ -261,6 +263,7 @@ class DiskWatcher:
         ann = parse_announcement(self.prefix, ev.key, ev.value)
         if ann is None:
             return
+        WATCH.announced(ann.version, ann.created_at)
         with self._cond:
             if self._latest is not None and ann.version <= self._latest:
                 log.debug("ignoring version %d: version %d is loaded", ann.version, self._latest)
@@ -324,6 +327,7 @@ class DiskWatcher:
             if not ok:
                 self._report_failure(ann, "; ".join(f"{target}: {getattr(err, 'message', err)}" for target, err in results),
                                      [target for target, _ in results])
+                WATCH.failed("load_failed")
                 return "failed"
             with self._cond:
                 for target in ok:
@@ -331,6 +335,7 @@ class DiskWatcher:
                 self._latest = v
                 self.latencies.append(latency)
                 self._cond.notify_all()
+            WATCH.loaded_version(v, seconds)
             log.info(
                 "version %d loaded on %d/%d target(s): announce->request %.3f s, load %.2f s (%s, %.2f GiB/s)",
                 v, len(ok), len(results), latency, seconds, fmt_bytes(ann.total_bytes),
@@ -344,6 +349,7 @@ class DiskWatcher:
             return "loaded"
 
     def _refuse(self, ann: Announcement, why: str, servers: list[str]) -> str:
+        WATCH.failed("snapshot_refused")
         self._rejected[ann.version, ann.manifest_sha256] = (f"the snapshot was refused: {why}", servers)
         self._report_failure(ann, *self._rejected[ann.version, ann.manifest_sha256])
         loaded = self.latest_version
@@ -412,12 +418,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--abort-all-requests", action="store_true",
                    help="abort in-flight generation requests before each load")
     p.add_argument("--once", action="store_true", help="load the newest announced version, then exit")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics (loaded version, lag in versions and seconds, load seconds, "
+                        "failures; bridge.metrics) at http://HOST:PORT/metrics (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``wsync watch`` with parsed flags; returns the exit code."""
     from bridge.client import ServerGroup
 
+    if args.metrics_port is not None:
+        serve_metrics(args.metrics_port)
     group = ServerGroup(args.servers, api_key=args.api_key, timeout=args.timeout)
     watcher = DiskWatcher(args.name_resolve, args.experiment, args.trial, group, root=args.root,
                           abort_all_requests=args.abort_all_requests, request_timeout=args.timeout)

@@ -22,8 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bridge.client import ServerGroup
+    from bridge.metrics import serve_metrics
     from inference_adapter.watcher import DiskWatcher
 
+    if args.metrics_port is not None:
+        serve_metrics(args.metrics_port)
     group = ServerGroup(args.servers, api_key=args.api_key, timeout=args.timeout)
     watcher = DiskWatcher(args.name_resolve, args.experiment, args.trial, group, root=args.root,
                           abort_all_requests=args.abort_all_requests, request_timeout=args.timeout)
