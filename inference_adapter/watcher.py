@@ -50,24 +50,21 @@ Example (a callable instead of servers, as in the tests):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
+from bridge.client import ServerClient, ServerGroup
 from bridge.errors import BridgeError, ConfigError, SnapshotError
-from bridge.log import fmt_bytes, get_logger, setup_logging
-from bridge.metrics import WATCH, serve_metrics
+from bridge.fleet import normalize_url
+from bridge.log import fmt_bytes, get_logger
+from bridge.metrics import SYNC, WATCH
 from bridge.name_resolve import (
-    DEFAULT_EXPERIMENT,
-    DEFAULT_TRIAL,
-    DEFAULT_URL,
     Announcement,
     NameResolve,
     WatchEvent,
@@ -78,7 +75,7 @@ from bridge.protocol import SNAPSHOT_INVALID
 from bridge.snapshot import verify_snapshot
 from bridge.subscriber import parse_announcement
 
-__all__ = ["DiskWatcher", "add_arguments", "main", "run"]
+__all__ = ["DiskWatcher"]
 
 log = get_logger(__name__)
 
@@ -141,6 +138,7 @@ class DiskWatcher:
         """Seconds from each loaded announcement's ``created_at`` to its first load request."""
         self._status: dict[str, int | None] = dict.fromkeys(targets)
         self._latest: int | None = None
+        self._loaded: Announcement | None = None  # the announcement of _latest
         self._pending: dict[int, Announcement] = {}
         self._other_runs: set[str | None] = set()  # runs whose announcements were ignored (logged once each)
         self._rejected: dict[tuple[int, str], tuple[str, list[str]]] = {}  # -> (why, servers)
@@ -332,7 +330,7 @@ class DiskWatcher:
             with self._cond:
                 for target in ok:
                     self._status[target] = v
-                self._latest = v
+                self._latest, self._loaded = v, ann
                 self.latencies.append(latency)
                 self._cond.notify_all()
             WATCH.loaded_version(v, seconds)
@@ -370,7 +368,7 @@ class DiskWatcher:
 
     def _servers_verify(self) -> bool:
         """True when every server is the reference server, which verifies a snapshot as it reads it."""
-        if self._group is None:
+        if self._group is None or not self._group.clients:
             return False
         try:
             return all(getattr(c, "is_reference_server", False) for c in self._group.clients)
@@ -386,84 +384,76 @@ class DiskWatcher:
             except Exception as e:
                 return [("apply", e)]
 
-        def one(client):
-            # Errors come back as data, so that one server's failure does not hide the others' results.
-            try:
-                client.update_weights_from_disk(model_path=ann.path, weight_version=str(ann.version),
-                                                abort_all_requests=self.abort_all_requests,
-                                                timeout=self.request_timeout,
-                                                **({"manifest_sha256": ann.manifest_sha256} if servers_verify else {}))
-                return client.url, None
-            except Exception as e:
-                return client.url, e
+        return list(self._group.map(lambda client: self._send_one(client, ann, servers_verify))) \
+            if self._group.clients else []
 
-        return list(self._group.map(one))
-
-
-# -- command line -----------------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``wsync watch``."""
-    p.add_argument("--name-resolve", default=DEFAULT_URL, metavar="URL",
-                   help="etcd://host:port, file:///dir or memory://name (default: %(default)s)")
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help=f"experiment name the trainer publishes under (default: {DEFAULT_EXPERIMENT}, as wsync train)")
-    p.add_argument("--trial", default=DEFAULT_TRIAL, help=f"trial name the trainer publishes under (default: {DEFAULT_TRIAL}, as wsync train)")
-    p.add_argument("--server", action="append", required=True, metavar="URL", dest="servers",
-                   help="a server to load every version into (repeat for several)")
-    p.add_argument("--root", default="wsync", help="key root in name resolution (default: %(default)s)")
-    p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds one server may take to load a version (default: %(default)s)")
-    p.add_argument("--abort-all-requests", action="store_true",
-                   help="abort in-flight generation requests before each load")
-    p.add_argument("--once", action="store_true", help="load the newest announced version, then exit")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics (loaded version, lag in versions and seconds, load seconds, "
-                        "failures; bridge.metrics) at http://HOST:PORT/metrics (default: off)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``wsync watch`` with parsed flags; returns the exit code."""
-    from bridge.client import ServerGroup
-
-    if args.metrics_port is not None:
-        serve_metrics(args.metrics_port)
-    group = ServerGroup(args.servers, api_key=args.api_key, timeout=args.timeout)
-    watcher = DiskWatcher(args.name_resolve, args.experiment, args.trial, group, root=args.root,
-                          abort_all_requests=args.abort_all_requests, request_timeout=args.timeout)
-    if args.once:
+    def _send_one(self, client, ann: Announcement, servers_verify: bool) -> tuple[str, BaseException | None]:
+        # Errors come back as data, so that one server's failure does not hide the others' results.
         try:
-            version = watcher.catch_up()
-        finally:
-            watcher.stop()
-        print(f"loaded version {version}" if version is not None else "no version announced yet")
-        return 0 if version is not None else 1
+            client.update_weights_from_disk(model_path=ann.path, weight_version=str(ann.version),
+                                            abort_all_requests=self.abort_all_requests, timeout=self.request_timeout,
+                                            **({"manifest_sha256": ann.manifest_sha256} if servers_verify else {}))
+            return client.url, None
+        except Exception as e:
+            return client.url, e
 
-    def on_signal(signum, frame):
-        log.info("signal %d: stopping", signum)
-        threading.Thread(target=watcher.stop, daemon=True).start()
+    # -- a fleet that changes --------------------------------------------------------------------
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    watcher.start()
-    watcher._thread.join()  # signal handlers still run while the main thread waits here
-    watcher.stop()
-    return 0
+    def follow(self, urls: list[str]) -> None:
+        """Load into exactly ``urls`` from now on (the servers a registry lists now: ``wsync watch
+        --server-registry``); a server that joins is brought to the loaded version by the next :meth:`heal`."""
+        if self._group is None:
+            raise ConfigError("a watcher given a callable has no servers to follow")
+        with self._load_lock:
+            known = {c.url: c for c in self._group.clients}
+            wanted = [normalize_url(u) for u in urls]
+            if sorted(wanted) == sorted(known):
+                return
+            kw = getattr(self._group, "client_kw", {})
+            clients = [known.get(u) or ServerClient(u, **kw) for u in wanted]
+            group = ServerGroup(clients, allow_empty=True, **kw)
+            group.claim_run(f"{self.experiment}/{self.trial}")
+            old, self._group = self._group, group
+            old.close(clients=False)
+            for url in set(known) - set(wanted):
+                known[url].close()
+            with self._cond:
+                self._status = {u: self._status.get(u) for u in wanted}
+        added, gone = sorted(set(wanted) - set(known)), sorted(set(known) - set(wanted))
+        log.info("servers now %s%s%s", wanted or "none", f"; joined {added}" if added else "",
+                 f"; gone {gone}" if gone else "")
 
+    def heal(self, probe_timeout: float = 5.0) -> list[str]:
+        """Bring every server that serves another version than the loaded one (one that joined, or restarted on
+        its base weights) to it, from its snapshot; a server ahead of it, or that does not answer within
+        ``probe_timeout``, is left alone. Returns the URLs brought to it."""
+        if self._group is None:
+            return []
+        with self._load_lock:
+            ann = self._loaded
+            if ann is None or not self._group.clients:
+                return []
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``wsync watch --name-resolve URL --experiment E --trial T --server URL [--server URL ...]``."""
-    p = argparse.ArgumentParser(prog="wsync watch", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    setup_logging()
-    try:
-        return run(args)
-    except BridgeError as e:
-        log.error("%s", e)
-        return 2
+            def behind(client) -> bool:
+                try:
+                    served = str(client.model_info(timeout=probe_timeout).get("weight_version"))
+                except BridgeError:
+                    return False  # down or busy: the next round asks again
+                return served != str(ann.version) and not (served.isdigit() and int(served) > ann.version)
 
+            stale = [c for c, b in zip(self._group.clients, self._group.map(behind)) if b]
+            brought = []
+            for client in stale:
+                verify = getattr(client, "is_reference_server", False)
+                url, err = self._send_one(client, ann, servers_verify=verify)
+                if err is None:
+                    brought.append(url)
+                    with self._cond:
+                        self._status[url] = ann.version
+                    log.warning("%s served another version: loaded version %d into it (%s)", url, ann.version,
+                                ann.path)
+                else:
+                    log.error("%s serves another version and could not load version %d: %s", url, ann.version, err)
+        SYNC.repaired.labels("watcher").inc(len(brought))
+        return brought
 
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,6 +19,7 @@ import torch
 
 from bridge import PublisherConfig, SyncError, WeightPublisher
 from bridge.client import ServerClient
+from bridge.errors import BridgeError
 from bridge.fleet.discovery import Registry
 from tests.sync_bodies import answers_within
 
@@ -340,6 +341,64 @@ def test_a_restarted_server_is_repaired_from_the_newest_snapshot_at_once(server_
         assert _serves(a.url, _own(model)) and _serves(b.url, _own(model)) and _own(model) != v1
     finally:
         watcher.stop()
+
+
+def test_wsync_watch_follows_the_registry_and_heals_joining_and_restarted_servers(server_factory, tiny_model_dir,
+                                                                                  model, tmp_path):
+    """``wsync watch --server-registry``: no fixed list. A server that registers after the last publish, and one
+    restarted on its base weights at the same URL, each serve the fleet's version bit-equal within seconds, with
+    no publish in between; the next publish reaches all of them."""
+    import subprocess
+    import sys
+
+    registry, nr = f"file://{tmp_path / 'registry'}", f"file://{tmp_path / 'nr'}"
+    reg = ["--register", registry, "--experiment", EXP, "--trial", "heal", "--register-ttl", "3"]
+    (a,) = server_factory.many([dict(model=tiny_model_dir, extra_args=reg)])
+    watch = subprocess.Popen([sys.executable, "-m", "wsync", "watch", "--server-registry", registry, "--name-resolve",
+                              nr, "--experiment", EXP, "--trial", "heal", "--heal-every", "0.5"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cfg = _config(transport="disk", server_registry=registry, name_resolve=nr, snapshot_root=str(tmp_path / "snap"),
+                  trial="heal", wait_loaded_timeout=60)
+
+    def registered(url: str) -> None:
+        deadline = time.monotonic() + 30
+        while url not in Registry(registry, EXP, "heal").urls():
+            assert time.monotonic() < deadline, f"{url} never registered"
+            time.sleep(0.1)
+
+    def healed(url: str, version: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not (_answers(url) and _version(url) == str(version) and _serves(url, _own(model))):
+            assert watch.poll() is None, watch.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, f"{url} serves {_version(url)}, not version {version}"
+            time.sleep(0.2)
+
+    try:
+        registered(a.url)
+        with WeightPublisher(cfg) as pub:
+            pub.publish(model, version=1)
+            healed(a.url, 1)
+            (b,) = server_factory.many([dict(model=tiny_model_dir, extra_args=reg)])  # joins after the publish
+            healed(b.url, 1)
+            _kill(a)
+            a = server_factory(model=tiny_model_dir, port=_port(a), extra_args=reg)  # back on its base weights
+            healed(a.url, 1)
+            _train(model, 2)
+            assert set(pub.publish(model, version=2).servers) == {a.url, b.url}
+            healed(a.url, 2, timeout=5)
+            healed(b.url, 2, timeout=5)
+    finally:
+        watch.terminate()
+        watch.wait(30)
+    assert "loaded version 1 into it" in watch.stderr.read()
+
+
+def _answers(url: str) -> bool:
+    try:
+        _version(url)
+        return True
+    except BridgeError:
+        return False
 
 
 # ------------------------------------------------------------------ the command line

@@ -13,7 +13,8 @@ import torch
 
 from bridge.name_resolve import Announcement, make_name_resolve, names
 from bridge.snapshot import read_snapshot, write_snapshot
-from inference_adapter.watcher import DiskWatcher, main
+from inference_adapter.watcher import DiskWatcher
+from wsync.cli import main as wsync
 
 
 @pytest.fixture(params=["memory", "file", "etcd"])
@@ -202,11 +203,11 @@ def test_server_group_failures_are_reported_per_server(tmp_path, trial, caplog):
 
 def test_cli_once(tmp_path, trial, capsys):
     url = f"file://{tmp_path}/nr"
-    assert main(["--name-resolve", url, "--experiment", "exp", "--trial", trial, "--server", "http://127.0.0.1:9",
-                 "--once", "--timeout", "5"]) == 1
-    assert "no version" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["--experiment", "exp"])  # --trial and --server are required
+    assert wsync(["watch", "--name-resolve", url, "--experiment", "exp", "--trial", trial, "--server",
+                  "http://127.0.0.1:9", "--once", "--timeout", "5"]) != 0
+    assert "no version announced yet" in capsys.readouterr().err
+    assert wsync(["watch", "--experiment", "exp"]) != 0  # no --server, no --server-registry
+    assert "--server URL (repeat) or --server-registry URL" in capsys.readouterr().err
 
 
 def test_a_corrupt_newest_snapshot_falls_back_to_the_newest_intact_one(trial, tmp_path, caplog):

@@ -28,13 +28,16 @@ class ServerGroup:
         api_key: for URLs given as strings.
         admin_api_key: for URLs given as strings: the servers' ``--admin-api-key`` (control routes).
         timeout: per-call timeout for clients built from URLs.
+        allow_empty: a group of no servers (yet) is valid: a disk watcher that follows a registry.
     """
 
     def __init__(
         self, servers: Sequence[str | ServerClient], *, api_key: str | None = None, admin_api_key: str | None = None,
-        timeout: float = 60.0,
+        timeout: float = 60.0, allow_empty: bool = False,
     ):
-        if not servers:
+        self.client_kw = dict(api_key=api_key, admin_api_key=admin_api_key, timeout=timeout)
+        """What clients built from URLs get (a group that grows builds its new ones alike)."""
+        if not servers and not allow_empty:
             raise ConfigError("a ServerGroup needs at least one server")
         self.clients: list[ServerClient] = [
             s if isinstance(s, ServerClient) else ServerClient(s, api_key=api_key, admin_api_key=admin_api_key, timeout=timeout)
