@@ -47,9 +47,32 @@ LONGEST_FIRST = ("test_real_sglang.py", "test_readme.py", "test_multihost.py", "
                  "test_name_resolve.py", "test_bench.py")
 
 
-def pytest_collection_modifyitems(items) -> None:
+def pytest_collection_modifyitems(config, items) -> None:
+    _deselect_other_releases(config, items)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def _deselect_other_releases(config, items) -> None:
+    """A test of SGLang's code marked ``newest_release`` runs on the newest release only (one stands for all), one
+    marked ``older_releases`` on every release but the newest (whose whole server runs it in the real tier): the
+    other parametrizations are never collected, rather than skipped."""
+    from tests.sglang_harness import VERSIONS
+
+    def wanted(item) -> bool:
+        version = getattr(item, "callspec", None) and item.callspec.params.get("server")
+        if version is None:
+            return True
+        if item.get_closest_marker("newest_release"):
+            return version == VERSIONS[0]
+        if item.get_closest_marker("older_releases"):
+            return version != VERSIONS[0]
+        return True
+
+    keep = [item for item in items if wanted(item)]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if not wanted(item)])
+        items[:] = keep
 
 
 # ------------------------------------------------------------------ strict mode: a skip is a failure
@@ -65,9 +88,6 @@ ALLOWED_SKIPS = (
     "needs two CUDA devices",
     "needs sglang and CUDA",
     "this host has CUDA",           # the CPU-only error path, on a GPU host
-    "one version is enough",        # a check of the server info, run on one SGLang release only
-    "one release with sessions is enough",
-    "runs in the real tier",        # SGLang's own code of the release whose whole server the real tier runs
 )
 """Substrings of the skip reasons strict mode accepts: the tests that are meant to run elsewhere (a GPU
 host) or once (one SGLang release stands for all)."""

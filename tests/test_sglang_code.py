@@ -34,10 +34,10 @@ def _need(version: str) -> None:
         pytest.skip(f"SGLang {version} is not installed (bash scripts/install_sglang.sh)")
 
 
-def _not_newest(server) -> None:
-    """The newest release's whole server runs this in the real tier (tests/test_real_sglang.py)."""
-    if server.version == VERSIONS[0]:
-        pytest.skip(f"runs in the real tier: SGLang {VERSIONS[0]}'s whole server, tests/test_real_sglang.py")
+# The newest release's whole server runs these in the real tier (tests/test_real_sglang.py): here the older ones.
+older_releases = pytest.mark.older_releases
+# One release stands for all (tests/conftest.py collects the newest only).
+newest_release = pytest.mark.newest_release
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
@@ -115,11 +115,11 @@ def _train_and_publish(url: str, config: dict, steps: int, transport: str = "bro
         engine.destroy()
 
 
+@older_releases
 def test_publish_broadcast_bit_equal(server):
     """A 2-rank FSDP2 trainer publishes twice as one request (the default for a sync this small: one broadcast
     per tensor), then bucket by bucket (``atomic_mb=0``: flattened buckets where SGLang takes them, 0.5.x, per
     tensor on 0.4.9); every served tensor is bit-equal to the trainer's."""
-    _not_newest(server)
     f = ServerClient(server.url).features
     for config in (dict(), dict(atomic_mb=0)):
         rank0, _ = run_ranks(_train_and_publish, 2, args=(server.url, config, 2), timeout=400)
@@ -137,8 +137,8 @@ def test_publish_broadcast_bit_equal(server):
 # ---------------------------------------------------------------------------------------------- disk
 
 
+@older_releases
 def test_disk_load_bit_equal_and_version(server, tmp_path):
-    _not_newest(server)
     from safetensors.torch import load_file
 
     from bridge.presets import make_model_dir
@@ -234,12 +234,12 @@ def _scheduler(srv) -> dict:
     return requests.get(srv.url + "/wsync_harness/scheduler", timeout=10).json()
 
 
+@older_releases
 def test_pause_modes_with_a_request_in_flight(server):
     """SGLang's own scheduler handlers decide what a pause does to a running request: ``abort`` ends it
     (SGLang's ``abort_request`` marks it, the pause returns once it left), ``retract`` moves it back to the
     waiting queue (SGLang's ``pause_generation``), where SGLang's ``flush_cache`` ignores it, so an update
     asking for a flush succeeds; after ``continue`` the request finishes normally."""
-    _not_newest(server)  # (every pause mode with 4 clients generating through 10 publishes)
     c = ServerClient(server.url)
     held: dict = {}
 
@@ -369,14 +369,13 @@ def test_api_key_and_admin_key(keyed_llama):
     assert ServerGroup([srv.url], api_key="user-key", admin_api_key="admin-key").weight_versions() == {srv.url: "k1"}
 
 
+@older_releases
 def test_colocated_from_a_trainer_without_cuda(server):
     """Colocated from a trainer without CUDA: each bucket in shared memory, handed over as SGLang's plain per-tensor
     payload. SGLang 0.5.6's own receive code serves it bit-equal (0.5.23's whole server takes it in the real tier);
     0.4.9 moves every tensor it is handed to CUDA, so it is refused before anything moves, naming the release."""
     from bridge import PublisherConfig, WeightPublisher
 
-    if server.version == "0.5.23":
-        pytest.skip("one version is enough: 0.5.23's whole server runs it in tests/test_real_sglang.py")
     if parse_version(server.version) < (0, 5, 1):
         pub = WeightPublisher(PublisherConfig(transport="colocated", servers=[server.url], progress=False))
         try:
@@ -394,6 +393,7 @@ def test_colocated_from_a_trainer_without_cuda(server):
     assert server.alive()
 
 
+@newest_release
 def test_a_refused_update_in_a_session_and_the_publishers_clean_up(server, ref_server):
     """A bucket refused inside a session (its group does not exist): SGLang 0.5.23's own scheduler keeps the
     session open (ending it answers 200), the reference server ends it (ending it answers 400, naming why;
@@ -401,8 +401,6 @@ def test_a_refused_update_in_a_session_and_the_publishers_clean_up(server, ref_s
     (``discard_session``) leaves both without an open session, so the next sync can begin."""
     from bridge.transports.sessions import discard_session
 
-    if server.version != VERSIONS[0]:
-        pytest.skip("one release with sessions is enough: the session gate is 0.5.21+'s")
 
     def refuse_one(c: ServerClient) -> None:
         c.begin_weight_update()
@@ -453,13 +451,12 @@ def _publish_v23(url: str, steps: int, extra: dict) -> dict:
         engine.destroy()
 
 
+@newest_release
 def test_a_new_process_cannot_relabel_real_sglang_with_other_weights(server, tmp_path, monkeypatch):
     """SGLang keeps no digest of what it serves: the publisher records one at commit beside the run (here in
     ``writer_lock``'s name resolution) and a new trainer process compares its own with it before anything moves.
     Other weights under the served version are refused; the same weights are a safe retry; ``new_run=True``
     passes; a label with no record (set outside wsync) cannot be compared, and is refused as such."""
-    if server.version != VERSIONS[0]:
-        pytest.skip("one version is enough: the record lives beside the run, SGLang only sets the label")
     extra = {"writer_lock": f"file://{tmp_path / 'nr'}", "experiment": "relabel", "trial": server.version}
 
     def run(steps: int, **more) -> dict:
@@ -506,6 +503,7 @@ pub.publish(local_model(random_weights(seed=7)), version=int(sys.argv[4]))
 """
 
 
+@newest_release
 def test_two_trainers_share_real_sglang_through_the_writer_lock(server, tmp_path):
     """SGLang has no writer lease: with ``writer_lock`` the publishers take a lock with a lease per server in
     name resolution. While one holds it mid-sync, another is refused naming its run and leaves its session
@@ -524,8 +522,6 @@ def test_two_trainers_share_real_sglang_through_the_writer_lock(server, tmp_path
     from bridge.transports.lease import lock_key
     from tests.fixtures_server import local_model, random_weights
 
-    if server.version != "0.5.23":
-        pytest.skip("one release with sessions is enough")
     lock = f"file://{tmp_path / 'locks'}"
     nr = make_name_resolve(lock)
 
@@ -700,6 +696,7 @@ def test_real_sglang_serving_another_model_is_refused_before_any_byte_moves(keye
     assert len(unchecked) == 1 and "the first dim of 2-D tensors" in unchecked[0], said
 
 
+@newest_release
 def test_preflight_says_once_what_a_silent_sglang_model_cannot_tell(server, caplog):
     """SGLang's Qwen2 has no ``get_weights_by_name``: its route answers 400 for every name, so the preflight
     stops after two requests, says so once, and leaves the names and shapes to SGLang's loader."""
@@ -707,8 +704,6 @@ def test_preflight_says_once_what_a_silent_sglang_model_cannot_tell(server, capl
     from bridge.presets import build_model
     from bridge.tensors import ParamSpec
 
-    if server.version != VERSIONS[0]:
-        pytest.skip("one version is enough: the route and its answers are the same in every release")
     specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in build_model("tiny").named_parameters()]
     preflight_sglang._said.discard(f"silent:{ServerClient(server.url).url}")  # said once per process
     with caplog.at_level("INFO", logger="bridge.preflight_sglang"):
