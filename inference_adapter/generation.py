@@ -62,6 +62,9 @@ def add_weight_versions(meta: dict, spans: list[dict], n: int) -> None:
     meta["weight_version"] = visible[-1]["version"]
 
 
+ABORTED = "Aborted"
+"""The message of an aborted generation's ``finish_reason``, as SGLang's ``FINISH_ABORT`` writes it."""
+
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 """SGLang's ``GPU_MEMORY_ALL_TYPES``: what an empty ``tags`` releases or resumes."""
 
@@ -297,9 +300,11 @@ class GenerationMixin:
             return sorted(self._released)
 
     def _abort(self, g: _Gen, why: str) -> None:
-        """Caller holds ``_cv``."""
+        """Caller holds ``_cv``. The generation ends with SGLang's message, ``Aborted`` (its ``FINISH_ABORT``'s in
+        every release, whatever aborted it: the real server's answer); ``why`` goes to this server's log."""
         if g.abort is None:
-            g.abort, g.abort_version = why, self.weights.version
+            g.abort, g.abort_version = ABORTED, self.weights.version
+            self.log.debug("request %s aborted: %s", g.rid, why)
 
 
 class _Decode:

@@ -147,6 +147,23 @@ def test_a_stream_sends_tokens_before_the_generation_ends(ref_server):
     assert chunks[-1]["usage"]["completion_tokens"] < 2000
 
 
+def test_generate_streams_each_token_as_sglang_does(ref_server):
+    """``/generate`` with ``stream: true``: a chunk per token as it comes, each the whole answer so far with
+    ``finish_reason`` null, the last one the finished answer, equal to the non-streamed one (as SGLang's
+    tokenizer side streams it); a batch's chunks carry their prompt's ``index``."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}}
+    plain = _post(ref_server, "/generate", body).json()
+    chunks = _stream(ref_server, "/generate", {**body, "stream": True})
+    assert len(chunks) == N
+    assert [len(c["output_ids"]) for c in chunks] == list(range(1, N + 1))
+    assert all(plain["output_ids"][:len(c["output_ids"])] == c["output_ids"] for c in chunks)
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (N - 1)
+    assert chunks[-1]["text"] == plain["text"] and chunks[-1]["meta_info"]["finish_reason"] == {
+        "type": "length", "length": N}
+    batch = _stream(ref_server, "/generate", {**body, "input_ids": [[5, 6, 7], [8, 9]], "stream": True})
+    assert sorted(c["index"] for c in batch) == [0] * N + [1] * N
+
+
 @pytest.mark.parametrize("version, metadata", [
     ("0.5.8", {"weight_version": "relabelled"}),  # 0.5.1-0.5.19: the version alone
     ("0.4.10.post2", None),  # before 0.5.1: no metadata

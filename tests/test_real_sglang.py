@@ -465,7 +465,23 @@ def _differences(url: str) -> dict:
         time.sleep(1.0)
         out["flush"] = post("/flush_cache", {})
         [f.result() for f in running]
+    with requests.post(url + "/generate", json={"input_ids": [1, 4, 5], "stream": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}, timeout=60, stream=True) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True) if line.startswith("data: {")]
+    out["stream"] = [len(ch["output_ids"]) for ch in chunks]
+    with cf.ThreadPoolExecutor(1) as pool:  # what an aborted generation's finish_reason says
+        running = pool.submit(c.generate, input_ids=[1, 4, 5], sampling_params={
+            "temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+        time.sleep(1.0)
+        post("/abort_request", {"abort_all": True})
+        out["aborted"] = running.result()["meta_info"]["finish_reason"]
     label = c.model_info()["weight_version"]
+    with cf.ThreadPoolExecutor(1) as pool:  # a relabel while a generation runs unpaused
+        running = pool.submit(c.generate, input_ids=[1, 4, 5], sampling_params={
+            "temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+        time.sleep(1.0)
+        post("/update_weight_version", {"new_version": "899"})
+        out["spans"] = [span["version"] for span in running.result()["meta_info"]["weight_versions"]]
     out["relabel"] = post("/update_weight_version", {"new_version": "900"})
     out["older"] = post("/update_weight_version", {"new_version": "899"})
     out["checker"] = post("/weights_checker", {})
@@ -499,6 +515,13 @@ def test_what_real_sglang_does_differently_from_the_reference_server(servers, se
     assert real["version_routes"] == emulated["version_routes"] == [404, 404]
     assert real["refused"] == emulated["refused"] == 400
     assert real["end"][0] == 200 and emulated["end"][0] == 400 and "aborted" in emulated["end"][1], (real, emulated)
+    # A relabel while a generation runs: SGLang applies it between two decoding steps (two spans), the reference
+    # server once the generation ended (one).
+    assert real["spans"] == [real["spans"][0], "899"] and emulated["spans"] == [emulated["spans"][0]], (real, emulated)
+    # Where they answer alike: /generate streams a chunk per token, each the answer so far; an abort says "Aborted".
+    assert real["stream"] == emulated["stream"] == list(range(1, 13)), (real["stream"], emulated["stream"])
+    assert real["aborted"] == emulated["aborted"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                       "err_type": None}, (real["aborted"], emulated["aborted"])
     assert servers.spare.alive()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import uuid
 
 import anyio
 from fastapi import APIRouter, Request
@@ -35,18 +36,56 @@ async def generate(request: Request, state: Served):
     params, logprobs, rids = _per_prompt(req, len(prompts), batched)
     adapters = _adapters(state, req, len(prompts))
     limiter = request.app.state.generation_threads
+    if req.stream:
+        for p, sp in zip(prompts, params):
+            state.check_sampling(p, sp)  # refused before the stream starts, as SGLang validates first
+        return StreamingResponse(_stream(state, limiter, prompts, params, logprobs, rids, adapters, batched),
+                                 media_type="text/event-stream")
     outs = await asyncio.gather(*[
         anyio.to_thread.run_sync(functools.partial(state.generate, p, sp, bool(lp), rid, adapter=a), limiter=limiter)
         for p, sp, lp, rid, a in zip(prompts, params, logprobs, rids, adapters)
     ])
-    result = list(outs) if batched else outs[0]
-    if req.stream:
-        async def events():
-            for o in (result if batched else [result]):
-                yield f"data: {json.dumps(o)}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-    return JSONResponse(result)
+    return JSONResponse(list(outs) if batched else outs[0])
+
+
+async def _stream(state: ModelState, limiter, prompts, params, logprobs, rids, adapters, batched: bool):
+    """``/generate``'s event stream, as SGLang's: a chunk per token as it comes, each the whole answer so far (its
+    text and ``output_ids``, ``meta_info`` with ``finish_reason`` null), the last one the finished answer; a batch's
+    chunks interleave, each with its prompt's ``index``; then ``data: [DONE]``."""
+    loop, q = asyncio.get_running_loop(), asyncio.Queue()
+    rids = [rid or uuid.uuid4().hex for rid in rids]
+
+    async def run(i: int) -> None:
+        ids: list[int] = []
+
+        def watch(text: str, finished: bool, tok: int) -> None:
+            ids.append(tok)
+            if not finished:  # the finishing token comes with the result
+                meta = {"id": rids[i], "finish_reason": None, "prompt_tokens": len(prompts[i]),
+                        "weight_version": state.version, "completion_tokens": len(ids)}
+                loop.call_soon_threadsafe(q.put_nowait, (i, {"text": text, "output_ids": list(ids), "meta_info": meta}))
+        try:
+            out = await anyio.to_thread.run_sync(functools.partial(
+                state.generate, prompts[i], params[i], bool(logprobs[i]), rids[i], watch=watch, adapter=adapters[i]),
+                limiter=limiter)
+        except Exception as e:  # (checked before the stream started; a generation's own failure ends it)
+            out = {"error": {"message": str(e), "type": "BadRequest", "code": 400}}
+        q.put_nowait((i, out))
+        q.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(run(i)) for i in range(len(prompts))]
+    try:
+        left = len(prompts)
+        while left:
+            i, chunk = await q.get()
+            if chunk is None:
+                left -= 1
+                continue
+            yield f"data: {json.dumps({**chunk, 'index': i} if batched else chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _prompts(state: ModelState, req: GenerateReq) -> tuple[list[list[int]], bool]:
