@@ -46,12 +46,12 @@ from dataclasses import dataclass
 import torch
 
 from bridge.agreement import STEP_ATTR, Agreement, in_step
+from bridge.digest import tensor_checksum
 from bridge.errors import BridgeError, ConfigError, SyncError, VersionError
 from bridge.failpoints import failpoint
 from bridge.interrupts import held
 from bridge.log import get_logger
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
-from bridge.protocol import tensor_checksum
 from bridge.snapshot.writer import fsync_path
 from bridge.tensors import dtype_from_str
 
@@ -179,7 +179,7 @@ class AdapterPublishResult:
     path: str | None
     """Disk: the adapter directory the servers loaded."""
     checksums: dict[str, str]
-    """sha256 of every tensor as sent (:func:`bridge.protocol.tensor_checksum`)."""
+    """sha256 of every tensor as sent (:func:`bridge.digest.tensor_checksum`)."""
     phases: dict[str, float]
     """Seconds of each step on this rank (rank 0's: the gather, the write, the servers' loads...)."""
 

@@ -1,7 +1,7 @@
 """A version label never names two sets of weights: what a publisher checks before it publishes the version a
 server already serves, when it did not publish that version itself (a new trainer process of the same run).
 
-The comparison is of one digest of the weights as servers serve them (:func:`bridge.protocol.served_digest_part`:
+The comparison is of one digest of the weights as servers serve them (:func:`bridge.digest.served_digest_part`:
 linear in the served bytes, so each trainer rank adds its own rows and the sum does not depend on the sharding):
 
 - the reference server computes it of the tensors it serves, on request (``/wsync/weights_checksum`` with
@@ -24,9 +24,9 @@ from urllib.parse import quote
 
 import torch
 
+from bridge.digest import served_digest_part
 from bridge.errors import NameEntryNotFound
 from bridge.log import get_logger
-from bridge.protocol import served_digest_part
 
 __all__ = ["LabelRecords", "label_key", "local_digest_part", "refusal"]
 

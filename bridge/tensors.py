@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from bridge.errors import ConfigError
+from bridge.protocol import wire_dtype
 
 __all__ = ["ParamSpec", "dtype_from_str", "dtype_to_str", "host_buffer", "kept_buffer"]
 
@@ -29,8 +30,8 @@ _ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "f
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (SGLang's wire form)."""
-    return str(dtype).removeprefix("torch.")
+    """``torch.bfloat16`` -> ``"bfloat16"`` (SGLang's wire form, :func:`bridge.protocol.wire_dtype`)."""
+    return wire_dtype(dtype)
 
 
 def dtype_from_str(name: str | torch.dtype) -> torch.dtype:

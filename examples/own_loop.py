@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from bridge import PublisherConfig, WeightPublisher
 from bridge.client import ServerClient
-from bridge.protocol import tensor_checksum
+from bridge.digest import tensor_checksum
 
 
 def main() -> None:

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bridge.protocol import VERSION_GOES_BACK, tensor_checksum
+from bridge.digest import tensor_checksum
+from bridge.protocol import VERSION_GOES_BACK
 from inference_adapter.checks import RunClaim, version_number
 from inference_adapter.errors import RequestError
 

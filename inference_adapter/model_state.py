@@ -27,8 +27,9 @@ import threading
 
 import torch
 
+from bridge.digest import served_digest_part, tensor_checksum
 from bridge.errors import ConfigError
-from bridge.protocol import ProtocolFeatures, served_digest_part, tensor_checksum
+from bridge.protocol import ProtocolFeatures
 from bridge.tensors import dtype_to_str
 from inference_adapter.checks import version_problem
 from inference_adapter.errors import RequestError
@@ -208,7 +209,7 @@ class ModelState(GenerationMixin):
 
     def checksums(self, names: list[str] | None, digest: bool = False) -> dict:
         """Project extension: sha256 of every (or the named) served tensor's bytes, with the version; with
-        ``digest``, the :func:`bridge.protocol.served_digest_part` sum of those tensors instead, with the version
+        ``digest``, the :func:`bridge.digest.served_digest_part` sum of those tensors instead, with the version
         and the run it came from (a publisher compares it with its own weights before it publishes the served
         version again)."""
         w = self.weights

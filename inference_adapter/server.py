@@ -11,7 +11,7 @@ leaves the previous weights and version serving (see :mod:`inference_adapter.wei
 
 Routes beyond SGLang's (project extensions, safe to ignore):
     ``/wsync/weights_checksum`` (GET or POST ``{"names": [...] | null}``): sha256 of every served
-    tensor's bytes (:func:`bridge.protocol.tensor_checksum`) and the weight version, read under one
+    tensor's bytes (:func:`bridge.digest.tensor_checksum`) and the weight version, read under one
     lock, so a trainer checks a sync bit for bit without pulling the weights back.
     ``/update_weights_from_tensor`` with ``load_format="wsync_shm"``: SGLang's route, but CPU tensors cannot
     cross HTTP (SGLang issue #4551), so each ``serialized_named_tensors`` entry is base64 of the JSON object

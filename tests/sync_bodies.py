@@ -17,7 +17,7 @@ def check_served(engine, urls: list[str], version: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     full = {s.name: t for s, t in engine.iter_full_tensors()}  # collective
     if engine.rank != 0:
@@ -67,7 +67,7 @@ def own_checksums(engine) -> dict | None:
     failed one."""
     import torch
 
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     full = {s.name: t for s, t in engine.iter_full_tensors()}
     return {n: tensor_checksum(t.to(torch.bfloat16)) for n, t in full.items()} if engine.rank == 0 else None
@@ -207,7 +207,7 @@ def check_served_any(engine, urls: list[str], version: int) -> dict:
     import torch
 
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     if ServerClient(urls[0]).is_reference_server:
         return check_served(engine, urls, version)

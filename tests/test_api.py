@@ -31,7 +31,7 @@ def model(tiny_model_dir):
 
 
 def _served_checksums(server, model):
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
     from bridge.sources import ModuleSource
 
     want = {s.name: tensor_checksum(p.detach().to(torch.bfloat16)) for s, p in

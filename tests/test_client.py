@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 from bridge.client import ServerClient, ServerGroup
+from bridge.digest import tensor_checksum
 from bridge.errors import ConfigError, ServerError, SyncTimeout
 from bridge.process_group import destroy_custom_process_group, find_free_port, init_custom_process_group
-from bridge.protocol import ProtocolFeatures, parse_version, tensor_checksum
+from bridge.protocol import ProtocolFeatures, parse_version
 from inference_adapter import launch_server, sglang_available
 from tests.fixtures_server import random_weights
 

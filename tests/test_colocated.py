@@ -299,7 +299,7 @@ def test_single_process_versions_retries_and_failed_sync(server, tiny_model_dir)
     from transformers import AutoModelForCausalLM
 
     from bridge import PublisherConfig, VersionError, WeightPublisher
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with WeightPublisher(PublisherConfig(transport="colocated", servers=[server.url], bucket_mb=0.25, progress=False)) as pub:

@@ -34,7 +34,7 @@ def _served_rows(url: str, publishes: int, harness_url: str):
     import requests
     import torch
 
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
     from tests import sync_bodies as sb
     from tests.sglang_harness.serve import sglang_layout
     from tests.test_delta import _engine, _publisher
@@ -208,7 +208,7 @@ def test_the_loader_refuses_a_delta_on_another_base_before_any_weight_changes(ti
     from safetensors.torch import load_file
 
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     name = "model.layers.0.self_attn.q_proj.weight"  # stacked into qkv_proj by SGLang
     weights = {}

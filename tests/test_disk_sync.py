@@ -424,8 +424,8 @@ def test_a_version_whose_announce_failed_can_be_published_again(etcd_server, tmp
     """etcd killed in the announce step (after the rename) and kept down: every rank raises
     NameResolveError and the final directory is gone with the announce; with etcd back, a fresh trainer
     with other weights publishes the same version (before: VersionError, "already published")."""
+    from bridge.digest import tensor_checksum
     from bridge.name_resolve import Announcement, make_name_resolve, names
-    from bridge.protocol import tensor_checksum
     from bridge.snapshot import read_snapshot, snapshot_dir
 
     etcd, root = etcd_server, str(tmp_path / "snap")

@@ -46,7 +46,7 @@ def _train(model, seed: int) -> None:
 
 def _own(model) -> dict[str, str]:
     """The model's weights as a server serves them: one checksum per tensor."""
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     return {n: tensor_checksum(p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()}
 

@@ -49,7 +49,7 @@ def _check(engine, url: str, version: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     full = {s.name: t for s, t in engine.iter_full_tensors()}
     if engine.rank != 0:

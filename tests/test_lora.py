@@ -236,8 +236,8 @@ def test_disk_publish_writes_peft_dirs_and_a_fault_changes_nothing(tmp_path):
     from safetensors.torch import load_file
 
     from bridge.adapters import adapter_key
+    from bridge.digest import tensor_checksum
     from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL, make_name_resolve
-    from bridge.protocol import tensor_checksum
 
     nr_url = f"file://{tmp_path}/nr"
     root = str(tmp_path / "adapters")
@@ -287,7 +287,7 @@ def _check_served(engine, url: str, name: str, version: int) -> dict | None:
     """Rank 0: the served adapter's checksums against the trainer's own (gathered now), its version, and its
     greedy answer against the trainer's PEFT model (collective: every rank calls it)."""
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     mine = engine.gather_adapter()
     config = engine.adapter_config()
@@ -854,7 +854,7 @@ def test_a_restarted_trainer_that_fails_puts_the_last_runs_adapter_back(lora_ser
 def _bf16_once(url: str):
     from bridge import AdapterPublisher, AdapterPublisherConfig
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
     from tests.sync_bodies import train_step
 
     engine = lora_engine()

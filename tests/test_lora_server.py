@@ -19,8 +19,9 @@ import threading
 import pytest
 import torch
 
+from bridge.digest import tensor_checksum
 from bridge.errors import ConfigError, ServerError
-from bridge.protocol import ProtocolFeatures, tensor_checksum
+from bridge.protocol import ProtocolFeatures
 
 pytestmark = pytest.mark.slow
 

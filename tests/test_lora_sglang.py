@@ -59,7 +59,7 @@ def _publish_into_sglang(url: str, root: str, nr_url: str):
     disk on, 4 client threads on rank 0 ask for the adapter by its name all along."""
     from bridge import AdapterPublisher, AdapterPublisherConfig
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
     from tests.sync_bodies import train_step
 
     engine = lora_engine()
@@ -261,7 +261,7 @@ def test_replace_from_tensors_on_sglang_refuses_the_generations_arriving_in_its_
     finish on it); a generation asking for the name meanwhile tries SGLang's implicit reload from the cached path,
     which for a tensors adapter is ``__tensor__``, and is refused; then the client's load serves the new adapter."""
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     (cfg1, t1), (cfg2, t2) = _parts(1), _parts(2)
     c = ServerClient(sglang_lora.url)
@@ -293,7 +293,7 @@ def test_replace_from_a_stable_path_on_sglang_refuses_nothing(sglang_lora, tmp_p
     the client's load then finds the name loaded from its own path, which is the replace done. No refusal, the
     in-flight generations finish on the old adapter, and the new one serves."""
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
     from tests.test_lora_server import _save
 
     for seed in (1, 2):
@@ -355,7 +355,8 @@ def test_the_older_body_through_sglang_0_5_8s_own_code(tiny_model_dir):
     and the 0.5.23 shape (a per-rank list) is refused by that app."""
     from bridge.client import ServerClient
     from bridge.client.lora import tensors_body
-    from bridge.protocol import ProtocolFeatures, tensor_checksum
+    from bridge.digest import tensor_checksum
+    from bridge.protocol import ProtocolFeatures
     from tests.sglang_harness import installed, launch
 
     assert installed("0.5.8"), "SGLang 0.5.8 is not installed: run scripts/install_sglang.sh"

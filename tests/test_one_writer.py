@@ -358,7 +358,7 @@ def test_a_killed_trainer_is_taken_over_only_after_its_lease_expired(server):
 
 
 def _bf16_checksums(weights: dict) -> dict:
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     return {n: tensor_checksum(t) for n, t in weights.items()}
 

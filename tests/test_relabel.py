@@ -120,7 +120,7 @@ def test_the_served_digest_does_not_depend_on_the_sharding():
     the reference server takes it; one bit flipped anywhere, or another tensor name, gives another digest."""
     import torch
 
-    from bridge.protocol import DIGEST_BLOCK, served_digest_part
+    from bridge.digest import DIGEST_BLOCK, served_digest_part
 
     rows, cols = 1000, DIGEST_BLOCK // 3 + 7  # shards start inside blocks, and a chunk spans many blocks
     full = torch.randn(rows, cols).to(torch.bfloat16)

@@ -17,8 +17,9 @@ import requests
 import torch
 
 from bridge.client import ServerClient, ServerGroup
+from bridge.digest import tensor_checksum
 from bridge.errors import ServerError
-from bridge.protocol import SESSION_REQUIRED_MESSAGE, tensor_checksum
+from bridge.protocol import SESSION_REQUIRED_MESSAGE
 from tests.fixtures_server import GROUP_TIMEOUT, Trainer, greedy, local_model, random_weights
 
 PROMPT = [5, 72, 101, 108, 108, 111, 44, 32]

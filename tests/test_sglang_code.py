@@ -18,9 +18,10 @@ import requests
 import torch
 
 from bridge.client import ServerClient, ServerGroup
+from bridge.digest import tensor_checksum
 from bridge.errors import ConfigError, ServerError
 from bridge.process_group import destroy_custom_process_group, find_free_port, init_custom_process_group
-from bridge.protocol import parse_version, tensor_checksum
+from bridge.protocol import parse_version
 from tests import sync_bodies as sb
 from tests.dist_utils import run_ranks
 from tests.sglang_harness import VERSIONS, installed, launch

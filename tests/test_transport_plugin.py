@@ -38,7 +38,7 @@ def model(tiny_model_dir):
 
 
 def _served_exactly(server, model) -> bool:
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
     from bridge.sources import ModuleSource
 
     want = {spec.name: tensor_checksum(t.to(torch.bfloat16)) for spec, t in ModuleSource(model).iter_full_tensors()}

@@ -27,14 +27,14 @@ path, the replace done; by tensors (path ``__tensor__``) that reload fails and t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from bridge.errors import ConfigError, ServerError
 from bridge.log import get_logger
-from bridge.protocol import ProtocolFeatures
-from bridge.tensors import dtype_to_str
+from bridge.protocol import ProtocolFeatures, wire_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LoraRoutes", "serialize_adapter", "tensors_body"]
 
@@ -167,7 +167,7 @@ class LoraRoutes:
         ``config`` (the adapter_config as a dict), in the body of the server's SGLang version; the tensors stay
         this process's until the answer (same host only).
 
-        ``checksums`` (0.5.20+): ``{name: sha256}`` of each tensor's bytes (:func:`bridge.protocol.tensor_checksum`),
+        ``checksums`` (0.5.20+): ``{name: sha256}`` of each tensor's bytes (:func:`bridge.digest.tensor_checksum`),
         checked by the server before it loads anything. ``rollback``: as for :meth:`load_adapter_from_path`.
 
         Raises:
@@ -213,7 +213,7 @@ class LoraRoutes:
                               "(via='tensors') from its host")
         body: dict[str, Any] = {
             "lora_name": str(name), "config_dict": dict(config), "names": [str(n) for n in names],
-            "dtypes": [d if isinstance(d, str) else dtype_to_str(d) for d in dtypes],
+            "dtypes": [wire_dtype(d) for d in dtypes],
             "shapes": [[int(x) for x in s] for s in shapes], "group_name": str(group_name), "pinned": bool(pinned)}
         if checksums is not None:
             body["expected_checksums"] = dict(checksums)

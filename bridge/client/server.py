@@ -404,14 +404,14 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
         """Project extension, reference server only: ``/wsync/weights_checksum``.
 
         Returns ``{"weight_version", "checksums": {name: sha256}, "dtypes": {name: str}}`` where each
-        checksum is :func:`bridge.protocol.tensor_checksum` of the served tensor.
+        checksum is :func:`bridge.digest.tensor_checksum` of the served tensor.
         """
         return self._http.call("POST", "/wsync/weights_checksum", {"names": list(names) if names is not None else None})
 
     def weights_digest(self, names: Sequence[str]) -> dict:
         """Project extension, reference server only: ``/wsync/weights_checksum`` with ``digest``.
 
-        Returns ``{"weight_version", "run_id", "digest"}``: the sum of :func:`bridge.protocol.served_digest_part`
+        Returns ``{"weight_version", "run_id", "digest"}``: the sum of :func:`bridge.digest.served_digest_part`
         over the named served tensors (16 hex digits), the version and the run (None: unknown) it serves.
         """
         return self._http.call("POST", "/wsync/weights_checksum", {"names": list(names), "digest": True})

@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from bridge.errors import ConfigError
 from bridge.log import get_logger
-from bridge.protocol import DEFAULT_GROUP_NAME, SHM_LOAD_FORMAT
-from bridge.tensors import dtype_to_str
+from bridge.protocol import DEFAULT_GROUP_NAME, SHM_LOAD_FORMAT, wire_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["WeightUpdateRoutes"]
 
 # The package's name, not this file's: log lines keep the logger name they had before the split.
 logger = get_logger(__package__)
-
-
-def _wire_dtype(d: str | torch.dtype) -> str:
-    # SGLang resolves getattr(torch, name): the bare attribute name, never "torch.bfloat16".
-    return dtype_to_str(d) if isinstance(d, torch.dtype) else str(d).removeprefix("torch.")
 
 
 class WeightUpdateRoutes:
@@ -76,7 +71,7 @@ class WeightUpdateRoutes:
                 trainer does not start a broadcast nobody receives).
         """
         names = [str(n) for n in names]
-        dtypes = [_wire_dtype(d) for d in dtypes]
+        dtypes = [wire_dtype(d) for d in dtypes]
         shapes = [[int(x) for x in s] for s in shapes]
         if not len(names) == len(dtypes) == len(shapes):
             raise ConfigError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from bridge.protocol import tensor_checksum
+from bridge.digest import tensor_checksum
 from inference_adapter.errors import RequestError
 from inference_adapter.lora import adapter_from_dir, build_adapter
 from inference_adapter.lora_distributed import receive_adapter
@@ -178,6 +178,6 @@ class _ChecksumBody(BaseModel):
 @router.post("/wsync/lora_checksum")
 async def lora_checksum(request: Request, state: Served):
     """``{"lora_name"}`` -> ``{"lora_name", "wsync_lora_version", "checksums": {tensor: sha256}, "dtypes"}`` of the
-    adapter served under that name (:func:`bridge.protocol.tensor_checksum` of each tensor, as it was sent)."""
+    adapter served under that name (:func:`bridge.digest.tensor_checksum` of each tensor, as it was sent)."""
     req = await parse(request, _ChecksumBody)
     return await run_in_threadpool(state.adapters.checksums, req.lora_name)

@@ -2,7 +2,7 @@
 
 ``/wsync/weights_checksum`` (GET or POST ``{"names": [...] | null}``): the sha256 of every (or each
 named) served tensor and the weight version, read under one lock; with ``"digest": true``, one digest of the named
-tensors (:func:`bridge.protocol.served_digest_part`) with the version and its run instead. ``/wsync/weights_spec``
+tensors (:func:`bridge.digest.served_digest_part`) with the version and its run instead. ``/wsync/weights_spec``
 (GET): each served tensor's shape and dtype, the aliases accepted and the serving dtype (a publisher's check
 before any byte moves). ``/wsync/abort_weight_update``
 (POST): discard the open update session without applying anything. ``/wsync/writer_lease`` (POST

@@ -76,7 +76,7 @@ def _specs():
 
 
 def _describe(named) -> list:
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     return [[n, str(t.dtype).removeprefix("torch."), list(t.shape), tensor_checksum(t)] for n, t in named]
 
@@ -167,7 +167,7 @@ def send(args) -> dict:
 
     from bridge.buckets import flatten_tensors, plan_buckets
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
     from bridge.tensors import ParamSpec
     from bridge.transports.cuda_ipc import serialize_bucket
 
