@@ -266,12 +266,12 @@ def test_a_server_restarted_between_two_publishes_gets_a_new_group(server_factor
 # ------------------------------------------------------------------ memory
 
 
-def _medium_sync(url: str, bucket_mb: float, root: str):
-    """Every rank: two syncs of the medium preset per transport (the first warms up); rank 0's peaks."""
+def _three_syncs(url: str, preset: str, bucket_mb: float, root: str):
+    """Every rank: three syncs of ``preset`` per transport (the first warms up); rank 0's peaks."""
     from bridge import PublisherConfig, WeightPublisher
 
     sb.fixed_mmap_threshold()
-    engine = sb.engine("medium")
+    engine = sb.engine(preset)
     peaks = {}
     try:
         for transport, servers in (("broadcast", [url]), ("colocated", [url]), ("disk", [])):
@@ -295,12 +295,13 @@ def _medium_sync(url: str, bucket_mb: float, root: str):
 
 
 def test_rank0_peak_memory_is_bounded_by_buckets_not_the_model(server_factory, tmp_path):
-    bucket_mb = 48.0
-    (server,) = server_factory.many([dict(preset="medium", ready_timeout=300)])
-    peaks, _ = run_ranks(_medium_sync, 2, args=(server.url, bucket_mb, str(tmp_path)), timeout=500)
+    # The small preset (92 MiB in bf16) in buckets of 16 MiB: the model is six buckets.
+    preset, bucket_mb = "small", 16.0
+    (server,) = server_factory.many([dict(preset=preset, ready_timeout=300)])
+    peaks, _ = run_ranks(_three_syncs, 2, args=(server.url, preset, bucket_mb, str(tmp_path)), timeout=500)
     bucket = bucket_mb * 2**20
     for transport, (peak, total, buckets) in peaks.items():
-        print(f"medium preset, {transport}: {total / 2**20:.0f} MiB in {buckets} buckets of {bucket_mb:.0f} MiB; "
+        print(f"{preset} preset, {transport}: {total / 2**20:.0f} MiB in {buckets} buckets of {bucket_mb:.0f} MiB; "
               f"rank-0 peak extra memory {peak / 2**20:.1f} MiB = {peak / bucket:.2f} x bucket")
         assert total > 5 * bucket  # the model is much larger than a bucket...
         assert peak < 2.5 * bucket, transport  # ...but rank 0 never holds more than about two buckets
