@@ -19,8 +19,9 @@ import torch
 
 from bridge.client import ServerClient
 from bridge.delta_codec import DELTA_TENSOR, changed_positions, choose, combine_digest, piece_crc, write_record
+from bridge.digest import tensor_checksum
 from bridge.errors import ServerError
-from bridge.protocol import DELTA_BASE_MISMATCH, tensor_checksum
+from bridge.protocol import DELTA_BASE_MISMATCH
 from bridge.transports.colocated import shm_buffer
 from tests.dist_utils import run_ranks
 
@@ -450,13 +451,13 @@ def test_anchors_decided_before_the_diff_refresh_the_base(server):
     assert all(r["equal"] == {server.url: True} for r in rows), rows  # v5: a delta on the base refreshed at v4
 
 
-def _small_at_lr_1e6(url: str):
-    """Every rank: preset small, an anchor, 5 warm-up steps at lr 1e-6 (each published), then 3 steps at lr 1e-6
+def _at_lr_1e6(url: str, preset: str):
+    """Every rank: ``preset``, an anchor, 5 warm-up steps at lr 1e-6 (each published), then 3 steps at lr 1e-6
     and one at 1e-5, each published; what each publish sent, and whether the server serves the trainer's bytes."""
     from bridge import PublisherConfig, WeightPublisher
     from trainer import EngineConfig, FSDPEngine, OptimizerConfig
 
-    engine = FSDPEngine(EngineConfig(preset="small", optimizer=OptimizerConfig(lr=1e-6)))
+    engine = FSDPEngine(EngineConfig(preset=preset, optimizer=OptimizerConfig(lr=1e-6)))
     engine.initialize()
     pub = WeightPublisher(PublisherConfig(transport="broadcast", servers=[url], bucket_mb=32, encoding="delta",
                                           group_timeout=60, http_timeout=60, progress=False))
@@ -481,14 +482,15 @@ def _small_at_lr_1e6(url: str):
     return rows, final
 
 
-def test_small_at_lr_1e6_moves_at_most_3_percent(server_factory):
-    """Issue 36: on preset small, after 5 warm-up steps at lr 1e-6, every delta moves at most 3 % of the full
+def test_at_lr_1e6_a_delta_moves_at_most_3_percent(server_factory):
+    """Issue 36: on preset many (Qwen2.5-7B's 339 tensors at 1/14 of its width; the bench measures small and medium),
+    after 5 warm-up steps at lr 1e-6, every delta moves at most 3 % of the full
     bytes and nothing but a delta goes unless the measured costs say the full sync is as fast (on loopback
     with 2 shared cores the diff costs about what the full sync does, so that can happen; over a link it does
     not: docs/benchmark.md); never the fixed fraction. At lr 1e-5 what goes is a delta, or an anchor the
     measured costs chose. The server ends bit-exact."""
-    srv = server_factory(preset="small")
-    (rows, final), _ = run_ranks(_small_at_lr_1e6, 2, args=(srv.url,), timeout=600)
+    srv = server_factory(preset="many")
+    (rows, final), _ = run_ranks(_at_lr_1e6, 2, args=(srv.url, "many"), timeout=600)
     full, sent = rows[0]["bytes"], [(r["version"], r["encoding"], r["reason"]) for r in rows]
     assert rows[0]["encoding"] == "anchor", rows[0]
     measured = rows[6:9]

@@ -68,7 +68,7 @@ def _tamper(url: str, version: int) -> None:
 def _exact(engine, url: str) -> list[str]:
     """Collective; rank 0: the served tensors that differ from an independent quantization of the trainer's."""
     from bridge.client import ServerClient
-    from bridge.protocol import tensor_checksum
+    from bridge.digest import tensor_checksum
 
     full = {s.name: t for s, t in engine.iter_full_tensors()}
     if engine.rank != 0:
