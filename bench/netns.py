@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from bridge.errors import ConfigError
 
-__all__ = ["Link", "LinkSpec", "launch_server_in", "parse_rate", "require", "run_linked"]
+__all__ = ["Link", "LinkSpec", "launch_server_in", "parse_rate", "remove_namespaces", "require", "run_command",
+           "run_linked"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_PORTS = (30000, 30001, 30002, 30003, 30004)
@@ -75,7 +76,8 @@ def require() -> None:
         raise ConfigError(f"--link needs iproute2: {' and '.join(missing)} not on PATH (apt-get install iproute2)")
 
 
-def _run(*cmd: str) -> None:
+def run_command(*cmd: str) -> None:
+    """Run ``cmd`` (ip, tc); ConfigError with its output when it fails."""
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise ConfigError(f"`{' '.join(cmd)}` failed: {(p.stderr or p.stdout).strip()}")
@@ -114,18 +116,19 @@ class Link:
     def up(self) -> None:
         """Make both namespaces, the veth pair, the addresses, and shape each leg's egress."""
         for side in "ts":
-            _run("ip", "netns", "add", self.ns[side])
+            run_command("ip", "netns", "add", self.ns[side])
             self.made.append(self.ns[side])
         t, s = self.ns["t"], self.ns["s"]
-        _run("ip", "-n", t, "link", "add", self.dev["t"], "type", "veth", "peer", "name", self.dev["s"], "netns", s)
+        run_command("ip", "-n", t, "link", "add", self.dev["t"], "type", "veth", "peer", "name", self.dev["s"], "netns",
+                    s)
         for side in "ts":
             ns, dev = self.ns[side], self.dev[side]
-            _run("ip", "-n", ns, "addr", "add", f"{self.addr[side]}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            run_command("ip", "-n", ns, "addr", "add", f"{self.addr[side]}/24", "dev", dev)
+            run_command("ip", "-n", ns, "link", "set", dev, "up")
+            run_command("ip", "-n", ns, "link", "set", "lo", "up")
             for cmd in self.qdisc_commands(dev):
                 try:
-                    _run("ip", "netns", "exec", ns, *cmd)
+                    run_command("ip", "netns", "exec", ns, *cmd)
                 except ConfigError as e:
                     if "netem" in cmd and "unknown" in str(e):
                         raise ConfigError(f"--link-delay {self.delay}: this kernel has no netem qdisc (sch_netem); "
@@ -144,17 +147,8 @@ class Link:
         return cmds
 
     def down(self) -> None:
-        """Remove what :meth:`up` made (the veth pair goes with its namespaces), first stopping any process
-        still inside them (only this bench's own: nothing else runs in namespaces it made). Never raises."""
-        for ns in self.made:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-        for ns in reversed(self.made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        """Remove what :meth:`up` made (the veth pair goes with its namespaces). Never raises."""
+        remove_namespaces(self.made)
         self.made = []
 
     def measure(self, mb: float = 32.0, timeout: float = 120.0) -> dict:
@@ -178,6 +172,20 @@ class Link:
             recv.kill()
             recv.wait()
         return {"bytes": nbytes, "seconds": seconds, "mbit_s": nbytes * 8 / seconds / 1e6}
+
+
+def remove_namespaces(names: list[str]) -> None:
+    """Delete the namespaces ``names`` (the links in them go too), first stopping any process still inside them
+    (only the bench's own: nothing else runs in namespaces it made). Never raises."""
+    for ns in names:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    for ns in reversed(names):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _recv(host: str, port: int, nbytes: int) -> None:

@@ -405,3 +405,22 @@ def test_lora_rows_in_the_report():
     items["lora-disk"] = runs([0.09, 0.09], **lora)
     [target] = [x for x in check_targets(build_rows([size])) if x["target"].startswith("LoRA")]
     assert target["met"] is True, target
+
+
+def test_servers_growth_rows_for_each_count_and_method(tmp_path):
+    """``wsync bench --servers 1 2``: a row per count and method, each with the JSON fields the growth plot and
+    docs/fleet.md read; a count below 1 is refused before anything starts."""
+    from bench.growth import check_counts
+    from bridge.errors import ConfigError
+
+    out = tmp_path / "growth.json"
+    cmd = [sys.executable, "-m", "wsync", "bench", "--servers", "2", "1", "--sizes", "tiny", "--repeats", "1",
+           "--json", str(out), "--workdir", str(tmp_path / "work"), "--timeout", "60"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["servers"], r["method"]) for r in rows] == [(1, "broadcast"), (1, "disk"), (2, "broadcast"), (2, "disk")]
+    assert all(r["seconds"] > 0 and r["bytes"] > 0 and len(r["times"]) == 1 for r in rows), rows
+    with pytest.raises(ConfigError, match="at least 1"):
+        check_counts([0, 2])

@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "where there is no GPU; no FP8 rows there; the raw broadcast floor into a reference server)")
     p.add_argument("--link-probe-mb", type=float, default=32.0, metavar="MB",
                    help="with --link: MB of the TCP transfer that measures the link (default 32)")
+    p.add_argument("--servers", nargs="+", type=int, metavar="N",
+                   help="growth instead of the methods' table: one sync of the one --sizes preset (default small) into "
+                        "N reference servers for each N, by broadcast and by disk, --repeats times (default 3); with "
+                        "--link each server on a host of its own behind its own shaped link (bench/growth.py)")
     # Internal: set when the bench re-runs itself inside the trainer namespace of a --link run.
     p.add_argument("--_link-spec", dest="link_spec", help=argparse.SUPPRESS)
     # Internal: set when the bench re-runs itself as a trainer rank under torchrun.
@@ -120,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         return _finish(args, report)
     if args.plot:
         import matplotlib  # noqa: F401  (the bench extra: fail now, not after minutes of measuring)
+    if args.servers:
+        return _growth(args)
     cfg = config_from_args(args)
     if cfg.link is not None:
         from bench.netns import run_linked
@@ -127,6 +133,25 @@ def run(args: argparse.Namespace) -> int:
         return run_linked(cfg, json_path=args.json and os.path.abspath(args.json),
                           plot_path=args.plot and os.path.abspath(args.plot), probe_mb=cfg.link_probe_mb)
     return _finish(args, run_bench(cfg, json_path=args.json, plot_path=args.plot))
+
+
+def _growth(args: argparse.Namespace) -> int:
+    """``--servers``: :mod:`bench.growth`."""
+    import tempfile
+
+    from bench.growth import GrowthConfig, check_counts, run_growth, run_linked_growth
+    from bridge.errors import ConfigError
+
+    sizes = [s for item in args.sizes or ["small"] for s in item.split(",") if s]
+    if len(sizes) != 1 or args.model:
+        raise ConfigError(f"--servers measures one preset: give one --sizes (got {sizes}), no --model")
+    cfg = GrowthConfig(counts=check_counts(args.servers), preset=sizes[0], repeats=args.repeats or 3, link=args.link,
+                       link_delay=args.link_delay, timeout=args.timeout,
+                       workdir=os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="wsync-growth-")))
+    json_path, plot_path = (os.path.abspath(p) if p else None for p in (args.json, args.plot))
+    if cfg.link:
+        return run_linked_growth(cfg, json_path, plot_path)
+    return run_growth(cfg, json_path, plot_path)
 
 
 def _finish(args: argparse.Namespace, report: dict) -> int:
