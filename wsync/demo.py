@@ -118,8 +118,10 @@ def _driver(args: argparse.Namespace) -> int:
             json=os.path.abspath(args.json) if args.json else None, log_level=args.log_level, lora=args.lora,
             engine=args.engine,
         )
+        from wsync.cli import main
+
         trainer = start_ranks(args.nproc, ["demo", "--_trainer-spec", json.dumps(spec)],
-                              env={"WSYNC_LOG_LEVEL": args.log_level})
+                              env={"WSYNC_LOG_LEVEL": args.log_level}, entry=main)
         if trainer.wait() != 0:
             raise BridgeError(f"{trainer.failure()} (servers' logs are in {workdir})")
         failed = False

@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         args.start_version = _first_version(args, publisher_config(args))
     elif args.publish_adapter is not None and args.transport == "disk" and args.start_version is None:
         args.start_version = _first_adapter_version(args)
-    run_ranks(args.nproc, ["train", *_argv_of(args)])
+    from wsync.cli import main
+
+    run_ranks(args.nproc, ["train", *_argv_of(args)], entry=main)
     return 0
 
 
