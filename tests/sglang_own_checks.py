@@ -55,14 +55,14 @@ def update_from_disk(url: str, path: str, **fields) -> dict:
     return r.json()
 
 
-def long_tokens(url: str) -> int:
-    """New tokens of a generation still running after SGLang's wait: what each of :data:`CLIENTS` generations at once
-    decodes on this server in two waits, measured on :data:`CLIENTS` decodes of 32 at once, as the checks run them
+def long_tokens(url: str, clients: int = CLIENTS) -> int:
+    """New tokens of a generation still running after SGLang's wait: what each of ``clients`` generations at once
+    decodes on this server in two waits, measured on ``clients`` decodes of 32 at once, as the checks run them
     (SGLang batches them; the reference server decodes each on its own thread), at least 64, at most
     :data:`MOST_TOKENS`."""
     t = time.monotonic()
-    with cf.ThreadPoolExecutor(CLIENTS) as pool:
-        list(pool.map(lambda _: decode(url, max_new_tokens=32, ignore_eos=True), range(CLIENTS)))
+    with cf.ThreadPoolExecutor(clients) as pool:
+        list(pool.map(lambda _: decode(url, max_new_tokens=32, ignore_eos=True), range(clients)))
     return max(64, min(MOST_TOKENS, int(32 / (time.monotonic() - t) * 2 * STARTED_S)))
 
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import requests
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge import PublisherConfig, WeightPublisher
@@ -31,8 +32,12 @@ def _scrape(url: str) -> dict[tuple[str, tuple], float]:
     r = requests.get(url, timeout=10)
     r.raise_for_status()
     assert r.headers["content-type"].startswith("text/plain"), r.headers
+    return _samples(r.text)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples}
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def _value(samples: dict, name: str, **labels) -> float:
@@ -56,7 +61,7 @@ def test_publisher_server_and_watcher_metrics_scraped_during_real_publishes(serv
     assert requests.get(b.url + "/metrics", timeout=10).status_code == 404  # only with --enable-metrics, as SGLang
     port = _port()
     metrics = f"http://127.0.0.1:{port}/metrics"
-    before = _scrape_or_empty(metrics)  # this test process may have published before (other tests)
+    before = _samples(generate_latest().decode())  # this process may have published before (other tests), unserved
     pub = WeightPublisher(PublisherConfig(servers=[a.url, b.url], metrics_port=port, progress=False, group_timeout=20,
                                           http_timeout=20))
     try:

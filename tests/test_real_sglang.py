@@ -458,7 +458,7 @@ def _differences(url: str) -> dict:
 
     from tests.sglang_own_checks import long_tokens
 
-    out, c, n = {}, ServerClient(url, timeout=60), long_tokens(url)
+    out, c, n, alone = {}, ServerClient(url, timeout=60), long_tokens(url), long_tokens(url, clients=1)
     with cf.ThreadPoolExecutor(4) as pool:  # a flush while generations run
         running = [pool.submit(c.generate, input_ids=[1, 4, 5], sampling_params={
             "temperature": 0, "max_new_tokens": n, "ignore_eos": True}) for _ in range(4)]
@@ -471,14 +471,24 @@ def _differences(url: str) -> dict:
     out["stream"] = [len(ch["output_ids"]) for ch in chunks]
     with cf.ThreadPoolExecutor(1) as pool:  # what an aborted generation's finish_reason says
         running = pool.submit(c.generate, input_ids=[1, 4, 5], sampling_params={
-            "temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+            "temperature": 0, "max_new_tokens": alone, "ignore_eos": True})
         time.sleep(1.0)
         post("/abort_request", {"abort_all": True})
         out["aborted"] = running.result()["meta_info"]["finish_reason"]
-    label = c.model_info()["weight_version"]
+    info = c.model_info()
+    label = info["weight_version"]
+    with cf.ThreadPoolExecutor(1) as pool:  # a weight change while a generation is parked by retract
+        running = pool.submit(c.generate, input_ids=[1, 4, 5], sampling_params={
+            "temperature": 0, "max_new_tokens": alone, "ignore_eos": True})
+        time.sleep(1.0)
+        post("/pause_generation", {"mode": "retract"})
+        out["retract_update"] = post("/update_weights_from_disk", {"model_path": info["model_path"],
+                                                                  "weight_version": "898", "flush_cache": False})
+        post("/continue_generation", {})
+        out["retract_spans"] = [span["version"] for span in running.result()["meta_info"]["weight_versions"]]
     with cf.ThreadPoolExecutor(1) as pool:  # a relabel while a generation runs unpaused
         running = pool.submit(c.generate, input_ids=[1, 4, 5], sampling_params={
-            "temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+            "temperature": 0, "max_new_tokens": alone, "ignore_eos": True})
         time.sleep(1.0)
         post("/update_weight_version", {"new_version": "899"})
         out["spans"] = [span["version"] for span in running.result()["meta_info"]["weight_versions"]]
@@ -498,12 +508,14 @@ def _differences(url: str) -> dict:
     return out
 
 
-def test_what_real_sglang_does_differently_from_the_reference_server(servers, server_factory):
+def test_what_real_sglang_does_differently_from_the_reference_server(servers, server_factory, tmp_path):
     """docs/guarantees.md's "What real SGLang does differently", asked of both servers side by side: real SGLang
     refuses a flush while requests run, takes an older version label, checksums its own layout at /weights_checker,
     generates n=2, and keeps an update session open after a refused update; the reference server answers otherwise,
     as that page lists. Neither serves /get_weight_version or /weight_version at 0.5.23."""
-    ref = server_factory(preset=LLAMA, strict_versions=True)
+    from bridge.presets import make_model_dir
+
+    ref = server_factory(model=make_model_dir(tmp_path / "llama", LLAMA), preset=None, strict_versions=True)
     real, emulated = _differences(servers.spare.url), _differences(ref.url)
     assert real["flush"] == (400, "Flush cache failed.\n") and emulated["flush"][0] == 200, (real, emulated)
     assert real["relabel"][0] == real["older"][0] == emulated["relabel"][0] == 200
@@ -518,6 +530,11 @@ def test_what_real_sglang_does_differently_from_the_reference_server(servers, se
     # A relabel while a generation runs: SGLang applies it between two decoding steps (two spans), the reference
     # server once the generation ended (one).
     assert real["spans"] == [real["spans"][0], "899"] and emulated["spans"] == [emulated["spans"][0]], (real, emulated)
+    # A generation parked by retract across a weight change: SGLang keeps its tokens (their span, then the new
+    # version's); the reference server starts it again from its prompt (the new version's span only).
+    assert real["retract_update"][0] == emulated["retract_update"][0] == 200, (real, emulated)
+    assert real["retract_spans"] == [real["retract_spans"][0], "898"] != ["898"], (real, emulated)
+    assert emulated["retract_spans"] == ["898"], (real, emulated)
     # Where they answer alike: /generate streams a chunk per token, each the answer so far; an abort says "Aborted".
     assert real["stream"] == emulated["stream"] == list(range(1, 13)), (real["stream"], emulated["stream"])
     assert real["aborted"] == emulated["aborted"] == {"type": "abort", "message": "Aborted", "status_code": None,
