@@ -222,23 +222,16 @@ def _plot(rows: list[dict], path: str, cfg: GrowthConfig) -> None:
 
 def run_linked_growth(cfg: GrowthConfig, json_path: str | None, plot_path: str | None) -> int:
     """Build the star of ``max(counts) + 1`` hosts, run :func:`run_growth` in the trainer's host, remove the star."""
-    from bench.netns import require
+    from bench.netns import require, run_in_namespace
 
     require()
     star = Star(cfg.link, cfg.link_delay, max(cfg.counts) + 1)
-    inner = None
     try:
         star.up()
         spec = {"config": asdict(cfg), "json": json_path, "plot": plot_path,
                 "star": {"names": star.names, "addrs": star.addrs}}
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
-        inner = subprocess.Popen(["ip", "netns", "exec", star.names[0], sys.executable, "-m", "bench.growth",
-                                  json.dumps(spec)], cwd=_ROOT, env=env)
-        return inner.wait()
+        return run_in_namespace(star.names[0], ["-m", "bench.growth", json.dumps(spec)])
     finally:
-        if inner is not None and inner.poll() is None:
-            inner.terminate()
-            inner.wait(60)
         star.down()
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from bridge.errors import ConfigError
 
 __all__ = ["Link", "LinkSpec", "launch_server_in", "parse_rate", "remove_namespaces", "require", "run_command",
-           "run_linked"]
+           "run_in_namespace", "run_linked"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_PORTS = (30000, 30001, 30002, 30003, 30004)
@@ -188,6 +188,23 @@ def remove_namespaces(names: list[str]) -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def run_in_namespace(ns: str, args: list[str]) -> int:
+    """``python ARGS`` from the checkout inside namespace ``ns`` (the checkout importable there); its exit code. Ended
+    (SIGTERM, SIGKILL after 60 s) when this returns by an exception: Ctrl-C, or SIGTERM raised as one."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    inner = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, *args], cwd=_ROOT, env=env)
+    try:
+        return inner.wait()
+    finally:
+        if inner.poll() is None:
+            inner.terminate()
+            try:
+                inner.wait(60)
+            except subprocess.TimeoutExpired:
+                inner.kill()
+                inner.wait()
+
+
 def _recv(host: str, port: int, nbytes: int) -> None:
     import socket
 
@@ -263,7 +280,6 @@ def run_linked(cfg, *, json_path: str | None, plot_path: str | None, probe_mb: f
     cfg = replace(cfg, workdir=os.path.abspath(cfg.workdir), models=[os.path.abspath(m) for m in cfg.models])
     link = Link(cfg.link, cfg.link_delay)
     old = signal.signal(signal.SIGTERM, _raise_interrupt)
-    inner = None
     try:
         link.up()
         measured = link.measure(probe_mb)
@@ -274,18 +290,8 @@ def run_linked(cfg, *, json_path: str | None, plot_path: str | None, probe_mb: f
                 "link": asdict(LinkSpec(rate=cfg.link, delay=cfg.link_delay, trainer_ns=link.ns["t"],
                                         server_ns=link.ns["s"], trainer_addr=link.addr["t"],
                                         server_addr=link.addr["s"], measured=measured))}
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
-        inner = subprocess.Popen([*link.on("t"), sys.executable, "-m", "wsync", "bench", "--_link-spec",
-                                  json.dumps(spec)], cwd=_ROOT, env=env)
-        return inner.wait()
+        return run_in_namespace(link.ns["t"], ["-m", "wsync", "bench", "--_link-spec", json.dumps(spec)])
     finally:
-        if inner is not None and inner.poll() is None:
-            inner.terminate()
-            try:
-                inner.wait(60)
-            except subprocess.TimeoutExpired:
-                inner.kill()
-                inner.wait()
         link.down()
         signal.signal(signal.SIGTERM, old)
 

@@ -85,29 +85,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_linked(args, argv: list[str]) -> int:
     """Build the link (:class:`bench.netns.Link`), run this profile again inside its trainer namespace, remove it."""
-    import subprocess
     from dataclasses import asdict
 
-    from bench.netns import Link, LinkSpec, require
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, importable inside
+    from bench.netns import Link, LinkSpec, require, run_in_namespace
 
     require()
     link = Link(args.link)
-    inner = None
     try:
         link.up()
         measured = link.measure(32.0)
         spec = asdict(LinkSpec(rate=args.link, delay=None, trainer_ns=link.ns["t"], server_ns=link.ns["s"],
                                trainer_addr=link.addr["t"], server_addr=link.addr["s"], measured=measured))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-        inner = subprocess.Popen([*link.on("t"), sys.executable, "-m", "bench.profile", *argv, "--_link-spec",
-                                  json.dumps(spec)], cwd=root, env=env)
-        return inner.wait()
+        return run_in_namespace(link.ns["t"], ["-m", "bench.profile", *argv, "--_link-spec", json.dumps(spec)])
     finally:
-        if inner is not None and inner.poll() is None:
-            inner.terminate()
-            inner.wait(60)
         link.down()
 
 
