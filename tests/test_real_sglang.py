@@ -779,3 +779,28 @@ def test_one_of_two_real_servers_behind_smg_killed_mid_sync(servers, router_fact
     assert r0["mismatched"] == [], r0["mismatched"][:5]
     assert router.workers() == [survivor]
     assert router.generate()["meta_info"]["weight_version"] == "7001"
+
+
+def test_sglangs_memory_routes_ignore_an_unknown_tag_and_die_of_resuming_one_not_released(servers, server_factory):
+    """``/release_memory_occupation`` of a tag SGLang does not know: ignored (200); the reference server answers 400.
+    ``/resume_memory_occupation`` of a tag not released: SGLang's scheduler raises ``KeyError`` and the server dies
+    (run last: it takes the real tier's last server with it); the reference server answers 400 and serves on."""
+    import requests
+
+    ref = server_factory(preset=LLAMA)
+    unknown = {"tags": ["no-such-tag"]}
+    assert requests.post(servers.llama.url + "/release_memory_occupation", json=unknown, timeout=60).status_code == 200
+    assert requests.post(ref.url + "/release_memory_occupation", json=unknown, timeout=60).status_code == 400
+    assert requests.post(ref.url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=60).status_code == 400
+    assert ref.client.model_info()["weight_version"]
+    try:
+        requests.post(servers.llama.url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=60)
+    except requests.ConnectionError:
+        pass  # the route's answer, or the connection it went out on, goes with the server
+    deadline = time.monotonic() + 30
+    while servers.llama.alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not servers.llama.alive(), "SGLang served on after resuming a tag it had not released"
+    with open(servers.llama.log_path, errors="replace") as f:
+        assert "KeyError: 'kv_cache'" in f.read()
+    servers.all.kill(servers.llama)  # (its death was this test's point)
