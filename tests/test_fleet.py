@@ -326,9 +326,15 @@ def test_a_restarted_server_is_repaired_from_the_newest_snapshot_at_once(server_
     nr = f"file://{tmp_path / 'nr'}"
     cfg = _config(transport="disk", servers=[a.url, b.url], name_resolve=nr, snapshot_root=str(tmp_path / "snap"),
                   trial="snapshot")
+    from prometheus_client import REGISTRY
+
+    def repaired() -> float:  # bridge.metrics' count of servers the publisher repaired, in this process
+        return REGISTRY.get_sample_value("wsync_servers_repaired_total", {"by": "publisher"}) or 0.0
+
     watcher = DiskWatcher(nr, EXP, "snapshot", ServerGroup([a.url, b.url]))
     watcher.start()
     caplog.set_level(logging.WARNING, logger="bridge.fleet")
+    before = repaired()
     try:
         with WeightPublisher(cfg) as pub:
             pub.publish(model, version=1)
@@ -338,6 +344,7 @@ def test_a_restarted_server_is_repaired_from_the_newest_snapshot_at_once(server_
             _train(model, 2)
             assert pub.publish(model, version=2).servers == {a.url: "ok", b.url: "ok"}
         assert any(f"{b.url} repaired from the snapshot of version 1" in r.getMessage() for r in caplog.records)
+        assert repaired() - before == 1
         assert _serves(a.url, _own(model)) and _serves(b.url, _own(model)) and _own(model) != v1
     finally:
         watcher.stop()

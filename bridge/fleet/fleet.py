@@ -31,6 +31,7 @@ from bridge.client import ServerClient, ServerGroup
 from bridge.errors import BridgeError, SyncError, SyncTimeout
 from bridge.fleet.discovery import RouterServers, ServerSource, open_sources
 from bridge.log import get_logger
+from bridge.metrics import SYNC
 
 __all__ = ["Fleet", "is_behind", "list_servers", "newest_version", "registries_of"]
 
@@ -165,6 +166,7 @@ class Fleet:
                 logger.warning("could not repair %s from the snapshot of version %s: %s", u, fleet, e)
                 continue
             logger.warning("server %s repaired from the snapshot of version %s (%s)", u, fleet, ann.path)
+            SYNC.repaired.labels("publisher").inc()
             self.torn.pop(u, None)
             self._put_back(u)
 
