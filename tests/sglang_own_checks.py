@@ -57,13 +57,13 @@ def update_from_disk(url: str, path: str, **fields) -> dict:
 
 def long_tokens(url: str, clients: int = CLIENTS) -> int:
     """New tokens of a generation still running after SGLang's wait: what each of ``clients`` generations at once
-    decodes on this server in two waits, measured on ``clients`` decodes of 32 at once, as the checks run them
-    (SGLang batches them; the reference server decodes each on its own thread), at least 64, at most
-    :data:`MOST_TOKENS`."""
+    decodes on this server in three waits (a machine whose load falls after the measure decodes faster), measured on
+    ``clients`` decodes of 64 at once, as the checks run them (SGLang batches them; the reference server decodes each
+    on its own thread), at least 64, at most :data:`MOST_TOKENS`."""
     t = time.monotonic()
     with cf.ThreadPoolExecutor(clients) as pool:
-        list(pool.map(lambda _: decode(url, max_new_tokens=32, ignore_eos=True), range(clients)))
-    return max(64, min(MOST_TOKENS, int(32 / (time.monotonic() - t) * 2 * STARTED_S)))
+        list(pool.map(lambda _: decode(url, max_new_tokens=64, ignore_eos=True), range(clients)))
+    return max(64, min(MOST_TOKENS, int(64 / (time.monotonic() - t) * 3 * STARTED_S)))
 
 
 _SENDER = r"""
