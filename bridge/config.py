@@ -35,6 +35,7 @@ import torch
 from bridge.encodings import encoding_class
 from bridge.encodings.registry import encoding_names, encoding_option_fields
 from bridge.errors import ConfigError
+from bridge.metrics import check_metrics_port
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 from bridge.options import OptionField, fields_of, option
 from bridge.tensors import dtype_from_str
@@ -227,9 +228,8 @@ class PublisherConfig:
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         dtype_from_str(self.serving_dtype)
-        if self.metrics_port is not None and (isinstance(self.metrics_port, bool) or not isinstance(
-                self.metrics_port, int) or not 0 < self.metrics_port < 65536):
-            raise ConfigError(f"metrics_port must be a port number (1-65535), got {self.metrics_port!r}")
+        if self.metrics_port is not None:
+            check_metrics_port(self.metrics_port)
         if self.backend not in (None, "nccl", "gloo"):
             raise ConfigError(f"backend must be nccl or gloo (or None: nccl with CUDA, gloo without), got {self.backend!r}")
 

@@ -35,7 +35,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 
 from bridge.errors import ConfigError
 
-__all__ = ["WATCH", "SYNC", "serve_metrics"]
+__all__ = ["SYNC", "WATCH", "check_metrics_port", "serve_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,12 @@ _served: dict[int, str] = {}
 _serve_lock = threading.Lock()
 
 
+def check_metrics_port(port: object) -> None:
+    """ConfigError unless ``port`` is a port number (``PublisherConfig`` checks ``metrics_port`` with it when built)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ConfigError(f"metrics_port must be a port number (1-65535), got {port!r}")
+
+
 def serve_metrics(port: int, host: str = "0.0.0.0") -> str:
     """Serve this process's metrics at ``http://host:port/metrics`` from a daemon thread (once per port; again
     is a no-op). Returns the URL.
@@ -140,8 +146,7 @@ def serve_metrics(port: int, host: str = "0.0.0.0") -> str:
     Raises:
         ConfigError: the port is not a port number, or another process holds it.
     """
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ConfigError(f"metrics_port must be a port number (1-65535), got {port!r}")
+    check_metrics_port(port)
     with _serve_lock:
         if port not in _served:
             try:
