@@ -21,13 +21,16 @@ they name in backticks, must exist.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -195,6 +198,41 @@ def test_the_readme_is_a_front_door():
         assert not dated, f"{os.path.relpath(path, REPO)} lines {dated} carry dates"
 
 
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid`` (a block's shell, what it started in the background, and their ranks)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _run_bounded(cmd: list[str], code: str, *, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``code`` on ``cmd``'s stdin in a session of its own. Past ``timeout``, every process of the session prints
+    its threads' stacks (``wsync`` commands dump them on SIGUSR1) and is killed, and the test fails with their
+    output: a block that hangs says where, and leaves nothing running."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(code, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in _session(proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(3)
+        for pid in _session(proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"still running after {timeout:g} s; the stacks of its processes are at the end:\n"
+                    f"{stdout[-3000:]}\n{stderr[-12000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", _runnable())
 def test_readme_block_runs_as_written(block: Block, tmp_path):
@@ -208,8 +246,7 @@ def test_readme_block_runs_as_written(block: Block, tmp_path):
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
            "TMPDIR": temp}
     try:
-        out = subprocess.run(RUN[block.lang], input=code, cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=400)
+        out = _run_bounded(RUN[block.lang], code, cwd=tmp_path, env=env, timeout=400)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     assert out.returncode == 0, (f"{block.page} block at line {block.line} ({block.lang}) exited {out.returncode}:\n"

@@ -6,9 +6,11 @@ Each subcommand lives in its own module and is imported only when used, so ``wsy
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
 import os
+import signal
 import sys
 
 # name -> (module, one-line help). Each module has add_arguments(parser) and run(args) -> int.
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from bridge.launch import ARGV_ENV, DEBUG_ENV
 
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack on stderr, the process goes on
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if argv is None:
         # A rank started by bridge.launch.start_ranks gets its arguments from the environment.
         rank_process = ARGV_ENV in os.environ
