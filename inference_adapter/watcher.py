@@ -312,6 +312,12 @@ class DiskWatcher:
             results = self._send(ann, servers_verify)
             seconds = time.perf_counter() - t0
             ok = [target for target, err in results if err is None]
+            if not results:  # no server yet (a registry that lists none): the version the next one to join gets
+                with self._cond:
+                    self._latest, self._loaded = v, ann
+                    self._cond.notify_all()
+                log.info("version %d announced while no server is listed: a server that joins is brought to it", v)
+                return "loaded"
             invalid = [(target, err) for target, err in results if getattr(err, "reason", None) == SNAPSHOT_INVALID]
             if invalid and not ok:  # the servers' own check of the snapshot, as verify_snapshot's above
                 return self._refuse(ann, "; ".join(f"{target} found: {getattr(err, 'message', err)}" for target, err in invalid),
