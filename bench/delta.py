@@ -52,7 +52,7 @@ class DeltaRows:
                      for kind, url in urls.items() if url}
         self.fp8_bytes = None
         if FP8_DELTA in self.pubs:  # what the FP8 full sync (the FP8 delta's anchor) moves
-            from bridge.fp8 import Fp8Rule, fp8_wire_specs
+            from bridge.codecs.fp8 import Fp8Rule, fp8_wire_specs
 
             self.fp8_bytes = sum(s.nbytes for s in fp8_wire_specs(bench.wire, Fp8Rule()))
         self.steps = 0

@@ -36,7 +36,7 @@ flattened sync; through a link (``--link``) at least 1.8x faster."""
 class Fp8Rows:
     def __init__(self, bench, spec: dict, common: dict):
         from bridge import PublisherConfig, WeightPublisher
-        from bridge.fp8 import Fp8Rule, fp8_wire_specs, plan_fp8_buckets
+        from bridge.codecs.fp8 import Fp8Rule, fp8_wire_specs, plan_fp8_buckets
 
         self.bench, self.engine = bench, bench.engine
         self.url = spec["fp8_server"]
@@ -63,8 +63,8 @@ class Fp8Rows:
     def _gather_only(self) -> dict | None:
         """Every FP8 bucket filled as the encoding fills it (quantized on the ranks that hold the rows), into
         buffers on the broadcast's device, nothing sent."""
-        from bridge.fp8 import gather_fp8_bucket
         from bridge.sources import check_source
+        from bridge.sources.fp8 import gather_fp8_bucket
 
         bench = self.bench
         source = check_source(self.engine)

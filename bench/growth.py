@@ -161,7 +161,7 @@ def run_growth(cfg: GrowthConfig, json_path: str | None = None, plot_path: str |
                star: dict | None = None) -> int:
     """Every count, every method; rows printed as they come and written to ``json_path``. With ``star`` (inside the
     trainer's namespace of a ``--link`` run) the servers start in its hosts."""
-    from bridge.presets import build_model, make_model_dir
+    from bridge.local.presets import build_model, make_model_dir
 
     os.makedirs(cfg.workdir, exist_ok=True)
     model_dir = os.path.join(cfg.workdir, f"model-{cfg.preset}")

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from inference_adapter.launcher import launch_server
 
     p = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.split("\n\n")[0])
-    from bridge.presets import PRESETS
+    from bridge.local.presets import PRESETS
 
     p.add_argument("--preset", default="medium", choices=sorted(PRESETS),
                    help="the model built from a config (no download) for the trainer and the server (default medium)")

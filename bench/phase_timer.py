@@ -115,8 +115,8 @@ def fixed_work(per_sync: dict) -> float:
 
 def _instrument(bench, totals, counts) -> list:
     """Clock wrappers around the real calls on rank 0; returns the undo functions."""
-    from bridge.agreement import Agreement
     from bridge.client.connection import Connection
+    from bridge.publisher.agreement import Agreement
     from bridge.sources import CheckedSource
 
     undo = []

@@ -4,7 +4,7 @@ The bench says how far a method is from its floor; this says why, measured. It r
 as ``wsync bench`` (same server, watchers, FSDP ranks, publishers: :func:`bench.run.measure_size`), but
 rank 0 times the pieces of each sync instead of the sync alone:
 
-- ``gather``: ``bridge.publisher._gather_into`` (every bucket's gather to rank 0);
+- ``gather``: ``bridge.publisher.core._gather_into`` (every bucket's gather to rank 0);
 - ``begin`` / ``buffer`` / ``send`` / ``settle`` / ``commit``: the transport's own lifecycle methods
   (``settle`` is the wait for a bucket's server answers and broadcast; ``commit`` ends the sessions and
   resumes, or for disk finishes, announces and waits until loaded);

@@ -54,7 +54,7 @@ class BenchConfig:
     """What to measure and where. Checked in ``__post_init__``."""
 
     sizes: list[str] = field(default_factory=lambda: ["many", "small", "medium"])
-    """Preset names (``bridge.presets.PRESETS``) to measure, in this order (``many``: 339 tensors, for the
+    """Preset names (``bridge.local.presets.PRESETS``) to measure, in this order (``many``: 339 tensors, for the
     per-tensor targets; ``medium``: for the disk target)."""
     models: list[str] = field(default_factory=list)
     """Extra HF model directories to measure after the presets (labelled by their folder name)."""
@@ -109,7 +109,7 @@ class BenchConfig:
     a GPU or AMX)."""
 
     def __post_init__(self) -> None:
-        from bridge.presets import PRESETS
+        from bridge.local.presets import PRESETS
         from bridge.tensors import dtype_from_str
 
         unknown = [s for s in self.sizes if s not in PRESETS]
@@ -263,7 +263,7 @@ def measure_size(cfg: BenchConfig, label: str, model_dir: str, run_dir: str, etc
     the worker spec (``{"profile": ...}``: :mod:`bench.profile`). ``link``: the servers start in the server
     namespace of that link (:mod:`bench.netns`)."""
     from bench.netns import SERVER_PORTS
-    from bridge.launch import start_ranks
+    from bridge.local.launch import start_ranks
 
     def launch_server(port, **kw):
         if link is None:
@@ -352,7 +352,7 @@ def _server_specs(cfg: BenchConfig, model_dir: str, size_dir: str, env: dict, li
         specs["floor"] = {**common, "use_sglang": False, "preset": None,
                           "extra_args": ["--log-level", cfg.log_level, "--group-timeout", str(cfg.timeout)]}
     if cfg.delta_lrs:  # the delta rows' own server (bench.delta): real SGLang applies deltas with the project's loader
-        loader = ["--custom-weight-loader", "bridge.sglang_delta_loader.load_delta"] if sglang else []
+        loader = ["--custom-weight-loader", "bridge.serving.sglang_delta_loader.load_delta"] if sglang else []
         specs["delta"] = {**common, "extra_args": [*flags, *loader]}
     if cfg.fp8 and not sglang:  # the FP8 rows' own server (bench.fp8): it serves the projections as block FP8
         specs["fp8"] = {**common, "extra_args": [*flags, "--quantization", "fp8"]}
@@ -416,7 +416,7 @@ def _start_watcher(disk: dict, url: str, timeout: float):
 
 def preset_model_dir(workdir: str, preset: str) -> str:
     """The preset's HF directory under ``<workdir>/models``, built once (atomically) and reused."""
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
 
     final = os.path.join(ensure_dir(workdir, "models"), preset)
     if os.path.isfile(os.path.join(final, "config.json")):

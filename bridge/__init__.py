@@ -33,16 +33,16 @@ import importlib
 # name -> module; imported on first use so ``import bridge`` stays light (no etcd, no HTTP stack).
 _EXPORTS = {
     "Announcement": "bridge.name_resolve",
-    "AdapterPublishResult": "bridge.adapters",
-    "AdapterPublisher": "bridge.adapters",
-    "AdapterPublisherConfig": "bridge.adapters",
+    "AdapterPublishResult": "bridge.lora.publisher",
+    "AdapterPublisher": "bridge.lora.publisher",
+    "AdapterPublisherConfig": "bridge.lora.publisher",
     "BridgeError": "bridge.errors",
     "Bucket": "bridge.buckets",
     "ConfigError": "bridge.errors",
     "NameResolveError": "bridge.errors",
     "ParamSpec": "bridge.tensors",
-    "PublishResult": "bridge.publisher",
-    "PublisherConfig": "bridge.publisher",
+    "PublishResult": "bridge.publisher.core",
+    "PublisherConfig": "bridge.publisher.core",
     "ServerClient": "bridge.client",
     "ServerError": "bridge.errors",
     "ServerGroup": "bridge.client",
@@ -50,8 +50,8 @@ _EXPORTS = {
     "SyncError": "bridge.errors",
     "SyncTimeout": "bridge.errors",
     "VersionError": "bridge.errors",
-    "VersionSubscriber": "bridge.subscriber",
-    "WeightPublisher": "bridge.publisher",
+    "VersionSubscriber": "bridge.serving.subscriber",
+    "WeightPublisher": "bridge.publisher.core",
     "make_name_resolve": "bridge.name_resolve",
     "plan_buckets": "bridge.buckets",
     "read_snapshot": "bridge.snapshot",
@@ -61,12 +61,20 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'bridge' has no attribute {name!r}")
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A module ``__getattr__`` for ``package`` that imports each name of ``exports`` (name -> module) on first use."""
+    namespace = importlib.import_module(package).__dict__
+
+    def __getattr__(name: str):
+        if name in exports:
+            value = namespace[name] = getattr(importlib.import_module(exports[name]), name)
+            return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -41,7 +41,7 @@ __all__ = [
 class BridgeError(Exception):
     """Base of every error this project raises on purpose.
 
-    Attributes (set by :mod:`bridge.agreement` on the error a failed step raises on every rank):
+    Attributes (set by :mod:`bridge.publisher.agreement` on the error a failed step raises on every rank):
         interrupt: the KeyboardInterrupt or SystemExit this rank caught in the step, for the caller to
             raise again after the clean-up; None otherwise.
         agreement_broken: True when a rank left (died): it takes part in no further exchange.

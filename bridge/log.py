@@ -1,7 +1,7 @@
 """Logging that says which rank a line comes from.
 
 ``setup_logging()``, called once by each command-line entry point, installs one stderr handler whose
-lines read ``12:00:01 I [bridge.publisher rank 0] message``: the logger's name and the rank (of the
+lines read ``12:00:01 I [bridge.publisher.core rank 0] message``: the logger's name and the rank (of the
 default process group once there is one, else ``RANK``, else ``-``). ``get_logger(__name__)`` is a plain
 ``logging.getLogger``, so a program that configures logging its own way keeps its own format.
 """
@@ -12,7 +12,9 @@ import logging
 import os
 import sys
 
-__all__ = ["fmt_bytes", "get_logger", "progress_bar", "setup_logging"]
+__all__ = ["DEBUG_ENV", "debug_enabled", "fmt_bytes", "get_logger", "progress_bar", "setup_logging"]
+
+DEBUG_ENV = "WSYNC_DEBUG"
 
 _FORMAT = "%(asctime)s %(levelname).1s [%(name)s rank %(rank)s] %(message)s"
 
@@ -49,6 +51,11 @@ def setup_logging(level: str | int | None = None) -> None:
     root.setLevel(level)
     for noisy in ("httpx", "urllib3", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def debug_enabled() -> bool:
+    """``--debug`` or ``WSYNC_DEBUG=1``: print tracebacks instead of one-line errors."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def get_logger(name: str) -> logging.Logger:

@@ -63,7 +63,7 @@ class SyncMetrics:
                                                           "before publishes", ["by"], registry=registry)
 
     def committed(self, result) -> None:
-        """A :class:`bridge.result.PublishResult` that committed."""
+        """A :class:`bridge.publisher.result.PublishResult` that committed."""
         self.seconds.labels(result.transport, result.encoding).observe(result.seconds)
         self.bytes.labels(result.transport, result.encoding).inc(result.bytes)
         self.version.set(result.version)

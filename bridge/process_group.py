@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from bridge.bounded import call_within
 from bridge.errors import ConfigError, SyncTimeout
+from bridge.publisher.bounded import call_within
 
 __all__ = ["default_backend", "destroy_custom_process_group", "find_free_port", "init_custom_process_group",
            "interface_of", "route_source"]

@@ -36,7 +36,7 @@ def main() -> None:
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     else:
-        from bridge.presets import build_config
+        from bridge.local.presets import build_config
 
         model = AutoModelForCausalLM.from_config(build_config("tiny"))
     for layer in model.model.layers:

@@ -1,7 +1,7 @@
 """Deltas on the reference server: check the base a delta names, then turn its records into whole tensors.
 
 A delta bucket arrives like any bucket (broadcast on the group, or a shared-memory file) as one uint8 tensor
-named :data:`~bridge.delta_codec.DELTA_TENSOR`, with its table in the request (``wsync_delta``: the base
+named :data:`~bridge.codecs.delta.DELTA_TENSOR`, with its table in the request (``wsync_delta``: the base
 version and digest, the layout of the trainer's pieces, and the names, dtypes and shapes of its tensors;
 :mod:`bridge.encodings.delta_send`). The table's tensors are checked like any announced tensors; then, before
 anything is staged, the base: the served version label must be the table's ``base_version`` and the
@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from bridge.delta_codec import (
+from bridge.codecs.delta import (
     DELTA_TENSOR,
     DeltaFormatError,
     apply_record,

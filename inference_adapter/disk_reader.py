@@ -13,8 +13,8 @@ import os
 
 import torch
 
+from bridge.codecs.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from bridge.errors import SnapshotError
-from bridge.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from bridge.protocol import QUANTIZATION_MISMATCH, SNAPSHOT_INVALID
 from bridge.tensors import dtype_to_str
 from inference_adapter.weights import ServedWeights

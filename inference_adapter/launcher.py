@@ -56,7 +56,7 @@ def launch_server(
     """Start a server and wait until ``/model_info`` answers.
 
     Args:
-        model: HF model directory. ``preset``: a :mod:`bridge.presets` name, used when ``model`` is None
+        model: HF model directory. ``preset``: a :mod:`bridge.local.presets` name, used when ``model`` is None
             (for SGLang, the preset is first written to a temporary directory).
         port: default: a free port. ``host``: address to listen on and to reach the server at.
         dtype: serving dtype. ``extra_args``: more command-line flags for the server.

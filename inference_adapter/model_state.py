@@ -55,14 +55,14 @@ def load_model(*, model: str | None, preset: str | None, seed: int, dtype: torch
         try:
             tok = AutoTokenizer.from_pretrained(model)
         except (OSError, ValueError, TypeError, ImportError) as e:  # transformers' own text names no file
-            from bridge.launch import debug_enabled
+            from bridge.log import debug_enabled
 
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"{model}: its tokenizer does not load ({first if debug_enabled() else first[:200]}); "
                               "check its tokenizer files, or save the model's tokenizer into it") from e
         path = os.path.abspath(model)
         return m, tok, path, path
-    from bridge.presets import build_model, build_tokenizer
+    from bridge.local.presets import build_model, build_tokenizer
 
     m = build_model(preset or "tiny", seed=seed).to(dtype)
     return m, build_tokenizer(), f"preset:{preset or 'tiny'}", f"preset:{preset or 'tiny'}"

@@ -14,7 +14,7 @@ scheduler and detokenizer processes) runs on its CPU engine, with:
   (``$WSYNC_SGLANG_CACHE/sglang-0.5.23``, :func:`find_sglang`).
 
 The checkout is on the server's ``PYTHONPATH`` too, so ``--custom-weight-loader
-bridge.sglang_delta_loader.load_delta`` resolves in SGLang's scheduler.
+bridge.serving.sglang_delta_loader.load_delta`` resolves in SGLang's scheduler.
 
 Example (about 20 s to start on 2 CPU cores, 1.9 GB over its three processes)::
 
@@ -180,7 +180,7 @@ def launch_sglang(model: str | None = None, preset: str | None = None, *, port: 
                   host: str = "127.0.0.1", dtype: str = "bfloat16", extra_args: Sequence[str] = (),
                   ready_timeout: float = 180.0, api_key: str | None = None, log_path: str | None = None,
                   env: dict[str, str] | None = None):
-    """Start real SGLang serving ``model`` (a local HF directory) or a :mod:`bridge.presets` ``preset`` (written to a
+    """Start real SGLang serving ``model`` (a local HF directory) or a :mod:`bridge.local.presets` ``preset`` (written to a
     temporary directory first), and wait until ``/health_generate`` answers: it generated a token.
 
     Returns a :class:`inference_adapter.launched.LaunchedServer` (``kind="sglang"``); ``stop()`` sends SIGINT to its
@@ -192,7 +192,7 @@ def launch_sglang(model: str | None = None, preset: str | None = None, *, port: 
             last lines of its log.
     """
     if model is None:
-        from bridge.presets import make_model_dir
+        from bridge.local.presets import make_model_dir
 
         model = make_model_dir(tempfile.mkdtemp(prefix=f"wsync-sglang-{preset or 'tiny'}-"), preset or "tiny")
     port = port or find_free_port(host)

@@ -65,8 +65,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import Request
 
+from bridge.local.presets import PRESETS
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
-from bridge.presets import PRESETS
 
 # SGLang marks its control routes ADMIN_OPTIONAL (srt/utils/auth.py); the client sends the admin key on the same set.
 from bridge.protocol import ADMIN_ROUTES
@@ -88,7 +88,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype the weights are served in; distributed updates must send exactly this dtype (default bfloat16)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="serve the projections as block FP8 (e4m3, 128x128 scales, bridge/fp8.py): updates must send them "
+                   help="serve the projections as block FP8 (e4m3, 128x128 scales, bridge/codecs/fp8.py): updates must send them "
                         "as FP8 with their _scale_inv (a publisher's encoding='fp8'); default: the --dtype weights")
     p.add_argument("--fp8-skip", action="append", default=None, metavar="REGEX",
                    help="with --quantization fp8: a module-name pattern to keep in --dtype (repeat; the publisher's fp8_skip)")
@@ -252,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     model, tok, model_path, tok_path = load_model(model=args.model, preset=args.preset, seed=args.seed,
                                                   dtype=getattr(torch, args.dtype))
     if args.quantization == "fp8":
-        from bridge.fp8 import Fp8Rule, quantize_module
+        from bridge.codecs.fp8 import Fp8Rule
+        from inference_adapter.fp8 import quantize_module
 
         quantize_module(model, Fp8Rule(tuple(args.fp8_skip or ())))
     state = ModelState(model, tok, model_path=model_path, tokenizer_path=tok_path, weight_version=args.weight_version,

@@ -72,7 +72,7 @@ from bridge.name_resolve import (
     names,
 )
 from bridge.protocol import SNAPSHOT_INVALID
-from bridge.subscriber import parse_announcement
+from bridge.serving.subscriber import parse_announcement
 
 __all__ = ["DiskWatcher"]
 

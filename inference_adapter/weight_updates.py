@@ -44,8 +44,8 @@ from typing import Protocol
 import torch
 
 from bridge.buckets import Bucket, unflatten_bucket
+from bridge.codecs.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from bridge.errors import ConfigError
-from bridge.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from bridge.protocol import (
     QUANTIZATION_MISMATCH,
     SESSION_REQUIRED_MESSAGE,

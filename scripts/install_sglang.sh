@@ -97,7 +97,7 @@ for v in "${VERSIONS[@]}"; do
 done
 # Real SGLang's whole server on this host (the real_sglang tier, tests/test_real_sglang.py): SGLang 0.5.23 from its
 # folder above, its Python dependencies (DEPS), the CPU stand-ins of inference_adapter/sglang_cpu, and this checkout
-# on its PYTHONPATH (so --custom-weight-loader bridge.sglang_delta_loader.load_delta resolves). `wsync sglang --check`
+# on its PYTHONPATH (so --custom-weight-loader bridge.serving.sglang_delta_loader.load_delta resolves). `wsync sglang --check`
 # imports what its processes import; recorded in `.server-ok` like the import checks above.
 server="$CACHE/sglang-0.5.23"
 if [ -f "$server/.complete" ]; then

@@ -31,7 +31,7 @@ pytest_plugins = [p for p in ("tests.fixtures_server", "tests.fixtures_etcd", "t
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A complete HF directory of the tiny preset (seed 0), built once per session."""
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("tiny-model"), "tiny", seed=0)
 

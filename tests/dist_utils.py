@@ -26,7 +26,7 @@ from typing import Any
 
 from bridge.process_group import find_free_port
 
-PRELOAD = ["tests.preload", "safetensors.torch", "bridge.publisher",
+PRELOAD = ["tests.preload", "safetensors.torch", "bridge.publisher.core",
            "bridge.transports.broadcast", "bridge.transports.colocated", "bridge.transports.disk",
            "bridge.encodings.delta", "trainer.engine", "inference_adapter.server", "inference_adapter.model_state",
            "fastapi", "uvicorn", "tests.sync_bodies", "tests.engine_bodies"]

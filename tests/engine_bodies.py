@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from bridge.errors import ConfigError
 
-VOCAB = 272  # bridge.presets.VOCAB_SIZE
+VOCAB = 272  # bridge.local.presets.VOCAB_SIZE
 # eps is large on purpose: k_proj.bias has an analytically zero gradient (softmax ignores a shift shared
 # by all keys), so its gradient is rounding noise, which Adam divides by ~eps. With eps=1e-8 that noise
 # alone moves the bias by ~lr/100, and differently in the sharded and the unsharded run.

@@ -184,7 +184,7 @@ def ref_server(server_factory) -> LaunchedServer:
 
 def random_weights(seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """Fresh weights for every parameter of the tiny preset, scaled so greedy outputs are not degenerate."""
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
 
     model = build_model("tiny", seed=0)
     g = torch.Generator().manual_seed(seed)
@@ -200,7 +200,7 @@ def random_weights(seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, 
 
 def local_model(weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16):
     """The oracle: the tiny preset with ``weights`` loaded, in the serving dtype."""
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
 
     model = build_model("tiny", seed=0).to(dtype).eval()
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -15,7 +15,7 @@ import torch.distributed.fsdp
 import torch.distributed.tensor
 import transformers  # noqa: F401
 
-from bridge.presets import build_model, build_tokenizer
+from bridge.local.presets import build_model, build_tokenizer
 
 with torch.no_grad():
     _model = build_model("tiny", seed=0)

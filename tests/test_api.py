@@ -208,7 +208,7 @@ def test_preset_models_built_in_threads_at_once_are_the_seeded_ones(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from bridge.presets import build_model, make_model_dir
+    from bridge.local.presets import build_model, make_model_dir
 
     with cf.ThreadPoolExecutor(4) as pool:
         dirs = list(pool.map(lambda i: make_model_dir(tmp_path / f"m{i}", "tiny" if i % 2 else "tiny-llama"), range(4)))

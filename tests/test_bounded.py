@@ -1,4 +1,4 @@
-"""bridge.bounded: a call with a bound answers within it, and what it leaves behind is accounted for."""
+"""bridge.publisher.bounded: a call with a bound answers within it, and what it leaves behind is accounted for."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from bridge.bounded import call_within, each_within
 from bridge.errors import SyncTimeout
+from bridge.publisher.bounded import call_within, each_within
 
 
 def test_call_within_returns_or_raises_what_the_call_did():

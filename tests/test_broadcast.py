@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 def _train_and_publish(urls: list[str], steps: int, load_format: str, via_meta: bool = False):
     from bridge import PublisherConfig, WeightPublisher
-    from bridge.meta import WeightUpdateMeta
+    from trainer.meta import WeightUpdateMeta
     from wsync.tasks import make_batch
 
     engine = sb.engine()
@@ -163,7 +163,7 @@ def test_trainer_killed_mid_sync_leaves_previous_version(server_factory, tiny_mo
     import json
 
     from bridge.client import ServerClient
-    from bridge.publisher import PublisherConfig, dead_rank_bound
+    from bridge.publisher.core import PublisherConfig, dead_rank_bound
 
     (server,) = server_factory.many([dict(model=tiny_model_dir)])
     # A short writer lease: the dead rank 0 holds the server until it runs out.
@@ -328,7 +328,7 @@ def test_the_default_pause_loses_no_generation(server_factory):
 
     from bridge import PublisherConfig, WeightPublisher
     from bridge.client import ServerClient
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
 
     srv = server_factory(preset="small")  # (what a pause does to a generation does not depend on the model's size)
     model = build_model("small", seed=1)

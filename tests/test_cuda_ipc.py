@@ -242,7 +242,7 @@ def _llama_dir(path) -> str:
     not), so the served weights can be read back. Untied head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bridge.presets import build_config, build_tokenizer
+    from bridge.local.presets import build_config, build_tokenizer
 
     q = build_config("tiny")
     cfg = LlamaConfig(vocab_size=q.vocab_size, hidden_size=q.hidden_size, intermediate_size=q.intermediate_size,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bridge.client import ServerClient
-from bridge.delta_codec import DELTA_TENSOR, changed_positions, choose, combine_digest, piece_crc, write_record
+from bridge.codecs.delta import DELTA_TENSOR, changed_positions, choose, combine_digest, piece_crc, write_record
 from bridge.digest import tensor_checksum
 from bridge.errors import ServerError
 from bridge.protocol import DELTA_BASE_MISMATCH
@@ -144,7 +144,7 @@ def test_a_delta_to_a_server_on_another_base_is_refused_before_any_weight_change
 def test_the_server_applies_every_record_kind_bit_exact(server, tiny_model_dir):
     """One delta bucket by hand whose tensors each travel in another kind (gaps in 8 and 16 bits, with and
     without zstd, int positions, a bitmask, dense): the reference server serves the new bytes exactly."""
-    from bridge.delta_codec import BITMASK, DENSE, GAPS8, GAPS16, SPARSE32, ZSTD, encode_sparse
+    from bridge.codecs.delta import BITMASK, DENSE, GAPS8, GAPS16, SPARSE32, ZSTD, encode_sparse
 
     c = ServerClient(server.url)
     shapes = _shapes(tiny_model_dir)

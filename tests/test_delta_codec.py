@@ -1,4 +1,4 @@
-"""The delta byte format (:mod:`bridge.delta_codec`) on its own: every record kind round-trips bit for bit.
+"""The delta byte format (:mod:`bridge.codecs.delta`) on its own: every record kind round-trips bit for bit.
 
 No process is involved: records are written into a buffer, read back with :func:`iter_records` (which every
 receiver uses: the reference server, and the loader inside SGLang) and applied to a copy of the base. The
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bridge.delta_codec import (
+from bridge.codecs.delta import (
     BITMASK,
     DENSE,
     GAPS8,
@@ -142,10 +142,10 @@ def test_malformed_new_records_are_refused_with_their_reason():
 
 
 def test_the_cost_model_sends_a_delta_where_its_bytes_and_diff_cost_less_than_the_full_sync():
-    """bridge.delta_cost: the same 12 % delta, whose diff the last delta's costs put at 0.16 s, goes over a
+    """bridge.codecs.delta_cost: the same 12 % delta, whose diff the last delta's costs put at 0.16 s, goes over a
     link that moved the full bytes in 4 s, not over one that moved them in 0.05 s (its diff alone costs more);
     nothing is decided before a full sync was measured; a diff already spent no longer counts."""
-    from bridge.delta_cost import SyncCosts
+    from bridge.codecs.delta_cost import SyncCosts
 
     full = 97_000_000
     unmeasured = SyncCosts()
@@ -165,7 +165,7 @@ def test_the_cost_model_learns_what_delta_bytes_cost_from_the_last_deltas():
     """Where the servers' scattered writes cost more per byte than the link (loopback): two measured deltas,
     2 MB in 0.2 s and 20 MB in 1.1 s after their diff, put a 12 % delta of 97 MB at 0.1 + 0.58 s, over the
     full sync's 0.5 s, though its bytes at the full sync's rate alone would take 0.06 s."""
-    from bridge.delta_cost import SyncCosts
+    from bridge.codecs.delta_cost import SyncCosts
 
     full, costs = 97_000_000, SyncCosts()
     costs.record("anchor", full, 0.5, (0.0, 0.0, 48_000_000, 0))

@@ -1,7 +1,7 @@
 """The delta encoding into SGLang 0.5.23's own code (the ``sglang_code`` tier), with the project's loader.
 
 The harness (:mod:`tests.sglang_harness.serve`) is started as SGLang is started for deltas, with
-``--custom-weight-loader bridge.sglang_delta_loader.load_delta``: SGLang's ``WeightUpdater`` gets it in
+``--custom-weight-loader bridge.serving.sglang_delta_loader.load_delta``: SGLang's ``WeightUpdater`` gets it in
 its ``custom_weight_loaders``, its ``SafeUnpickler`` reads the payload, and the loader applies each delta
 through what SGLang's own Qwen2 ``load_weights`` does (q/k/v stacked into ``qkv_proj``, gate/up into
 ``gate_up_proj``). Served tensors are compared in SGLang's layout with the trainer's own (see
@@ -100,8 +100,8 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}
 import sglang.srt.layers.linear as linear
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.models.qwen2 import Qwen2ForCausalLM
-from bridge.delta_codec import DELTA_TENSOR, encode_sparse, write_record
-from bridge.sglang_delta_loader import load_delta
+from bridge.codecs.delta import DELTA_TENSOR, encode_sparse, write_record
+from bridge.serving.sglang_delta_loader import load_delta
 
 H, HEADS, KV, HD, INTER = 64, 4, 2, 16, 96
 
@@ -184,7 +184,7 @@ def _loader_payload(name: str, old, new, version: str, probe_bits: int) -> str:
 
     import torch
 
-    from bridge.delta_codec import DELTA_TENSOR, changed_positions, choose, write_record
+    from bridge.codecs.delta import DELTA_TENSOR, changed_positions, choose, write_record
 
     a, b = old.reshape(-1), new.reshape(-1)
     count = int((a.view(torch.int16) != b.view(torch.int16)).sum())

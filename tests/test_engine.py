@@ -194,7 +194,7 @@ def test_mixed_precision_cpu_offload_trains_and_syncs_bf16(checkpoints):
 def test_model_dir_errors(tmp_path):
     from transformers import BertConfig, T5Config
 
-    from bridge.presets import build_tokenizer
+    from bridge.local.presets import build_tokenizer
     from trainer import EngineConfig, FSDPEngine
 
     def init(path):

@@ -364,7 +364,7 @@ def _watch_pause(url: str):
 
 
 def test_a_non_zero_rank_killed_mid_sync(server):
-    from bridge.publisher import PublisherConfig, dead_rank_bound
+    from bridge.publisher.core import PublisherConfig, dead_rank_bound
 
     r0, r1 = run_ranks(_kill_rank1_mid_sync, 2, args=([server.url],), timeout=200, may_die=(1,))
     assert r1 is None
@@ -461,7 +461,7 @@ LEASE_GONE_S = 2 + 1 + 12
 def test_colocated_trainer_killed_then_a_new_trainer_fails(server, tmp_path):
     import json
 
-    from bridge.publisher import PublisherConfig, dead_rank_bound
+    from bridge.publisher.core import PublisherConfig, dead_rank_bound
 
     args = ([server.url], str(tmp_path / "own.json"), 61)
     kwargs = dict(transport="colocated", group_timeout=4, http_timeout=4, writer_lease=2)
@@ -663,7 +663,7 @@ def _publish_on_rank0_only(nr_url: str, root: str, flag: str):
     """Rank 0 publishes; rank 1 never calls publish() and stays alive until rank 0 is done (or 120 s)."""
     from bridge import PublisherConfig, WeightPublisher
     from bridge.errors import BridgeError
-    from bridge.publisher import publish_call_bound
+    from bridge.publisher.core import publish_call_bound
 
     engine = sb.engine()
     cfg = PublisherConfig(transport="disk", name_resolve=nr_url, snapshot_root=root, group_timeout=5,

@@ -152,7 +152,7 @@ def test_disk_fp8_snapshot_is_bit_exact_and_an_fp8_checkpoint(fp8_server, tmp_pa
 
 
 def _tiny_params():
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
 
     return list(build_model("tiny").parameters())
 
@@ -179,7 +179,8 @@ def _gather_both_ways() -> dict:
     whole tensor on rank 0), one where they are not (64 rows: the scales need the all_reduce)."""
     import torch.distributed as dist
 
-    import bridge.fp8 as fp8
+    import bridge.codecs.fp8 as fp8
+    import bridge.sources.fp8 as fp8_gather
     from bridge.buckets import plan_buckets, unflatten_bucket
     from bridge.sources import LocalShard
     from bridge.tensors import ParamSpec
@@ -208,14 +209,14 @@ def _gather_both_ways() -> dict:
             return out
 
     agreed = []
-    real = fp8._agreed_scales
-    fp8._agreed_scales = lambda names, *a: agreed.append(list(names)) or real(names, *a)
+    real = fp8_gather._agreed_scales
+    fp8_gather._agreed_scales = lambda names, *a: agreed.append(list(names)) or real(names, *a)
     got, all_reduces = {}, []
     for names in (list(shapes)[:4], list(shapes)[4:]):
         bucket = plan_buckets(fp8.fp8_wire_specs([served[n] for n in names], fp8.Fp8Rule()), 1 << 30)[0]
         out = torch.zeros(bucket.nbytes, dtype=torch.uint8) if rank == 0 else None
         before = len(agreed)
-        fp8.gather_fp8_bucket(Source(), bucket, out, served, piece_bytes=64 << 10)  # several pieces
+        fp8_gather.gather_fp8_bucket(Source(), bucket, out, served, piece_bytes=64 << 10)  # several pieces
         all_reduces.append(len(agreed) - before)
         if rank == 0:
             got.update({n: t.clone() for n, t in unflatten_bucket(out, bucket.specs)})
@@ -263,8 +264,8 @@ def test_fp8_plan_starts_with_small_buckets():
 
     from bridge import PublisherConfig
     from bridge.buckets import plan_buckets
+    from bridge.codecs.fp8 import Fp8Rule, fp8_wire_specs
     from bridge.encodings.fp8 import Fp8Encoding
-    from bridge.fp8 import Fp8Rule, fp8_wire_specs
     from bridge.tensors import ParamSpec
 
     served = [ParamSpec(f"model.layers.{i}.mlp.{p}_proj.weight", (256, 256), torch.bfloat16)
@@ -281,8 +282,8 @@ def test_fp8_plan_starts_with_small_buckets():
 def test_each_kind_of_server_refuses_the_other_kind_of_bytes(fp8_server, ref_server):
     """A publisher checks first (nothing moves); a bucket sent anyway is refused by the server, with
     ``wsync_reason: quantization_mismatch``, and nothing is applied."""
+    from bridge.codecs.fp8 import quantize
     from bridge.errors import ServerError
-    from bridge.fp8 import quantize
     from bridge.protocol import QUANTIZATION_MISMATCH
     from tests.fixtures_server import Trainer
 

@@ -229,7 +229,7 @@ def _wait(check) -> bool:
 
 def _recorded() -> list[str]:
     """The signals the active hold recorded (``pending()`` names only the first)."""
-    from bridge import interrupts
+    from bridge.publisher import interrupts
 
     return [signal.Signals(s).name for s in interrupts._active[-1].received] if interrupts._active else []
 
@@ -238,7 +238,7 @@ def test_a_held_signal_takes_effect_when_the_sync_ends_and_twice_at_once():
     """What the block reached is recorded, and checked outside it: an AssertionError raised inside ``held()``
     is replaced by the held KeyboardInterrupt on leaving it, which ``pytest.raises`` accepts (the checks
     inside passed against a ``held()`` that holds nothing, and one where a second SIGINT waits too)."""
-    from bridge.interrupts import held, pending
+    from bridge.publisher.interrupts import held, pending
 
     reached = []
     with pytest.raises(KeyboardInterrupt):
@@ -264,7 +264,7 @@ def test_a_held_signal_takes_effect_when_the_sync_ends_and_twice_at_once():
 
 
 def test_the_trainers_own_sigterm_handler_runs_after_the_sync():
-    from bridge.interrupts import held
+    from bridge.publisher.interrupts import held
 
     seen = []
     old = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
@@ -281,7 +281,7 @@ def test_the_trainers_own_sigterm_handler_runs_after_the_sync():
 def test_outside_the_main_thread_nothing_is_installed():
     import threading
 
-    from bridge.interrupts import held
+    from bridge.publisher.interrupts import held
 
     box = []
 

@@ -69,7 +69,7 @@ def peft_oracle(adapter: dict[str, torch.Tensor], config: dict, base: dict[str, 
     the adapter's tensors loaded by PEFT's own loader."""
     import peft
 
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
 
     model = build_model("tiny", 0)
     if base is not None:
@@ -154,7 +154,7 @@ def test_safetensors_written_from_the_tensors_bytes_read_back_as_save_files(tmp_
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from bridge.adapters import write_safetensors
+    from bridge.lora.publisher import write_safetensors
 
     flat = torch.randn(700, dtype=torch.float32).to(torch.bfloat16)
     cases = {
@@ -180,8 +180,8 @@ def test_adapter_dir_in_place_first_made_durable_after(tmp_path):
     sync_adapter_dir fsyncs it, before the announcement); sync_adapter_dir names a directory it cannot sync."""
     from safetensors.torch import load_file
 
-    from bridge.adapters import sync_adapter_dir, write_adapter_dir
     from bridge.errors import SnapshotError
+    from bridge.lora.publisher import sync_adapter_dir, write_adapter_dir
 
     tensors = {"base_model.model.x.lora_A.weight": torch.randn(4, 8)}
     path = write_adapter_dir(str(tmp_path / "policy"), 3, tensors, {"r": 4}, durable=False)
@@ -235,8 +235,8 @@ def test_disk_publish_writes_peft_dirs_and_a_fault_changes_nothing(tmp_path):
 
     from safetensors.torch import load_file
 
-    from bridge.adapters import adapter_key
     from bridge.digest import tensor_checksum
+    from bridge.lora.publisher import adapter_key
     from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL, make_name_resolve
 
     nr_url = f"file://{tmp_path}/nr"
@@ -261,7 +261,7 @@ def test_disk_publish_writes_peft_dirs_and_a_fault_changes_nothing(tmp_path):
         nr.close()
     import peft
 
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
 
     loaded = peft.PeftModel.from_pretrained(build_model("tiny", 0), v2.path)  # PEFT's own loader reads it
     assert loaded.peft_config["default"].r == 4

@@ -34,7 +34,7 @@ def _peft_model(seed: int, r: int = 8):
     """The tiny preset (seed 0, bfloat16, as the server serves it) with a PEFT LoRA adapter of random A and B."""
     from peft import LoraConfig, get_peft_model
 
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
 
     base = build_model("tiny", seed=0).to(torch.bfloat16).eval()
     torch.manual_seed(seed)
@@ -87,7 +87,7 @@ def adapters():
 
 
 def test_adapter_by_path_and_by_tensors_gives_peft_answer(lora_server, adapters, adapter_root):
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
     from tests.fixtures_server import greedy
 
     c = lora_server.client
@@ -235,7 +235,7 @@ def test_an_adapter_in_one_buffer_is_copied_and_checked_in_one_pass(lora_server,
     # By a directory: the file's tensors are read as views of its bytes, checked in one pass, yet named when bad
     from safetensors.torch import save_file
 
-    from bridge.adapters import write_adapter_dir
+    from bridge.lora.publisher import write_adapter_dir
 
     folder = os.path.join(adapter_root, "one-file")
     path = write_adapter_dir(folder, 1, t, cfg)
@@ -505,7 +505,7 @@ def _over_group(trainer, client, name: str, cfg: dict, tensors: dict, *, version
 
     import torch.distributed as dist
 
-    from bridge.adapter_broadcast import flat_layout
+    from bridge.lora.broadcast import flat_layout
 
     bucket, buf = flat_layout(tensors, None)
     f = trainer.pool.submit(client.load_adapter_from_distributed, name, cfg, names=[s.name for s in bucket.specs],

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from bridge.client.results import generation_versions
-from bridge.presets import build_tokenizer, make_model_dir
+from bridge.local.presets import build_tokenizer, make_model_dir
 from tests.fixtures_server import Trainer, greedy, local_model, random_weights
 
 PROMPT = [5, 72, 101, 108, 108, 111, 44, 32]

@@ -1,4 +1,4 @@
-"""A model that does not match the servers is refused before any byte moves (bridge/preflight.py).
+"""A model that does not match the servers is refused before any byte moves (bridge/publisher/preflight.py).
 
 A user's own loop: a Qwen2 built from a config, published by broadcast or disk to reference servers of
 the tiny preset. Another architecture (wider MLP, one more layer) or another serving dtype is one
@@ -23,7 +23,7 @@ def _publish_other_model(url: str, transport: str, serving_dtype: str, root: str
 
     from bridge import PublisherConfig, WeightPublisher
     from bridge.errors import ConfigError
-    from bridge.presets import build_config
+    from bridge.local.presets import build_config
 
     cfg = build_config("tiny")
     if other_shapes:
@@ -84,12 +84,12 @@ def test_another_serving_dtype_is_refused_before_any_byte_moves(ref_server, tmp_
 
 
 def test_what_real_sglang_is_asked_is_bounded_whatever_the_model():
-    """The probes of /get_weights_by_name (bridge/preflight_sglang.py): a 28-layer model is asked at most
+    """The probes of /get_weights_by_name (bridge/publisher/preflight_sglang.py): a 28-layer model is asked at most
     MAX_PROBES names: the tensors outside the layers, every tensor of the first layer, one of the last, and
     that one a layer further (which must not exist); a 1-D tensor is asked whole, another one row."""
     import torch
 
-    from bridge.preflight_sglang import MAX_PROBES, probes
+    from bridge.publisher.preflight_sglang import MAX_PROBES, probes
     from bridge.tensors import ParamSpec
 
     layer = {"self_attn.q_proj.weight": (256, 256), "self_attn.q_proj.bias": (256,), "self_attn.k_proj.weight": (128, 256),

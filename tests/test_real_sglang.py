@@ -30,7 +30,7 @@ from tests.dist_utils import run_ranks
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.usefixtures("real_sglang_alive")]
 
-LOADER = "bridge.sglang_delta_loader.load_delta"
+LOADER = "bridge.serving.sglang_delta_loader.load_delta"
 LLAMA = "tiny-llama"
 BOUNDS = dict(group_timeout=20, http_timeout=20)
 # SGLang's LoRA on CPU: the torch-native backend, every projection (the trainer's LoraConfig targets them all).
@@ -171,7 +171,7 @@ def test_a_colocated_bucket_leaves_nothing_mapped_or_waiting(servers):
     from bridge.buckets import flatten_tensors, plan_buckets
     from bridge.client import ServerClient
     from bridge.errors import ServerError
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
     from bridge.tensors import ParamSpec
     from bridge.transports.shared_tensors import SharedBuckets
 
@@ -202,7 +202,7 @@ def test_a_colocated_bucket_leaves_nothing_mapped_or_waiting(servers):
 
 
 def test_deltas_through_sglangs_loader_with_anchors(servers):
-    """The delta encoding into real SGLang started with ``--custom-weight-loader bridge.sglang_delta_loader.load_delta``:
+    """The delta encoding into real SGLang started with ``--custom-weight-loader bridge.serving.sglang_delta_loader.load_delta``:
     anchors where due (the first sync, every third), deltas between them, and every served tensor the trainer's."""
     rank0, _ = run_ranks(_publish_and_read_back, 2, args=(servers.llama.url, 300, 6, dict(
         transport="broadcast", encoding="delta", delta_anchor_every=3, delta_max_fraction=1.0)), timeout=300)
@@ -388,7 +388,7 @@ def _adapters_while_generating(url: str, root: str, nr: str, via: str, n: int):
                     t.start()
             base = cache.get("base")
             if base is None:
-                from bridge.presets import build_model
+                from bridge.local.presets import build_model
 
                 base = cache["base"] = build_model("tiny").to(torch.bfloat16).eval()
             model = _with_adapter(cache, base, engine.adapter_config(), {k: t.to(torch.bfloat16) for k, t in adapter.items()})
@@ -437,7 +437,7 @@ def test_sglangs_own_http_weight_update_tests(servers, tmp_path):
     abort_all_requests), /update_weights_from_tensor (float32 tensors while generations run paused in_place and by
     retract) and /get_weights_by_name, their steps and checks (:mod:`tests.sglang_own_checks`), against real SGLang;
     ``tests/test_sglang_own_tests.py`` runs the same against the reference server."""
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
     from tests import sglang_own_checks as own
 
     own.run_all(servers.spare.url, make_model_dir(tmp_path / "other", LLAMA, seed=1))
@@ -513,7 +513,7 @@ def test_what_real_sglang_does_differently_from_the_reference_server(servers, se
     refuses a flush while requests run, takes an older version label, checksums its own layout at /weights_checker,
     generates n=2, and keeps an update session open after a refused update; the reference server answers otherwise,
     as that page lists. Neither serves /get_weight_version or /weight_version at 0.5.23."""
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
 
     ref = server_factory(model=make_model_dir(tmp_path / "llama", LLAMA), preset=None, strict_versions=True)
     real, emulated = _differences(servers.spare.url), _differences(ref.url)
@@ -605,7 +605,7 @@ def test_wsync_train_on_a_tokenizer_without_a_bos_token(servers, tmp_path):
     real SGLang."""
     from transformers import AutoTokenizer
 
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
 
     model = make_model_dir(tmp_path / "model", LLAMA)
     tok = AutoTokenizer.from_pretrained(model)
@@ -675,7 +675,7 @@ def test_a_trainer_rank_killed_mid_sync(servers):
     servers answer at once, on the previous version, every tensor the previous one (the sync went as one request,
     received whole before any of it would be loaded), with no session left open."""
     from bridge import PublisherConfig
-    from bridge.publisher import dead_rank_bound
+    from bridge.publisher.core import dead_rank_bound
 
     urls = [servers.llama.url, servers.spare.url]
     r0, r1 = run_ranks(_rank_dies_mid_sync, 2, args=(urls, 5000), timeout=300, may_die=(1,))
@@ -719,7 +719,7 @@ def test_ctrl_c_mid_sync(servers):
     KeyboardInterrupt, rank 1 the SyncError that names it, within the bucket's bound; both servers answer at once
     on the previous version and weights."""
     from bridge import PublisherConfig
-    from bridge.publisher import bucket_bound
+    from bridge.publisher.core import bucket_bound
 
     urls = [servers.llama.url, servers.spare.url]
     r0, r1 = run_ranks(_interrupted_mid_sync, 2, args=(urls, 6000), timeout=300)

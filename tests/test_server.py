@@ -160,7 +160,7 @@ def test_greedy_generation_matches_hf_generate(client, trainer):
         assert out["meta_info"]["prompt_tokens"] == len(PROMPT) and out["meta_info"]["cached_tokens"] == 0
     # Text in, batched in, logprobs out.
     tok_prompt = client.generate(text="Hello, ", sampling_params={"temperature": 0, "max_new_tokens": 24})
-    from bridge.presets import build_tokenizer
+    from bridge.local.presets import build_tokenizer
 
     tp = build_tokenizer()("Hello, ")["input_ids"]
     assert tok_prompt["output_ids"] == greedy(model, tp, 24)
@@ -364,7 +364,7 @@ def test_model_info_answers_during_a_broadcast(client, trainer):
 
 
 def test_disk_update(client, tmp_path):
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
 
     path = make_model_dir(tmp_path / "seed2", "tiny", seed=2)
     r = client.update_weights_from_disk(path, weight_version="disk-1")

@@ -142,7 +142,7 @@ def test_publish_broadcast_bit_equal(server):
 def test_disk_load_bit_equal_and_version(server, tmp_path):
     from safetensors.torch import load_file
 
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
 
     d = make_model_dir(tmp_path / "m", "tiny", seed=11)
     c = ServerClient(server.url)
@@ -582,7 +582,7 @@ def _llama_dir(path, **overrides) -> str:
     ``/get_weights_by_name``, its Qwen2 does not."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bridge.presets import build_config, build_tokenizer
+    from bridge.local.presets import build_config, build_tokenizer
 
     q = build_config("tiny")
     cfg = LlamaConfig(**{**dict(
@@ -616,7 +616,7 @@ def _publish_llamas(url: str, log_path: str, models: list[tuple[str, str]]) -> t
     ones); what each raised, what SGLang served and logged after it, and what the preflight said."""
     import logging
 
-    from bridge import preflight_sglang
+    from bridge.publisher import preflight_sglang
 
     said: list[str] = []
     handler = logging.Handler()
@@ -701,13 +701,13 @@ def test_real_sglang_serving_another_model_is_refused_before_any_byte_moves(keye
 def test_preflight_says_once_what_a_silent_sglang_model_cannot_tell(server, caplog):
     """SGLang's Qwen2 has no ``get_weights_by_name``: its route answers 400 for every name, so the preflight
     stops after two requests, says so once, and leaves the names and shapes to SGLang's loader."""
-    from bridge import preflight_sglang
-    from bridge.presets import build_model
+    from bridge.local.presets import build_model
+    from bridge.publisher import preflight_sglang
     from bridge.tensors import ParamSpec
 
     specs = [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in build_model("tiny").named_parameters()]
     preflight_sglang._said.discard(f"silent:{ServerClient(server.url).url}")  # said once per process
-    with caplog.at_level("INFO", logger="bridge.preflight_sglang"):
+    with caplog.at_level("INFO", logger="bridge.publisher.preflight_sglang"):
         assert preflight_sglang.sglang_mismatch(specs, ServerClient(server.url)) is None
         assert preflight_sglang.sglang_mismatch(specs, ServerClient(server.url)) is None
     said = [r.getMessage() for r in caplog.records if "for none of" in r.getMessage()]

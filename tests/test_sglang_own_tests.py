@@ -7,7 +7,7 @@ from tests import sglang_own_checks as own
 
 
 def test_sglangs_own_http_weight_update_tests(server_factory, tmp_path):
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
 
     model = make_model_dir(tmp_path / "model", "tiny-llama")
     other = make_model_dir(tmp_path / "other", "tiny-llama", seed=1)

@@ -1,4 +1,4 @@
-"""The gather through shared memory (bridge.shm_gather) that a LoRA adapter's gather takes when every trainer rank
+"""The gather through shared memory (bridge.sources.shm) that a LoRA adapter's gather takes when every trainer rank
 is on one host: the same bytes as the flat gather, on every placement and either destination rank; ranks that
 cannot map the buffer keep every rank on the flat gather; a rank failing in it fails the others at once."""
 
@@ -21,7 +21,7 @@ def _gather_body(dst: int, unmappable_on: int | None = None, fail_on: int | None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    import bridge.shm_gather as shm
+    import bridge.sources.shm as shm
     from bridge.buckets import Bucket
     from bridge.sources import gather_bucket_into
     from bridge.tensors import ParamSpec

@@ -32,7 +32,7 @@ from bridge.snapshot import (
 @pytest.fixture(scope="module")
 def tiny():
     """The tiny preset's model: the oracle tensors, config, generation config and tokenizer."""
-    from bridge.presets import build_model, build_tokenizer
+    from bridge.local.presets import build_model, build_tokenizer
 
     model = build_model("tiny", seed=1)
     return model, {k: v.detach().clone() for k, v in model.state_dict().items()}, build_tokenizer()

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from bridge.client.results import generation_versions
-from bridge.presets import build_model
+from bridge.local.presets import build_model
 from tests.fixtures_server import Trainer, greedy, local_model, random_weights
 from tests.sglang_harness import installed, sglang_dir
 

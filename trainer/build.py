@@ -108,7 +108,7 @@ def load_model(cfg: EngineConfig, hf_config) -> tuple[torch.nn.Module, object]:
     ``hf_config`` is what :func:`check_model_dir` returned for ``cfg.model_path``; unused for a preset.
     """
     if cfg.model_path is None:
-        from bridge.presets import build_model, build_tokenizer
+        from bridge.local.presets import build_model, build_tokenizer
 
         return build_model(cfg.preset, cfg.seed), build_tokenizer()
     from transformers import AutoModelForCausalLM

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from bridge.agreement import Agreement
 from bridge.errors import ConfigError
 from bridge.log import get_logger
+from bridge.publisher.agreement import Agreement
 
 __all__ = ["WEIGHT_FORMATS", "load", "save"]
 
@@ -149,7 +149,7 @@ def _set_optim_state(engine, state: dict, options: StateDictOptions | None = Non
 
 
 def _on_rank0(engine, fn: Callable[[], None], what: str) -> None:
-    """Run ``fn`` on rank 0; its error, of any type, is raised on every rank (:mod:`bridge.agreement`,
+    """Run ``fn`` on rank 0; its error, of any type, is raised on every rank (:mod:`bridge.publisher.agreement`,
     the same agreement a weight sync uses), instead of leaving the other ranks waiting."""
     Agreement.of_default_group().step(what, lambda: fn() if engine.rank == 0 else None, timeout=CHECKPOINT_IO_S)
 

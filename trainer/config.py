@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bridge.errors import ConfigError
-from bridge.presets import PRESETS
+from bridge.local.presets import PRESETS
 from bridge.tensors import dtype_from_str
 
 __all__ = ["EngineConfig", "LoraConfig", "OptimizerConfig"]
@@ -129,7 +129,7 @@ class EngineConfig:
     model_path: str | None = None
     """A local Hugging Face model directory (config.json + weights + tokenizer). Exclusive with preset."""
     preset: str | None = None
-    """A model built in memory by bridge.presets (``bridge.presets.PRESETS``: tiny, small, medium, many).
+    """A model built in memory by bridge.local.presets (``bridge.local.presets.PRESETS``: tiny, small, medium, many).
     Exclusive with model_path."""
     param_dtype: str = "float32"
     """Dtype of the parameters during forward/backward (MixedPrecisionPolicy.param_dtype). The sharded

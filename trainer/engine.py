@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from bridge.errors import ConfigError
 from bridge.log import get_logger
-from bridge.shm_gather import SharedGather, keep_newest
+from bridge.sources.shm import SharedGather, keep_newest
 from bridge.tensors import ParamSpec
 from trainer.batch_plan import BatchPlan, plan_batch
 from trainer.build import apply_lora, check_model_dir, join_process_group, load_model, shard_model
@@ -114,7 +114,7 @@ class FSDPEngine:
         self._adapter_index: dict[str, torch.Tensor] | None = None  # the adapter's parameters, built once
         self._adapter_spec_list: list[ParamSpec] | None = None
         self._adapter_scratch: dict = {}  # the adapter gather's send and receive buffers, reused (gather_bucket_into)
-        self._shm_gather = SharedGather()  # the adapter's gather between ranks of one host (bridge.shm_gather)
+        self._shm_gather = SharedGather()  # the adapter's gather between ranks of one host (bridge.sources.shm)
         self._adapter_buckets: dict = {}  # dtype -> the adapter's bucket layout, built once
         self._adapter_views: dict = {}  # (id(bucket), buffer address) -> (bucket, buffer, its tensors' views)
         # Under LoRA only the adapter requires a gradient: the frozen base weights never reach AdamW.
@@ -138,11 +138,11 @@ class FSDPEngine:
     def upload_weights(self, meta):
         """Publish the current weights as ``meta.version`` (collective: every rank calls it).
 
-        ``meta`` is a :class:`bridge.meta.WeightUpdateMeta` (``type`` ``broadcast``/``nccl`` or ``disk``).
+        ``meta`` is a :class:`trainer.meta.WeightUpdateMeta` (``type`` ``broadcast``/``nccl`` or ``disk``).
         The publisher (and, for broadcast, its process group with the servers) is kept across calls
-        with the same settings. Returns the :class:`bridge.publisher.PublishResult`.
+        with the same settings. Returns the :class:`bridge.publisher.core.PublishResult`.
         """
-        from bridge.publisher import WeightPublisher
+        from bridge.publisher.core import WeightPublisher
 
         key = meta.config_key()
         if self._publisher_key != key:
@@ -509,7 +509,7 @@ class FSDPEngine:
         An adapter is small (rank 16 on every projection of an 8B model: tens of MB), so it travels as one
         bucket: ``dst`` holds the bucket's buffer and nothing more; the tensors returned are views of it. Ranks on
         one host (CPU, gloo) write their rows straight into that buffer in shared memory
-        (:class:`bridge.shm_gather.SharedGather`: medium's rank-16 adapter in 3 ms instead of 13); elsewhere it
+        (:class:`bridge.sources.shm.SharedGather`: medium's rank-16 adapter in 3 ms instead of 13); elsewhere it
         goes through :func:`bridge.sources.gather_bucket_into`, the full sync's flat gathers. ``shared`` (CPU): that
         buffer in shared memory under torch's ``file_system`` strategy, which a server on this host maps when the
         tensors are sent by reference (``/load_lora_adapter_from_tensors``), with no copy into shared memory first.
@@ -518,8 +518,8 @@ class FSDPEngine:
         else a fresh buffer): fresh memory costs a page fault per page at its first write, more than the copies.
         """
         from bridge.buckets import Bucket, unflatten_bucket
-        from bridge.shm_gather import shared_buffer
         from bridge.sources import PIECE_BYTES, gather_bucket_into
+        from bridge.sources.shm import shared_buffer
 
         params = self._adapter_params()
         bucket = self._adapter_buckets.get(dtype)
@@ -529,7 +529,7 @@ class FSDPEngine:
                 specs = [ParamSpec(s.name, s.shape, dtype) for s in specs]
             bucket = Bucket(sorted(specs, key=lambda s: -s.dtype.itemsize))  # aligned offsets (one dtype: kept order)
             self._adapter_buckets[dtype] = bucket
-        # Ranks on one host (CPU): each writes its rows straight into dst's buffer in shared memory (bridge.shm_gather).
+        # Ranks on one host (CPU): each writes its rows straight into dst's buffer in shared memory (bridge.sources.shm).
         through_shm = self._device.type == "cpu" and bucket.nbytes > 0 and self._shm_gather.usable(dst)
         # (a buffer that does not fit is not an error raised here: rank dst alone would leave the collective)
         fits = reuse is not None and reuse.dtype == torch.uint8 and reuse.dim() == 1 and reuse.numel() == bucket.nbytes \

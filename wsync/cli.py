@@ -97,12 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bridge.launch import ARGV_ENV, DEBUG_ENV
+    from bridge.local.launch import ARGV_ENV
+    from bridge.log import DEBUG_ENV
 
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack on stderr, the process goes on
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:  # `kill -USR1 PID`: every thread's stack on the
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # process's stderr; it goes on
     if argv is None:
-        # A rank started by bridge.launch.start_ranks gets its arguments from the environment.
+        # A rank started by bridge.local.launch.start_ranks gets its arguments from the environment.
         rank_process = ARGV_ENV in os.environ
         argv = json.loads(os.environ.pop(ARGV_ENV)) if rank_process else sys.argv[1:]
         if rank_process:
@@ -155,7 +156,8 @@ def _report(command: str, e: Exception) -> None:
     import traceback
 
     from bridge.errors import BridgeError
-    from bridge.launch import debug_enabled, report_rank_error
+    from bridge.local.launch import report_rank_error
+    from bridge.log import debug_enabled
 
     if isinstance(e, BridgeError):
         message = str(e)

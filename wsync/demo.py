@@ -26,7 +26,7 @@ import signal
 import tempfile
 
 from bridge.errors import BridgeError, ConfigError, SyncError
-from bridge.launch import start_ranks, under_torchrun
+from bridge.local.launch import start_ranks, under_torchrun
 from bridge.name_resolve import DEFAULT_TRIAL
 from wsync.flags import add_config_flags, setting_default
 from wsync.train import add_model_arguments
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _driver(args: argparse.Namespace) -> int:
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
     from wsync.serve import require_server_stack
 
     if args.engine == "reference":

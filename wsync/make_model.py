@@ -6,7 +6,7 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bridge.presets import PRESETS
+    from bridge.local.presets import PRESETS
 
     p.add_argument("dir", help="directory to write (created if missing)")
     p.add_argument("--preset", default="tiny", choices=list(PRESETS),
@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bridge.presets import make_model_dir
+    from bridge.local.presets import make_model_dir
 
     path = make_model_dir(args.dir, args.preset, seed=args.seed)
     print(f"wrote a {args.preset} Qwen2-style causal LM with a byte-level tokenizer to {path}")

@@ -15,13 +15,13 @@ import threading
 EPILOG = """\
 examples:
   wsync sglang --preset tiny-llama --port 30000
-  wsync sglang --model /models/Qwen2.5-0.5B --port 30000 -- --custom-weight-loader bridge.sglang_delta_loader.load_delta
+  wsync sglang --model /models/Qwen2.5-0.5B --port 30000 -- --custom-weight-loader bridge.serving.sglang_delta_loader.load_delta
   wsync sglang --print-command --model DIR      (the command and environment, to run SGLang yourself)
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bridge.presets import PRESETS
+    from bridge.local.presets import PRESETS
 
     p.epilog = EPILOG
     src = p.add_mutually_exclusive_group()

@@ -11,14 +11,14 @@ import argparse
 import os
 
 from bridge.errors import ConfigError, ServerError
-from bridge.launch import run_ranks, under_torchrun
+from bridge.local.launch import run_ranks, under_torchrun
 from wsync.flags import add_config_flags, config_keywords, negatable
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", metavar="DIR", help="a local HF causal-LM directory (default: the tiny preset)")
-    from bridge.presets import PRESETS
+    from bridge.local.presets import PRESETS
 
     g.add_argument("--preset", choices=list(PRESETS), help="build a preset model from its config (default: tiny)")
 

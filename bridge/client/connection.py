@@ -171,7 +171,7 @@ def unreachable(url: str, route: str | None, e: BaseException) -> ServerUnreacha
     urllib3's report, which repeats the URL), then the fix; urllib3's text only with --debug / WSYNC_DEBUG=1."""
     import socket
 
-    from bridge.launch import debug_enabled
+    from bridge.log import debug_enabled
 
     cause, seen, x = None, set(), e
     while x is not None and id(x) not in seen and cause is None:

@@ -1,7 +1,7 @@
 """What an encoding is: which bytes a sync sends and how they are laid out. The ``full`` encoding is this base.
 
 Every trainer rank has one encoding object per publisher. An encoding never moves bytes itself: it says what
-goes (:class:`Outgoing` buckets) and the publisher's one loop (:mod:`bridge.publisher`) sends each through the
+goes (:class:`Outgoing` buckets) and the publisher's one loop (:mod:`bridge.publisher.core`) sends each through the
 sink of the rank it is gathered to (:mod:`bridge.transports.sink`). Its surface is six methods, each called by
 the publisher at one step of the sync:
 
@@ -11,7 +11,7 @@ method            who       when / what
 ``prepare``       every     the prepare step, before anything moves: this rank's summary (a small picklable
                   rank      dataclass; every rank receives every rank's)
 ``plan``          every     after prepare, given every rank's summary, identically on every rank: sets
-                  rank      ``plan.encoded`` (an :class:`~bridge.plan.Encoded` dataclass, or None); an
+                  rank      ``plan.encoded`` (an :class:`~bridge.publisher.plan.Encoded` dataclass, or None); an
                             encoding whose tensors travel otherwise than in the serving dtype plans
                             ``plan.buckets`` again from what it sends (the servers are checked against
                             them), and may add ``plan.config_fields`` to a snapshot's ``config.json``
@@ -25,9 +25,9 @@ method            who       when / what
                   rank      published (``fingerprints = False``): why these weights are not those
 ================  ========  =============================================================================
 
-What :class:`~bridge.result.PublishResult` reports of the encoding is ``plan.encoded.report()``.
+What :class:`~bridge.publisher.result.PublishResult` reports of the encoding is ``plan.encoded.report()``.
 
-The publisher, not the encoding, owns the version and retry decisions (:mod:`bridge.versions`): a retry of the
+The publisher, not the encoding, owns the version and retry decisions (:mod:`bridge.publisher.versions`): a retry of the
 last version is safe only with the weights it published, which the publisher tells by a digest of each rank's
 shards (``fingerprints = True``) or, for an encoding that keeps them (the delta's base), by its ``differs``;
 a sync a server refused for its encoding (``DeltaBaseMismatch``) is published again at once as a full sync,
@@ -49,7 +49,7 @@ import torch
 from bridge.buckets import Bucket
 from bridge.errors import ConfigError
 from bridge.options import NoOptions
-from bridge.plan import Plan
+from bridge.publisher.plan import Plan
 
 __all__ = ["Encoding", "Outgoing", "Transfer", "gathered"]
 

@@ -3,7 +3,7 @@
 Every trainer rank keeps the serving-dtype bytes of its own shard as last committed, *the base*: 2 bytes
 per parameter of its shard in bf16, on the parameters' device (``base_bytes``). At each publish, in the
 prepare step, a rank casts its shard, compares it bit for bit with the base, and for each tensor it holds
-picks the smallest record (gaps, indices or bitmask + values, zstd where it pays; :mod:`bridge.delta_codec`);
+picks the smallest record (gaps, indices or bitmask + values, zstd where it pays; :mod:`bridge.codecs.delta`);
 it writes the new bytes into the base at once and keeps what it overwrote (an undo log: the changed
 positions and old values of each tensor, or a copy of a tensor that changed almost entirely), so a failed
 sync puts the base back exactly and a committed one only drops the log. The base therefore moves only when
@@ -22,7 +22,7 @@ sync into real SGLang (which loads buckets as they arrive, so it may hold part o
 and reported (``PublishResult.encoding``, ``.anchor_reason``).
 
 Each delta bucket names the base version and a digest of the base of its tensors (the CRC32 of each rank's
-piece, :func:`bridge.delta_codec.combine_digest`); a server that does not serve exactly that base refuses
+piece, :func:`bridge.codecs.delta.combine_digest`); a server that does not serve exactly that base refuses
 it before any weight changes (``wsync_reason: delta_base_mismatch``), and the publisher sends an anchor
 instead, in the same ``publish()`` call. How the bytes move: :mod:`bridge.encodings.delta_send`.
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bridge.delta_codec import (
+from bridge.codecs.delta import (
     DENSE,
     HEADER_BYTES,
     INTS,
@@ -48,13 +48,13 @@ from bridge.delta_codec import (
     record_nbytes,
     write_record,
 )
-from bridge.delta_cost import SyncCosts
+from bridge.codecs.delta_cost import SyncCosts
 from bridge.encodings.base import Encoding, Transfer, gathered
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError
 from bridge.log import fmt_bytes, get_logger
 from bridge.options import option
-from bridge.plan import Encoded, EncodingReport
+from bridge.publisher.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
 
 __all__ = ["Decision", "DeltaBucket", "DeltaEncoding", "DeltaPlan", "DeltaSummary"]
@@ -95,7 +95,7 @@ class DeltaSummary:
     probes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """name -> [(flat position, base bits)]: base values the SGLang loader checks before it applies."""
     costs: dict = field(default_factory=dict)
-    """What this rank measured syncs to cost (:class:`bridge.delta_cost.SyncCosts`); rank 0's decide for every rank."""
+    """What this rank measured syncs to cost (:class:`bridge.codecs.delta_cost.SyncCosts`); rank 0's decide for every rank."""
     extra: dict = field(default_factory=dict)
     """What a subclass adds for its ``plan`` (the FP8 delta: each rank's block absmax of rows whose scales are agreed)."""
 
@@ -185,7 +185,7 @@ class DeltaOptions:
                                          "an anchor every 50 versions adds about 2 % to the bytes moved on average",
                                      metavar="N")
     delta_max_fraction: float = option(0.5, "a delta larger than this fraction of the full bytes is always sent as a "
-                                            "full sync; below it the measured costs decide (bridge.delta_cost: the "
+                                            "full sync; below it the measured costs decide (bridge.codecs.delta_cost: the "
                                             "delta's bytes at what the last syncs paid per byte, plus its diff, "
                                             "against the last full syncs' time). Each rank estimates it from a "
                                             "sample first, so a sync that will be full skips the diff", metavar="F")
@@ -312,7 +312,7 @@ class DeltaEncoding(Encoding):
 
     def _costlier_than_full(self, costs: dict, fraction: float, diff=None, full_bytes: int = 0) -> str | None:
         """Why a delta of ``fraction`` of the full bytes would take longer than the full sync, at what the last
-        syncs cost (:mod:`bridge.delta_cost`), or None; ``diff``: (elements, changed) still to diff, None once
+        syncs cost (:mod:`bridge.codecs.delta_cost`), or None; ``diff``: (elements, changed) still to diff, None once
         diffed. ``delta_max_fraction`` bounds it from above."""
         full = full_bytes or self.costs.full_bytes
         return SyncCosts.verdict(costs, fraction * full, full, diff) if full else None

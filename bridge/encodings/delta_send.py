@@ -13,7 +13,7 @@ publisher sends the buffer through rank 0's sink:
 * to real SGLang (``via="loader"``), started with ``--custom-weight-loader`` :data:`LOADER`, as
   ``/update_weights_from_tensor`` with ``load_format=LOADER``: a pickle of plain tensors (the table as JSON
   bytes, and the records), which SGLang's ``SafeUnpickler`` accepts; SGLang calls the loader
-  (:mod:`bridge.sglang_delta_loader`) in every TP rank's scheduler process.
+  (:mod:`bridge.serving.sglang_delta_loader`) in every TP rank's scheduler process.
 
 A delta to real SGLang travels over HTTP whatever the transport (it has no route that takes a
 ``load_format`` and bytes from the group), so the group of the broadcast transport carries only anchors.
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.buckets import Bucket
-from bridge.delta_codec import DELTA_TENSOR
+from bridge.codecs.delta import DELTA_TENSOR
 from bridge.encodings.base import Outgoing
 from bridge.tensors import ParamSpec, dtype_to_str
 from bridge.transports.sessions import bucket_answers
@@ -38,7 +38,7 @@ from bridge.transports.sink import Sink
 
 __all__ = ["LOADER", "LoaderSink", "ZSTD_SGLANG", "delta_buckets", "delta_route", "table", "zstd_unreadable"]
 
-LOADER = "bridge.sglang_delta_loader.load_delta"
+LOADER = "bridge.serving.sglang_delta_loader.load_delta"
 """The loader real SGLang calls for a delta: ``--custom-weight-loader`` and ``load_format`` name it."""
 
 

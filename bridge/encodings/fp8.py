@@ -1,10 +1,10 @@
-"""The ``fp8`` encoding: every tensor, every sync, with the projections as block FP8 (:mod:`bridge.fp8`).
+"""The ``fp8`` encoding: every tensor, every sync, with the projections as block FP8 (:mod:`bridge.codecs.fp8`).
 
-What travels: :func:`bridge.fp8.fp8_wire_specs` of the serving-dtype specs (each quantized weight as
+What travels: :func:`bridge.codecs.fp8.fp8_wire_specs` of the serving-dtype specs (each quantized weight as
 ``float8_e4m3fn`` and its fp32 ``<name>_scale_inv``, the rest as is), planned into buckets in ``plan`` (so the
 servers are checked against them before anything moves), so it works on every transport that carries plain
 named tensors. Each bucket is quantized on the trainer ranks that hold its rows as it is gathered
-(:func:`bridge.fp8.gather_fp8_bucket`), while the previous bucket travels; never the whole model on one rank.
+(:func:`bridge.sources.fp8.gather_fp8_bucket`), while the previous bucket travels; never the whole model on one rank.
 A disk snapshot's ``config.json`` carries the ``quantization_config`` SGLang and transformers load a block-FP8
 checkpoint by (``plan.config_fields``). The servers must serve FP8 (``wsync serve --quantization fp8``, or
 SGLang started on an FP8 checkpoint); a server that serves bf16 refuses the sync before anything moves.
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bridge.codecs.fp8 import Fp8Rule, plan_fp8_buckets, quantization_config
 from bridge.encodings.base import Encoding, Outgoing, Transfer
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError
-from bridge.fp8 import Fp8Rule, gather_fp8_bucket, plan_fp8_buckets, quantization_config
 from bridge.options import option
-from bridge.plan import Encoded, EncodingReport
+from bridge.publisher.plan import Encoded, EncodingReport
+from bridge.sources.fp8 import gather_fp8_bucket
 from bridge.tensors import ParamSpec
 
 __all__ = ["Fp8Encoding", "Fp8Options", "Fp8Plan", "fp8_buckets"]
@@ -41,7 +42,7 @@ class Fp8Options:
     """The fp8 encoding's options: which projections stay in the serving dtype."""
 
     fp8_skip: tuple = option((), "regular expressions of module names to leave in the serving dtype besides the "
-                                 "rule of bridge.fp8 (layers\\.0\\., say); the servers must be started with the same "
+                                 "rule of bridge.codecs.fp8 (layers\\.0\\., say); the servers must be started with the same "
                                  "--fp8-skip", many=True, metavar="REGEX")
 
     def __post_init__(self) -> None:
@@ -68,7 +69,7 @@ class Fp8Encoding(Encoding):
 
     def plan(self, plan, summaries: list) -> None:
         """What travels: the FP8 tensors, in buckets of their own size (the first ones smaller:
-        :func:`bridge.fp8.plan_fp8_buckets`); the snapshot's quantization_config."""
+        :func:`bridge.codecs.fp8.plan_fp8_buckets`); the snapshot's quantization_config."""
         plan.encoded = Fp8Plan(plan_fp8_wire(plan, self.rule, self.config.bucket_bytes))
 
     def buckets(self, plan) -> Transfer:
@@ -77,7 +78,7 @@ class Fp8Encoding(Encoding):
 
 
 def plan_fp8_wire(plan, rule: Fp8Rule, bucket_bytes: int) -> dict[str, ParamSpec]:
-    """Replan ``plan``'s serving-dtype buckets as what travels in FP8 (:func:`bridge.fp8.plan_fp8_buckets`) and set
+    """Replan ``plan``'s serving-dtype buckets as what travels in FP8 (:func:`bridge.codecs.fp8.plan_fp8_buckets`) and set
     the snapshot's ``quantization_config``; the serving-dtype spec of every tensor, by name."""
     served = [s for b in plan.buckets for s in b.specs]
     plan.buckets = plan_fp8_buckets(served, rule, bucket_bytes)
@@ -86,8 +87,8 @@ def plan_fp8_wire(plan, rule: Fp8Rule, bucket_bytes: int) -> dict[str, ParamSpec
 
 
 def fp8_buckets(plan, served: dict[str, ParamSpec]) -> list[Outgoing]:
-    """``plan``'s FP8 buckets (:func:`bridge.fp8.plan_fp8_buckets`), each quantized on the ranks that hold its rows as
-    it is gathered (:func:`bridge.fp8.gather_fp8_bucket`); ``served``: the serving-dtype spec of every tensor."""
+    """``plan``'s FP8 buckets (:func:`bridge.codecs.fp8.plan_fp8_buckets`), each quantized on the ranks that hold its rows as
+    it is gathered (:func:`bridge.sources.fp8.gather_fp8_bucket`); ``served``: the serving-dtype spec of every tensor."""
     source = plan.source
 
     def fill(bucket):

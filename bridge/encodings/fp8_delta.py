@@ -1,13 +1,13 @@
 """The ``fp8_delta`` encoding: the delta (:mod:`bridge.encodings.delta`) over what FP8 servers serve.
 
 The base is the FP8 bytes and the fp32 block scales the servers serve (``wsync serve --quantization fp8``, the
-``fp8`` encoding's format, :mod:`bridge.fp8`): each rank quantizes its own rows as the ``fp8`` encoding does (the
-same :class:`~bridge.fp8.Fp8Rule`, the same functions, so the same bytes), diffs its FP8 bytes and its rows of the
+``fp8`` encoding's format, :mod:`bridge.codecs.fp8`): each rank quantizes its own rows as the ``fp8`` encoding does (the
+same :class:`~bridge.codecs.fp8.Fp8Rule`, the same functions, so the same bytes), diffs its FP8 bytes and its rows of the
 scales against its base, and sends what changed; an anchor is the FP8 full sync (:func:`bridge.encodings.fp8.
 fp8_buckets`). A quantized weight is two base pieces on each rank, in the layout the delta's digest and the
-servers cut (:func:`bridge.delta_codec.pieces_of`), so the base digest covers the scales too:
+servers cut (:func:`bridge.codecs.delta.pieces_of`), so the base digest covers the scales too:
 
-* when the rank's rows are whole 128-row blocks (:func:`bridge.fp8.own_blocks`), its FP8 rows and its own rows
+* when the rank's rows are whole 128-row blocks (:func:`bridge.sources.fp8.own_blocks`), its FP8 rows and its own rows
   of the scales, taken in the same pass;
 * otherwise (the k/v projections of ``small`` on 2 ranks: 64 rows each) the scales are agreed across the ranks:
   each rank quantizes its rows with the scales of the base, sends its block absmax in its summary, and every rank
@@ -15,7 +15,7 @@ servers cut (:func:`bridge.delta_codec.pieces_of`), so the base digest covers th
   they moved, the bytes were diffed against the wrong scales and the sync is an anchor, which writes the agreed
   scales into the base at commit. At lr 1e-6 a block's absmax rarely moves.
 
-Real SGLang gets anchors, with the reason logged: its delta loader (:mod:`bridge.sglang_delta_loader`) applies
+Real SGLang gets anchors, with the reason logged: its delta loader (:mod:`bridge.serving.sglang_delta_loader`) applies
 serving-dtype records to SGLang's own (stacked) parameters, not FP8 bytes and scales.
 
 Why an encoding and not a delta option: what travels differs (FP8 and scales, and a snapshot's
@@ -30,24 +30,23 @@ from dataclasses import dataclass
 
 import torch
 
-from bridge.delta_codec import pieces_of
-from bridge.encodings.delta import DeltaEncoding, DeltaOptions
-from bridge.encodings.fp8 import Fp8Options, fp8_buckets, plan_fp8_wire
-from bridge.encodings.registry import register_encoding
-from bridge.errors import ConfigError
-from bridge.fp8 import (
+from bridge.codecs.delta import pieces_of
+from bridge.codecs.fp8 import (
     BLOCK,
     FP8_DTYPE,
     SCALE_SUFFIX,
     Fp8Rule,
-    OwnScales,
     block_amax,
     block_scales,
-    own_blocks,
     quantize_rows,
     scale_shape,
 )
+from bridge.encodings.delta import DeltaEncoding, DeltaOptions
+from bridge.encodings.fp8 import Fp8Options, fp8_buckets, plan_fp8_wire
+from bridge.encodings.registry import register_encoding
+from bridge.errors import ConfigError
 from bridge.sources import LocalShard
+from bridge.sources.fp8 import OwnScales, own_blocks
 from bridge.tensors import ParamSpec
 
 __all__ = ["Fp8DeltaEncoding", "Fp8DeltaOptions"]
@@ -137,7 +136,7 @@ class Fp8DeltaEncoding(DeltaEncoding):
         return out
 
     def _cast(self, spec: ParamSpec, local: torch.Tensor) -> torch.Tensor:
-        """A piece's base values: a quantized weight's rows as e4m3fn (as :func:`bridge.fp8.gather_fp8_bucket`
+        """A piece's base values: a quantized weight's rows as e4m3fn (as :func:`bridge.sources.fp8.gather_fp8_bucket`
         makes them), its scale piece, or the serving-dtype cast."""
         q = self._q.get(spec.name)
         if q is not None and spec.dtype == FP8_DTYPE:

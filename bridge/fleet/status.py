@@ -156,7 +156,7 @@ def _out_of_rotation(registry: Registry) -> dict[str, tuple[str | None, float | 
 
 
 def _announced(name_resolve: str, experiment: str, trial: str) -> int | None:
-    from bridge.subscriber import VersionSubscriber
+    from bridge.serving.subscriber import VersionSubscriber
 
     sub = VersionSubscriber(name_resolve, experiment, trial)
     try:

@@ -1,7 +1,7 @@
 """How a sync's buckets reach the servers: one module per transport, one lifecycle for all.
 
 ``base`` documents the lifecycle (begin, buffer, send, settle, commit, abort), which process runs each
-step, and what receives the buckets on each rank (:class:`Sink`); :class:`bridge.publisher.WeightPublisher`
+step, and what receives the buckets on each rank (:class:`Sink`); :class:`bridge.publisher.core.WeightPublisher`
 drives it. ``registry`` knows every transport by name: each module registers its class with
 :func:`register`. The project's own: ``broadcast``, a custom process group (NCCL on GPU, gloo on CPU);
 ``colocated``, buckets handed over by reference on one host, as shared-memory files to the reference

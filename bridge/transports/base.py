@@ -1,8 +1,8 @@
 """The lifecycle every transport follows, which sink each rank uses, and the server bookkeeping that
 broadcast and colocated share.
 
-:class:`bridge.publisher.WeightPublisher` drives one sync as a fixed sequence of steps; after each
-step every trainer rank learns every rank's outcome (:mod:`bridge.agreement`), so all ranks go on or
+:class:`bridge.publisher.core.WeightPublisher` drives one sync as a fixed sequence of steps; after each
+step every trainer rank learns every rank's outcome (:mod:`bridge.publisher.agreement`), so all ranks go on or
 all raise the same error. A transport only says how bytes move. Which process runs each method:
 
 ============  ========  ==================================================================================
@@ -62,7 +62,7 @@ from bridge.buckets import Bucket
 from bridge.errors import ConfigError
 from bridge.log import get_logger
 from bridge.options import NoOptions, option
-from bridge.plan import Plan
+from bridge.publisher.plan import Plan
 from bridge.transports.sessions import (  # noqa: F401 (re-exported: a transport of one file imports them from here)
     ServerSessions,
     bucket_answers,

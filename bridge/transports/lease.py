@@ -29,10 +29,10 @@ import threading
 import uuid
 from urllib.parse import quote
 
-from bridge.bounded import each_within
 from bridge.errors import BridgeError, NameEntryExists, NameEntryNotFound, ServerError
 from bridge.log import get_logger
 from bridge.protocol import ANOTHER_WRITER
+from bridge.publisher.bounded import each_within
 
 __all__ = ["WriterLease", "lock_key"]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 
-from bridge.bounded import each_within
 from bridge.errors import BridgeError, DeltaBaseMismatch, ServerError, SessionAlreadyOpen, SyncError, VersionError
 from bridge.failpoints import armed, failpoint
 from bridge.log import get_logger
 from bridge.protocol import DELTA_BASE_MISMATCH
+from bridge.publisher.bounded import each_within
 
 __all__ = ["ServerSessions", "bucket_answers", "deadline_left", "discard_session", "pause_mode_for"]
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from bridge.buckets import Bucket
-from bridge.plan import Plan
+from bridge.publisher.plan import Plan
 
 __all__ = ["Sink", "TransportSink"]
 

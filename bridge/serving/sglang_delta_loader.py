@@ -2,13 +2,13 @@
 
 Start SGLang (0.4.8 or newer) with::
 
-    python -m sglang.launch_server ... --custom-weight-loader bridge.sglang_delta_loader.load_delta
+    python -m sglang.launch_server ... --custom-weight-loader bridge.serving.sglang_delta_loader.load_delta
 
-(wsync importable in SGLang's environment; this module and :mod:`bridge.delta_codec` need only torch). A
+(wsync importable in SGLang's environment; this module and :mod:`bridge.codecs.delta` need only torch). A
 publisher with ``encoding="delta"`` then sends each delta bucket as ``/update_weights_from_tensor`` with
-``load_format="bridge.sglang_delta_loader.load_delta"``, inside SGLang's update session; SGLang deserializes
+``load_format="bridge.serving.sglang_delta_loader.load_delta"``, inside SGLang's update session; SGLang deserializes
 the payload with its ``SafeUnpickler`` (two plain tensors: the table as JSON bytes, and the records of
-:mod:`bridge.delta_codec`), moves it to the model's device and calls :func:`load_delta` on every TP rank.
+:mod:`bridge.codecs.delta`), moves it to the model's device and calls :func:`load_delta` on every TP rank.
 
 The records are in the trainer's coordinates: whole HF tensors (``q_proj``, ``gate_proj``, ...). SGLang
 serves other ones: q/k/v stacked into ``qkv_proj`` and gate/up into ``gate_up_proj``, each TP rank a slice.
@@ -37,7 +37,7 @@ import weakref
 
 import torch
 
-from bridge.delta_codec import DELTA_TENSOR, INTS, iter_records
+from bridge.codecs.delta import DELTA_TENSOR, INTS, iter_records
 
 __all__ = ["load_delta"]
 

@@ -1,4 +1,4 @@
-"""What one ``publish()`` returns: :class:`PublishResult` (re-exported by :mod:`bridge.publisher`)."""
+"""What one ``publish()`` returns: :class:`PublishResult` (re-exported by :mod:`bridge.publisher.core`)."""
 
 from __future__ import annotations
 

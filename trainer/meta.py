@@ -3,7 +3,7 @@
 ``engine.upload_weights(meta)`` (see ``trainer.FSDPEngine``) turns it into a publish. ``type`` is the
 transport, as ``PublisherConfig(transport=...)`` takes it: ``"broadcast"`` (``"nccl"`` is accepted as an
 alias), ``"colocated"``, ``"disk"`` or any other registered one (:mod:`bridge.transports`); the remaining
-fields map one to one onto :class:`bridge.publisher.PublisherConfig`.
+fields map one to one onto :class:`bridge.publisher.core.PublisherConfig`.
 
 Example:
     >>> meta = WeightUpdateMeta(type="nccl", version=3, servers=["http://127.0.0.1:30000"], bucket_mb=64)
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge.errors import ConfigError
-from bridge.publisher import PublisherConfig
+from bridge.publisher.core import PublisherConfig
 
 __all__ = ["WeightUpdateMeta"]
 

@@ -16,13 +16,13 @@ class Encoded:
     own dataclass derives from it (the delta's :class:`bridge.encodings.delta.DeltaPlan`)."""
 
     def report(self) -> EncodingReport:
-        """What :class:`bridge.result.PublishResult` reports of the encoding of this sync."""
+        """What :class:`bridge.publisher.result.PublishResult` reports of the encoding of this sync."""
         return EncodingReport()
 
 
 @dataclass
 class EncodingReport:
-    """What :class:`bridge.result.PublishResult` reports of the encoding of one sync."""
+    """What :class:`bridge.publisher.result.PublishResult` reports of the encoding of one sync."""
 
     encoding: str = "full"
     """What was sent: full, delta, or anchor (a full sync of the delta encoding)."""
@@ -41,7 +41,7 @@ class Plan:
     buckets: list[Bucket]
     """What travels, bucket by bucket: planned from the source's tensors in the serving dtype; an encoding whose
     tensors travel otherwise (a quantized one: other dtypes, added scales) plans them again from what it sends, in
-    its ``plan``. The servers are checked against them before anything moves (:mod:`bridge.preflight`)."""
+    its ``plan``. The servers are checked against them before anything moves (:mod:`bridge.publisher.preflight`)."""
     source: Any = None
     """The :class:`bridge.sources.WeightSource` being published."""
     retried: bool = False
@@ -49,7 +49,7 @@ class Plan:
     phases: dict[str, float] = field(default_factory=dict)
     forced: str | None = None
     """Why this sync must send every tensor, decided by the publisher (a server refused the delta of this
-    version: :mod:`bridge.versions`); None otherwise."""
+    version: :mod:`bridge.publisher.versions`); None otherwise."""
     encoded: Encoded | None = None
     """What the encoding planned for this sync; None for ``full``."""
     decision: Any = None
@@ -58,12 +58,12 @@ class Plan:
     """Fields the encoding adds to the model's ``config.json`` where a transport writes one (a disk snapshot: a
     quantized encoding's ``quantization_config``, by which SGLang and transformers load it); :attr:`model_config`."""
     served_digest: str | None = None
-    """The digest of these weights as servers serve them (:mod:`bridge.labels`), when this sync took one."""
+    """The digest of these weights as servers serve them (:mod:`bridge.publisher.labels`), when this sync took one."""
     record_labels: list[str] = field(default_factory=list)
-    """Real SGLang servers whose label this sync records at commit, with ``served_digest`` (:mod:`bridge.labels`)."""
+    """Real SGLang servers whose label this sync records at commit, with ``served_digest`` (:mod:`bridge.publisher.labels`)."""
 
     def report(self) -> EncodingReport:
-        """What :class:`bridge.result.PublishResult` reports of the encoding of this sync."""
+        """What :class:`bridge.publisher.result.PublishResult` reports of the encoding of this sync."""
         return self.encoded.report() if self.encoded is not None else EncodingReport()
 
     @property

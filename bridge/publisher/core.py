@@ -3,15 +3,15 @@
 A :class:`WeightPublisher` is created once by the training script (on every rank) and
 ``publish(source, version)`` is called collectively by every trainer rank after each step. It drives
 one sync through the same steps whatever the transport (:mod:`bridge.transports`, registered by name);
-after each step every rank learns every rank's outcome (:mod:`bridge.agreement`):
+after each step every rank learns every rank's outcome (:mod:`bridge.publisher.agreement`):
 
 ``_publish`` is these five steps, each one call:
 
 1. **prepare** (every rank): the wire specs and bucket plan, and the encoding's summary (``Encoding.prepare``,
    then ``plan`` with every rank's, which may plan the buckets again from what it sends); then, in a step
-   "check", rank 0 asks the servers whether they serve what the plan sends (:mod:`bridge.preflight`). On a
+   "check", rank 0 asks the servers whether they serve what the plan sends (:mod:`bridge.publisher.preflight`). On a
    retry of the last version each rank tells whether its shards still hold the weights it published then
-   (:mod:`bridge.versions`: a digest of them, or the encoding's ``differs`` for one that keeps them, the
+   (:mod:`bridge.publisher.versions`: a digest of them, or the encoding's ``differs`` for one that keeps them, the
    delta's base); with every rank's answer, every rank decides the same thing: an older version, or the
    last version with other weights, is a :class:`VersionError` before any byte moves; the last version with
    the same weights is a safe retry.
@@ -29,7 +29,7 @@ after each step every rank learns every rank's outcome (:mod:`bridge.agreement`)
 5. **commit** (rank 0): the version goes live, given every rank's report.
 
 Ctrl-C and SIGTERM are held until the step in progress ends, then fail the sync the same way before
-they take effect (:mod:`bridge.interrupts`). Any exception on any rank, of any type, in any step, makes
+they take effect (:mod:`bridge.publisher.interrupts`). Any exception on any rank, of any type, in any step, makes
 every rank raise the same error (the first
 failure's class when it is one of the project's, else :class:`SyncError` naming the rank, the step and
 the cause) within the step's bound; every sink aborts, the encoding undoes its prepare (``Encoding.end``),
@@ -60,25 +60,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bridge.agreement import Agreement, describe, note_failure_time
-from bridge.bounded import call_within
 from bridge.buckets import plan_buckets
 from bridge.config import PublisherConfig
 from bridge.encodings import encoding_class
 from bridge.encodings.base import Outgoing, Transfer
 from bridge.errors import BridgeError, ConfigError, SyncTimeout, VersionError
 from bridge.failpoints import failpoint
-from bridge.interrupts import held
 from bridge.log import fmt_bytes, get_logger, progress_bar
-from bridge.memory import PeakMemory
 from bridge.metrics import SYNC, serve_metrics
-from bridge.preflight import check_servers_serve
 from bridge.process_group import default_backend
-from bridge.result import PublishResult
+from bridge.publisher.agreement import Agreement, describe, note_failure_time
+from bridge.publisher.bounded import call_within
+from bridge.publisher.interrupts import held
+from bridge.publisher.memory import PeakMemory
+from bridge.publisher.preflight import check_servers_serve
+from bridge.publisher.result import PublishResult
+from bridge.publisher.versions import Versions
 from bridge.sources import CheckedSource, WeightSource, check_source
 from bridge.tensors import ParamSpec, dtype_from_str
 from bridge.transports import Plan, Sink, Transport, transport_class
-from bridge.versions import Versions
 
 __all__ = ["PublishResult", "PublisherConfig", "WeightPublisher", "bucket_bound", "dead_rank_bound", "publish_call_bound"]
 
@@ -113,7 +113,7 @@ class WeightPublisher:
         self._sink: Sink | None = None  # what receives the buckets gathered to this rank (every rank), built with it
         self._others: list[Sink] = []  # rank 0: other sinks this sync's buckets went to (a delta for real SGLang)
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
-        self._labels = None  # rank 0: the records of what real SGLang servers serve (bridge.labels)
+        self._labels = None  # rank 0: the records of what real SGLang servers serve (bridge.publisher.labels)
 
     # ---------------------------------------------------------------- public API
 
@@ -137,7 +137,7 @@ class WeightPublisher:
             VersionError: ``version`` is older than the last published one, or equal with other weights.
             SyncError / SyncTimeout / ConfigError: the sync failed; servers keep their previous version.
             KeyboardInterrupt / SystemExit (only on the rank it came to, the others raise SyncError): Ctrl-C,
-                SIGTERM or an interrupt raised in a step, after the same clean-up (:mod:`bridge.interrupts`).
+                SIGTERM or an interrupt raised in a step, after the same clean-up (:mod:`bridge.publisher.interrupts`).
         """
         self._versions.check(version)
         checked = check_source(source)
@@ -315,9 +315,9 @@ class WeightPublisher:
 
     def _check(self, plan: Plan, specs: list[ParamSpec], labels: dict | None) -> None:
         """Step "check", once the encoding planned what travels (``plan.buckets``), before any server is paused:
-        rank 0 checks that the servers serve it (:mod:`bridge.preflight`), and every rank adds its part of the
+        rank 0 checks that the servers serve it (:mod:`bridge.publisher.preflight`), and every rank adds its part of the
         digest the servers that already serve this version are compared with (:meth:`_check_labels`)."""
-        from bridge.labels import local_digest_part
+        from bridge.publisher.labels import local_digest_part
 
         def check():
             if self._rank == 0 and self._transport.servers is not None:
@@ -372,7 +372,7 @@ class WeightPublisher:
     def _served_labels(self, version: int, specs: list[ParamSpec]) -> dict | None:
         """Rank 0, in the prepare step: the servers that already serve ``version``, which this publisher did not
         publish, with the digest of what they serve (or why it cannot be known), and the real SGLang servers
-        whose label this sync records at commit (:mod:`bridge.labels`); None when neither."""
+        whose label this sync records at commit (:mod:`bridge.publisher.labels`); None when neither."""
         fleet = self._fleet
         if fleet is None or fleet.group is None:
             return None
@@ -405,8 +405,8 @@ class WeightPublisher:
         """Every rank, in the check step: the digest of these weights as servers serve them (``parts``: each rank's
         of its own rows), compared with what the servers that already serve this version serve. Other weights, or
         weights that cannot be compared, are a VersionError on every rank before anything moves; the same
-        weights are a safe retry (:mod:`bridge.labels`)."""
-        from bridge.labels import refusal
+        weights are a safe retry (:mod:`bridge.publisher.labels`)."""
+        from bridge.publisher.labels import refusal
 
         digest = None if any(p is None for p in parts) else f"{sum(parts) % (1 << 64):016x}"
         problems = []
@@ -421,9 +421,9 @@ class WeightPublisher:
         plan.served_digest, plan.record_labels = digest, list(labels["record"])
 
     def _label_records(self):
-        """Rank 0: where the labels of real SGLang servers are recorded (:class:`bridge.labels.LabelRecords`)."""
+        """Rank 0: where the labels of real SGLang servers are recorded (:class:`bridge.publisher.labels.LabelRecords`)."""
         if self._labels is None:
-            from bridge.labels import LabelRecords
+            from bridge.publisher.labels import LabelRecords
 
             sessions = self.config.session_options  # the lock of a transport that updates servers in sessions
             self._labels = LabelRecords(sessions.writer_lock if sessions is not None else None)

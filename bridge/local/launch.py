@@ -9,9 +9,9 @@ would print the error once per rank and then ~35 lines of its own ``ChildFailedE
 
 Each rank runs ``python -m wsync`` with its arguments in ``WSYNC_RANK_ARGV`` (:data:`ARGV_ENV`), which
 ``wsync.cli.main`` reads: a new process, or, where the command line passes its ``main`` and no other thread runs
-(:func:`can_fork`), a child forked from the command, which has already imported torch and transformers (a 2-rank
-``wsync train`` of the tiny preset: 9.6 CPU-seconds instead of 15.5 on 2 cores; ``WSYNC_SPAWN_RANKS=1`` spawns). The launcher lives here, below the command line, because the commands, the
-bench and the tests all start ranks with it; only the module name it runs refers to the top.
+(:func:`can_fork`), a child forked from the command, which has already imported torch and transformers (the imports
+are a rank's largest start-up cost on a small machine; ``WSYNC_SPAWN_RANKS=1`` spawns). The commands, the bench and
+the tests all start ranks with it.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ import sys
 import tempfile
 import time
 
-__all__ = ["ARGV_ENV", "DEBUG_ENV", "SPAWN_ENV", "ForkedRank", "RankJob", "can_fork", "debug_enabled", "report_rank_error", "run_ranks", "start_ranks",
+__all__ = ["ARGV_ENV", "SPAWN_ENV", "ForkedRank", "RankJob", "can_fork", "report_rank_error", "run_ranks", "start_ranks",
            "under_torchrun"]
 
 ARGV_ENV = "WSYNC_RANK_ARGV"
 ERROR_DIR_ENV = "WSYNC_RANK_ERROR_DIR"
-DEBUG_ENV = "WSYNC_DEBUG"
 SPAWN_ENV = "WSYNC_SPAWN_RANKS"
 """Set (to anything): every rank is a new ``python -m wsync`` process, never forked (:func:`can_fork`)."""
 
@@ -38,11 +37,6 @@ SPAWN_ENV = "WSYNC_SPAWN_RANKS"
 def under_torchrun() -> bool:
     """True in a rank process (started here, by torchrun, or by any launcher that sets RANK and WORLD_SIZE)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def debug_enabled() -> bool:
-    """``--debug`` or ``WSYNC_DEBUG=1``: print tracebacks instead of one-line errors."""
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def report_rank_error(message: str) -> bool:

@@ -14,11 +14,11 @@ it does not go through the full-weight encodings: :class:`AdapterPublisher` gath
   and the tensors (the payload as the server's SGLang version takes it);
 - by broadcast, reference servers only, any host (``via="broadcast"``): the project route
   ``/wsync/load_lora_adapter_from_distributed`` to every server at once and one broadcast of the gathered buffer on
-  a weight-update group kept across publishes (:mod:`bridge.adapter_broadcast`).
+  a weight-update group kept across publishes (:mod:`bridge.lora.broadcast`).
 
 The servers replace the adapter under its name in one step (the reference server's ``wsync_replace``): a
 client asking for the adapter by name never finds it missing. A publish is collective and every rank raises
-the same error (:mod:`bridge.agreement`); a failure after some server took the new version loads the
+the same error (:mod:`bridge.publisher.agreement`); a failure after some server took the new version loads the
 previous version back into those servers, so every server keeps serving the previous adapter.
 
 The source (the FSDP2 engine in ``trainer/`` with ``EngineConfig(lora=...)``) offers ``adapter_specs()``,
@@ -45,13 +45,13 @@ from dataclasses import dataclass
 
 import torch
 
-from bridge.agreement import STEP_ATTR, Agreement, in_step
 from bridge.digest import tensor_checksum
 from bridge.errors import BridgeError, ConfigError, SyncError, VersionError
 from bridge.failpoints import failpoint
-from bridge.interrupts import held
 from bridge.log import get_logger
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
+from bridge.publisher.agreement import STEP_ATTR, Agreement, in_step
+from bridge.publisher.interrupts import held
 from bridge.snapshot.writer import fsync_path
 from bridge.tensors import dtype_from_str
 
@@ -231,7 +231,7 @@ class AdapterPublisher:
         self._removing = None  # rank 0, disk: the removal of old directories, left running by the last commit
         self._syncing = None  # rank 0, disk: the fsyncs of the directory being published (:meth:`_write`)
         self._spare: _Published | None = None  # rank 0: a gather's buffer no one uses any more, the next one's memory
-        self._group = None  # rank 0, broadcast: the servers' weight-update group (bridge.adapter_broadcast)
+        self._group = None  # rank 0, broadcast: the servers' weight-update group (bridge.lora.broadcast)
 
     @property
     def last_version(self) -> int | None:
@@ -439,7 +439,7 @@ class AdapterPublisher:
                             "min_servers")
         self._current = urls
         if cfg.via == "broadcast":  # before anything moves
-            from bridge.adapter_broadcast import require_reference_servers
+            from bridge.lora.broadcast import require_reference_servers
 
             require_reference_servers(self._servers())
         return len(urls)
@@ -491,7 +491,7 @@ class AdapterPublisher:
 
     def _broadcast_all(self, new: _Published) -> None:
         """Rank 0, broadcast: every server loads ``new`` at once over the group (made on the first publish)."""
-        from bridge.adapter_broadcast import AdapterGroup, GroupLost
+        from bridge.lora.broadcast import AdapterGroup, GroupLost
 
         clients = self._servers()
         for i in range(len(clients)):

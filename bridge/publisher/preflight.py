@@ -7,7 +7,7 @@ never comes. The reference server lists what it serves (``/wsync/weights_spec``)
 shape and dtype is compared, and every difference is named in full, with the fix. Real SGLang lists no
 parameters: its serving dtype is compared where its server info states one, and what its
 ``/get_weights_by_name`` route can tell is asked in a bounded number of requests
-(:mod:`bridge.preflight_sglang`: names, trailing dims, the layer count), once per server; what it cannot
+(:mod:`bridge.publisher.preflight_sglang`: names, trailing dims, the layer count), once per server; what it cannot
 tell is said once.
 """
 
@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Sequence
 
 from bridge.errors import ConfigError
-from bridge.preflight_sglang import sglang_mismatch
+from bridge.publisher.preflight_sglang import sglang_mismatch
 from bridge.tensors import ParamSpec, dtype_to_str
 
 __all__ = ["check_servers_serve", "mismatch"]

@@ -14,7 +14,7 @@ step's bound.
 
 Interrupts: a ``KeyboardInterrupt`` or ``SystemExit`` raised in a step is that rank's failure like any
 other (the error it raises carries it as ``.interrupt``, for the caller to re-raise after the clean-up);
-a SIGINT or SIGTERM held by :mod:`bridge.interrupts` fails the step it arrived in, once the step's own
+a SIGINT or SIGTERM held by :mod:`bridge.publisher.interrupts` fails the step it arrived in, once the step's own
 work is done. A rank that leaves in the middle of a sync (:meth:`Agreement.leave`) tells the others, so
 they fail at their next exchange instead of waiting for it until the step's bound.
 
@@ -48,8 +48,8 @@ from bridge.errors import (
     SyncTimeout,
     VersionError,
 )
-from bridge.interrupts import Interrupted, pending
 from bridge.log import get_logger
+from bridge.publisher.interrupts import Interrupted, pending
 
 __all__ = ["Agreement", "StepFailed", "describe", "in_step", "note_failure_time"]
 

@@ -1,7 +1,7 @@
 """The byte format of a delta: what changed in a tensor since the base a server serves, and how to apply it.
 
 This module needs only torch and the standard library (and ``zstandard`` for ``ZSTD`` records): trainer ranks encode with it, the reference
-server applies with it, and the loader real SGLang imports (:mod:`bridge.sglang_delta_loader`) decodes with
+server applies with it, and the loader real SGLang imports (:mod:`bridge.serving.sglang_delta_loader`) decodes with
 it inside SGLang's scheduler process.
 
 A delta bucket is one ``uint8`` buffer: a sequence of *records*, then zero padding. A record is what one

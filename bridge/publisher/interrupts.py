@@ -2,7 +2,7 @@
 
 A signal that kills a rank in the middle of a sync would leave the servers paused with an update
 session open (real SGLang resumes only when told to), and the other ranks waiting for the dead one
-until their timeout. So while :meth:`bridge.publisher.WeightPublisher.publish` runs in the main
+until their timeout. So while :meth:`bridge.publisher.core.WeightPublisher.publish` runs in the main
 thread, SIGINT and SIGTERM are held (:func:`held`): the first one is only recorded, the step in
 progress runs to its end (its collectives complete, since every rank is still in them), and the
 agreement then counts this rank's step as failed (:func:`pending`). Every rank raises the same
