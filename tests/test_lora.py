@@ -154,7 +154,7 @@ def test_safetensors_written_from_the_tensors_bytes_read_back_as_save_files(tmp_
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from bridge.lora.publisher import write_safetensors
+    from bridge.snapshot.adapter import write_safetensors
 
     flat = torch.randn(700, dtype=torch.float32).to(torch.bfloat16)
     cases = {
@@ -181,7 +181,7 @@ def test_adapter_dir_in_place_first_made_durable_after(tmp_path):
     from safetensors.torch import load_file
 
     from bridge.errors import SnapshotError
-    from bridge.lora.publisher import sync_adapter_dir, write_adapter_dir
+    from bridge.snapshot.adapter import sync_adapter_dir, write_adapter_dir
 
     tensors = {"base_model.model.x.lora_A.weight": torch.randn(4, 8)}
     path = write_adapter_dir(str(tmp_path / "policy"), 3, tensors, {"r": 4}, durable=False)

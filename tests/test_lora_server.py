@@ -235,7 +235,7 @@ def test_an_adapter_in_one_buffer_is_copied_and_checked_in_one_pass(lora_server,
     # By a directory: the file's tensors are read as views of its bytes, checked in one pass, yet named when bad
     from safetensors.torch import save_file
 
-    from bridge.lora.publisher import write_adapter_dir
+    from bridge.snapshot.adapter import write_adapter_dir
 
     folder = os.path.join(adapter_root, "one-file")
     path = write_adapter_dir(folder, 1, t, cfg)

@@ -35,153 +35,35 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
-import uuid
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from bridge.digest import tensor_checksum
 from bridge.errors import BridgeError, ConfigError, SyncError, VersionError
 from bridge.failpoints import failpoint
 from bridge.log import get_logger
-from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
+from bridge.lora.config import AdapterPublisherConfig, AdapterPublishResult, adapter_key
+from bridge.lora.gather import DISK_WORK, Checksums, gather_adapter_tensors
 from bridge.publisher.agreement import STEP_ATTR, Agreement, in_step
 from bridge.publisher.interrupts import held
-from bridge.snapshot.writer import fsync_path
+from bridge.snapshot.adapter import (
+    ADAPTER_FILE,
+    CURRENT_LINK,
+    point_current,
+    remove_old_versions,
+    sync_adapter_dir,
+    write_adapter_dir,
+)
 from bridge.tensors import dtype_from_str
 
-__all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key", "sync_adapter_dir",
-           "write_adapter_dir", "write_safetensors"]
+__all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key"]
 
 logger = get_logger(__name__)
 
-VIAS = ("disk", "tensors", "broadcast")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 SLACK_S = 5.0
 """Added to each step's bound: the exchange itself, on a loaded machine."""
-ADAPTER_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
-CURRENT_LINK = "current"
-"""``<root>/<name>/current``: a symlink to the version served, the path real SGLang servers load (:func:`point_current`)."""
-
-
-def adapter_key(experiment: str, trial: str, name: str, version: int, root: str = "wsync") -> str:
-    """``<root>/<experiment>/<trial>/lora_adapters/<name>/<version>``: the announcement of one adapter version
-    (a JSON object: ``name``, ``version``, ``path``, ``checksums``)."""
-    from bridge.name_resolve import names
-
-    return f"{names.trial_root(experiment, trial, root)}/lora_adapters/{name}/{version}"
-
-
-@dataclass(kw_only=True, slots=True)
-class AdapterPublisherConfig:
-    """Where and how an adapter goes. Checked when built."""
-
-    name: str
-    """The adapter's stable name on the servers (SGLang's ``lora_name``; what ``lora_path`` asks for)."""
-    via: str = "disk"
-    """``disk`` (a PEFT adapter directory, any host that sees ``root``), ``tensors`` (servers on this host) or
-    ``broadcast`` (reference servers on any host, over a weight-update group)."""
-    servers: Sequence[str] = ()
-    """Base URLs of the servers that serve the adapter."""
-    server_registry: str | Sequence[str] | None = None
-    """Where more servers are found, read again at every publish, as ``PublisherConfig.server_registry``
-    (``etcd://``, ``file:///dir``, ``router+http://``; servers registered for ``experiment``/``trial``)."""
-    min_servers: int = 1
-    """With servers or a registry: a publish fails (before anything is loaded) when fewer servers are found."""
-    root: str | None = None
-    """Disk: the folder of the adapter directories, ``<root>/<name>/v<version>`` (default: a folder under
-    the temporary directory, per experiment and trial)."""
-    keep: int = 3
-    """Disk: adapter directories kept, the newest ones (at least 2: the previous one is the way back)."""
-    name_resolve: str | None = None
-    """Disk: where versions are announced (etcd://, file://, memory://; default: the project's default)."""
-    experiment: str = DEFAULT_EXPERIMENT
-    trial: str = DEFAULT_TRIAL
-    dtype: str | None = None
-    """The dtype the adapter travels and is served in (default: the trainer's, float32)."""
-    http_timeout: float = 60.0
-    """Seconds one server call may take."""
-    gather_timeout: float = 120.0
-    """Seconds the gather step may take on every rank."""
-    api_key: str | None = None
-    admin_api_key: str | None = None
-    group_timeout: float = 60.0
-    """Broadcast: seconds for the group's rendezvous and for each broadcast."""
-    master_address: str | None = None
-    """Broadcast: this host's address as the servers reach it (default: 127.0.0.1 with local servers only, else the
-    address of the interface that routes to them)."""
-    master_port: int | None = None
-    """Broadcast: the group's rendezvous port (default: a free one)."""
-    backend: str | None = None
-    """Broadcast: ``gloo`` or ``nccl`` (default: :func:`bridge.process_group.default_backend`; the reference server
-    on CPU takes gloo)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ConfigError(f"adapter name must be letters, digits, '.', '_' or '-' (a path component), got {self.name!r}")
-        if self.via not in VIAS:
-            raise ConfigError(f"via must be one of {', '.join(VIAS)} (an adapter goes by disk, on one host by tensors, "
-                              f"or to reference servers by broadcast), got {self.via!r}")
-        if isinstance(self.servers, str):
-            raise ConfigError(f"servers must be a list of URLs, got the string {self.servers!r}")
-        self.servers = [str(s).rstrip("/") for s in self.servers]
-        if isinstance(self.server_registry, str):
-            self.server_registry = [self.server_registry]
-        self.server_registry = list(self.server_registry or ()) or None
-        from bridge.fleet.discovery import check_registry_url
-
-        for url in self.server_registry or ():
-            check_registry_url(url)
-        if isinstance(self.min_servers, bool) or not isinstance(self.min_servers, int) or self.min_servers < 1:
-            raise ConfigError(f"min_servers must be an integer >= 1, got {self.min_servers!r}")
-        if self.via in ("tensors", "broadcast") and not self.servers and not self.server_registry:
-            raise ConfigError(f"via={self.via!r} sends the adapter to servers: give servers=[URL, ...] or "
-                              "server_registry=URL")
-        self._check_broadcast()
-        if self.keep < 2:
-            raise ConfigError(f"keep must be >= 2 (the previous adapter is what a failed publish goes back to), got {self.keep}")
-        if self.dtype is not None:
-            dtype_from_str(self.dtype)  # raises ConfigError naming the dtype
-        for what in ("http_timeout", "gather_timeout", "group_timeout"):
-            if not getattr(self, what) > 0:
-                raise ConfigError(f"{what} must be a positive number of seconds, got {getattr(self, what)}")
-        if self.root is None:
-            import tempfile
-
-            self.root = os.path.join(tempfile.gettempdir(), f"wsync_{os.getuid()}", "adapters", self.experiment, self.trial)
-
-    def _check_broadcast(self) -> None:
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ConfigError(f"backend must be gloo or nccl (or None: nccl with CUDA, gloo without), got {self.backend!r}")
-        if self.master_port is not None and (isinstance(self.master_port, bool) or not isinstance(self.master_port, int)
-                                             or not 0 < self.master_port < 65536):
-            raise ConfigError(f"master_port must be a port number (1-65535), got {self.master_port!r}")
-        if self.master_address is not None and not str(self.master_address).strip():
-            raise ConfigError("master_address must not be empty (leave it out: 127.0.0.1 for servers on this host, "
-                              "else this host's address on the way to them)")
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterPublishResult:
-    """What one adapter publish did (the same on every rank)."""
-
-    name: str
-    version: int
-    via: str
-    bytes: int
-    seconds: float
-    path: str | None
-    """Disk: the adapter directory the servers loaded."""
-    checksums: dict[str, str]
-    """sha256 of every tensor as sent (:func:`bridge.digest.tensor_checksum`)."""
-    phases: dict[str, float]
-    """Seconds of each step on this rank (rank 0's: the gather, the write, the servers' loads...)."""
 
 
 @dataclass(slots=True)
@@ -192,7 +74,7 @@ class _Published:
     path: str | None
     config: dict
     tensors: dict[str, torch.Tensor] | None
-    pending_checksums: _Checksums | None
+    pending_checksums: Checksums | None
     """sha256 of every tensor, computed once on rank 0 in the background (the servers check them when the adapter
     goes by tensors; the result reports them)."""
     buffer: torch.Tensor | None = None
@@ -265,7 +147,7 @@ class AdapterPublisher:
             """The collective gather (every rank joins it, then agrees on it before rank 0 loads anything); then,
             on rank 0, the servers of this publish: their number bounds the next step on every rank."""
             reuse = self._take_spare()
-            got = self._part("adapter:gather", lambda: _gathered(source, dtype, cfg.via == "tensors", reuse),
+            got = self._part("adapter:gather", lambda: gather_adapter_tensors(source, dtype, cfg.via == "tensors", reuse),
                              point_after=True) or {}
             new.config, new.pending_checksums = got.get("config", {}), got.get("checksums")
             new.tensors, new.buffer = got.get("tensors"), got.get("buffer")
@@ -405,7 +287,7 @@ class AdapterPublisher:
             return None
         folder = os.path.join(self.config.root, self.config.name)
         path = write_adapter_dir(folder, version, tensors, adapter_config, durable=False)
-        self._syncing = _BACKGROUND.submit(sync_adapter_dir, path)
+        self._syncing = DISK_WORK.submit(sync_adapter_dir, path)
         return path
 
     def _durable(self) -> None:
@@ -588,7 +470,7 @@ class AdapterPublisher:
         if old is not None and old.tensors is not None and old.copied:  # by tensors: no server holds its buffer
             self._spare = old
         if new.path is not None:  # in the background (a few ms of unlinks): done before the next publish or close()
-            self._removing = _BACKGROUND.submit(_remove_old, os.path.dirname(new.path), self.config.keep)
+            self._removing = DISK_WORK.submit(remove_old_versions, os.path.dirname(new.path), self.config.keep)
 
     def _take_spare(self) -> torch.Tensor | None:
         """Rank 0: the spare buffer to gather into (its checksums, which read it, finished first), or None."""
@@ -607,191 +489,3 @@ class AdapterPublisher:
         removing, self._removing = self._removing, None
         if removing is not None and (e := removing.exception()) is not None:
             logger.warning("adapter %r: could not remove old versions' directories: %s", self.config.name, e)
-
-
-_BACKGROUND = ThreadPoolExecutor(1, thread_name_prefix="wsync-adapter-disk")
-"""Rank 0's disk work beside a publish: a directory's fsyncs (:meth:`AdapterPublisher._write`), the removal of old
-ones after a commit (one thread: a publish waits for the removal before it writes)."""
-_CHECKSUM_THREADS = 2
-_CHECKSUMS = ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="wsync-adapter-checksums")
-
-
-class _Checksums:
-    """sha256 of every tensor, computed on :data:`_CHECKSUM_THREADS` threads in the background (hashlib leaves the
-    GIL), about the same bytes on each; :meth:`result` waits for them (a Future's interface)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        parts: list[list[str]] = [[]]
-        cut, acc = sum(t.nbytes for t in tensors.values()) / _CHECKSUM_THREADS, 0
-        for n, t in tensors.items():
-            if acc >= cut * len(parts) and len(parts) < _CHECKSUM_THREADS:
-                parts.append([])
-            parts[-1].append(n)
-            acc += t.nbytes
-        self._futures = [_CHECKSUMS.submit(lambda part=part: {n: tensor_checksum(tensors[n]) for n in part})
-                         for part in parts]
-
-    def result(self) -> dict[str, str]:
-        return {n: c for f in self._futures for n, c in f.result().items()}
-
-
-def _gathered(source, dtype, shared: bool, reuse: torch.Tensor | None = None) -> dict | None:
-    """The collective gather: ``{"tensors": on the CPU, "config": the PEFT config, "checksums", "buffer": the buffer
-    the tensors are views of}`` on rank 0, None elsewhere. ``shared`` (by tensors): gathered into shared memory, which
-    the servers map (``gather_adapter(shared=True)``); ``reuse``: a spare buffer of an earlier gather to fill again."""
-    kwargs = {"shared": True} if shared else {}
-    if reuse is not None:
-        kwargs["reuse"] = reuse
-    tensors = source.gather_adapter(dtype, **kwargs)
-    if tensors is None:
-        return None
-    # Views of the gathered buffer, which they keep alive: copied only when the gather ran on a GPU.
-    if any(t.device.type != "cpu" for t in tensors.values()):
-        tensors = {n: t.detach().to("cpu") for n, t in tensors.items()}
-    buffer = None
-    if tensors:
-        storage = next(iter(tensors.values())).untyped_storage()
-        if all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in tensors.values()):
-            buffer = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-    # sha256 of medium's 9.7 MB takes ~7 ms: computed on two threads beside the exchange, the write and the body.
-    return {"tensors": tensors, "config": source.adapter_config(), "checksums": _Checksums(tensors), "buffer": buffer}
-
-
-def write_adapter_dir(folder: str, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict, *,
-                      durable: bool = True) -> str:
-    """Write a PEFT adapter directory ``<folder>/v<version>`` atomically (temporary directory, fsync, rename);
-    its path. A directory of that version already there (a failed publish's) is replaced.
-
-    The safetensors file is written from the tensors' own bytes (:func:`write_safetensors`: one write for an adapter
-    gathered flat); the two files and the temporary directory are fsynced at once, the journal's commits shared.
-    ``durable=False``: nothing is fsynced (the directory still appears whole, by the rename): call
-    :func:`sync_adapter_dir` before announcing it (:class:`AdapterPublisher` runs it while the servers load it).
-
-    Raises:
-        SnapshotError: the write failed (the disk is full, the folder is not writable).
-    """
-    from bridge.errors import SnapshotError
-
-    final = os.path.join(folder, f"v{version}")
-    tmp = os.path.join(folder, f".tmp-v{version}-{uuid.uuid4().hex[:12]}")
-    try:
-        os.makedirs(tmp)
-        write_safetensors(os.path.join(tmp, ADAPTER_FILE), tensors, {"format": "pt"})
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump(adapter_config, f, indent=2, sort_keys=True)
-        if durable:
-            _fsync_all([(os.path.join(tmp, ADAPTER_FILE), False), (os.path.join(tmp, CONFIG_FILE), False), (tmp, True)])
-        failpoint("adapter:rename", 0)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        if durable:
-            fsync_path(folder, directory=True)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise SnapshotError(f"could not write adapter version {version} into {folder}: {e}; free space or choose "
-                                "another root") from None
-        raise
-    return final
-
-
-def sync_adapter_dir(path: str) -> None:
-    """Make an adapter directory written with ``durable=False`` durable: its two files, itself and its folder (the
-    rename) fsynced at once.
-
-    Raises:
-        SnapshotError: an fsync failed.
-    """
-    from bridge.errors import SnapshotError
-
-    try:
-        _fsync_all([(os.path.join(path, ADAPTER_FILE), False), (os.path.join(path, CONFIG_FILE), False), (path, True),
-                    (os.path.dirname(path), True)])
-    except OSError as e:
-        raise SnapshotError(f"could not write adapter directory {path} durably: {e}; free space or choose another "
-                            "root") from None
-
-
-_FSYNCS = ThreadPoolExecutor(3, thread_name_prefix="wsync-adapter-fsync")
-
-
-def _fsync_all(paths: list[tuple[str, bool]]) -> None:
-    """fsync every ``(path, is_directory)`` at once (all but the first on :data:`_FSYNCS`, the first here): the
-    filesystem commits them together instead of one after the other. Raises the first OSError."""
-    futures = [_FSYNCS.submit(fsync_path, p, directory=d) for p, d in paths[1:]]
-    try:
-        fsync_path(paths[0][0], directory=paths[0][1])
-    finally:
-        errors = [f.exception() for f in futures]
-    for e in errors:
-        if e is not None:
-            raise e
-
-
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
-
-
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file of ``tensors`` (in their order), written from their own bytes: the header, then each
-    tensor's bytes, tensors that lie side by side in one storage in one write (an adapter gathered flat: the whole
-    data in one write, no copy). safetensors' ``save_file`` writes anything else (a tensor not on the CPU, a dtype
-    outside the format's common ones). Read back by safetensors (and so PEFT and SGLang) as ``save_file``'s."""
-    from safetensors.torch import save_file
-
-    items = [(str(n), t.detach()) for n, t in tensors.items()]
-    if not items or any(t.device.type != "cpu" or t.dtype not in _ST_DTYPES for _, t in items):
-        save_file({n: t.contiguous() for n, t in items}, path, metadata=metadata)
-        return
-    items = [(n, t.contiguous()) for n, t in items]
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    spans: list[list] = []  # [storage, first byte, end byte]: the data, adjacent tensors merged
-    offset = 0
-    for n, t in items:
-        size = t.numel() * t.element_size()
-        header[n] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-        if size == 0:
-            continue
-        storage, start = t.untyped_storage(), t.storage_offset() * t.element_size()
-        if spans and spans[-1][0].data_ptr() == storage.data_ptr() and spans[-1][2] == start:
-            spans[-1][2] = start + size
-        else:
-            spans.append([storage, start, start + size])
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data 8-byte aligned, as safetensors writes it
-    with open(path, "wb", buffering=0) as f:
-        _write_all(f, len(head).to_bytes(8, "little") + head)
-        for storage, start, end in spans:
-            _write_all(f, torch.empty(0, dtype=torch.uint8).set_(storage, start, (end - start,)).numpy())
-
-
-def _write_all(f, data) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[f.write(view):]
-
-
-def point_current(path: str) -> str:
-    """Point ``<folder>/current`` at the adapter directory ``path`` (``<folder>/v<version>``): a relative symlink
-    renamed over the old one (atomic); the link's path, the stable path real SGLang servers load the adapter by."""
-    folder = os.path.dirname(path)
-    link = os.path.join(folder, CURRENT_LINK)
-    tmp = os.path.join(folder, f".tmp-{CURRENT_LINK}-{uuid.uuid4().hex[:12]}")
-    os.symlink(os.path.basename(path), tmp)
-    try:
-        os.replace(tmp, link)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    fsync_path(folder, directory=True)
-    return link
-
-
-def _remove_old(folder: str, keep: int) -> None:
-    """Keep the ``keep`` newest ``v<version>`` directories of ``folder``."""
-    versions = sorted(int(d[1:]) for d in os.listdir(folder) if d.startswith("v") and d[1:].isdigit())
-    for v in versions[:-keep]:
-        shutil.rmtree(os.path.join(folder, f"v{v}"), ignore_errors=True)
