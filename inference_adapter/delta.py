@@ -22,15 +22,8 @@ import threading
 
 import torch
 
-from bridge.codecs.delta import (
-    DELTA_TENSOR,
-    DeltaFormatError,
-    apply_record,
-    combine_digest,
-    iter_records,
-    piece_crc,
-    pieces_of,
-)
+from bridge.codecs.delta import DELTA_TENSOR, DeltaFormatError, apply_record, iter_records
+from bridge.codecs.pieces import combine_digest, piece_crc, pieces_of
 from bridge.protocol import DELTA_BASE_MISMATCH
 from bridge.tensors import ParamSpec
 from inference_adapter.wire import WireError, wire_specs

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from bridge.client import ServerClient
-from bridge.codecs.delta import DELTA_TENSOR, changed_positions, choose, combine_digest, piece_crc, write_record
+from bridge.codecs.delta import DELTA_TENSOR, changed_positions, choose, write_record
+from bridge.codecs.pieces import combine_digest, piece_crc
 from bridge.digest import tensor_checksum
 from bridge.errors import ServerError
 from bridge.protocol import DELTA_BASE_MISMATCH

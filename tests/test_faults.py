@@ -663,7 +663,7 @@ def _publish_on_rank0_only(nr_url: str, root: str, flag: str):
     """Rank 0 publishes; rank 1 never calls publish() and stays alive until rank 0 is done (or 120 s)."""
     from bridge import PublisherConfig, WeightPublisher
     from bridge.errors import BridgeError
-    from bridge.publisher.core import publish_call_bound
+    from bridge.publisher.bounded import publish_call_bound
 
     engine = sb.engine()
     cfg = PublisherConfig(transport="disk", name_resolve=nr_url, snapshot_root=root, group_timeout=5,

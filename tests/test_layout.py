@@ -5,9 +5,14 @@ stays small enough to read.
 import each other; ``bench`` sits above them and ``wsync`` (the command line) on top of everything.
 Every import counts, also the ones inside functions (a lazy import still ties two modules together).
 
-Size: no function over 80 lines in ``bridge`` and ``inference_adapter``. Modules are split by concern, not
-by a line count (a cap split files by size: a mixin using its host's lock, a module re-exported through
-another). An underscore name is its module's own: no module imports one from another.
+Rooms: ``bridge`` keeps at most 12 modules at its top level (the shared ground: errors, config, protocol, tensors,
+logs...); the rest lives in sub-packages named for what they hold (the publisher's lifecycle, codecs, transports,
+LoRA, the serving side's imports...).
+
+Size: no function over 80 lines in ``bridge`` and ``inference_adapter``, no module in ``bridge`` over 500 lines. A
+module past that holds more than one concern, and is split by concern, never by a line count (a mixin using its
+host's lock, a module re-exported through another). An underscore name is its module's own: no module imports one
+from another.
 Each failure lists every offender, so the message is the to-do list.
 """
 
@@ -135,3 +140,15 @@ def test_no_underscore_name_imported_from_another_module():
         if alias.name.startswith("_") and not alias.name.startswith("__")
     ]
     assert not private, f"{len(private)} underscore name(s) imported from another module:\n" + "\n".join(private)
+
+
+TOP_LEVEL_MODULES = 12
+MAX_MODULE_LINES = 500
+
+
+def test_bridge_is_rooms_not_a_hall():
+    top = sorted(p.name for p in (ROOT / "bridge").glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MODULES, f"bridge/ holds {len(top)} modules at its top level: {top}"
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "bridge").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split by concern): {long}"

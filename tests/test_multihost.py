@@ -309,7 +309,7 @@ def test_a_link_cut_mid_broadcast_fails_every_rank_in_bounds_and_the_other_serve
         net, servers, tmp_path):
     from bridge.client import ServerClient
     from bridge.config import PublisherConfig
-    from bridge.publisher.core import dead_rank_bound
+    from bridge.publisher.bounded import dead_rank_bound
     from tests.sync_bodies import assert_resumed, holds, serving_now
 
     urls = [servers["B"], servers["C"]]

@@ -675,7 +675,7 @@ def test_a_trainer_rank_killed_mid_sync(servers):
     servers answer at once, on the previous version, every tensor the previous one (the sync went as one request,
     received whole before any of it would be loaded), with no session left open."""
     from bridge import PublisherConfig
-    from bridge.publisher.core import dead_rank_bound
+    from bridge.publisher.bounded import dead_rank_bound
 
     urls = [servers.llama.url, servers.spare.url]
     r0, r1 = run_ranks(_rank_dies_mid_sync, 2, args=(urls, 5000), timeout=300, may_die=(1,))
@@ -719,7 +719,7 @@ def test_ctrl_c_mid_sync(servers):
     KeyboardInterrupt, rank 1 the SyncError that names it, within the bucket's bound; both servers answer at once
     on the previous version and weights."""
     from bridge import PublisherConfig
-    from bridge.publisher.core import bucket_bound
+    from bridge.publisher.bounded import bucket_bound
 
     urls = [servers.llama.url, servers.spare.url]
     r0, r1 = run_ranks(_interrupted_mid_sync, 2, args=(urls, 6000), timeout=300)

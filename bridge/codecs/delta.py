@@ -39,24 +39,22 @@ that saves at least :data:`ZSTD_MIN_GAIN` of it (:func:`encode_sparse`); values 
 difference, so applying a record is a plain assignment and the result is bit-exact. zstd (the
 ``zstandard`` package) is needed only to write or read a ``ZSTD`` record.
 
-The base is named by a digest (:func:`combine_digest`): CRC32 of each piece's bytes, the pieces cut as
-the trainer's ranks hold them (:func:`pieces_of`: FSDP2 row chunks of ``world`` ranks, or the whole
-tensor), combined over the sorted names. A server that holds whole tensors cuts them the same way.
+The base is named by a digest (:mod:`bridge.codecs.pieces`); what differs is found with :mod:`bridge.codecs.diff`.
 """
 
 from __future__ import annotations
 
-import math
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from bridge.codecs.diff import INTS, as_ints, flatnonzero, numpy_or_none, pack_bits, unpack_bits
+
 __all__ = [
     "BITMASK", "DELTA_TENSOR", "DENSE", "GAPS8", "GAPS16", "GAPS32", "GAP_KINDS", "HEADER_BYTES", "KIND_NAMES", "SPARSE32",
-    "SPARSE64", "ZSTD", "ZSTD_MIN_GAIN", "DeltaFormatError", "Record", "INTS", "apply_record", "encode_sparse", "changed_positions", "choose", "combine_digest", "differing_lanes", "flatnonzero",
-    "iter_records", "pack_bits", "pieces_of", "piece_crc", "record_nbytes", "unpack_bits", "write_record",
+    "SPARSE64", "ZSTD", "ZSTD_MIN_GAIN", "DeltaFormatError", "Record", "apply_record", "changed_positions", "choose",
+    "encode_sparse", "iter_records", "record_nbytes", "write_record",
 ]
 
 DELTA_TENSOR = "wsync.delta"
@@ -75,22 +73,10 @@ ZSTD_LEVEL = 1
 ZSTD_MIN_GAIN = 0.03
 """A record is compressed only when zstd saves at least this fraction of its bytes (else decoding it would
 cost time for next to nothing)."""
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 class DeltaFormatError(ValueError):
     """A delta buffer or its tensor table is malformed; the message names the record and what is wrong."""
-
-
-def _numpy(wanted: bool = True):
-    """numpy, for tensors on the CPU (``wanted``), or None: not wanted, or missing (the loader needs only torch)."""
-    if not wanted:
-        return None
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
 
 
 def _pad8(n: int) -> int:
@@ -174,7 +160,7 @@ def _gap_entries(kind: int, distances) -> torch.Tensor:
 
 def _gap_positions(kind: int, entries: torch.Tensor) -> torch.Tensor:
     """The int64 positions that gaps mark (the inverse of :func:`_gap_entries`), with numpy where it is."""
-    np = _numpy(entries.device.type == "cpu")
+    np = numpy_or_none(entries.device.type == "cpu")
     if np is not None:
         e = entries.numpy().astype(np.int64)
         if e.size and not e.min():
@@ -191,7 +177,7 @@ def _planes(values: torch.Tensor, count: int, itemsize: int, inverse: bool = Fal
     if itemsize == 1 or not count:
         return values
     shape = (itemsize, count) if inverse else (count, itemsize)
-    np = _numpy()
+    np = numpy_or_none()
     if np is not None:
         return torch.from_numpy(np.ascontiguousarray(values.numpy().reshape(shape).T).reshape(-1))
     return values.view(shape).t().contiguous().view(-1)
@@ -261,69 +247,10 @@ def _inflate(frame: torch.Tensor, raw: int, kind: int, count: int, itemsize: int
     return out
 
 
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A bool vector as ``ceil(n / 8)`` bytes, little-endian bit order (numpy's ``packbits`` on CPU)."""
-    mask = mask.reshape(-1)
-    np = _numpy(mask.device.type == "cpu")
-    if np is not None:
-        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
-    n = mask.numel()
-    padded = torch.zeros(_pad8(n) if n % 8 else n, dtype=torch.uint8, device=mask.device)
-    padded[:n] = mask
-    return (padded.view(-1, 8) << _SHIFTS.to(mask.device)).sum(dim=1, dtype=torch.uint8)
-
-
-def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The bool vector of ``n`` elements that :func:`pack_bits` packed."""
-    np = _numpy(packed.device.type == "cpu")
-    if np is not None:
-        return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little").view(np.bool_))
-    bits = (packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1
-    return bits.reshape(-1)[:n].bool()
-
-
-INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""The integer dtype of each element size: views that compare bytes exactly (NaN, -0.0)."""
-
-
-def _as_ints(t: torch.Tensor) -> torch.Tensor:
-    """A same-size integer view of ``t``, so that comparing bytes is exact (NaN, -0.0)."""
-    return t.view(INTS[t.element_size()])
-
-
-def flatnonzero(mask: torch.Tensor) -> torch.Tensor:
-    """int64 positions of the true elements of a flat bool tensor, increasing (numpy's one pass on CPU)."""
-    np = _numpy(mask.device.type == "cpu")
-    if np is not None:
-        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
-    return mask.nonzero().squeeze(1)
-
-
-def differing_lanes(new_words: torch.Tensor, base_words: torch.Tensor, words: torch.Tensor,
-                    itemsize: int) -> torch.Tensor:
-    """int64 positions of the elements (``itemsize`` bytes each) that differ inside the given differing words.
-
-    ``new_words``/``base_words`` are two flat tensors seen as 8-byte words, ``words`` the increasing int64
-    indices of the words that differ. Each differing word holds ``8 // itemsize`` elements; the positions come
-    out increasing. On the CPU numpy does it in a few passes over the differing words alone (torch's gathers and
-    boolean indexing took three times as long)."""
-    per = 8 // itemsize
-    shift = per.bit_length() - 1
-    np = _numpy(words.device.type == "cpu")
-    if np is not None:
-        w = words.numpy()
-        flips = np.take(new_words.numpy(), w) ^ np.take(base_words.numpy(), w)
-        lanes = np.flatnonzero(flips.view(f"i{itemsize}") != 0)
-        return torch.from_numpy(w[lanes >> shift] * per + (lanes & (per - 1)))
-    flips = torch.take(new_words, words) ^ torch.take(base_words, words)
-    lanes = flatnonzero(flips.view(INTS[itemsize]) != 0)
-    return torch.take(words, lanes >> shift) * per + (lanes & (per - 1))
-
-
 def changed_positions(new: torch.Tensor, old: torch.Tensor, kind: int, mask: torch.Tensor | None = None):
     """What to keep of a changed piece for its record: int positions (sparse kinds), packed bits, or gaps."""
     if mask is None:
-        mask = _as_ints(new) != _as_ints(old)
+        mask = as_ints(new) != as_ints(old)
     if kind in GAP_KINDS:
         return _gap_entries(kind, _distances(flatnonzero(mask)))
     if kind in (SPARSE32, SPARSE64):
@@ -504,29 +431,3 @@ def apply_record(flat: torch.Tensor, rec: Record) -> None:
         piece.index_copy_(0, rec.positions.to(flat.device, torch.int64), values)
 
 
-def pieces_of(shape: Sequence[int], world: int, whole: bool) -> list[tuple[int, int]]:
-    """The (start, length) pieces of a tensor's flat view as ``world`` FSDP2 ranks hold its rows (the chunks
-    of ``torch.chunk``: ``ceil(rows / world)`` rows each, the last ones shorter or empty), or the whole
-    tensor; empty pieces left out."""
-    numel = math.prod(shape)
-    if whole or world == 1 or len(shape) == 0 or not numel:
-        return [(0, numel)] if numel else []
-    rows, row = shape[0], numel // shape[0]
-    c = -(-rows // world)
-    return [(r * c * row, (min(rows, (r + 1) * c) - r * c) * row) for r in range(world) if r * c < rows]
-
-
-def piece_crc(flat: torch.Tensor, start: int, length: int) -> int:
-    """CRC32 of a piece's bytes (the tensor's flat view on the CPU)."""
-    if not length:
-        return 0
-    piece = flat[start : start + length]
-    if piece.device.type != "cpu":
-        piece = piece.cpu()
-    return zlib.crc32(piece.contiguous().view(torch.uint8).numpy())
-
-
-def combine_digest(entries: Sequence[tuple[str, int, int, int]]) -> int:
-    """One digest of a base from its pieces' (name, start, length, crc), in any order."""
-    text = ";".join(f"{n}:{s}:{ln}:{c}" for n, s, ln, c in sorted(entries))
-    return zlib.crc32(text.encode())

@@ -22,7 +22,7 @@ sync into real SGLang (which loads buckets as they arrive, so it may hold part o
 and reported (``PublishResult.encoding``, ``.anchor_reason``).
 
 Each delta bucket names the base version and a digest of the base of its tensors (the CRC32 of each rank's
-piece, :func:`bridge.codecs.delta.combine_digest`); a server that does not serve exactly that base refuses
+piece, :func:`bridge.codecs.pieces.combine_digest`); a server that does not serve exactly that base refuses
 it before any weight changes (``wsync_reason: delta_base_mismatch``), and the publisher sends an anchor
 instead, in the same ``publish()`` call. How the bytes move: :mod:`bridge.encodings.delta_send`.
 """
@@ -31,33 +31,28 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from bridge.codecs.delta import (
-    DENSE,
-    HEADER_BYTES,
-    INTS,
-    choose,
-    combine_digest,
-    differing_lanes,
-    encode_sparse,
-    flatnonzero,
-    piece_crc,
-    record_nbytes,
-    write_record,
-)
+from bridge.codecs.delta import DENSE, HEADER_BYTES, choose, encode_sparse, record_nbytes, write_record
 from bridge.codecs.delta_cost import SyncCosts
+from bridge.codecs.diff import INTS, differing_lanes, flatnonzero
+from bridge.codecs.pieces import combine_digest, piece_crc
 from bridge.encodings.base import Encoding, Transfer, gathered
+from bridge.encodings.delta_plan import (
+    BasePiece,
+    Change,
+    Decision,
+    DeltaBucket,
+    DeltaOptions,
+    DeltaPlan,
+    DeltaSummary,
+)
 from bridge.encodings.registry import register_encoding
-from bridge.errors import ConfigError
 from bridge.log import fmt_bytes, get_logger
-from bridge.options import option
-from bridge.publisher.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
 
-__all__ = ["Decision", "DeltaBucket", "DeltaEncoding", "DeltaPlan", "DeltaSummary"]
+__all__ = ["Decision", "DeltaBucket", "DeltaEncoding", "DeltaOptions", "DeltaPlan", "DeltaSummary"]
 
 logger = get_logger(__name__)
 
@@ -74,130 +69,6 @@ def _sample(flat: torch.Tensor) -> torch.Tensor:
     return flat[: m * span].view(m, span)[:, :_SAMPLE_BLOCK] if m else flat
 
 
-@dataclass
-class DeltaSummary:
-    """One rank's summary of its shards against its base, from the prepare step (every rank receives every rank's)."""
-
-    skip: str | None = None
-    """Why this rank knows, before diffing, that the sync is an anchor (then it did not diff); None: it diffed."""
-    sizes: dict[str, int] = field(default_factory=dict)
-    """name -> this rank's encoded bytes of that tensor (tensors that did not change are absent)."""
-    whole: list[str] = field(default_factory=list)
-    """The tensors this rank holds whole (not sharded)."""
-    changed: int = 0
-    """Elements of this rank's shards that changed (estimated when ``skip``)."""
-    numel: int = 0
-    """Elements of this rank's shards."""
-    fresh: bool = False
-    """A tensor is new to this rank's base (or changed shape): the sync must be an anchor."""
-    crcs: list[tuple[str, int, int, int]] = field(default_factory=list)
-    """(name, start, length, CRC32) of each of this rank's base pieces, as last committed."""
-    probes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    """name -> [(flat position, base bits)]: base values the SGLang loader checks before it applies."""
-    costs: dict = field(default_factory=dict)
-    """What this rank measured syncs to cost (:class:`bridge.codecs.delta_cost.SyncCosts`); rank 0's decide for every rank."""
-    extra: dict = field(default_factory=dict)
-    """What a subclass adds for its ``plan`` (the FP8 delta: each rank's block absmax of rows whose scales are agreed)."""
-
-
-@dataclass
-class Decision:
-    """Rank 0's decision at begin, once the servers are paused (every rank receives it)."""
-
-    reason: str | None
-    """Why this sync is an anchor (a full sync); None for a delta."""
-    via: str | None
-    """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
-    zstd: bool = True
-    """Every server reads zstd records (:func:`bridge.encodings.delta_send.zstd_unreadable`): the next syncs'
-    records may take the zstd stage; every rank takes it at the end of the sync."""
-
-
-@dataclass
-class DeltaBucket:
-    """Whole tensors whose encoded bytes travel together; ``sizes[r]``: rank r's bytes of them."""
-
-    specs: list[ParamSpec]
-    sizes: list[int]
-    whole: list[str]
-    digest: int | None = None
-    """Digest of the base of these tensors (every rank's pieces)."""
-
-    @property
-    def nbytes(self) -> int:
-        return max(8, sum(self.sizes))  # never an empty broadcast
-
-
-@dataclass
-class DeltaPlan(Encoded):
-    """What the delta encoding decided for one sync (the same on every rank)."""
-
-    buckets: list[DeltaBucket]
-    nbytes: int
-    full_bytes: int
-    changed: int
-    numel: int
-    base_version: int | None
-    world: int
-    reason: str | None = None
-    """Why this sync is an anchor (a full sync); None for a delta."""
-    via: str | None = None
-    """``native`` (reference servers) or ``loader`` (real SGLang with the loader), for a delta."""
-    probes: dict[str, dict] = field(default_factory=dict)
-    """name -> {"shape", "items": [(flat position, base bits)]}: base values the SGLang loader checks (sent as
-    the table's ``probes``, JSON, as is)."""
-
-    base_bytes: int = 0
-    """This rank's memory for its base (reported as ``PublishResult.base_bytes``)."""
-
-    @property
-    def mode(self) -> str:
-        return "anchor" if self.reason is not None else "delta"
-
-    def report(self) -> EncodingReport:
-        return EncodingReport(self.mode, self.reason, self.changed / max(1, self.numel), self.base_bytes,
-                              sum(b.nbytes for b in self.buckets) if self.mode == "delta" else None)
-
-
-@dataclass
-class _Change:
-    """One tensor this rank changed in its base during the current sync (the undo log and the record)."""
-
-    kind: int
-    count: int
-    nbytes: int
-    positions: torch.Tensor | None = None  # the changed positions (None: dense)
-    old: torch.Tensor | None = None  # what was overwritten: at the positions, or all (dense); None: new tensor
-    body: torch.Tensor | None = None  # the record after its header (delta_codec.encode_sparse; None: dense)
-
-
-@dataclass
-class _Held:
-    start: int
-    base: torch.Tensor  # flat, serving dtype
-
-
-@dataclass(kw_only=True)
-class DeltaOptions:
-    """The delta encoding's options: when a sync is a full one (an anchor) instead."""
-
-    delta_anchor_every: int = option(50, "at least every this many versions, a full sync. At 2-10 % delta bytes "
-                                         "an anchor every 50 versions adds about 2 % to the bytes moved on average",
-                                     metavar="N")
-    delta_max_fraction: float = option(0.5, "a delta larger than this fraction of the full bytes is always sent as a "
-                                            "full sync; below it the measured costs decide (bridge.codecs.delta_cost: the "
-                                            "delta's bytes at what the last syncs paid per byte, plus its diff, "
-                                            "against the last full syncs' time). Each rank estimates it from a "
-                                            "sample first, so a sync that will be full skips the diff", metavar="F")
-
-    def __post_init__(self) -> None:
-        if isinstance(self.delta_anchor_every, bool) or not isinstance(self.delta_anchor_every, int) \
-                or self.delta_anchor_every < 1:
-            raise ConfigError(f"delta_anchor_every must be an integer >= 1, got {self.delta_anchor_every!r}")
-        if not 0 < self.delta_max_fraction <= 1:
-            raise ConfigError(f"delta_max_fraction must be in (0, 1], got {self.delta_max_fraction!r}")
-
-
 @register_encoding
 class DeltaEncoding(Encoding):
     name = "delta"
@@ -207,10 +78,10 @@ class DeltaEncoding(Encoding):
 
     def __init__(self, config, rank: int, world: int):
         super().__init__(config, rank, world)
-        self.base: dict[str, _Held] = {}
+        self.base: dict[str, BasePiece] = {}
         self.base_version: int | None = None
         self.since_anchor = 0
-        self.changes: dict[str, _Change] = {}
+        self.changes: dict[str, Change] = {}
         self.probes: dict[str, list] = {}  # name -> [(flat position, base bits)]: for the SGLang loader's check
         self.anchor_next: str | None = None  # rank 0: the next sync is an anchor, for this reason
         self._crcs: cf.Future | None = None
@@ -334,14 +205,14 @@ class DeltaEncoding(Encoding):
         return held is None or held.start != sh.start or held.base.numel() != sh.local.numel() or \
             held.base.dtype != sh.spec.dtype
 
-    def _diff(self, spec: ParamSpec, local: torch.Tensor, start: int) -> _Change | None:
+    def _diff(self, spec: ParamSpec, local: torch.Tensor, start: int) -> Change | None:
         n = local.numel()
         new = self._cast(spec, local)
         itemsize = new.element_size()
         held = self.base.get(spec.name)
         if held is None or held.start != start or held.base.shape != new.shape or held.base.dtype != new.dtype:
-            self.base[spec.name] = _Held(start, new.clone())
-            return _Change(DENSE, n, record_nbytes(DENSE, n, n, itemsize))
+            self.base[spec.name] = BasePiece(start, new.clone())
+            return Change(DENSE, n, record_nbytes(DENSE, n, n, itemsize))
         positions = self._changed(new, held.base, itemsize)
         count = positions.numel()
         if not count:
@@ -355,12 +226,12 @@ class DeltaEncoding(Encoding):
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
             old = held.base.clone()
             held.base.copy_(new)
-            return _Change(kind, count, record_nbytes(DENSE, n, n, itemsize), old=old)
+            return Change(kind, count, record_nbytes(DENSE, n, n, itemsize), old=old)
         old = held.base.index_select(0, positions)
         bits.index_copy_(0, positions, values.view(bits.dtype))  # the base moves where it changed (the rest is equal)
         if n < 2**31:  # (kept for the undo: half the bytes)
             positions = positions.to(torch.int32)
-        return _Change(kind, count, HEADER_BYTES + body.numel(), positions, old, body)
+        return Change(kind, count, HEADER_BYTES + body.numel(), positions, old, body)
 
     def _changed(self, new: torch.Tensor, base: torch.Tensor, itemsize: int) -> torch.Tensor:
         """The int64 positions where ``new`` and ``base`` (flat, same dtype) differ bit for bit, increasing.

@@ -5,7 +5,7 @@ The base is the FP8 bytes and the fp32 block scales the servers serve (``wsync s
 same :class:`~bridge.codecs.fp8.Fp8Rule`, the same functions, so the same bytes), diffs its FP8 bytes and its rows of the
 scales against its base, and sends what changed; an anchor is the FP8 full sync (:func:`bridge.encodings.fp8.
 fp8_buckets`). A quantized weight is two base pieces on each rank, in the layout the delta's digest and the
-servers cut (:func:`bridge.codecs.delta.pieces_of`), so the base digest covers the scales too:
+servers cut (:func:`bridge.codecs.pieces.pieces_of`), so the base digest covers the scales too:
 
 * when the rank's rows are whole 128-row blocks (:func:`bridge.sources.fp8.own_blocks`), its FP8 rows and its own rows
   of the scales, taken in the same pass;
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from bridge.codecs.delta import pieces_of
 from bridge.codecs.fp8 import (
     BLOCK,
     FP8_DTYPE,
@@ -41,6 +40,7 @@ from bridge.codecs.fp8 import (
     quantize_rows,
     scale_shape,
 )
+from bridge.codecs.pieces import pieces_of
 from bridge.encodings.delta import DeltaEncoding, DeltaOptions
 from bridge.encodings.fp8 import Fp8Options, fp8_buckets, plan_fp8_wire
 from bridge.encodings.registry import register_encoding

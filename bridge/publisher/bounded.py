@@ -16,8 +16,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from bridge.errors import SyncTimeout
+from bridge.log import get_logger
 
-__all__ = ["call_within", "each_within"]
+__all__ = ["ABORT_WAIT_S", "CLOSE_WAIT_S", "SLACK_S", "abort_within", "bucket_bound", "call_within", "dead_rank_bound",
+           "each_within", "pending_aborts", "publish_call_bound"]
+
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -78,3 +82,55 @@ def each_within(fn: Callable[[T], Any], items: Iterable[T], seconds: float, thre
     deadline = time.monotonic() + seconds
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
+
+
+# ---------------------------------------------------------------- the bounds of one sync
+
+ABORT_WAIT_S = 5.0
+"""The most a failed sync waits for its clean-up (resume, discard sessions) before raising."""
+
+CLOSE_WAIT_S = 5.0
+"""The most ``close()`` takes."""
+
+SLACK_S = 10.0
+"""Added to a step's own bound before the other ranks give up waiting for a rank (it died or hangs)."""
+
+
+def bucket_bound(config) -> float:
+    """The most one bucket step takes: its gather, then the previous bucket's arrival."""
+    return 2 * config.group_timeout + config.http_timeout
+
+
+def publish_call_bound(config) -> float:
+    """Seconds a rank in publish() waits for the other ranks to call it too, before it fails naming the
+    absent ranks: ``group_timeout``."""
+    return config.group_timeout
+
+
+def dead_rank_bound(config) -> float:
+    """The most the other ranks take to raise when a trainer rank dies in the middle of a transfer: the
+    bucket step's bound, the agreement's slack and the clean-up's wait; 2 x group_timeout + http_timeout
+    + 15 s (docs/guarantees.md, "Bounded time"). The servers are given back at once when rank 0's own step fails
+    (a gather with the dead rank does), without waiting that long."""
+    return bucket_bound(config) + SLACK_S + ABORT_WAIT_S
+
+
+def abort_within(transport, reason: str, seconds: float) -> str:
+    """Run ``transport.abort`` for at most ``seconds``; a server that does not answer (stopped, say)
+    must not delay the error. Whatever is left goes on in the background (it is idempotent cleanup)."""
+
+    def run() -> str:
+        try:
+            return transport.abort(reason)
+        except Exception as e:  # best effort by contract; never hide the cause behind it
+            logger.warning("aborting the sync failed: %s", e)
+            return ""
+
+    try:
+        return call_within(run, seconds, "aborting the sync", background=pending_aborts, thread_name="wsync-abort")
+    except SyncTimeout:  # (run itself never raises)
+        return f"cleanup goes on in the background: a server did not answer within {seconds:g} s"
+
+
+pending_aborts: list[threading.Thread] = []
+"""Clean-ups still running after their failed sync raised; ``close()`` gives them time to finish."""

@@ -1,54 +1,4 @@
-"""Versioned weight publishing: one sync of a trainer's weights into every server.
-
-A :class:`WeightPublisher` is created once by the training script (on every rank) and
-``publish(source, version)`` is called collectively by every trainer rank after each step. It drives
-one sync through the same steps whatever the transport (:mod:`bridge.transports`, registered by name);
-after each step every rank learns every rank's outcome (:mod:`bridge.publisher.agreement`):
-
-``_publish`` is these five steps, each one call:
-
-1. **prepare** (every rank): the wire specs and bucket plan, and the encoding's summary (``Encoding.prepare``,
-   then ``plan`` with every rank's, which may plan the buckets again from what it sends); then, in a step
-   "check", rank 0 asks the servers whether they serve what the plan sends (:mod:`bridge.publisher.preflight`). On a
-   retry of the last version each rank tells whether its shards still hold the weights it published then
-   (:mod:`bridge.publisher.versions`: a digest of them, or the encoding's ``differs`` for one that keeps them, the
-   delta's base); with every rank's answer, every rank decides the same thing: an older version, or the
-   last version with other weights, is a :class:`VersionError` before any byte moves; the last version with
-   the same weights is a safe retry.
-2. **begin** (rank 0): the transport opens the sync (process group, pause, update sessions, snapshot) and
-   the encoding decides (``Encoding.decide``: a delta or an anchor, say), which every rank learns.
-3. **bucket k** (every rank): the encoding's buckets (``Encoding.buckets``), one agreed step each, in one
-   loop: every rank fills the bucket's bytes into one rank's buffer (for ``full``, a few flat gathers on a
-   group whose timeout is ``group_timeout``), and that rank's sink sends it (:mod:`bridge.transports.sink`,
-   chosen by ``Transport.sink``). By default it is rank 0, whose sink is its transport: it waits for bucket
-   k-1 to arrive, then sends bucket k (so the gather of k overlaps the transfer of k-1, and rank 0 holds
-   about two buckets at most); the last bucket carries the version. A transport may give every rank a sink
-   of its own instead (a writer of its own shards, say).
-4. **settle** (every rank): every sink waits until what it sent arrived and reports, and every rank says
-   whether it may commit.
-5. **commit** (rank 0): the version goes live, given every rank's report.
-
-Ctrl-C and SIGTERM are held until the step in progress ends, then fail the sync the same way before
-they take effect (:mod:`bridge.publisher.interrupts`). Any exception on any rank, of any type, in any step, makes
-every rank raise the same error (the first
-failure's class when it is one of the project's, else :class:`SyncError` naming the rank, the step and
-the cause) within the step's bound; every sink aborts, the encoding undoes its prepare (``Encoding.end``),
-and rank 0 calls the transport's ``abort``: every server keeps
-serving its previous version, unpaused, with no open session; a snapshot that was not complete is
-removed, never announced. A trainer that catches the error can publish again.
-
-Version semantics: versions are integers, strictly increasing per publisher (and, for a transport that
-announces them, per (experiment, trial) in name resolution). A version whose publish failed was never
-completed, so retrying it is allowed.
-
-Example (one process, a reference server started with ``wsync serve --preset tiny``):
-
-    >>> from bridge import WeightPublisher, PublisherConfig          # doctest: +SKIP
-    >>> pub = WeightPublisher(PublisherConfig(servers=["http://127.0.0.1:30000"]))  # doctest: +SKIP
-    >>> result = pub.publish(model, version=1)                       # doctest: +SKIP
-    >>> result.version, result.servers                               # doctest: +SKIP
-    (1, {'http://127.0.0.1:30000': 'ok'})
-"""
+""":class:`WeightPublisher`: drives one sync through the agreed steps (the lifecycle: :mod:`bridge.publisher`)."""
 
 from __future__ import annotations
 
@@ -64,14 +14,23 @@ from bridge.buckets import plan_buckets
 from bridge.config import PublisherConfig
 from bridge.encodings import encoding_class
 from bridge.encodings.base import Outgoing, Transfer
-from bridge.errors import BridgeError, ConfigError, SyncTimeout, VersionError
+from bridge.errors import BridgeError, ConfigError
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger, progress_bar
 from bridge.metrics import SYNC, serve_metrics
 from bridge.process_group import default_backend
 from bridge.publisher.agreement import Agreement, describe, note_failure_time
-from bridge.publisher.bounded import call_within
+from bridge.publisher.bounded import (
+    ABORT_WAIT_S,
+    CLOSE_WAIT_S,
+    SLACK_S,
+    abort_within,
+    bucket_bound,
+    pending_aborts,
+    publish_call_bound,
+)
 from bridge.publisher.interrupts import held
+from bridge.publisher.labels import Labels
 from bridge.publisher.memory import PeakMemory
 from bridge.publisher.preflight import check_servers_serve
 from bridge.publisher.result import PublishResult
@@ -80,19 +39,9 @@ from bridge.sources import CheckedSource, WeightSource, check_source
 from bridge.tensors import ParamSpec, dtype_from_str
 from bridge.transports import Plan, Sink, Transport, transport_class
 
-__all__ = ["PublishResult", "PublisherConfig", "WeightPublisher", "bucket_bound", "dead_rank_bound", "publish_call_bound"]
+__all__ = ["PublishResult", "PublisherConfig", "WeightPublisher"]
 
 logger = get_logger(__name__)
-
-ABORT_WAIT_S = 5.0
-"""The most a failed sync waits for its clean-up (resume, discard sessions) before raising."""
-
-CLOSE_WAIT_S = 5.0
-"""The most ``close()`` takes."""
-
-SLACK_S = 10.0
-"""Added to a step's own bound before the other ranks give up waiting for a rank (it died or hangs)."""
-
 
 class WeightPublisher:
     """Publishes versioned weights to a set of servers. See the module docstring for the steps."""
@@ -113,7 +62,8 @@ class WeightPublisher:
         self._sink: Sink | None = None  # what receives the buckets gathered to this rank (every rank), built with it
         self._others: list[Sink] = []  # rank 0: other sinks this sync's buckets went to (a delta for real SGLang)
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
-        self._labels = None  # rank 0: the records of what real SGLang servers serve (bridge.publisher.labels)
+        sessions = config.session_options  # real SGLang's labels are recorded where its writer lock lives
+        self._labels = Labels(self.run_id, sessions.writer_lock if sessions is not None else None)
 
     # ---------------------------------------------------------------- public API
 
@@ -209,13 +159,11 @@ class WeightPublisher:
         """Tear the weight-update group down on both sides and stop background work, within
         ``CLOSE_WAIT_S`` (a server that does not answer is left to a background thread)."""
         deadline = time.monotonic() + CLOSE_WAIT_S
-        while _pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
-            _pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
+        while pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
+            pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
         transport, sink, servers = self._transport, self._sink, self._fleet
         self._transport = self._sink = self._fleet = None
-        labels, self._labels = self._labels, None
-        if labels is not None:
-            labels.close()
+        self._labels.close()
 
         def release() -> None:
             for piece in (transport, sink, servers):
@@ -265,7 +213,7 @@ class WeightPublisher:
         (resumed, sessions discarded) instead of after the other ranks answered, which for a dead rank
         is the step's whole bound. The abort after the agreement then finds nothing left to do."""
         if self._rank == 0 and self._transport is not None and self._transport.gives_back_early:
-            status = _abort_within(self._transport, "rank 0's step failed", ABORT_WAIT_S)
+            status = abort_within(self._transport, "rank 0's step failed", ABORT_WAIT_S)
             logger.debug("servers given back before the agreement: %s", status)
 
     def _prepare(self, source: CheckedSource, version: int, forced: str | None) -> Plan:
@@ -287,7 +235,8 @@ class WeightPublisher:
                     serve_metrics(cfg.metrics_port)
                 self._open_servers()
                 servers = self._transport.servers is not None  # checked once the encoding planned what travels
-                labels = None if retry else self._served_labels(version, specs)
+                labels = None if retry else self._labels.served(
+                    self._fleet, self._kind, version, specs, self.config.new_run and self._versions.last is None)
             if self._sink is None:
                 self._sink = self._kind.sink(cfg, self._transport, self._rank, self._agree.world)
             # A retry is safe only with the weights of the last version: each rank tells for its own shards, before
@@ -316,7 +265,7 @@ class WeightPublisher:
     def _check(self, plan: Plan, specs: list[ParamSpec], labels: dict | None) -> None:
         """Step "check", once the encoding planned what travels (``plan.buckets``), before any server is paused:
         rank 0 checks that the servers serve it (:mod:`bridge.publisher.preflight`), and every rank adds its part of the
-        digest the servers that already serve this version are compared with (:meth:`_check_labels`)."""
+        digest the servers that already serve this version are compared with (:meth:`bridge.publisher.labels.Labels.check`)."""
         from bridge.publisher.labels import local_digest_part
 
         def check():
@@ -328,7 +277,7 @@ class WeightPublisher:
         cfg = self.config
         parts = self._agree.step("check", check, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
         if labels is not None:
-            self._check_labels(plan, parts, labels)
+            self._labels.check(plan, parts, labels)
 
     def _begin(self, plan: Plan) -> None:
         """Step "begin" (rank 0): the transport opens the sync and the encoding decides; every rank's sink starts."""
@@ -360,98 +309,18 @@ class WeightPublisher:
             if self._rank != 0:
                 return None
             failpoint("commit", 0)
-            self._forget_stale_labels(plan)
+            self._labels.forget_stale(plan)
             outcome = self._transport.commit(plan, reports)
-            self._record_labels(plan, outcome.get("servers", {}))
+            self._labels.record(plan, outcome.get("servers", {}))
             if self._fleet is not None:  # who took it: in rotation; who did not: out (or too few: raise)
                 outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
             return {**outcome, "peak": peak}
 
         return self._agreed("commit", commit, self._commit_bound() + SLACK_S)[0]
 
-    def _served_labels(self, version: int, specs: list[ParamSpec]) -> dict | None:
-        """Rank 0, in the prepare step: the servers that already serve ``version``, which this publisher did not
-        publish, with the digest of what they serve (or why it cannot be known), and the real SGLang servers
-        whose label this sync records at commit (:mod:`bridge.publisher.labels`); None when neither."""
-        fleet = self._fleet
-        if fleet is None or fleet.group is None:
-            return None
-        label, sets = str(version), self._kind.sets_labels
-        new_run = self.config.new_run and self._versions.last is None  # a new run starts over: nothing to compare
-        check: dict[str, tuple[str | None, str | None]] = {}
-        record: list[str] = []
-        for c in fleet.group.clients:
-            real = not c.is_reference_server
-            if real and sets:
-                record.append(c.url)
-            if new_run or fleet.served.get(c.url) != label:
-                continue
-            if not real:  # it digests what it serves, on request
-                got = c.weights_digest([s.name for s in specs])
-                if str(got.get("weight_version")) == label and got.get("run_id") in (None, self.run_id):
-                    check[c.url] = (got.get("digest"), None)
-            elif sets:  # real SGLang keeps nothing: the record written when it was labelled
-                records = self._label_records()
-                rec = records.read(c.url)
-                if rec is None or str(rec.get("version")) != label:
-                    check[c.url] = (None, f"no digest of its weights is recorded in {records.url}; its label was set "
-                                          "by a trainer whose record lives elsewhere, or outside wsync")
-                elif rec.get("run_id") in (None, self.run_id):
-                    check[c.url] = (rec.get("digest"), None if rec.get("digest") else
-                                    "the trainer that labelled it could not take the digest of its weights")
-        return {"check": check, "record": record} if check or record else None
-
-    def _check_labels(self, plan: Plan, parts: list, labels: dict) -> None:
-        """Every rank, in the check step: the digest of these weights as servers serve them (``parts``: each rank's
-        of its own rows), compared with what the servers that already serve this version serve. Other weights, or
-        weights that cannot be compared, are a VersionError on every rank before anything moves; the same
-        weights are a safe retry (:mod:`bridge.publisher.labels`)."""
-        from bridge.publisher.labels import refusal
-
-        digest = None if any(p is None for p in parts) else f"{sum(parts) % (1 << 64):016x}"
-        problems = []
-        for url, (served, why) in labels["check"].items():
-            if why is None and digest is None:
-                why = "the weight source has no local_shards(), so the digest of its weights cannot be taken"
-            if why is not None or served != digest:
-                problems.append(refusal(url, plan.version, why))
-        if problems:
-            raise VersionError("; ".join(problems))
-        plan.retried = plan.retried or bool(labels["check"])
-        plan.served_digest, plan.record_labels = digest, list(labels["record"])
-
-    def _label_records(self):
-        """Rank 0: where the labels of real SGLang servers are recorded (:class:`bridge.publisher.labels.LabelRecords`)."""
-        if self._labels is None:
-            from bridge.publisher.labels import LabelRecords
-
-            sessions = self.config.session_options  # the lock of a transport that updates servers in sessions
-            self._labels = LabelRecords(sessions.writer_lock if sessions is not None else None)
-        return self._labels
-
-    def _forget_stale_labels(self, plan: Plan) -> None:
-        """Rank 0, before the commit: a record of this version with other weights (a new run publishes it again) is
-        removed first, so that a record that cannot be written after the commit never vouches for the weights the
-        commit replaced. A failure here fails the sync before anything is labelled."""
-        for url in plan.record_labels:
-            rec = self._label_records().read(url)
-            if rec is not None and str(rec.get("version")) == str(plan.version) and rec.get("digest") != plan.served_digest:
-                self._label_records().forget(url)
-
-    def _record_labels(self, plan: Plan, servers: dict[str, str]) -> None:
-        """Rank 0, after the commit: record the label of each real SGLang server that took the version. A record
-        that cannot be written is logged: that label then cannot be compared, and is refused as such."""
-        for url in plan.record_labels:
-            if servers.get(url) != "ok":
-                continue
-            try:
-                self._label_records().write(url, str(plan.version), plan.served_digest, self.run_id)
-            except BridgeError as e:
-                logger.warning("could not record the digest of version %d served by %s: %s", plan.version, url, e)
-
     def _meet(self, version: int) -> None:
         """Every rank is in publish(): a rank that does not call it is named within ``group_timeout``
-        (:func:`publish_call_bound`), before anything else waits for it."""
+        (:func:`bridge.publisher.bounded.publish_call_bound`), before anything else waits for it."""
         cfg = self.config
 
         def missing(ranks: list[int]) -> str:
@@ -538,7 +407,7 @@ class WeightPublisher:
                 except BridgeError:
                     pass
         if self._rank == 0 and began and self._transport is not None:
-            status = _abort_within(self._transport, str(error), ABORT_WAIT_S)
+            status = abort_within(self._transport, str(error), ABORT_WAIT_S)
             if self._fleet is not None:  # torn servers: out of rotation until a publish repairs them
                 status = "; ".join(filter(None, [status, self._fleet.failed(self._transport.held())]))
         if began:
@@ -562,7 +431,7 @@ class WeightPublisher:
         if began and self._sink is not None:
             self._abort_sinks()
         if self._rank == 0 and began and self._transport is not None:
-            status = _abort_within(self._transport, f"{type(error).__name__} on rank 0", ABORT_WAIT_S)
+            status = abort_within(self._transport, f"{type(error).__name__} on rank 0", ABORT_WAIT_S)
             if self._fleet is not None:
                 self._fleet.failed(self._transport.held())
             if status:
@@ -600,43 +469,3 @@ class WeightPublisher:
 
     def _commit_bound(self) -> float:
         return self._kind.commit_seconds(self.config)
-
-
-def bucket_bound(config: PublisherConfig) -> float:
-    """The most one bucket step takes: its gather, then the previous bucket's arrival."""
-    return 2 * config.group_timeout + config.http_timeout
-
-
-def publish_call_bound(config: PublisherConfig) -> float:
-    """Seconds a rank in publish() waits for the other ranks to call it too, before it fails naming the
-    absent ranks: ``group_timeout``."""
-    return config.group_timeout
-
-
-def dead_rank_bound(config: PublisherConfig) -> float:
-    """The most the other ranks take to raise when a trainer rank dies in the middle of a transfer: the
-    bucket step's bound, the agreement's slack and the clean-up's wait; 2 x group_timeout + http_timeout
-    + 15 s (docs/guarantees.md, "Bounded time"). The servers are given back at once when rank 0's own step fails
-    (a gather with the dead rank does), without waiting that long."""
-    return bucket_bound(config) + SLACK_S + ABORT_WAIT_S
-
-
-def _abort_within(transport: Transport, reason: str, seconds: float) -> str:
-    """Run ``transport.abort`` for at most ``seconds``; a server that does not answer (stopped, say)
-    must not delay the error. Whatever is left goes on in the background (it is idempotent cleanup)."""
-
-    def run() -> str:
-        try:
-            return transport.abort(reason)
-        except Exception as e:  # best effort by contract; never hide the cause behind it
-            logger.warning("aborting the sync failed: %s", e)
-            return ""
-
-    try:
-        return call_within(run, seconds, "aborting the sync", background=_pending_aborts, thread_name="wsync-abort")
-    except SyncTimeout:  # (run itself never raises)
-        return f"cleanup goes on in the background: a server did not answer within {seconds:g} s"
-
-
-_pending_aborts: list[threading.Thread] = []
-"""Clean-ups still running after their failed sync raised; ``close()`` gives them time to finish."""

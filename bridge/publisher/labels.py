@@ -25,10 +25,10 @@ from urllib.parse import quote
 import torch
 
 from bridge.digest import served_digest_part
-from bridge.errors import NameEntryNotFound
+from bridge.errors import BridgeError, NameEntryNotFound, VersionError
 from bridge.log import get_logger
 
-__all__ = ["LabelRecords", "label_key", "local_digest_part", "refusal"]
+__all__ = ["Labels", "LabelRecords", "label_key", "local_digest_part", "refusal"]
 
 logger = get_logger(__name__)
 
@@ -89,3 +89,92 @@ def refusal(url: str, version: int, why: str | None) -> str:
     if why is None:
         return f"server {url} already serves version {version} with other weights (published by another process); {fix}"
     return f"server {url} already serves version {version}, and its weights cannot be compared with these ({why}); {fix}"
+
+
+class Labels:
+    """One publisher's label checks (see the module docstring): rank 0 finds what to compare in the prepare step,
+    every rank compares in the check step, rank 0 records real SGLang's labels around the commit."""
+
+    def __init__(self, run_id: str, lock_url: str | None):
+        """``lock_url``: the name resolution of a transport's writer lock, where the records live (None: the
+        default directory)."""
+        self.run_id, self._lock_url = run_id, lock_url
+        self._kept: LabelRecords | None = None
+
+    def close(self) -> None:
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.close()
+
+    def served(self, fleet, kind, version: int, specs: list, new_run: bool) -> dict | None:
+        """Rank 0, in the prepare step: the servers that already serve ``version``, which this publisher did not
+        publish, with the digest of what they serve (or why it cannot be known), and the real SGLang servers
+        whose label this sync records at commit ; None when neither."""
+        if fleet is None or fleet.group is None:
+            return None
+        label, sets = str(version), kind.sets_labels
+        check: dict[str, tuple[str | None, str | None]] = {}
+        record: list[str] = []
+        for c in fleet.group.clients:
+            real = not c.is_reference_server
+            if real and sets:
+                record.append(c.url)
+            if new_run or fleet.served.get(c.url) != label:
+                continue
+            if not real:  # it digests what it serves, on request
+                got = c.weights_digest([s.name for s in specs])
+                if str(got.get("weight_version")) == label and got.get("run_id") in (None, self.run_id):
+                    check[c.url] = (got.get("digest"), None)
+            elif sets:  # real SGLang keeps nothing: the record written when it was labelled
+                records = self._records()
+                rec = records.read(c.url)
+                if rec is None or str(rec.get("version")) != label:
+                    check[c.url] = (None, f"no digest of its weights is recorded in {records.url}; its label was set "
+                                          "by a trainer whose record lives elsewhere, or outside wsync")
+                elif rec.get("run_id") in (None, self.run_id):
+                    check[c.url] = (rec.get("digest"), None if rec.get("digest") else
+                                    "the trainer that labelled it could not take the digest of its weights")
+        return {"check": check, "record": record} if check or record else None
+
+    def check(self, plan, parts: list, labels: dict) -> None:
+        """Every rank, in the check step: the digest of these weights as servers serve them (``parts``: each rank's
+        of its own rows), compared with what the servers that already serve this version serve. Other weights, or
+        weights that cannot be compared, are a VersionError on every rank before anything moves; the same
+        weights are a safe retry ."""
+        digest = None if any(p is None for p in parts) else f"{sum(parts) % (1 << 64):016x}"
+        problems = []
+        for url, (served, why) in labels["check"].items():
+            if why is None and digest is None:
+                why = "the weight source has no local_shards(), so the digest of its weights cannot be taken"
+            if why is not None or served != digest:
+                problems.append(refusal(url, plan.version, why))
+        if problems:
+            raise VersionError("; ".join(problems))
+        plan.retried = plan.retried or bool(labels["check"])
+        plan.served_digest, plan.record_labels = digest, list(labels["record"])
+
+    def _records(self) -> LabelRecords:
+        """Rank 0: where the labels of real SGLang servers are recorded (:class:`LabelRecords`)."""
+        if self._kept is None:
+            self._kept = LabelRecords(self._lock_url)
+        return self._kept
+
+    def forget_stale(self, plan) -> None:
+        """Rank 0, before the commit: a record of this version with other weights (a new run publishes it again) is
+        removed first, so that a record that cannot be written after the commit never vouches for the weights the
+        commit replaced. A failure here fails the sync before anything is labelled."""
+        for url in plan.record_labels:
+            rec = self._records().read(url)
+            if rec is not None and str(rec.get("version")) == str(plan.version) and rec.get("digest") != plan.served_digest:
+                self._records().forget(url)
+
+    def record(self, plan, servers: dict[str, str]) -> None:
+        """Rank 0, after the commit: record the label of each real SGLang server that took the version. A record
+        that cannot be written is logged: that label then cannot be compared, and is refused as such."""
+        for url in plan.record_labels:
+            if servers.get(url) != "ok":
+                continue
+            try:
+                self._records().write(url, str(plan.version), plan.served_digest, self.run_id)
+            except BridgeError as e:
+                logger.warning("could not record the digest of version %d served by %s: %s", plan.version, url, e)

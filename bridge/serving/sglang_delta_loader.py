@@ -37,7 +37,8 @@ import weakref
 
 import torch
 
-from bridge.codecs.delta import DELTA_TENSOR, INTS, iter_records
+from bridge.codecs.delta import DELTA_TENSOR, iter_records
+from bridge.codecs.diff import INTS
 
 __all__ = ["load_delta"]
 

@@ -28,7 +28,7 @@ Every rank also has a :class:`~bridge.transports.sink.Sink`, chosen by ``Transpo
 the buckets gathered to that rank (``buffer``, ``send``, ``settle``, ``abort``), and which rank receives
 bucket ``k`` (``owner``). By default rank 0's sink is its transport (the methods above, one bucket in flight)
 and the other ranks receive nothing; disk with ``disk_writers="all"`` gives every rank a sink that writes its
-own shards (:class:`bridge.transports.disk.ShardWriter`), which is how a transport gives its ranks work of
+own shards (:class:`bridge.transports.shard_writer.ShardWriter`), which is how a transport gives its ranks work of
 their own without the driver knowing it.
 
 A transport also declares, as class attributes: ``name`` and ``aliases`` (it registers itself with

@@ -3,7 +3,7 @@ its transport (:class:`TransportSink`).
 
 Every rank has one sink per publisher, chosen by its transport (``Transport.sink``): rank 0's is the transport
 itself by default; disk with ``disk_writers="all"`` gives every rank a writer of its own shards
-(:class:`bridge.transports.disk.ShardWriter`); a delta for real SGLang goes to the loader's
+(:class:`bridge.transports.shard_writer.ShardWriter`); a delta for real SGLang goes to the loader's
 (:class:`bridge.encodings.delta_send.LoaderSink`). The publisher hands each bucket to the sink of the rank it
 was gathered to, always the same way:
 
