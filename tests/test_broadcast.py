@@ -163,7 +163,8 @@ def test_trainer_killed_mid_sync_leaves_previous_version(server_factory, tiny_mo
     import json
 
     from bridge.client import ServerClient
-    from bridge.publisher.core import PublisherConfig, dead_rank_bound
+    from bridge.publisher.bounded import dead_rank_bound
+    from bridge.publisher.core import PublisherConfig
 
     (server,) = server_factory.many([dict(model=tiny_model_dir)])
     # A short writer lease: the dead rank 0 holds the server until it runs out.

@@ -319,7 +319,7 @@ def _fail_while_rank1_writes(nr_url: str, root: str):
     file was created); then v2 again. What each rank raised, when it raised and (rank 1) when the fault
     fired (``time.monotonic()``, one clock for every process of the host), and (rank 0) what was
     announced and left behind right after the failure."""
-    import bridge.transports.disk as disk_transport
+    import bridge.transports.shard_writer as disk_transport
     from bridge import PublisherConfig, WeightPublisher
     from bridge.failpoints import ENV
     from bridge.name_resolve import make_name_resolve, names

@@ -364,7 +364,8 @@ def _watch_pause(url: str):
 
 
 def test_a_non_zero_rank_killed_mid_sync(server):
-    from bridge.publisher.core import PublisherConfig, dead_rank_bound
+    from bridge.publisher.bounded import dead_rank_bound
+    from bridge.publisher.core import PublisherConfig
 
     r0, r1 = run_ranks(_kill_rank1_mid_sync, 2, args=([server.url],), timeout=200, may_die=(1,))
     assert r1 is None
@@ -461,7 +462,8 @@ LEASE_GONE_S = 2 + 1 + 12
 def test_colocated_trainer_killed_then_a_new_trainer_fails(server, tmp_path):
     import json
 
-    from bridge.publisher.core import PublisherConfig, dead_rank_bound
+    from bridge.publisher.bounded import dead_rank_bound
+    from bridge.publisher.core import PublisherConfig
 
     args = ([server.url], str(tmp_path / "own.json"), 61)
     kwargs = dict(transport="colocated", group_timeout=4, http_timeout=4, writer_lease=2)
