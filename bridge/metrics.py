@@ -104,11 +104,11 @@ class WatchMetrics:
         self._update_lag()
 
     def loaded_version(self, version: int, seconds: float | None = None) -> None:
+        if seconds is not None:  # first: a scrape that sees the version sees its load counted
+            self.load_seconds.observe(seconds)
         with self._lock:
             self._loaded = version if self._loaded is None else max(self._loaded, version)
         self.loaded.set(version)
-        if seconds is not None:
-            self.load_seconds.observe(seconds)
         self._update_lag()
 
     def failed(self, kind: str) -> None:

@@ -132,8 +132,10 @@ def test_wsync_watch_metrics_show_the_loaded_version_and_its_lag(server_factory,
             time.sleep(0.2)
         for v in (1, 2):
             _train(model, v)
-            pub.publish(model, version=v)  # returns once the watcher loaded it
-            got = _scrape(metrics)
+            pub.publish(model, version=v)  # returns once the server serves it; the watcher counts it just after
+            deadline = time.monotonic() + 10
+            while _value(got := _scrape(metrics), "wsync_watch_loaded_version") != v and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert _value(got, "wsync_watch_loaded_version") == v, got
             assert _value(got, "wsync_watch_lag_versions") == 0 and _value(got, "wsync_watch_lag_seconds") == 0
         assert _value(got, "wsync_watch_load_seconds_count") == 2
