@@ -544,6 +544,66 @@ def test_a_fault_between_two_servers_puts_the_previous_adapter_back(lora_server,
         assert served["wsync_lora_version"] == "1" and served["checksums"] == rank0["first"], url
 
 
+def _one_writer_publish(url: str, trial: str, seed: int, fault: str | None):
+    """One trainer (trial ``trial``): adapter ``policy-race`` version 1 into ``url``, with ``fault`` armed; what it
+    raised, else the checksums it published."""
+    import os
+
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-race", via="tensors", servers=[url], trial=trial))
+    try:
+        train_step(engine, seed=seed)
+        if fault:
+            os.environ["WSYNC_FAILPOINTS"] = fault
+        try:
+            return {"checksums": pub.publish(engine, version=1).checksums}
+        except Exception as e:  # read by the test
+            return {"failed": f"{type(e).__name__}: {e}"}
+        finally:
+            os.environ.pop("WSYNC_FAILPOINTS", None)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_two_trainers_publishing_adapters_to_one_server_take_turns(lora_server):
+    """An adapter publish holds its servers as a full sync does (the writer lease): while trainer A's publish runs
+    (paused before its load), trainer B's publish to the same server is refused, naming A's run, and changes
+    nothing; A's publish completes; once A let go, B's goes through."""
+    import threading
+    import time
+
+    from bridge.client import ServerClient
+
+    results = {}
+    a = threading.Thread(target=lambda: results.update(
+        a=run_ranks(_one_writer_publish, 1, args=(lora_server.url, "race-a", 1, "adapter:load:0@0=sleep:4"),
+                    timeout=120)[0]), daemon=True)
+    a.start()
+    probe = ServerClient(lora_server.url)
+    try:
+        deadline = time.monotonic() + 60
+        while probe.server_info()["internal_states"][0]["writer_lease"] is None:
+            assert a.is_alive() and time.monotonic() < deadline, f"trainer A never held the server: {results}"
+            time.sleep(0.05)
+        (b,) = run_ranks(_one_writer_publish, 1, args=(lora_server.url, "race-b", 2, None), timeout=120)
+        a.join(60)
+        assert "another writer holds this server" in b.get("failed", ""), b
+        assert "race-a" in b["failed"], b["failed"]
+        assert "checksums" in results["a"], results["a"]
+        served = probe.adapter_checksums("policy-race")
+        assert served["wsync_lora_version"] == "1" and served["checksums"] == results["a"]["checksums"]
+        assert probe.server_info()["internal_states"][0]["writer_lease"] is None, "A let go at its commit"
+        (b,) = run_ranks(_one_writer_publish, 1, args=(lora_server.url, "race-b", 2, None), timeout=120)
+        assert "checksums" in b, b
+        assert probe.adapter_checksums("policy-race")["checksums"] == b["checksums"]
+    finally:
+        probe.close()
+
+
 def _register(registry: str, trial: str, url: str) -> None:
     """``url`` as a server entry of ``trial`` in the registry, as ``wsync serve --register`` writes it."""
     import json
@@ -558,9 +618,12 @@ def _register(registry: str, trial: str, url: str) -> None:
         nr.close()
 
 
+DEAD = "http://127.0.0.1:9"  # nothing listens there
+
+
 def _publish_to_a_registry(registry: str, trial: str, second: str):
-    """Version 1 with one server registered, version 2 after a second one registered (found at that publish),
-    then version 3 with min_servers above what is registered."""
+    """Version 1 with one server registered, version 2 after a second one and a dead one registered (found at that
+    publish; the dead one excluded), then version 3 with min_servers above what answers."""
     from bridge import AdapterPublisher, AdapterPublisherConfig
     from bridge.client import ServerClient
     from tests.sync_bodies import train_step
@@ -573,6 +636,7 @@ def _publish_to_a_registry(registry: str, trial: str, second: str):
         for version in (1, 2):
             if version == 2 and engine.rank == 0:
                 _register(registry, trial, second)
+                _register(registry, trial, DEAD)
             train_step(engine, seed=version)
             out[version] = pub.publish(engine, version=version).checksums
         pub.config.min_servers = 3
@@ -586,6 +650,8 @@ def _publish_to_a_registry(registry: str, trial: str, second: str):
 
             out["served"] = {}
             for u in Registry(registry, DEFAULT_EXPERIMENT, trial).urls():
+                if u == DEAD:
+                    continue
                 c = ServerClient(u)
                 out["served"][u] = c.adapter_checksums("policy-fleet")
                 c.close()
@@ -597,13 +663,16 @@ def _publish_to_a_registry(registry: str, trial: str, second: str):
 
 def test_adapter_publishes_find_their_servers_in_a_registry(lora_server, second_lora_server, tmp_path):
     """server_registry (file://): the servers are found again at every publish; a server registered after
-    version 1 gets version 2; fewer servers than min_servers fails the publish on every rank and changes nothing."""
+    version 1 gets version 2, and a dead one registered with it is excluded from the publish as from a full one;
+    fewer servers answering than min_servers fails the publish on every rank, naming the dead one, and changes
+    nothing."""
     registry = f"file://{tmp_path}/registry"
     _register(registry, "lora-fleet", lora_server.url)
     rank0, rank1 = run_ranks(_publish_to_a_registry, 2, args=(registry, "lora-fleet", second_lora_server.url),
                              timeout=120)
     assert rank0["failed"] and rank0["failed"] == rank1["failed"], "every rank raises the same error"
-    assert "min_servers=3" in rank0["failed"] and "2 server(s)" in rank0["failed"], rank0["failed"]
+    assert "min_servers=3" in rank0["failed"] and "2 of 3 server(s)" in rank0["failed"], rank0["failed"]
+    assert f"{DEAD} excluded" in rank0["failed"], rank0["failed"]
     assert "publish failed at adapter:servers" in rank0["failed"], "the error names the part of the step that failed"
     assert sorted(rank0["served"]) == sorted([lora_server.url, second_lora_server.url])
     for url, served in rank0["served"].items():

@@ -271,8 +271,9 @@ def _adapter_config(args: argparse.Namespace):
         raise ConfigError(f"--publish-adapter goes by --publish disk, colocated (servers on this host) or broadcast "
                           f"(reference servers); got --publish {args.transport}")
     root = os.path.join(args.snapshot_root, "adapters") if args.snapshot_root else None
-    group = {k: getattr(args, k) for k in ("group_timeout", "master_address", "master_port", "backend", "http_timeout")
-             if getattr(args, k, None) is not None}  # the weight broadcast's flags, where given
+    group = {k: getattr(args, k) for k in ("group_timeout", "master_address", "master_port", "backend", "http_timeout",
+                                           "probe_timeout")
+             if getattr(args, k, None) is not None}  # the full publisher's flags, where given
     return AdapterPublisherConfig(name=args.publish_adapter, via=vias[transport], servers=args.servers or (), **group,
                                   server_registry=args.server_registry or None,
                                   **({"min_servers": args.min_servers} if args.min_servers is not None else {}),

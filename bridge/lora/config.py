@@ -8,9 +8,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bridge.config import Fleet, RunIdentity, Timeouts
 from bridge.errors import ConfigError
 from bridge.name_resolve import DEFAULT_EXPERIMENT, DEFAULT_TRIAL
 from bridge.tensors import dtype_from_str
+from bridge.transports.base import SessionOptions
 
 __all__ = ["VIAS", "AdapterPublishResult", "AdapterPublisherConfig", "adapter_key"]
 
@@ -41,7 +43,10 @@ class AdapterPublisherConfig:
     """Where more servers are found, read again at every publish, as ``PublisherConfig.server_registry``
     (``etcd://``, ``file:///dir``, ``router+http://``; servers registered for ``experiment``/``trial``)."""
     min_servers: int = 1
-    """With servers or a registry: a publish fails (before anything is loaded) when fewer servers are found."""
+    """With servers or a registry: a publish fails (before anything is loaded) when fewer servers answer."""
+    probe_timeout: float = 5.0
+    """Seconds each server has to answer the probe before every publish (at most ``http_timeout``); one that does
+    not is excluded from that publish, as from a full one."""
     root: str | None = None
     """Disk: the folder of the adapter directories, ``<root>/<name>/v<version>`` (default: a folder under
     the temporary directory, per experiment and trial)."""
@@ -66,6 +71,12 @@ class AdapterPublisherConfig:
     address of the interface that routes to them)."""
     master_port: int | None = None
     """Broadcast: the group's rendezvous port (default: a free one)."""
+    writer_lease: float = 10.0
+    """Seconds each server stays reserved for this publisher after its last word, renewed while a publish runs, as
+    ``PublisherConfig.writer_lease``: while one trainer publishes, another one's adapter publish is refused."""
+    writer_lock: str | None = None
+    """Name resolution (``etcd://``, ``file://``) holding a lock per server, for servers without the reference
+    server's writer lease (real SGLang), as ``PublisherConfig.writer_lock``."""
     backend: str | None = None
     """Broadcast: ``gloo`` or ``nccl`` (default: :func:`bridge.process_group.default_backend`; the reference server
     on CPU takes gloo)."""
@@ -76,18 +87,15 @@ class AdapterPublisherConfig:
         if self.via not in VIAS:
             raise ConfigError(f"via must be one of {', '.join(VIAS)} (an adapter goes by disk, on one host by tensors, "
                               f"or to reference servers by broadcast), got {self.via!r}")
-        if isinstance(self.servers, str):
-            raise ConfigError(f"servers must be a list of URLs, got the string {self.servers!r}")
-        self.servers = [str(s).rstrip("/") for s in self.servers]
-        if isinstance(self.server_registry, str):
-            self.server_registry = [self.server_registry]
-        self.server_registry = list(self.server_registry or ()) or None
-        from bridge.fleet.discovery import check_registry_url
-
-        for url in self.server_registry or ():
-            check_registry_url(url)
-        if isinstance(self.min_servers, bool) or not isinstance(self.min_servers, int) or self.min_servers < 1:
-            raise ConfigError(f"min_servers must be an integer >= 1, got {self.min_servers!r}")
+        # The full publisher's groups check the settings they share, with the same messages.
+        fleet = Fleet(servers=self.servers, server_registry=self.server_registry, min_servers=self.min_servers,
+                      probe_timeout=self.probe_timeout)
+        self.servers = list(fleet.servers)
+        registry = fleet.server_registry
+        self.server_registry = ([registry] if isinstance(registry, str) else list(registry)) if registry else None
+        Timeouts(http_timeout=self.http_timeout, group_timeout=self.group_timeout)
+        RunIdentity(experiment=self.experiment, trial=self.trial)
+        SessionOptions(writer_lease=self.writer_lease, writer_lock=self.writer_lock)
         if self.via in ("tensors", "broadcast") and not self.servers and not self.server_registry:
             raise ConfigError(f"via={self.via!r} sends the adapter to servers: give servers=[URL, ...] or "
                               "server_registry=URL")
@@ -96,9 +104,8 @@ class AdapterPublisherConfig:
             raise ConfigError(f"keep must be >= 2 (the previous adapter is what a failed publish goes back to), got {self.keep}")
         if self.dtype is not None:
             dtype_from_str(self.dtype)  # raises ConfigError naming the dtype
-        for what in ("http_timeout", "gather_timeout", "group_timeout"):
-            if not getattr(self, what) > 0:
-                raise ConfigError(f"{what} must be a positive number of seconds, got {getattr(self, what)}")
+        if not self.gather_timeout > 0:
+            raise ConfigError(f"gather_timeout must be a positive number of seconds, got {self.gather_timeout}")
         if self.root is None:
             import tempfile
 

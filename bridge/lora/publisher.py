@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
-from bridge.errors import BridgeError, ConfigError, SyncError, VersionError
+from bridge.errors import BridgeError, ConfigError, VersionError
 from bridge.failpoints import failpoint
 from bridge.log import get_logger
 from bridge.lora.config import AdapterPublisherConfig, AdapterPublishResult, adapter_key
 from bridge.lora.gather import DISK_WORK, Checksums, gather_adapter_tensors
+from bridge.lora.servers import AdapterServers
 from bridge.publisher.agreement import STEP_ATTR, Agreement, in_step
 from bridge.publisher.interrupts import held
 from bridge.snapshot.adapter import (
@@ -102,17 +103,15 @@ class AdapterPublisher:
         self._rank = self._agree.rank
         self._last: int | None = None
         self._served: _Published | None = None  # rank 0
-        self._clients: dict = {}  # rank 0: URL -> client, for every server found so far
         self._warned: set[str] = set()  # real SGLang servers told that a tensors replace refuses generations
-        self._current: list[str] = []  # rank 0: the servers of this publish, found at its start
-        self._sources = None  # rank 0: where the servers are found (bridge.fleet.discovery), opened once
-        self._nr = None  # rank 0, disk
-        self._took: list = []  # rank 0: the servers that loaded the version being published
+        self._fleet = AdapterServers(config)  # rank 0: found, probed and held at every publish
+        self._name_resolve = None  # rank 0, disk
+        self._loaded_into: list = []  # rank 0: the servers that loaded the version being published
         self._announced: str | None = None  # rank 0: its announcement key, once made
         self._phases: dict[str, float] = {}
         self._removing = None  # rank 0, disk: the removal of old directories, left running by the last commit
         self._syncing = None  # rank 0, disk: the fsyncs of the directory being published (:meth:`_write`)
-        self._spare: _Published | None = None  # rank 0: a gather's buffer no one uses any more, the next one's memory
+        self._reusable: _Published | None = None  # rank 0: a gather's buffer no one uses any more, the next one's memory
         self._group = None  # rank 0, broadcast: the servers' weight-update group (bridge.lora.broadcast)
 
     @property
@@ -140,18 +139,20 @@ class AdapterPublisher:
                            SLACK_S)[0]
         dtype = dtype_from_str(cfg.dtype) if cfg.dtype is not None else None
         new = _Published(version, None, {}, None, None)  # rank 0: filled by the gather, then the write
-        self._took, self._announced = [], None
+        self._loaded_into, self._announced = [], None
         undo = lambda: self._undo(new)  # noqa: E731
 
         def gather() -> int:
             """The collective gather (every rank joins it, then agrees on it before rank 0 loads anything); then,
             on rank 0, the servers of this publish: their number bounds the next step on every rank."""
-            reuse = self._take_spare()
+            reuse = self._take_reusable()
             got = self._part("adapter:gather", lambda: gather_adapter_tensors(source, dtype, cfg.via == "tensors", reuse),
                              point_after=True) or {}
             new.config, new.pending_checksums = got.get("config", {}), got.get("checksums")
             new.tensors, new.buffer = got.get("tensors"), got.get("buffer")
-            return self._part("adapter:servers", self._find_servers)
+            found = self._part("adapter:servers", self._find_servers)
+            self._part("adapter:lease", self._hold_servers)
+            return found
 
         found = self._step("adapter:gather", gather, cfg.gather_timeout + cfg.http_timeout, undo)[0]
 
@@ -161,7 +162,7 @@ class AdapterPublisher:
             if cfg.via == "disk":
                 new.path = self._part("adapter:write", lambda: self._write(version, new.tensors, new.config))
                 new.tensors = None  # the servers load the directory; the tensors are not kept, their buffer is spare
-                self._spare = _Published(version, None, {}, None, new.pending_checksums, new.buffer)
+                self._reusable = _Published(version, None, {}, None, new.pending_checksums, new.buffer)
             self._part("adapter:load", lambda: self._load_all(new))
             if cfg.via == "disk":
                 self._part("adapter:announce", lambda: self._announce(new))
@@ -185,13 +186,10 @@ class AdapterPublisher:
         if self._group is not None:
             self._group.teardown()
             self._group = None
-        for c in self._clients.values():
-            c.close()
-        for source in self._sources or ():
-            source.close()
-        if self._nr is not None:
-            self._nr.close()
-        self._clients, self._sources, self._nr = {}, None, None
+        self._fleet.close()
+        if self._name_resolve is not None:
+            self._name_resolve.close()
+        self._name_resolve = None
 
     def __enter__(self) -> AdapterPublisher:
         return self
@@ -255,11 +253,11 @@ class AdapterPublisher:
 
     def _names(self):
         """Rank 0: name resolution, opened once."""
-        if self._nr is None:
+        if self._name_resolve is None:
             from bridge.name_resolve import DEFAULT_URL, make_name_resolve
 
-            self._nr = make_name_resolve(self.config.name_resolve or DEFAULT_URL)
-        return self._nr
+            self._name_resolve = make_name_resolve(self.config.name_resolve or DEFAULT_URL)
+        return self._name_resolve
 
     def newest_announced_version(self) -> int | None:
         """Disk: the newest version of this adapter announced for the experiment and trial (by any run), or None."""
@@ -301,41 +299,13 @@ class AdapterPublisher:
                 raise
 
     def _find_servers(self) -> int:
-        """Rank 0: the servers of this publish, found again (the fixed list, then each registry); their number.
-        Fewer than ``min_servers`` (when any server is configured) fails the publish before anything is loaded."""
-        if self._rank != 0:
-            return 0
-        from bridge.fleet.discovery import open_sources
+        """Rank 0: the servers of this publish (:meth:`bridge.lora.servers.AdapterServers.find`); their number."""
+        return self._fleet.find() if self._rank == 0 else 0
 
-        cfg = self.config
-        if self._sources is None:
-            self._sources = open_sources(cfg.servers, cfg.server_registry or (), cfg.experiment, cfg.trial,
-                                         timeout=cfg.http_timeout)
-        urls: list[str] = []
-        for source in self._sources:
-            urls += [u.rstrip("/") for u in source.urls() if u.rstrip("/") not in urls]
-        if (cfg.servers or cfg.server_registry) and len(urls) < cfg.min_servers:
-            where = ", ".join(s.url for s in self._sources)
-            raise SyncError(f"found {len(urls)} server(s) ({', '.join(urls) or 'none'}) in {where}, fewer than "
-                            f"min_servers={cfg.min_servers}; register more servers (wsync serve --register) or lower "
-                            "min_servers")
-        self._current = urls
-        if cfg.via == "broadcast":  # before anything moves
-            from bridge.lora.broadcast import require_reference_servers
-
-            require_reference_servers(self._servers())
-        return len(urls)
-
-    def _servers(self):
-        """Rank 0: a client of each server of this publish (found by :meth:`_find_servers`)."""
-        from bridge.client import ServerClient
-
-        cfg = self.config
-        for u in self._current:
-            if u not in self._clients:
-                self._clients[u] = ServerClient(u, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
-                                                timeout=cfg.http_timeout)
-        return [self._clients[u] for u in self._current]
+    def _hold_servers(self) -> None:
+        """Rank 0: the servers, for this writer alone until the publish committed or was undone."""
+        if self._rank == 0:
+            self._fleet.take()
 
     def _load_all(self, new: _Published) -> None:
         """Rank 0: every server loads ``new`` (the ones that did are recorded, for :meth:`_undo`)."""
@@ -344,9 +314,9 @@ class AdapterPublisher:
         if self.config.via == "broadcast":
             self._broadcast_all(new)
             return
-        for i, client in enumerate(self._servers()):
+        for i, client in enumerate(self._fleet.clients()):
             failpoint(f"adapter:load:{i}", 0)
-            self._took.append(client)  # before the call: a server that timed out may have loaded it
+            self._loaded_into.append(client)  # before the call: a server that timed out may have loaded it
             new.copied = new.copied and client.is_reference_server
             self._load(client, new)
 
@@ -375,13 +345,13 @@ class AdapterPublisher:
         """Rank 0, broadcast: every server loads ``new`` at once over the group (made on the first publish)."""
         from bridge.lora.broadcast import AdapterGroup, GroupLost
 
-        clients = self._servers()
+        clients = self._fleet.clients()
         for i in range(len(clients)):
             failpoint(f"adapter:load:{i}", 0)
         if self._group is None:
             self._group = AdapterGroup(self.config)
         self._group.ensure(clients)
-        self._took.extend(clients)  # before the call: a server that timed out may have loaded it
+        self._loaded_into.extend(clients)  # before the call: a server that timed out may have loaded it
         try:
             self._group.load(new.version, new.config, new.tensors, new.buffer, new.checksums)
         except GroupLost as e:  # a server lost the kept group (restarted at its URL): once more on a new one
@@ -435,11 +405,11 @@ class AdapterPublisher:
             pass
         if self._group is not None:  # not trusted after a failure: a new one for the servers that go back
             self._group.teardown()
-        status = self._load_back(self._took)
-        self._took = []
+        status = self._load_back(self._loaded_into)
+        self._loaded_into = []
         if self._announced is not None:
             try:
-                self._nr.delete(self._announced)
+                self._name_resolve.delete(self._announced)
             except Exception as e:  # reported; the publish's own error is raised
                 status += f"; could not remove the announcement {self._announced}: {e}"
             self._announced = None
@@ -448,6 +418,7 @@ class AdapterPublisher:
             if os.path.islink(link) and os.readlink(link) == os.path.basename(new.path):
                 os.unlink(link)  # a first version that failed: nothing to show
             shutil.rmtree(new.path, ignore_errors=True)
+        self._fleet.release()  # the servers are back on the previous version: another writer may go on
         if status:
             logger.warning("adapter %r version %d not published%s", self.config.name, new.version, status)
 
@@ -466,15 +437,16 @@ class AdapterPublisher:
         self._last = new.version
         if self._rank != 0:
             return
-        old, self._served, self._took, self._announced = self._served, new, [], None
+        self._fleet.release()
+        old, self._served, self._loaded_into, self._announced = self._served, new, [], None
         if old is not None and old.tensors is not None and old.copied:  # by tensors: no server holds its buffer
-            self._spare = old
+            self._reusable = old
         if new.path is not None:  # in the background (a few ms of unlinks): done before the next publish or close()
             self._removing = DISK_WORK.submit(remove_old_versions, os.path.dirname(new.path), self.config.keep)
 
-    def _take_spare(self) -> torch.Tensor | None:
+    def _take_reusable(self) -> torch.Tensor | None:
         """Rank 0: the spare buffer to gather into (its checksums, which read it, finished first), or None."""
-        spare, self._spare = self._spare, None
+        spare, self._reusable = self._reusable, None
         if spare is None or spare.buffer is None:
             return None
         if spare.pending_checksums is not None:
