@@ -15,7 +15,7 @@ options``
 
 Besides them, at the top: ``transport``, ``encoding``, ``bucket_mb``, ``serving_dtype``, ``backend``,
 ``progress``, ``metrics_port``. Every group is given either as its object (``fleet=Fleet(servers=[...])``) or as flat keywords,
-as it always was (``PublisherConfig(transport="disk", keep_snapshots=5, servers=[...])``); a setting reads
+alike (``PublisherConfig(transport="disk", keep_snapshots=5, servers=[...])``); a setting reads
 back flat too (``config.http_timeout`` is ``config.timeouts.http_timeout``). An option of another transport
 or encoding is a ConfigError naming the one it belongs to (it would have no effect), and so is a keyword
 nothing knows. Every setting is an :func:`bridge.options.option` field: its default and help are written
@@ -48,8 +48,8 @@ __all__ = ["Auth", "Fleet", "PublisherConfig", "RunIdentity", "Timeouts", "confi
 def _default_bucket_mb() -> float:
     """512 with CUDA, else 32"""
     # Enough bytes per HTTP round trip, and several buckets per model so the gather of one overlaps the
-    # send of the previous one. On 2 CPU cores 32 MiB measured fastest on both bench presets
-    # (wsync bench); NCCL links want larger buckets.
+    # send of the previous one (the figures per bucket size: docs/benchmark.md); NCCL links want
+    # larger buckets.
     return 512.0 if torch.cuda.is_available() else 32.0
 
 

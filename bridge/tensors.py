@@ -81,7 +81,7 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 buffer of ``nbytes`` in host memory for a bucket, pinned when this process uses CUDA.
 
     A CUDA trainer's gather copies every tensor of the bucket from the GPU into it: into pageable memory
-    each copy goes through the driver's staging buffer (about 1 GB/s seen on an H200 host), into pinned
+    each copy goes through the driver's staging buffer, several times slower; into pinned
     memory it is one DMA. Pinned blocks come from torch's caching host allocator, so the buckets of later
     syncs reuse them. A process that never touched CUDA gets plain memory (no CUDA context is created)."""
     pinned = torch.cuda.is_available() and torch.cuda.is_initialized()

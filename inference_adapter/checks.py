@@ -95,7 +95,7 @@ _LOW7, _ONES, _HIGH = 0x7F7F7F7F7F7F7F7F, 0x0101010101010101, -0x7F7F7F7F7F7F7F8
 
 def _fp8_has_nan(b: torch.Tensor) -> bool:
     """Whether e4m3fn bytes ``b`` (flat uint8) hold a NaN (low 7 bits all ones), 8 bytes at a time: ``b & 0x7F``
-    plus 1 reaches 0x80 in a byte only from 0x7F, and never carries into the next byte (5x faster than one
+    plus 1 reaches 0x80 in a byte only from 0x7F, and never carries into the next byte (faster than one
     comparison per byte; the ragged ends, off an 8-byte boundary, byte by byte)."""
     skip = min((-b.storage_offset()) % 8, b.numel())
     body = (b.numel() - skip) // 8 * 8

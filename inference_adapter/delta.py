@@ -12,7 +12,7 @@ in place, so the update goes through the session like any other (swapped atomica
 ``end_weight_update``) without a copy of every touched tensor.
 
 The CRC of each served piece is cached until the weights change (one pass over the touched tensors per
-version, about 7 GB/s).
+version).
 """
 
 from __future__ import annotations

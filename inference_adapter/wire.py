@@ -197,9 +197,8 @@ def recv_bytes(pg, nbytes: int, seed: int, what: str, timeout: float, keep: bool
     (the bench's raw floor). Callers hold the server's update lock.
 
     A kept receive of at least :data:`_OWN_MAPPING_BYTES` lands in a slack mapping of its own, and the
-    returned tensor is a view of it: the bytes are staged where they arrived, with no copy (a 32 MiB
-    bucket: 17 ms into fresh pages, against 8 ms into the reused buffer plus 18 ms to copy it out, on
-    this project's CPU machines). Smaller ones reuse one shared buffer and are copied out, so a model of
+    returned tensor is a view of it: the bytes are staged where they arrived, with no copy (fresh pages
+    cost less than the reused buffer plus the copy out of it). Smaller ones reuse one shared buffer and are copied out, so a model of
     many small tensors does not hold a mapping per tensor.
     """
     own = keep and nbytes >= _OWN_MAPPING_BYTES

@@ -509,7 +509,7 @@ class FSDPEngine:
         An adapter is small (rank 16 on every projection of an 8B model: tens of MB), so it travels as one
         bucket: ``dst`` holds the bucket's buffer and nothing more; the tensors returned are views of it. Ranks on
         one host (CPU, gloo) write their rows straight into that buffer in shared memory
-        (:class:`bridge.sources.shm.SharedGather`: medium's rank-16 adapter in 3 ms instead of 13); elsewhere it
+        (:class:`bridge.sources.shm.SharedGather`); elsewhere it
         goes through :func:`bridge.sources.gather_bucket_into`, the full sync's flat gathers. ``shared`` (CPU): that
         buffer in shared memory under torch's ``file_system`` strategy, which a server on this host maps when the
         tensors are sent by reference (``/load_lora_adapter_from_tensors``), with no copy into shared memory first.

@@ -12,7 +12,7 @@ from bridge.log import get_logger
 
 __all__ = ["ServerGroup"]
 
-# The package's name, not this file's: log lines keep the logger name they had before the split.
+# The package's name, not this file's: one logger for the whole package.
 logger = get_logger(__package__)
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ from bridge.protocol import ProtocolFeatures
 
 __all__ = ["ServerClient"]
 
-# The package's name, not this file's: log lines keep the logger name they had before the split.
+# The package's name, not this file's: one logger for the whole package.
 logger = get_logger(__package__)
 
 _PAUSE_MODES = ("abort", "retract", "in_place")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WeightUpdateRoutes"]
 
-# The package's name, not this file's: log lines keep the logger name they had before the split.
+# The package's name, not this file's: one logger for the whole package.
 logger = get_logger(__package__)
 
 

@@ -147,7 +147,7 @@ def block_amax(rows: torch.Tensor, row0: int, n_blocks: int, served: torch.dtype
     if whole_blocks(rows, row0):
         # No copy: max(amax, -amin) of each block, in the rows' own dtype, then cast: rounding to ``served`` is
         # monotonic and symmetric, so the absmax of the cast values is the cast of the absmax.
-        v = rows.view(n, kb, BLOCK)  # (amax and amin over contiguous runs of 128: 3x faster here than aminmax)
+        v = rows.view(n, kb, BLOCK)  # (amax and amin over contiguous runs of 128: faster than aminmax)
         grid[b0:b1] = torch.maximum(v.amax(-1), v.amin(-1).neg()).view(n // BLOCK, BLOCK, kb).amax(1).to(served).float()
         return grid
     rows = rows.to(served)
@@ -182,7 +182,7 @@ def quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torch
         tmp = scratch_buffer("tmp", BLOCK * k, torch.float32, rows.device).view(BLOCK, kb, BLOCK)
         cast = None if rows.dtype == served else scratch_buffer("cast", BLOCK * k, served, rows.device).view(BLOCK, kb, BLOCK)
         # The product in fp32 of fp32 operands: torch.mul of a bf16 and an fp32 tensor into fp32 computes the same
-        # values but takes a path 2x slower on CPU than a copy into fp32 followed by an fp32 multiply.
+        # values but takes a slower path on CPU than a copy into fp32 followed by an fp32 multiply.
         for b in range(n // BLOCK):
             block = rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK)
             if cast is not None:

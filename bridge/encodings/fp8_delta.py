@@ -97,7 +97,7 @@ class Fp8DeltaEncoding(DeltaEncoding):
         self._q: dict[str, _Quantized] = {}
         self._amax: dict[str, torch.Tensor] = {}  # this sync: block absmax of this rank's rows of agreed-scale weights
         self._grids: dict[str, torch.Tensor] = {}  # the agreed scales of those weights, as last committed
-        self._agreed: dict[str, torch.Tensor] = {}  # ... and as this sync's plan agreed them
+        self._agreed_scales: dict[str, torch.Tensor] = {}  # ... and as this sync's plan agreed them
         self._using: dict[str, torch.Tensor] = {}  # the scales this rank quantizes them with now
         self._served: dict[str, ParamSpec] = {}
 
@@ -193,8 +193,8 @@ class Fp8DeltaEncoding(DeltaEncoding):
         for s in summaries:
             for name, g in s.extra.get("amax", {}).items():
                 amax[name] = g if name not in amax else torch.maximum(amax[name], g)
-        self._agreed = self._using = {n: block_scales(g) for n, g in amax.items()}
-        moved = [n for n, g in self._agreed.items() if n not in self._grids or not torch.equal(g, self._grids[n])]
+        self._agreed_scales = self._using = {n: block_scales(g) for n, g in amax.items()}
+        moved = [n for n, g in self._agreed_scales.items() if n not in self._grids or not torch.equal(g, self._grids[n])]
         if plan.encoded.reason is None and moved:
             plan.encoded.reason = (f"the block scales of {len(moved)} weight(s) whose rows are not whole 128-row blocks "
                                    f"on each rank changed ({moved[0]}), and their FP8 bytes were diffed against the old")
@@ -215,7 +215,7 @@ class Fp8DeltaEncoding(DeltaEncoding):
         if self._refresh is not None:
             self._refresh.result()
         if plan.encoded.mode == "anchor":
-            self._using = self._agreed
+            self._using = self._agreed_scales
             for name, q in self._q.items():
                 fspec, sname = ParamSpec(name, q.served.shape, FP8_DTYPE), name + SCALE_SUFFIX
                 if q.own is not None:
@@ -225,5 +225,5 @@ class Fp8DeltaEncoding(DeltaEncoding):
                 if sname in self.base:
                     held = self.base[sname].base
                     held.copy_(self._cast(ParamSpec(sname, scale_shape(q.served.shape), torch.float32), held))
-        self._grids = dict(self._agreed)
+        self._grids = dict(self._agreed_scales)
         super()._committed(plan)

@@ -21,7 +21,7 @@ from bridge.log import get_logger
 
 __all__ = ["Announcement", "NameResolve", "Watch", "WatchEvent", "check_key", "check_prefix", "is_under", "names"]
 
-# The package's name, not this file's: log lines keep the logger name they had before the split.
+# The package's name, not this file's: one logger for the whole package.
 log = get_logger(__package__)
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -24,7 +24,7 @@ from bridge.name_resolve.base import NameResolve, Watch, WatchEvent, check_key, 
 
 __all__ = ["DirectoryNameResolve"]
 
-# The package's name, not this file's: log lines keep the logger name they had before the split.
+# The package's name, not this file's: one logger for the whole package.
 log = get_logger(__package__)
 
 # A change within this many seconds of a scan may share the directory's mtime with the scan (kernel

@@ -14,7 +14,7 @@ from bridge.name_resolve.base import NameResolve, Watch, WatchEvent, check_key, 
 
 __all__ = ["EtcdNameResolve"]
 
-# The package's name, not this file's: log lines keep the logger name they had before the split.
+# The package's name, not this file's: one logger for the whole package.
 log = get_logger(__package__)
 
 _INSTALL_HINT = "pip install 'wsync[etcd]'  (python3-etcd3, which provides `import etcd3`)"

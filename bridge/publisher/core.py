@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -201,9 +202,9 @@ class WeightPublisher:
                 on_rank0()
             return collect() if collect is not None else None
 
-        return self._agreed(name, run, bound + SLACK_S)
+        return self._run_step(name, run, bound + SLACK_S)
 
-    def _agreed(self, name: str, fn, timeout: float) -> list:
+    def _run_step(self, name: str, fn, timeout: float) -> list:
         """One step of the sync through the agreement; rank 0 gives the servers back as soon as its own
         part fails (:meth:`_give_back`)."""
         return self._agree.step(name, fn, timeout=timeout, on_failure=self._give_back)
@@ -222,7 +223,7 @@ class WeightPublisher:
         versions = self._versions
         retry = versions.is_retry(version)
         mine: list = []
-        self._meet(version)
+        self._check_every_rank_called(version)
 
         def prepare():
             failpoint("prepare", self._rank)
@@ -316,9 +317,9 @@ class WeightPublisher:
                 outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
             return {**outcome, "peak": peak}
 
-        return self._agreed("commit", commit, self._commit_bound() + SLACK_S)[0]
+        return self._run_step("commit", commit, self._commit_bound() + SLACK_S)[0]
 
-    def _meet(self, version: int) -> None:
+    def _check_every_rank_called(self, version: int) -> None:
         """Every rank is in publish(): a rank that does not call it is named within ``group_timeout``
         (:func:`bridge.publisher.bounded.publish_call_bound`), before anything else waits for it."""
         cfg = self.config
@@ -360,14 +361,14 @@ class WeightPublisher:
         try:
             for k, out in enumerate(transfer.buckets):
                 version = plan.version if k == last else None
-                self._agreed(out.step, lambda k=k, o=out, v=version: self._one(k, o, v), self._bucket_bound() + SLACK_S)
+                self._run_step(out.step, functools.partial(self._send_bucket, k, out, version), self._bucket_bound() + SLACK_S)
                 if self._rank == 0:
                     bar.update(out.bucket.nbytes)
         finally:
             bar.close()
         return transfer
 
-    def _one(self, k: int, out: Outgoing, version: int | None) -> None:
+    def _send_bucket(self, k: int, out: Outgoing, version: int | None) -> None:
         """Every rank, bucket ``k``: its bytes into the buffer of the rank it goes to, whose sink sends it."""
         dst = self._sink.owner(k) if out.to_owner else 0
         sink = (out.sink or self._sink) if self._rank == dst else None

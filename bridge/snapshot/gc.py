@@ -14,7 +14,7 @@ from bridge.snapshot.manifest import DEL_PREFIX, TMP_PREFIX, list_snapshots, sna
 
 __all__ = ["discard_version", "gc_snapshots"]
 
-# The package's name, not this file's: log lines keep the logger name they had before the split.
+# The package's name, not this file's: one logger for the whole package.
 log = get_logger(__package__)
 
 

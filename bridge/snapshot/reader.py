@@ -32,7 +32,7 @@ from bridge.tensors import dtype_to_str
 
 __all__ = ["read_snapshot", "verify_snapshot"]
 
-# The package's name, not this file's: log lines keep the logger name they had before the split.
+# The package's name, not this file's: one logger for the whole package.
 log = get_logger(__package__)
 
 _CHUNK = 16 << 20

@@ -38,7 +38,7 @@ from bridge.tensors import dtype_from_str, dtype_to_str
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "SnapshotWriter", "write_error", "write_shard", "write_snapshot"]
 
-# The package's name, not this file's: log lines keep the logger name they had before the split.
+# The package's name, not this file's: one logger for the whole package.
 log = get_logger(__package__)
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
@@ -141,8 +141,8 @@ class SnapshotWriter:
             t = tensor.detach()
             if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
                 t = t.to(device="cpu", dtype=dtype).contiguous()
-            # else no copy: a copy of a fresh 512 MB tensor measured 0.3-2.8 s here (page faults), as much as
-            # the write itself. The caller must not modify the tensor until its shard is written.
+            # else no copy: a copy into fresh pages (page faults) can cost as much as the write itself.
+            # The caller must not modify the tensor until its shard is written.
             self._pending.append((name, t))
             self._pending_bytes += nbytes
             self._tensor_bytes += nbytes

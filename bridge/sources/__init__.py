@@ -322,7 +322,7 @@ def _gather_piece(piece, offsets: dict[str, int], out: torch.Tensor | None, worl
 def local_digest(named: Iterable[tuple[str, torch.Tensor]]) -> int:
     """CRC32 of this rank's own bytes of every tensor (its FSDP2 shard, or the whole tensor), in order.
 
-    Cheap (~7 GB/s here, no communication): with the full encoding each rank takes it while a version's
+    Cheap (one pass over the bytes, no communication): with the full encoding each rank takes it while a version's
     buckets travel, and again at a retry of that version, to tell the same weights from new weights
     under the same version (refused before the first byte reaches a server).
     """

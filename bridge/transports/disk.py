@@ -12,9 +12,7 @@ Who writes the shards (``PublisherConfig.disk_writers``):
   ``k + 1`` of ``n`` straight under its final HF name into the temporary directory, while the ranks
   gather the next buckets. The write bandwidth grows with the ranks (and writes overlap gathers), and a
   rank holds at most the shard it writes plus the bucket it gathers (it waits for its previous write
-  before gathering a bucket it owns); measured with ``scripts/bench_disk_writers.py`` on the medium
-  preset, 2 CPU cores: 2.1x faster than the rank-0 writer with 2 ranks, 2.2x with 4, and rank 0's peak
-  extra memory 1.4x a bucket instead of 2.35x. A source whose ``gather_bucket`` takes no ``dst`` has
+  before gathering a bucket it owns; ``scripts/bench_disk_writers.py`` compares it with the rank-0 writer). A source whose ``gather_bucket`` takes no ``dst`` has
   every bucket gathered to rank 0, which then writes them all (still in the background). Each rank reports its files (name, size, checksum, tensors with their checksums) at settle,
   through the agreement; rank 0 records them (``SnapshotWriter.add_shard``, which checks that every file
   is there with its size), then commits as below. **The ranks must share the snapshot root**: one
