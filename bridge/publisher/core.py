@@ -15,7 +15,7 @@ from bridge.buckets import plan_buckets
 from bridge.config import PublisherConfig
 from bridge.encodings import encoding_class
 from bridge.encodings.base import Outgoing, Transfer
-from bridge.errors import BridgeError, ConfigError
+from bridge.errors import BridgeError, ConfigError, DeltaBaseMismatch
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger, progress_bar
 from bridge.metrics import SYNC, serve_metrics
@@ -93,7 +93,10 @@ class WeightPublisher:
         self._versions.check(version)
         checked = check_source(source)
         with held(self._rank):  # Ctrl-C / SIGTERM: finish the step, clean up on every rank, then take effect
-            return self._versions.run(lambda forced: self._publish(checked, version, forced))
+            try:
+                return self._publish(checked, version, self._versions.forced)
+            except DeltaBaseMismatch as e:  # nothing was applied: the same version again, every tensor
+                return self._publish(checked, version, self._versions.encoding_refused(e))
 
     @property
     def last_version(self) -> int | None:
@@ -202,12 +205,7 @@ class WeightPublisher:
                 on_rank0()
             return collect() if collect is not None else None
 
-        return self._run_step(name, run, bound + SLACK_S)
-
-    def _run_step(self, name: str, fn, timeout: float) -> list:
-        """One step of the sync through the agreement; rank 0 gives the servers back as soon as its own
-        part fails (:meth:`_give_back`)."""
-        return self._agree.step(name, fn, timeout=timeout, on_failure=self._give_back)
+        return self._agree.step(name, run, timeout=bound + SLACK_S, on_failure=self._give_back)
 
     def _give_back(self) -> None:
         """This rank's own step failed, so the sync cannot complete: on rank 0, give the servers back now
@@ -317,7 +315,7 @@ class WeightPublisher:
                 outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
             return {**outcome, "peak": peak}
 
-        return self._run_step("commit", commit, self._commit_bound() + SLACK_S)[0]
+        return self._agree.step("commit", commit, timeout=self._commit_bound() + SLACK_S, on_failure=self._give_back)[0]
 
     def _check_every_rank_called(self, version: int) -> None:
         """Every rank is in publish(): a rank that does not call it is named within ``group_timeout``
@@ -361,7 +359,8 @@ class WeightPublisher:
         try:
             for k, out in enumerate(transfer.buckets):
                 version = plan.version if k == last else None
-                self._run_step(out.step, functools.partial(self._send_bucket, k, out, version), self._bucket_bound() + SLACK_S)
+                self._agree.step(out.step, functools.partial(self._send_bucket, k, out, version),
+                                 timeout=self._bucket_bound() + SLACK_S, on_failure=self._give_back)
                 if self._rank == 0:
                     bar.update(out.bucket.nbytes)
         finally:

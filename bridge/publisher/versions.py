@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -43,15 +42,11 @@ class Versions:
             raise VersionError(f"version {version} is older than the last published version {self.last}; "
                                "versions must strictly increase")
 
-    def run(self, publish: Callable[[str | None], T]) -> T:
-        """``publish(forced)``: ``forced`` says why the sync must send every tensor (None: the encoding decides).
-        When a server refused it for its encoding (nothing was applied), it is published again at once, as the
-        same version, with every tensor; so are the next ones until one commits."""
-        try:
-            return publish(self.forced)
-        except DeltaBaseMismatch as e:
-            self.forced = f"a server refused the delta: {e}"
-            return publish(self.forced)
+    def encoding_refused(self, error: DeltaBaseMismatch) -> str:
+        """A server refused the sync for its encoding (nothing was applied): why it is published again at once, as
+        the same version, with every tensor; so are the next ones until one commits (:attr:`forced`)."""
+        self.forced = f"a server refused the delta: {error}"
+        return self.forced
 
     def is_retry(self, version: int) -> bool:
         return version == self.last
