@@ -42,7 +42,7 @@ from bridge.tensors import ParamSpec, kept_buffer
 
 __all__ = [
     "BLOCK", "FIRST_BUCKET_DIVISOR", "FP8_DTYPE", "FP8_MAX", "SCALE_SUFFIX", "Fp8Rule", "block_amax", "block_scales",
-    "dequantize", "fp8_wire_specs", "plan_fp8_buckets", "quantization_config", "quantize", "quantize_rows", "scale_shape", "scratch_buffer",
+    "dequantize", "fp32_block_rows", "fp8_wire_specs", "plan_fp8_buckets", "quantization_config", "quantize", "quantize_rows", "scale_shape", "scratch_buffer",
     "whole_blocks",
 ]
 
@@ -162,6 +162,20 @@ def whole_blocks(rows: torch.Tensor, row0: int) -> bool:
     return row0 % BLOCK == 0 and rows.shape[0] % BLOCK == 0 and rows.shape[1] % BLOCK == 0 and rows.is_contiguous()
 
 
+def fp32_block_rows(rows: torch.Tensor, served: torch.dtype):
+    """Each block row of block-aligned ``rows`` (``[n, k]``), cast to ``served`` and copied into one fp32 buffer
+    this thread reuses, viewed ``[BLOCK, k // BLOCK, BLOCK]``: ``(b, buffer)``, the buffer valid until the next."""
+    n, k = rows.shape
+    kb = k // BLOCK
+    tmp = scratch_buffer("tmp", BLOCK * k, torch.float32, rows.device).view(BLOCK, kb, BLOCK)
+    cast = None if rows.dtype == served else scratch_buffer("cast", BLOCK * k, served, rows.device).view(BLOCK, kb, BLOCK)
+    for b in range(n // BLOCK):
+        block = rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK)
+        if cast is not None:
+            block = cast.copy_(block)
+        yield b, tmp.copy_(block)
+
+
 def block_scales(amax: torch.Tensor) -> torch.Tensor:
     return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
 
@@ -179,15 +193,10 @@ def quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torch
         b0, kb = row0 // BLOCK, k // BLOCK
         inv = 1.0 / scale[b0: b0 + n // BLOCK]
         out = torch.empty(n, k, dtype=FP8_DTYPE, device=rows.device) if out is None else out
-        tmp = scratch_buffer("tmp", BLOCK * k, torch.float32, rows.device).view(BLOCK, kb, BLOCK)
-        cast = None if rows.dtype == served else scratch_buffer("cast", BLOCK * k, served, rows.device).view(BLOCK, kb, BLOCK)
         # The product in fp32 of fp32 operands: torch.mul of a bf16 and an fp32 tensor into fp32 computes the same
         # values but takes a slower path on CPU than a copy into fp32 followed by an fp32 multiply.
-        for b in range(n // BLOCK):
-            block = rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK)
-            if cast is not None:
-                block = cast.copy_(block)
-            tmp.copy_(block).mul_(inv[b].view(1, kb, 1))
+        for b, tmp in fp32_block_rows(rows, served):
+            tmp.mul_(inv[b].view(1, kb, 1))
             out[b * BLOCK: (b + 1) * BLOCK].copy_(tmp.view(BLOCK, k))
         return out
     rows = rows.to(served)

@@ -12,6 +12,7 @@ from bridge.codecs.fp8 import (
     SCALE_SUFFIX,
     block_amax,
     block_scales,
+    fp32_block_rows,
     quantize_rows,
     scratch_buffer,
     whole_blocks,
@@ -112,13 +113,7 @@ def _quantize_own_blocks(rows: torch.Tensor, out: torch.Tensor, served: torch.dt
     n, k = rows.shape
     kb = k // BLOCK
     grid = torch.empty(n // BLOCK, kb, dtype=torch.float32, device=rows.device)
-    tmp = scratch_buffer("tmp", BLOCK * k, torch.float32, rows.device).view(BLOCK, kb, BLOCK)
-    cast = None if rows.dtype == served else scratch_buffer("cast", BLOCK * k, served, rows.device).view(BLOCK, kb, BLOCK)
-    for b in range(n // BLOCK):
-        block = rows[b * BLOCK: (b + 1) * BLOCK].view(BLOCK, kb, BLOCK)
-        if cast is not None:
-            block = cast.copy_(block)
-        tmp.copy_(block)
+    for b, tmp in fp32_block_rows(rows, served):
         flat = tmp.view(BLOCK * kb, BLOCK)
         amax = torch.maximum(flat.amax(-1), flat.amin(-1).neg()).view(BLOCK, kb).amax(0)
         grid[b] = block_scales(amax)
