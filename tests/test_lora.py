@@ -604,6 +604,47 @@ def test_two_trainers_publishing_adapters_to_one_server_take_turns(lora_server):
         probe.close()
 
 
+def _retries(url: str):
+    """Version 1; version 1 again with the same weights; version 1 after a training step; version 2."""
+    from bridge import AdapterPublisher, AdapterPublisherConfig
+    from tests.sync_bodies import train_step
+
+    engine = lora_engine()
+    pub = AdapterPublisher(AdapterPublisherConfig(name="policy-retry", via="tensors", servers=[url], trial="retry"))
+    try:
+        train_step(engine, seed=1)
+        first = pub.publish(engine, version=1)
+        again = pub.publish(engine, version=1)
+        train_step(engine, seed=2)
+        try:
+            pub.publish(engine, version=1)
+            other = None
+        except Exception as e:  # read by the test
+            other = f"{type(e).__name__}: {e}"
+        second = pub.publish(engine, version=2)
+        return dict(first=(first.checksums, first.retried), again=(again.checksums, again.retried), other=other,
+                    second=second.checksums)
+    finally:
+        pub.close()
+        engine.destroy()
+
+
+def test_an_adapter_version_published_again_is_a_safe_retry_only_with_the_same_weights(lora_server):
+    """The full publisher's version rule: the last version again with the same weights returns at once (nothing
+    loaded, ``retried``), with other weights it is a VersionError; the next version goes on."""
+    from bridge.client import ServerClient
+
+    (r,) = run_ranks(_retries, 1, args=(lora_server.url,), timeout=120)
+    assert r["first"][1] is False and r["again"] == (r["first"][0], True), r
+    assert r["other"] and r["other"].startswith("VersionError") and "already published with other weights" in r["other"]
+    c = ServerClient(lora_server.url)
+    try:
+        served = c.adapter_checksums("policy-retry")
+    finally:
+        c.close()
+    assert served["wsync_lora_version"] == "2" and served["checksums"] == r["second"]
+
+
 def _register(registry: str, trial: str, url: str) -> None:
     """``url`` as a server entry of ``trial`` in the registry, as ``wsync serve --register`` writes it."""
     import json

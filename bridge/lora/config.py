@@ -137,3 +137,5 @@ class AdapterPublishResult:
     """sha256 of every tensor as sent (:func:`bridge.digest.tensor_checksum`)."""
     phases: dict[str, float]
     """Seconds of each step on this rank (rank 0's: the gather, the write, the servers' loads...)."""
+    retried: bool = False
+    """The last version published again with the same weights: the servers already served it, nothing was loaded."""

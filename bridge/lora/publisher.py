@@ -142,19 +142,27 @@ class AdapterPublisher:
         self._loaded_into, self._announced = [], None
         undo = lambda: self._undo(new)  # noqa: E731
 
-        def gather() -> int:
+        def gather() -> tuple[int, dict | None]:
             """The collective gather (every rank joins it, then agrees on it before rank 0 loads anything); then,
-            on rank 0, the servers of this publish: their number bounds the next step on every rank."""
+            on rank 0, the servers of this publish, whose number bounds the next step on every rank; or, for the
+            last version published again, the checksums it was published with when these are the same weights."""
             reuse = self._take_reusable()
             got = self._part("adapter:gather", lambda: gather_adapter_tensors(source, dtype, cfg.via == "tensors", reuse),
                              point_after=True) or {}
             new.config, new.pending_checksums = got.get("config", {}), got.get("checksums")
             new.tensors, new.buffer = got.get("tensors"), got.get("buffer")
+            if version == self._last:
+                return 0, self._part("adapter:retry", lambda: self._same_weights(new))
             found = self._part("adapter:servers", self._find_servers)
             self._part("adapter:lease", self._hold_servers)
-            return found
+            return found, None
 
-        found = self._step("adapter:gather", gather, cfg.gather_timeout + cfg.http_timeout, undo)[0]
+        found, retried = self._step("adapter:gather", gather, cfg.gather_timeout + cfg.http_timeout, undo)[0]
+        if retried is not None:  # the servers serve these weights under this version already: nothing to load
+            self._reusable = _Published(version, None, {}, None, new.pending_checksums, new.buffer)
+            return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
+                                        self._served.path if self._served is not None else None, retried,
+                                        dict(self._phases), retried=True)
 
         def deliver():
             """Rank 0: write the directory (disk), load it into every server, announce it (disk); every rank: the
@@ -235,9 +243,9 @@ class AdapterPublisher:
     def _prepare(self, source, version: int) -> list[tuple[str, int]]:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ConfigError(f"version must be an int >= 0, got {version!r}")
-        if self._last is not None and version <= self._last:
-            raise VersionError(f"adapter {self.config.name!r}: version {version} is not above the last one published "
-                               f"({self._last}); publish a higher version")
+        if self._last is not None and version < self._last:
+            raise VersionError(f"adapter {self.config.name!r}: version {version} is older than the last one published "
+                               f"({self._last}); versions must strictly increase")
         if not callable(getattr(source, "gather_adapter", None)):
             raise ConfigError(f"{type(source).__name__} has no LoRA adapter to publish (no gather_adapter); train one "
                               "with EngineConfig(lora=LoraConfig(...))")
@@ -250,6 +258,17 @@ class AdapterPublisher:
         dtype = dtype_from_str(self.config.dtype) if self.config.dtype is not None else None
         return [(s.name, s.nbytes if dtype is None else s.nbytes // s.dtype.itemsize * dtype.itemsize)
                 for s in source.adapter_specs()]
+
+    def _same_weights(self, new: _Published) -> dict | None:
+        """Rank 0, the last version published again: its checksums when ``new`` holds the same weights (a safe
+        retry); other weights under a published version are a VersionError. None elsewhere."""
+        if self._rank != 0:
+            return None
+        served = self._served.checksums if self._served is not None else None
+        if served is None or new.checksums != served:
+            raise VersionError(f"adapter {self.config.name!r}: version {new.version} was already published with other "
+                               "weights; publish a higher version (retrying a version with the same weights is safe)")
+        return served
 
     def _names(self):
         """Rank 0: name resolution, opened once."""
