@@ -13,6 +13,7 @@ server shared by the tests: each test publishes from its own block.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -535,8 +536,12 @@ def test_what_real_sglang_does_differently_from_the_reference_server(servers, se
     assert real["retract_update"][0] == emulated["retract_update"][0] == 200, (real, emulated)
     assert real["retract_spans"] == [real["retract_spans"][0], "898"] != ["898"], (real, emulated)
     assert emulated["retract_spans"] == ["898"], (real, emulated)
-    # Where they answer alike: /generate streams a chunk per token, each the answer so far; an abort says "Aborted".
-    assert real["stream"] == emulated["stream"] == list(range(1, 13)), (real["stream"], emulated["stream"])
+    # Where they answer alike: /generate streams the answer so far as it grows, a chunk per token where the decoding
+    # loop keeps up (real SGLang's detokenizer sends two tokens in one chunk when it falls behind); an abort says
+    # "Aborted".
+    for stream in (real["stream"], emulated["stream"]):
+        assert stream[-1] == 12 and all(a < b for a, b in zip(stream, stream[1:])), (real["stream"], emulated["stream"])
+    assert emulated["stream"] == list(range(1, 13)) and len(real["stream"]) >= 6, (real["stream"], emulated["stream"])
     assert real["aborted"] == emulated["aborted"] == {"type": "abort", "message": "Aborted", "status_code": None,
                                                        "err_type": None}, (real["aborted"], emulated["aborted"])
     assert servers.spare.alive()
@@ -648,9 +653,17 @@ class Acting:
         self.engine.gather_bucket(bucket, out, group=group, dst=dst)
 
 
-def _rank_dies_mid_sync(urls: list[str], first: int):
-    """Every rank: publish ``first``, train; then rank 1 dies inside the gather of the third bucket of ``first + 1``.
-    Rank 0 returns what it raised, how long that took, and the state each server was left in."""
+def _die_noting_when(path: str) -> None:
+    """Write this moment (``time.monotonic()``: one clock for every process of the host) to ``path``, then die."""
+    with open(path, "w") as f:
+        f.write(repr(time.monotonic()))
+    os._exit(9)
+
+
+def _rank_dies_mid_sync(urls: list[str], first: int, died: str):
+    """Every rank: publish ``first``, train; then rank 1 dies inside the gather of the third bucket of ``first + 1``,
+    noting the moment in ``died``. Rank 0 returns what it raised, how long after the death, and the state each server
+    was left in."""
     from bridge import PublisherConfig, WeightPublisher
 
     engine = sb.engine(LLAMA)
@@ -659,18 +672,18 @@ def _rank_dies_mid_sync(urls: list[str], first: int):
     before = own_full(engine)
     sb.train_step(engine, first)
 
-    t = time.monotonic()
     try:
-        pub.publish(Acting(engine, rank=1, call=3, act=lambda: os._exit(9)), version=first + 1)
+        pub.publish(Acting(engine, rank=1, call=3, act=functools.partial(_die_noting_when, died)), version=first + 1)
         return ("ok", "", 0.0, {})
     except Exception as e:
-        seconds = time.monotonic() - t
+        with open(died) as f:
+            seconds = time.monotonic() - float(f.read())
         return (type(e).__name__, str(e), seconds, {u: left_as_it_was(u, first, before) for u in urls})
     finally:
         pub.close()
 
 
-def test_a_trainer_rank_killed_mid_sync(servers):
+def test_a_trainer_rank_killed_mid_sync(servers, tmp_path):
     """Rank 1 SIGKILLed mid-broadcast into two real SGLang servers: rank 0 raises within ``dead_rank_bound``; both
     servers answer at once, on the previous version, every tensor the previous one (the sync went as one request,
     received whole before any of it would be loaded), with no session left open."""
@@ -678,12 +691,12 @@ def test_a_trainer_rank_killed_mid_sync(servers):
     from bridge.publisher.bounded import dead_rank_bound
 
     urls = [servers.llama.url, servers.spare.url]
-    r0, r1 = run_ranks(_rank_dies_mid_sync, 2, args=(urls, 5000), timeout=300, may_die=(1,))
+    r0, r1 = run_ranks(_rank_dies_mid_sync, 2, args=(urls, 5000, str(tmp_path / "died")), timeout=300, may_die=(1,))
     assert r1 is None
     kind, message, seconds, states = r0
     assert kind in ("SyncError", "SyncTimeout"), message
     bound = dead_rank_bound(PublisherConfig(servers=urls, group_timeout=4, http_timeout=4))
-    assert seconds < bound + 3, f"{seconds:.1f} s against {bound:g} s: {message}"
+    assert 0 < seconds < bound + 3, f"{seconds:.1f} s after the death against {bound:g} s: {message}"
     for url, state in states.items():
         assert_left(state, url)
 
