@@ -48,6 +48,7 @@ from bridge.lora.config import AdapterPublisherConfig, AdapterPublishResult, ada
 from bridge.lora.gather import DISK_WORK, Checksums, gather_adapter_tensors
 from bridge.lora.servers import AdapterServers
 from bridge.publisher.agreement import STEP_ATTR, Agreement, in_step
+from bridge.publisher.bounded import SLACK_S
 from bridge.publisher.interrupts import held
 from bridge.snapshot.adapter import (
     ADAPTER_FILE,
@@ -62,10 +63,6 @@ from bridge.tensors import dtype_from_str
 __all__ = ["AdapterPublishResult", "AdapterPublisher", "AdapterPublisherConfig", "adapter_key"]
 
 logger = get_logger(__name__)
-
-SLACK_S = 5.0
-"""Added to each step's bound: the exchange itself, on a loaded machine."""
-
 
 @dataclass(slots=True)
 class _Published:
