@@ -55,15 +55,15 @@ def update_from_disk(url: str, path: str, **fields) -> dict:
     return r.json()
 
 
-def long_tokens(url: str, clients: int = CLIENTS) -> int:
+def long_tokens(url: str, clients: int = CLIENTS, waits: float = 3) -> int:
     """New tokens of a generation still running after SGLang's wait: what each of ``clients`` generations at once
-    decodes on this server in three waits (a machine whose load falls after the measure decodes faster), measured on
-    ``clients`` decodes of 64 at once, as the checks run them (SGLang batches them; the reference server decodes each
-    on its own thread), at least 64, at most :data:`MOST_TOKENS`."""
+    decodes on this server in ``waits`` waits (a machine whose load falls after the measure decodes faster), measured
+    on ``clients`` decodes of 64 at once, as the checks run them (SGLang batches them; the reference server decodes
+    each on its own thread), at least 64, at most :data:`MOST_TOKENS`."""
     t = time.monotonic()
     with cf.ThreadPoolExecutor(clients) as pool:
         list(pool.map(lambda _: decode(url, max_new_tokens=64, ignore_eos=True), range(clients)))
-    return max(64, min(MOST_TOKENS, int(64 / (time.monotonic() - t) * 3 * STARTED_S)))
+    return max(64, min(MOST_TOKENS, int(64 / (time.monotonic() - t) * waits * STARTED_S)))
 
 
 _SENDER = r"""
@@ -130,7 +130,9 @@ def check_update_weights_abort_all_requests(url: str, other: str) -> None:
     """``TestServerUpdateWeightsFromDiskAbortAllRequests.test_update_weights_abort_all_requests``: an update from disk
     with ``abort_all_requests`` while clients generate: it succeeds, every generation ends ``abort``, ``model_path``
     follows. Then the first weights are put back."""
-    origin, n = model_path(url), long_tokens(url)
+    # Eight waits: these generations are aborted, so tokens to spare cost nothing, and a load that falls between the
+    # measure and the update (the rest of the suite ending) must not let them finish first.
+    origin, n = model_path(url), long_tokens(url, waits=8)
     with cf.ThreadPoolExecutor(CLIENTS) as pool:
         futures = [pool.submit(decode, url, max_new_tokens=n, ignore_eos=True) for _ in range(CLIENTS)]
         time.sleep(STARTED_S)
