@@ -99,6 +99,7 @@ class AdapterPublisher:
         self._agree = Agreement.of_default_group()
         self._rank = self._agree.rank
         self._last: int | None = None
+        self._tried = False  # a publish ran steps with the other ranks: close() meets them once more
         self._served: _Published | None = None  # rank 0
         self._warned: set[str] = set()  # real SGLang servers told that a tensors replace refuses generations
         self._fleet = AdapterServers(config)  # rank 0: found, probed and held at every publish
@@ -131,6 +132,7 @@ class AdapterPublisher:
         t0 = time.perf_counter()
         cfg = self.config
         self._phases = {}
+        self._tried = True
         self._removed()
         specs = self._step("adapter:prepare", lambda: self._part("adapter:prepare", lambda: self._prepare(source, version)),
                            SLACK_S)[0]
@@ -183,10 +185,12 @@ class AdapterPublisher:
 
     def close(self) -> None:
         """Close the server connections and name resolution (the servers keep serving the adapter). Collective
-        when the publisher published: rank 0 waits (a few seconds at most) until every rank is done with it."""
-        if self._last is not None:
+        once a publish was tried, committed or failed: rank 0 waits (a few seconds at most) until every rank read the
+        last outcome, so that its exit does not take the ranks' store away from a rank still reading a failure."""
+        if self._tried:
             self._agree.finish(SLACK_S)
-            self._last = None
+            self._tried = False
+        self._last = None
         self._removed()
         if self._group is not None:
             self._group.teardown()
