@@ -33,7 +33,7 @@ from bridge.fleet.discovery import RouterServers, ServerSource, open_sources
 from bridge.log import get_logger
 from bridge.metrics import SYNC
 
-__all__ = ["Fleet", "is_behind", "list_servers", "newest_version", "registries_of"]
+__all__ = ["Down", "Fleet", "is_behind", "list_servers", "newest_version", "probe_servers", "registries_of"]
 
 logger = get_logger(__name__)
 
@@ -82,7 +82,7 @@ class Fleet:
         """
         urls = self._discover()
         found = self._probe(urls)
-        live = [u for u in urls if not isinstance(found[u], _Down)]
+        live = [u for u in urls if not isinstance(found[u], Down)]
         self.served = {u: found[u] for u in live}
         self.status = {}
         for u in urls:
@@ -120,18 +120,8 @@ class Fleet:
         urls += list(self.out) + list(self.excluded)
         return list(dict.fromkeys(urls))
 
-    def _probe(self, urls: list[str]) -> dict[str, str | _Down]:
-        """url -> the version it serves, or why it does not count (a ``_Down``)."""
-        def one(url: str):
-            try:
-                return self._client(url).probe(self.probe_timeout)
-            except SyncTimeout:
-                return _Down(f"no answer within {self.probe_timeout:g} s (probe_timeout)")
-            except BridgeError as e:
-                return _Down(str(e))
-
-        futures = {u: self._pool.submit(one, u) for u in urls}
-        return {u: f.result() for u, f in futures.items()}
+    def _probe(self, urls: list[str]) -> dict[str, str | Down]:
+        return probe_servers(urls, self._client, self.probe_timeout, self._pool)
 
     def _exclude(self, url: str, down) -> None:
         why = str(down)
@@ -309,7 +299,23 @@ def list_servers(registries, experiment: str, trial: str, timeout: float = 5.0) 
         return dict(zip(urls, pool.map(one, urls)))
 
 
-class _Down:
+def probe_servers(urls: list[str], client_of: Callable[[str], ServerClient], timeout: float,
+                  pool: cf.Executor) -> dict[str, str | Down]:
+    """url -> the version the server serves, or why it does not count (a :class:`Down`): every server asked at once
+    on ``pool``, each within ``timeout`` seconds (``probe_timeout``)."""
+    def one(url: str):
+        try:
+            return client_of(url).probe(timeout)
+        except SyncTimeout:
+            return Down(f"no answer within {timeout:g} s (probe_timeout)")
+        except BridgeError as e:
+            return Down(str(e))
+
+    futures = {u: pool.submit(one, u) for u in urls}
+    return {u: f.result() for u, f in futures.items()}
+
+
+class Down:
     """Why a probed server does not count."""
 
     def __init__(self, why: str):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from bridge.errors import BridgeError, SyncError
+from bridge.errors import SyncError
 from bridge.log import get_logger
 
 __all__ = ["AdapterServers"]
@@ -90,17 +90,12 @@ class AdapterServers:
     def _answering(self, urls: list[str]) -> list[str]:
         """The servers of ``urls`` that answer the probe within ``probe_timeout``; each one that does not is
         excluded from this publish, logged once until it answers again."""
+        from bridge.fleet.fleet import Down, probe_servers
+
         timeout = min(self.config.probe_timeout, self.config.http_timeout)
-
-        def answers(url: str) -> str | None:
-            try:
-                self._client(url).probe(timeout)
-                return None
-            except BridgeError as e:
-                return str(e)
-
         with ThreadPoolExecutor(max(1, min(16, len(urls))), thread_name_prefix="wsync-adapter-probe") as pool:
-            found = dict(zip(urls, pool.map(answers, urls)))
+            found = {u: str(v) if isinstance(v, Down) else None
+                     for u, v in probe_servers(urls, self._client, timeout, pool).items()}
         for url, why in found.items():
             if why is None and self.excluded.pop(url, None) is not None:
                 logger.warning("adapter %r: server %s answers again", self.config.name, url)
