@@ -156,11 +156,11 @@ class AdapterPublisher:
             self._part("adapter:lease", self._hold_servers)
             return found, None
 
-        found, retried = self._step("adapter:gather", gather, cfg.gather_timeout + cfg.http_timeout, undo)[0]
-        if retried is not None:  # the servers serve these weights under this version already: nothing to load
+        found, served = self._step("adapter:gather", gather, cfg.gather_timeout + cfg.http_timeout, undo)[0]
+        if served is not None:  # the servers serve these weights under this version already: nothing to load
             self._reusable = _Published(version, None, {}, None, new.pending_checksums, new.buffer)
             return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
-                                        self._served.path if self._served is not None else None, retried,
+                                        self._served.path if self._served is not None else None, served,
                                         dict(self._phases), retried=True)
 
         def deliver():

@@ -109,7 +109,7 @@ class Labels:
     def served(self, fleet, kind, version: int, specs: list, new_run: bool) -> dict | None:
         """Rank 0, in the prepare step: the servers that already serve ``version``, which this publisher did not
         publish, with the digest of what they serve (or why it cannot be known), and the real SGLang servers
-        whose label this sync records at commit ; None when neither."""
+        whose label this sync records at commit; None when neither."""
         if fleet is None or fleet.group is None:
             return None
         label, sets = str(version), kind.sets_labels
@@ -140,7 +140,7 @@ class Labels:
         """Every rank, in the check step: the digest of these weights as servers serve them (``parts``: each rank's
         of its own rows), compared with what the servers that already serve this version serve. Other weights, or
         weights that cannot be compared, are a VersionError on every rank before anything moves; the same
-        weights are a safe retry ."""
+        weights are a safe retry."""
         digest = None if any(p is None for p in parts) else f"{sum(parts) % (1 << 64):016x}"
         problems = []
         for url, (served, why) in labels["check"].items():

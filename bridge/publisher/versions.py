@@ -14,13 +14,10 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import TypeVar
 
 from bridge.errors import DeltaBaseMismatch, VersionError
 
 __all__ = ["Versions"]
-
-T = TypeVar("T")
 
 
 class Versions:
