@@ -61,6 +61,8 @@ __all__ = [
     "describe_validation_error",
     "wire_dtype",
     "parse_version",
+    "DELTA_LOADER",
+    "ZSTD_SGLANG",
 ]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
@@ -100,6 +102,13 @@ not started with ``--quantization fp8``), or bf16 bytes for a tensor it serves a
 DELTA_BASE_MISMATCH = "delta_base_mismatch"
 """``wsync_reason`` of the reference server's 400 for a delta whose base (version and digest) is not what it
 serves; nothing was applied, and the publisher answers with an anchor (a full sync)."""
+
+DELTA_LOADER = "bridge.serving.sglang_delta_loader.load_delta"
+"""The loader real SGLang calls for a delta (:mod:`bridge.serving.sglang_delta_loader`): ``--custom-weight-loader``
+and the request's ``load_format`` name it."""
+
+ZSTD_SGLANG = (0, 5, 20)
+"""The first SGLang release that requires the ``zstandard`` package: before it, its environment may lack it."""
 
 _VERSION_RE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?")
 

@@ -378,7 +378,7 @@ class DiskWatcher:
         if self._group is None or not self._group.clients:
             return False
         try:
-            return all(getattr(c, "is_reference_server", False) for c in self._group.clients)
+            return all(c.can.verifies_snapshots for c in self._group.clients)
         except BridgeError as e:  # a server that cannot say: verify here, and let its load request report it
             log.debug("cannot tell whether every server verifies snapshots (%s); verifying here", e)
             return False
@@ -451,7 +451,10 @@ class DiskWatcher:
             stale = [c for c, b in zip(self._group.clients, self._group.map(behind)) if b]
             brought = []
             for client in stale:
-                verify = getattr(client, "is_reference_server", False)
+                try:  # learned again: a server restarted at this URL may be another one now
+                    verify = client.learn(probe_timeout).verifies_snapshots
+                except BridgeError:
+                    verify = False  # its load request reports why
                 url, err = self._send_one(client, ann, servers_verify=verify)
                 if err is None:
                     brought.append(url)

@@ -114,7 +114,7 @@ def serving_now(url: str, lease_wait: float = 0.0) -> dict:
     from bridge.errors import BridgeError
 
     c = ServerClient(url, timeout=10)
-    reference = c.is_reference_server
+    reference = c.can.extensions
     paused_at_once = c.server_info()["internal_states"][0]["paused"] if reference else _harness_paused(url)
     generate_s = generate_version = None
     if reference or not paused_at_once:  # SGLang's scheduler says it holds generations: no need to time one out
@@ -209,7 +209,7 @@ def check_served_any(engine, urls: list[str], version: int) -> dict:
     from bridge.client import ServerClient
     from bridge.digest import tensor_checksum
 
-    if ServerClient(urls[0]).is_reference_server:
+    if ServerClient(urls[0]).can.extensions:
         return check_served(engine, urls, version)
     from tests.sglang_harness.serve import sglang_layout
 

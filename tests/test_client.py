@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from bridge.client import ServerClient, ServerGroup
+from bridge.client.capabilities import Capabilities
 from bridge.digest import tensor_checksum
 from bridge.errors import ConfigError, ServerError, SyncTimeout
 from bridge.process_group import destroy_custom_process_group, find_free_port, init_custom_process_group
@@ -101,6 +102,28 @@ def test_client_discovers_version_and_tp(servers):
     assert ServerClient(servers["old"].url).features.release == (0, 5, 2)
 
 
+def test_what_a_server_can_do_is_learned_again_at_each_probe():
+    """One object says what a server can do (``client.can``), learned again at every probe, which every publish
+    makes: a server restarted at the same URL as another release is spoken to as what it now is."""
+    from tests.fixtures_server import launch_forked
+
+    port = find_free_port()
+    first = launch_forked(port=port)
+    c = ServerClient(first.url)
+    try:
+        assert c.can.extensions and c.can.staged and c.can.delta == "native" and c.can.features.needs_session
+    finally:
+        first.stop()
+    again = launch_forked(port=port, extra_args=["--protocol-version", "0.5.8"])
+    try:
+        assert c.can.staged, "learned once: nothing asks the server again until a probe"
+        assert c.probe(10.0) == "default"
+        assert c.can.version == "0.5.8" and not c.can.staged and not c.features.needs_session
+        assert c.can.zstd_records  # the reference server reads or refuses zstd records whatever its dialect
+    finally:
+        again.stop()
+
+
 def test_client_errors_are_the_projects_own(servers):
     dead = ServerClient(f"http://127.0.0.1:{find_free_port()}", timeout=5)
     with pytest.raises(ServerError) as e:
@@ -167,10 +190,10 @@ def test_old_server_dialect(servers):
     assert c.model_info()["weight_version"] == "old-v" and c.wait_ready(timeout=5)["weight_version"] == "old-v"
     # The shared-memory extension is refused before anything is sent to a server that is not the reference server.
     fake = ServerClient(c.url, version="0.5.23")
-    fake._info = {"version": "0.5.23"}
+    fake._can = Capabilities.from_server_info({"version": "0.5.23"}, "0.5.23")  # what real SGLang's info says
     with pytest.raises(ConfigError, match="not the wsync reference server"):
         fake.update_weights_from_tensor(["e30="], load_format="wsync_shm")
-    assert c.is_reference_server
+    assert c.can.extensions
 
 
 def _sync_group(group: ServerGroup, weights: dict, version: str, *, flattened: bool, name: str) -> None:

@@ -70,7 +70,7 @@ def test_discovery_routes_and_version(server):
     assert requests.get(server.url + "/server_info").status_code == (404 if old else 200)
     assert requests.get(server.url + "/model_info").status_code == (404 if old else 200)
     assert c.wait_ready(timeout=10)["model_path"]
-    assert not c.is_reference_server
+    assert not c.can.extensions
     if c.features.weight_version:
         assert c.update_weight_version("v-set")["success"]
         assert c.model_info()["weight_version"] == "v-set"

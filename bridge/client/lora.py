@@ -99,7 +99,7 @@ class LoraRoutes:
         """The project's fields, to the reference server only: the version, ``wsync_replace``, and the run and
         writer (:meth:`claim_run`, :meth:`name_writer`: the weights' version rule and one writer at a time);
         ``rollback``: this load goes back to an older version on purpose (``wsync_new_run`` for this request)."""
-        if self.is_reference_server:
+        if self.can.extensions:
             if version is not None:
                 body["wsync_lora_version"] = str(version)
             body["wsync_replace"] = bool(replace)
@@ -155,7 +155,7 @@ class LoraRoutes:
         """
         body = self._lora_body({"lora_name": str(name), "lora_path": str(path), "pinned": bool(pinned)}, version,
                                replace, rollback)
-        if replace and not self.is_reference_server:
+        if replace and self.can.lora_replace != "one step":
             return self._replace_on_sglang("/load_lora_adapter", body, timeout)
         return self._http.call("POST", "/load_lora_adapter", body, timeout=timeout)
 
@@ -178,7 +178,7 @@ class LoraRoutes:
         body = self._lora_body(body, version, replace, rollback)
         answered = False
         try:
-            if replace and not self.is_reference_server:
+            if replace and self.can.lora_replace != "one step":
                 out = self._replace_on_sglang("/load_lora_adapter_from_tensors", body, timeout)
             else:
                 out = self._http.call("POST", "/load_lora_adapter_from_tensors", body, timeout=timeout)
@@ -207,7 +207,7 @@ class LoraRoutes:
             ConfigError: the server is not the reference server (SGLang has no distributed adapter route), before
                 anything is sent.
         """
-        if not self.is_reference_server:
+        if not self.can.lora_over_group:
             raise ConfigError(f"{self.url} is not the reference server (wsync serve): SGLang has no route that loads an "
                               "adapter over a weight-update group; publish it by disk (via='disk'), or by tensors "
                               "(via='tensors') from its host")
@@ -222,7 +222,7 @@ class LoraRoutes:
 
     def unload_adapter(self, name: str, timeout: float | None = None) -> dict:
         """``/unload_lora_adapter``; ServerError (SGLang's "does not exist") if no adapter has that name."""
-        body = self._with_run({"lora_name": str(name)}) if self.is_reference_server else {"lora_name": str(name)}
+        body = self._with_run({"lora_name": str(name)})
         return self._http.call("POST", "/unload_lora_adapter", body, timeout=timeout)
 
     def adapter_checksums(self, name: str) -> dict:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from bridge.client.capabilities import Capabilities
 from bridge.client.connection import Connection
 from bridge.client.lora import LoraRoutes
 from bridge.client.updates import WeightUpdateRoutes
@@ -46,11 +47,9 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
     ):
         self._http = Connection(url, api_key=api_key, admin_api_key=admin_api_key, timeout=timeout)
         self.url = self._http.url
-        self._version = version
-        self._info: dict | None = None  # the server info, read once
+        self._given_version = version
+        self._can: Capabilities | None = None  # learned from the server info (learn)
         self._spec: dict | None = None  # the reference server's weights spec, read once (weights_spec)
-        self._features: ProtocolFeatures | None = None
-        self._tp_size: int | None = None
         self._paused_mode: str | None = None  # what this client last paused the server with
         self._run: dict[str, Any] = {}  # the project's run fields, see claim_run
         # Weight-changing requests sent (counted before each goes out): a server that does not stage may hold
@@ -59,7 +58,7 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
         self._writer: str | None = None  # the project's writer field, see name_writer
 
     def __repr__(self) -> str:
-        return f"ServerClient({self.url!r}, version={self._version!r})"
+        return f"ServerClient({self.url!r}, version={self._given_version or (self._can and self._can.version)!r})"
 
     @property
     def api_key(self) -> str | None:
@@ -77,74 +76,42 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
     # ------------------------------------------------------------------ discovery
 
     @property
+    def can(self) -> Capabilities:
+        """What this server can do (:class:`bridge.client.capabilities.Capabilities`), learned from its server info
+        at the first use and again at every :meth:`probe` (each publish)."""
+        if self._can is None:
+            self.learn()
+        return self._can  # type: ignore[return-value]
+
+    def learn(self, timeout: float | None = None) -> Capabilities:
+        """Read the server info and learn what the server can do now (:attr:`can`).
+
+        Raises:
+            ServerError / SyncTimeout: it does not answer, or not as an SGLang server.
+        """
+        info = self.server_info(timeout)
+        version = self._given_version or info.get("version")
+        if not version:
+            raise ServerError(self.url, "server info has no 'version'; is this an SGLang server?", 200, "/server_info")
+        self._can = Capabilities.from_server_info(info, str(version))
+        return self._can
+
+    @property
     def version(self) -> str:
-        """The server's SGLang version (``/server_info`` ``version``), read once."""
-        if self._version is None:
-            self._load_server_info()
-        return self._version  # type: ignore[return-value]
+        """The server's SGLang version (``/server_info`` ``version``)."""
+        return self._given_version or self.can.version
 
     @property
     def features(self) -> ProtocolFeatures:
         """What this server's protocol version supports."""
-        if self._features is None:
-            self._features = ProtocolFeatures.from_version(self.version)
-        return self._features
+        if self._given_version is not None and self._can is None:
+            return ProtocolFeatures.from_version(self._given_version)
+        return self.can.features
 
     @property
     def tp_size(self) -> int:
         """Tensor-parallel ranks of this server (its share of the weight-update group's world size)."""
-        if self._tp_size is None:
-            self._load_server_info()
-        return self._tp_size  # type: ignore[return-value]
-
-    @property
-    def is_reference_server(self) -> bool:
-        """True when the server says it is the project's reference server (``wsync_reference_server`` in
-        its server info); real SGLang never does."""
-        if self._info is None:
-            self._load_server_info()
-        return bool((self._info or {}).get("wsync_reference_server"))
-
-    @property
-    def stages_updates(self) -> bool:
-        """True when the server stages a session's buckets and applies them, with their version, only at
-        ``/end_weight_update`` (the reference server from 0.5.21's dialect on). Real SGLang, and older
-        dialects, load each bucket as it arrives."""
-        return self.is_reference_server and self.features.needs_session
-
-    @property
-    def custom_weight_loaders(self) -> list[str]:
-        """The loaders real SGLang was started with (``--custom-weight-loader``, in its server info)."""
-        if self._info is None:
-            self._load_server_info()
-        loaders = (self._info or {}).get("custom_weight_loader")
-        return [str(x) for x in loaders] if isinstance(loaders, list) else []
-
-    @property
-    def served_dtype(self) -> str | None:
-        """The dtype the server was started with (``dtype`` in its server info), or None where it does not
-        say (SGLang's ``auto``: the model's own dtype)."""
-        if self._info is None:
-            self._load_server_info()
-        dtype = (self._info or {}).get("dtype")
-        return str(dtype).removeprefix("torch.") if dtype and dtype != "auto" else None
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel replicas behind this server (``dp_size`` in its server info; 1 where it does not say):
-        SGLang's ``/get_weights_by_name`` answers one list per replica when there are several."""
-        if self._info is None:
-            self._load_server_info()
-        return int((self._info or {}).get("dp_size") or 1)
-
-    @property
-    def disk_roots(self) -> list[str] | None:
-        """The directories a reference server loads snapshots from (``wsync_disk_roots`` in its server
-        info, resolved); None for real SGLang, which loads any directory it can read."""
-        if self._info is None:
-            self._load_server_info()
-        roots = (self._info or {}).get("wsync_disk_roots")
-        return [str(r) for r in roots] if isinstance(roots, list) else None
+        return self.can.tp_size
 
     def claim_run(self, run_id: str | None, new_run: bool = False) -> None:
         """Say which run the weight-changing requests that follow belong to (project fields).
@@ -164,7 +131,7 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
         self._writer = writer
 
     def _with_run(self, body: dict) -> dict:
-        if (self._run or self._writer) and self.is_reference_server:
+        if (self._run or self._writer) and self.can.extensions:
             body.update(self._run)
             if self._writer is not None:
                 body["wsync_writer"] = self._writer
@@ -183,37 +150,25 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
         """Project extension, reference server only: end this writer's lease (a no-op when it holds none)."""
         return self._http.call("POST", "/wsync/writer_lease", {"wsync_writer": self._writer, "release": True})
 
-    def _load_server_info(self, timeout: float | None = None) -> None:
-        info = self.server_info(timeout)
-        self._info = info
-        if self._version is None:
-            v = info.get("version")
-            if not v:
-                raise ServerError(self.url, "server info has no 'version'; is this an SGLang server?", 200, "/server_info")
-            self._version = str(v)
-        tp = info.get("tp_size") or 1
-        self._tp_size = int(tp)
-
     def server_info(self, timeout: float | None = None) -> dict:
         """``/server_info``; servers older than 0.5.6 answer 404 there and are asked ``/get_server_info``."""
-        if self._features is not None or self._version is not None:
-            return self._http.call("GET", self.features.server_info_route, timeout=timeout)
+        known = self._given_version is not None or self._can is not None
+        first = self.features.server_info_route if known else "/server_info"
         try:
-            return self._http.call("GET", "/server_info", timeout=timeout)
+            return self._http.call("GET", first, timeout=timeout)
         except ServerError as e:
-            if e.status != 404:
+            if e.status != 404 or first == "/get_server_info":
                 raise
             return self._http.call("GET", "/get_server_info", timeout=timeout)
 
     def probe(self, timeout: float) -> str:
-        """The weight version the server serves, every call within ``timeout`` seconds (the server info
-        too, the first time): whether a server is there to sync, before anything waits on it.
+        """The weight version the server serves, every call within ``timeout`` seconds: whether a server is there to
+        sync, before anything waits on it. What it can do is learned again first (:meth:`learn`): once per publish.
 
         Raises:
             ServerError / SyncTimeout: it does not answer, or not as an SGLang server.
         """
-        if self._info is None:
-            self._load_server_info(timeout)
+        self.learn(timeout)
         return str(self.model_info(timeout=timeout).get("weight_version"))
 
     def model_info(self, timeout: float | None = None) -> dict:
@@ -293,8 +248,9 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
             raise ConfigError(f"pause mode must be one of {_PAUSE_MODES}, got {mode!r}")
         body = {"mode": mode} if self.features.pause_mode else {}
         if take_lease is not None or begin_session:
-            if not self.is_reference_server:
-                raise ConfigError(f"{self.url} is not the reference server: its pause takes no lease and opens no session")
+            if not self.can.writer_lease:
+                raise ConfigError(f"{self.url} ({self.can.kind}) takes no writer lease: its pause takes no lease and "
+                                  "opens no session")
             self._with_run(body)
             if take_lease is not None:
                 body["wsync_lease_s"] = float(take_lease)
@@ -309,7 +265,7 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
     def continue_generation(self, release_lease: bool = False) -> dict:
         """``/continue_generation``. ``release_lease`` (reference server only, ignored elsewhere): release this
         writer's lease in the same request, once resumed."""
-        body = {"wsync_writer": self._writer, "wsync_release_lease": True} if release_lease and self._writer and self.is_reference_server else {}
+        body = {"wsync_writer": self._writer, "wsync_release_lease": True} if release_lease and self._writer and self.can.writer_lease else {}
         out = self._http.call("POST", "/continue_generation", body)
         self._paused_mode = None
         return out
@@ -394,7 +350,7 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
         "params": {name: {"shape", "dtype"}}, "aliases": {name: served name}}``, asked once per client (a
         server that comes back after the fleet excluded it gets a new client); None for real SGLang, which
         has no route listing its parameters."""
-        if not self.is_reference_server:
+        if not self.can.extensions:
             return None
         if self._spec is None:
             self._spec = self._http.call("GET", "/wsync/weights_spec")

@@ -144,7 +144,7 @@ class WeightUpdateRoutes:
         Called before any byte moves: SGLang has no ``wsync_shm`` format and its scheduler dies unpickling such an
         entry; the colocated transport hands real SGLang SGLang's own payload instead.
         """
-        if not self.is_reference_server:
+        if not self.can.extensions:
             raise ConfigError(
                 f"{self.url} (SGLang {self.version}) is not the wsync reference server, so it cannot take {what}; "
                 "real SGLang takes co-located weights from the colocated transport (transport='colocated'), or use "
@@ -182,6 +182,6 @@ class WeightUpdateRoutes:
         body: dict[str, Any] = dict(
             model_path=str(model_path), abort_all_requests=abort_all_requests, flush_cache=self._flush(flush_cache),
         )
-        if manifest_sha256 is not None and self.is_reference_server:
+        if manifest_sha256 is not None and self.can.verifies_snapshots:
             body["wsync_manifest_sha256"] = manifest_sha256
         return self._post_update("/update_weights_from_disk", body, weight_version, timeout)

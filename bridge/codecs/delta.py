@@ -52,13 +52,16 @@ import torch
 from bridge.codecs.diff import INTS, as_ints, flatnonzero, numpy_or_none, pack_bits, unpack_bits
 
 __all__ = [
-    "BITMASK", "DELTA_TENSOR", "DENSE", "GAPS8", "GAPS16", "GAPS32", "GAP_KINDS", "HEADER_BYTES", "KIND_NAMES", "SPARSE32",
+    "BITMASK", "DELTA_FIELD", "DELTA_TENSOR", "DENSE", "GAPS8", "GAPS16", "GAPS32", "GAP_KINDS", "HEADER_BYTES", "KIND_NAMES", "SPARSE32",
     "SPARSE64", "ZSTD", "ZSTD_MIN_GAIN", "DeltaFormatError", "Record", "apply_record", "changed_positions", "choose",
     "encode_sparse", "iter_records", "record_nbytes", "write_record",
 ]
 
 DELTA_TENSOR = "wsync.delta"
 """The name a delta bucket travels under: one uint8 tensor (the records), beside its table."""
+
+DELTA_FIELD = "wsync_delta"
+"""The request field of a delta bucket that carries its table (a bucket's ``extra``): what marks a bucket as a delta."""
 
 SPARSE32, SPARSE64, BITMASK, DENSE = 1, 2, 3, 4
 GAPS8, GAPS16, GAPS32 = 5, 6, 7

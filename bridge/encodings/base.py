@@ -68,9 +68,8 @@ class Outgoing:
     ``dst`` (``buf`` is None on the other ranks, and on ``dst`` when its sink gave no buffer: it then only
     takes part), over the gather group."""
     to_owner: bool = False
-    """Gathered to the rank its sink names (``Sink.owner``); else to rank 0."""
-    sink: Any = None
-    """Rank 0: the :class:`~bridge.transports.sink.Sink` it goes to instead of rank 0's own (None: its own)."""
+    """Gathered to the rank its sink names (``Sink.owner``); else to rank 0. Where it goes from there is the sink's
+    choice, never the encoding's."""
 
 
 @dataclass

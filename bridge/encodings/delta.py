@@ -86,7 +86,6 @@ class DeltaEncoding(Encoding):
         self.anchor_next: str | None = None  # rank 0: the next sync is an anchor, for this reason
         self._crcs: cf.Future | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
-        self._servers = None  # rank 0: the servers of the sync in progress (from decide)
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
         self.zstd = True  # records may take the zstd stage (each sync's decision says whether the servers read it)
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
@@ -320,8 +319,7 @@ class DeltaEncoding(Encoding):
         from bridge.encodings.delta_send import delta_route, zstd_unreadable
 
         enc = plan.encoded
-        self._servers = servers
-        self._into_real_sglang = not all(c.stages_updates for c in servers.clients)
+        self._into_real_sglang = not all(c.can.staged for c in servers.clients)
         reason, via = enc.reason or plan.forced or self.anchor_next, None
         if reason is None:
             reason, via = delta_route(servers, self.base_version)
@@ -346,8 +344,7 @@ class DeltaEncoding(Encoding):
                             len(enc.buckets), 100 * enc.nbytes / max(1, enc.full_bytes), fmt_bytes(enc.full_bytes),
                             100 * enc.changed / max(1, enc.numel))
         if enc.mode == "delta":
-            return Transfer(delta_buckets(plan, self.rank, self._write_records, self._servers if self.rank == 0 else None,
-                                          self.config.http_timeout))
+            return Transfer(delta_buckets(plan, self.rank, self._write_records))
         return Transfer(self._anchor_buckets(plan), sent=self._sent)
 
     def _anchor_buckets(self, plan) -> list:
@@ -382,7 +379,6 @@ class DeltaEncoding(Encoding):
             self._committed(plan)
         else:
             self._failed()
-        self._servers = None
 
     def _committed(self, plan) -> None:
         enc = plan.encoded

@@ -6,39 +6,33 @@ writes its own at the start of the bucket's wire buffer and receives each other 
 (one point-to-point receive per rank on the gather group, no padding, no full tensor anywhere), then the
 publisher sends the buffer through rank 0's sink:
 
-* to the project's reference servers (``via="native"``), through rank 0's sink (its transport), as a bucket of one
-  uint8 tensor named :data:`DELTA_TENSOR` whose request carries the delta's table (``wsync_delta``: base
-  version and digest, the layout of the trainer's pieces, names, dtypes, shapes). The broadcast transport
-  broadcasts it on its group, the colocated one hands it over in a shared-memory file;
-* to real SGLang (``via="loader"``), started with ``--custom-weight-loader`` :data:`LOADER`, as
-  ``/update_weights_from_tensor`` with ``load_format=LOADER``: a pickle of plain tensors (the table as JSON
-  bytes, and the records), which SGLang's ``SafeUnpickler`` accepts; SGLang calls the loader
-  (:mod:`bridge.serving.sglang_delta_loader`) in every TP rank's scheduler process.
+a bucket of one uint8 tensor named :data:`DELTA_TENSOR` whose request carries the delta's table (``wsync_delta``:
+base version and digest, the layout of the trainer's pieces, names, dtypes, shapes). Where it goes, rank 0's sink
+decides from what the servers can do (:class:`bridge.transports.sink.TransportSink`):
 
-A delta to real SGLang travels over HTTP whatever the transport (it has no route that takes a
-``load_format`` and bytes from the group), so the group of the broadcast transport carries only anchors.
+* to the project's reference servers (``via="native"``), through the transport: the broadcast transport
+  broadcasts it on its group, the colocated one hands it over in a shared-memory file;
+* to real SGLang (``via="loader"``), started with ``--custom-weight-loader`` :data:`LOADER`, over HTTP whatever
+  the transport (SGLang has no route that takes a ``load_format`` and bytes from a group):
+  :class:`bridge.transports.loader.LoaderSink`.
 """
 
 from __future__ import annotations
 
-import base64
-import json
-import pickle
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from bridge.buckets import Bucket
-from bridge.codecs.delta import DELTA_TENSOR
+from bridge.codecs.delta import DELTA_FIELD, DELTA_TENSOR
 from bridge.encodings.base import Outgoing
+from bridge.protocol import DELTA_LOADER, ZSTD_SGLANG
 from bridge.tensors import ParamSpec, dtype_to_str
-from bridge.transports.sessions import bucket_answers
-from bridge.transports.sink import Sink
 
-__all__ = ["LOADER", "LoaderSink", "ZSTD_SGLANG", "delta_buckets", "delta_route", "table", "zstd_unreadable"]
+__all__ = ["LOADER", "ZSTD_SGLANG", "delta_buckets", "delta_route", "table", "zstd_unreadable"]
 
-LOADER = "bridge.serving.sglang_delta_loader.load_delta"
+LOADER = DELTA_LOADER
 """The loader real SGLang calls for a delta: ``--custom-weight-loader`` and ``load_format`` name it."""
 
 
@@ -54,14 +48,14 @@ def delta_route(servers, base_version: int | None) -> tuple[str | None, str | No
     if out:
         return ("out of rotation until a full sync repairs it: "
                 + "; ".join(f"{u} ({why})" for u, why in out.items())), None
-    clients = servers.clients
-    reference = [c.is_reference_server for c in clients]
-    if any(reference) and not all(reference):
+    routes = {c.url: c.can.delta for c in servers.clients}
+    native = [r == "native" for r in routes.values()]
+    if any(native) and not all(native):
         return ("the servers are of two kinds (reference server and real SGLang), and a delta goes to each kind "
                 "another way; publish to each kind with a publisher of its own"), None
-    if all(reference):  # each checks the base itself, refusing before it stages anything: no round trip here
+    if all(native):  # each checks the base itself, refusing before it stages anything
         return None, "native"
-    missing = [c.url for c in clients if LOADER not in c.custom_weight_loaders]
+    missing = [u for u, r in routes.items() if r is None]
     if missing:
         return (f"{', '.join(missing)} was not started with --custom-weight-loader {LOADER}, so it cannot "
                 "apply a delta"), None
@@ -72,19 +66,12 @@ def delta_route(servers, base_version: int | None) -> tuple[str | None, str | No
     return None, "loader"
 
 
-ZSTD_SGLANG = (0, 5, 20)
-"""The first SGLang release that requires the ``zstandard`` package: before it, its environment may lack it."""
-
-
 def zstd_unreadable(clients) -> str | None:
-    """Rank 0: why some server may not read zstd delta records, or None. Real SGLang before :data:`ZSTD_SGLANG` does
-    not require ``zstandard``, and the loader cannot refuse a record it cannot read (an exception in a loader ends
-    SGLang's scheduler), so those get records without the zstd stage. A reference server without ``zstandard``
-    refuses a zstd record with a reason (``pip install zstandard``) before it applies anything."""
-    from bridge.protocol import parse_version
-
-    old = [f"{c.url} (SGLang {c.version})" for c in clients
-           if not c.is_reference_server and parse_version(c.version) < ZSTD_SGLANG]
+    """Rank 0: why some server may not read zstd delta records, or None. Real SGLang before
+    :data:`bridge.protocol.ZSTD_SGLANG` does not require ``zstandard``, and the loader cannot refuse a record it
+    cannot read (an exception in a loader ends SGLang's scheduler), so those get records without the zstd stage
+    (:attr:`bridge.client.capabilities.Capabilities.zstd_records`)."""
+    old = [f"{c.url} ({c.can.kind})" for c in clients if not c.can.zstd_records]
     if not old:
         return None
     return (f"{', '.join(old)} may lack the zstandard package (SGLang requires it from "
@@ -102,20 +89,18 @@ def table(db, enc, version: int, first: bool) -> dict:
     return out
 
 
-def delta_buckets(plan, rank: int, write: Callable[[list, torch.Tensor], int], servers,
-                  http_timeout: float) -> list[Outgoing]:
+def delta_buckets(plan, rank: int, write: Callable[[list, torch.Tensor], int]) -> list[Outgoing]:
     """Every rank: ``plan``'s delta buckets, each gathered to rank 0 (its own records first, then each other
     rank's). ``write(specs, out)``: this rank's records of the tensors ``specs`` into ``out``, the bytes it
-    wrote (the encoding's, which holds the changes and the base); ``servers`` (rank 0): where the loader's
-    sink sends them, for real SGLang, each call bounded by ``http_timeout``."""
+    wrote (the encoding's, which holds the changes and the base). Where they go is rank 0's sink's choice
+    (:class:`bridge.transports.sink.TransportSink`)."""
     enc = plan.encoded
-    sink = LoaderSink(servers, http_timeout) if rank == 0 and enc.via == "loader" else None
     out = []
     for j, db in enumerate(enc.buckets):
-        extra = {"wsync_delta": table(db, enc, plan.version, j == 0)} if rank == 0 else {}
+        extra = {DELTA_FIELD: table(db, enc, plan.version, j == 0)} if rank == 0 else {}
         bucket = Bucket([ParamSpec(DELTA_TENSOR, (db.nbytes,), torch.uint8)], extra=extra)
         out.append(Outgoing(f"delta {j}", bucket,
-                            lambda buf, dst, group, db=db: _fill(rank, write, db, buf, dst, group), sink=sink))
+                            lambda buf, dst, group, db=db: _fill(rank, write, db, buf, dst, group)))
     return out
 
 
@@ -163,36 +148,3 @@ def _encode(write, db, out: torch.Tensor) -> None:
     at = write(db.specs, out)
     if at != out.numel():
         raise RuntimeError(f"encoded {at} bytes of a delta bucket, planned {out.numel()}")
-
-
-class LoaderSink(Sink):
-    """Rank 0's sink of a delta for real SGLang: each delta bucket as ``/update_weights_from_tensor`` to every
-    server, for SGLang's loader, one in flight at most."""
-
-    def __init__(self, servers, http_timeout: float):
-        self.servers, self.http_timeout = servers, http_timeout
-        self._inflight = None  # (k, futures)
-
-    def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
-        return torch.empty(bucket.nbytes, dtype=torch.uint8)
-
-    def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
-        self.settle()  # one bucket in flight at most
-        head = json.dumps(bucket.extra["wsync_delta"]).encode()
-        payload = [(DELTA_TENSOR + ".table", torch.frombuffer(bytearray(head), dtype=torch.uint8)),
-                   (DELTA_TENSOR + ".records", buf.cpu())]
-        entry = base64.b64encode(pickle.dumps(payload, protocol=4)).decode()
-        last = version is not None
-        futures = self.servers.submit(lambda c: c.update_weights_from_tensor(
-            [entry] * c.tp_size, load_format=LOADER, flush_cache=last, timeout=self.http_timeout))
-        self._inflight = (k, futures)
-
-    def settle(self) -> None:
-        if self._inflight is None:
-            return
-        (k, futures), self._inflight = self._inflight, None
-        bucket_answers(self.servers.clients, futures, k, self.http_timeout, "http_timeout")
-
-    def abort(self, seconds: float) -> None:
-        self._inflight = None  # (the transport's abort gives the servers back)
-

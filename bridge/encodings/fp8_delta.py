@@ -201,7 +201,7 @@ class Fp8DeltaEncoding(DeltaEncoding):
 
     def decide(self, plan, servers):
         d = super().decide(plan, servers)
-        if d.reason is None and not all(c.is_reference_server for c in servers.clients):
+        if d.reason is None and not all(c.can.fp8_delta for c in servers.clients):
             d.reason, d.via = REAL_SGLANG, None
         return d
 

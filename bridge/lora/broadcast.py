@@ -42,7 +42,7 @@ class GroupLost(SyncError):
 
 def require_reference_servers(clients) -> None:
     """ConfigError naming the servers that are not the reference server (checked before anything moves)."""
-    real = [c.url for c in clients if not c.is_reference_server]
+    real = [c.url for c in clients if not c.can.lora_over_group]
     if real:
         raise ConfigError(f"via='broadcast' loads the adapter over a weight-update group, which only the reference "
                           f"server (wsync serve) takes; {', '.join(real)} is real SGLang, which has no such route: use "

@@ -47,7 +47,7 @@ from bridge.log import get_logger
 from bridge.lora.config import AdapterPublisherConfig, AdapterPublishResult, adapter_key
 from bridge.lora.gather import DISK_WORK, Checksums, gather_adapter_tensors
 from bridge.lora.servers import AdapterServers
-from bridge.publisher.agreement import STEP_ATTR, Agreement, in_step
+from bridge.publisher.agreement import STEP_ATTR, Agreement, in_step, raise_agreed
 from bridge.publisher.bounded import SLACK_S
 from bridge.publisher.interrupts import held
 from bridge.snapshot.adapter import (
@@ -107,6 +107,7 @@ class AdapterPublisher:
         self._loaded_into: list = []  # rank 0: the servers that loaded the version being published
         self._announced: str | None = None  # rank 0: its announcement key, once made
         self._phases: dict[str, float] = {}
+        self._at = ""  # the step in progress, named by a failure no part of it marked
         self._removing = None  # rank 0, disk: the removal of old directories, left running by the last commit
         self._syncing = None  # rank 0, disk: the fsyncs of the directory being published (:meth:`_write`)
         self._reusable: _Published | None = None  # rank 0: a gather's buffer no one uses any more, the next one's memory
@@ -129,17 +130,28 @@ class AdapterPublisher:
             return self._publish(source, version)
 
     def _publish(self, source, version: int) -> AdapterPublishResult:
+        """The three agreed steps (prepare, gather, load), each bounded, every rank raising the same error; a failure
+        after prepare undoes on every rank what was done (:meth:`_undo`)."""
         t0 = time.perf_counter()
-        cfg = self.config
-        self._phases = {}
-        self._tried = True
+        self._phases, self._tried = {}, True
         self._removed()
-        specs = self._step("adapter:prepare", lambda: self._part("adapter:prepare", lambda: self._prepare(source, version)),
-                           SLACK_S)[0]
-        dtype = dtype_from_str(cfg.dtype) if cfg.dtype is not None else None
         new = _Published(version, None, {}, None, None)  # rank 0: filled by the gather, then the write
         self._loaded_into, self._announced = [], None
-        undo = lambda: self._undo(new)  # noqa: E731
+        began, self._at = False, "adapter:prepare"
+        try:
+            specs = self._agree.step("adapter:prepare", lambda: self._part("adapter:prepare", lambda: self._prepare(
+                source, version)), timeout=SLACK_S + SLACK_S)[0]
+            began = True
+            return self._gather_and_load(source, version, specs, new, t0)
+        except BridgeError as e:
+            if began:
+                self._undo(new)
+            at = getattr(e, STEP_ATTR, None) or self._at  # the part that failed, else the step
+            raise_agreed(e, type(e)(f"adapter {self.config.name!r}: publish failed at {at}: {e}"))
+
+    def _gather_and_load(self, source, version: int, specs, new: _Published, t0: float) -> AdapterPublishResult:
+        cfg = self.config
+        dtype = dtype_from_str(cfg.dtype) if cfg.dtype is not None else None
 
         def gather() -> tuple[int, dict | None]:
             """The collective gather (every rank joins it, then agrees on it before rank 0 loads anything); then,
@@ -156,7 +168,9 @@ class AdapterPublisher:
             self._part("adapter:lease", self._hold_servers)
             return found, None
 
-        found, served = self._step("adapter:gather", gather, cfg.gather_timeout + cfg.http_timeout, undo)[0]
+        self._at = "adapter:gather"
+        found, served = self._agree.step(self._at, gather,
+                                         timeout=cfg.gather_timeout + cfg.http_timeout + SLACK_S)[0]
         if served is not None:  # the servers serve these weights under this version already: nothing to load
             self._reusable = _Published(version, None, {}, None, new.pending_checksums, new.buffer)
             return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
@@ -178,7 +192,8 @@ class AdapterPublisher:
         bound = cfg.http_timeout * (1 + found + (2 if cfg.via == "disk" else 0))  # + the write and the announcement
         if cfg.via == "broadcast":  # + the group's rendezvous and the broadcast
             bound += 2 * cfg.group_timeout
-        checksums = self._step("adapter:load", deliver, bound, undo)[0]
+        self._at = "adapter:load"
+        checksums = self._agree.step(self._at, deliver, timeout=bound + SLACK_S)[0]
         self._committed(new)
         return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
                                     new.path, checksums, dict(self._phases))
@@ -207,22 +222,6 @@ class AdapterPublisher:
         self.close()
 
     # ---------------------------------------------------------------- steps
-
-    def _step(self, name: str, fn, bound: float, undo=None) -> list:
-        """``fn`` on every rank (it checks ``rank == 0`` itself), agreed: every rank's result, or on a failure of
-        any rank ``undo()`` on every rank and then the same error, naming the part that failed (:meth:`_part`)."""
-        t0 = time.perf_counter()
-        try:
-            return self._agree.step(name, fn, timeout=bound + SLACK_S)
-        except BridgeError as e:
-            if undo is not None:
-                undo()
-            error = type(e)(f"adapter {self.config.name!r}: publish failed at {getattr(e, STEP_ATTR, None) or name}: {e}")
-            if e.interrupt is not None:  # raised in the step on this rank: it ends the program, after the undo
-                raise e.interrupt from error
-            raise error from None
-        finally:
-            self._phases.setdefault(name.removeprefix("adapter:"), time.perf_counter() - t0)  # unless a part has it
 
     def _part(self, name: str, fn, point_after: bool = False):
         """One part of a step: its fault point ``name`` first (after ``fn`` when ``fn`` is a collective, which every
@@ -337,7 +336,7 @@ class AdapterPublisher:
         for i, client in enumerate(self._fleet.clients()):
             failpoint(f"adapter:load:{i}", 0)
             self._loaded_into.append(client)  # before the call: a server that timed out may have loaded it
-            new.copied = new.copied and client.is_reference_server
+            new.copied = new.copied and client.can.lora_copies_tensors
             self._load(client, new)
 
     def _load(self, client, p: _Published) -> None:
@@ -348,12 +347,13 @@ class AdapterPublisher:
             # Real SGLang replaces by unload-then-load and reloads an unloaded name from its last path for a
             # generation asking for it in between: a stable path already showing this version makes that
             # generation get it (bridge.client.lora), never a refusal nor the old version.
-            if not client.is_reference_server:
+            reloads = client.can.lora_replace != "one step"  # it may reload the name from its path in between
+            if reloads:
                 self._durable()  # `current` only ever points at a durable directory
-            path = p.path if client.is_reference_server else point_current(p.path)
+            path = point_current(p.path) if reloads else p.path
             client.load_adapter_from_path(name, path, version=str(p.version), replace=True)
         else:
-            if not client.is_reference_server and client.url not in self._warned:
+            if client.can.lora_replace != "one step" and client.url not in self._warned:
                 self._warned.add(client.url)
                 logger.warning("adapter %r by tensors into real SGLang %s: a generation asking for it while it is "
                                "replaced is refused (SGLang cannot reload a tensors adapter); via='disk' refuses none",

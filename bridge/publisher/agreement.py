@@ -34,7 +34,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -51,7 +51,7 @@ from bridge.errors import (
 from bridge.log import get_logger
 from bridge.publisher.interrupts import Interrupted, pending
 
-__all__ = ["Agreement", "StepFailed", "describe", "in_step", "note_failure_time"]
+__all__ = ["Agreement", "StepFailed", "describe", "in_step", "note_failure_time", "raise_agreed"]
 
 logger = get_logger(__name__)
 
@@ -103,6 +103,15 @@ def note_failure_time(error: BaseException) -> None:
             setattr(error, _FAILED_AT, time.time())
         except AttributeError:  # an exception type that takes no attributes: its creation time will do
             pass
+
+
+def raise_agreed(failure: BridgeError, error: BridgeError) -> NoReturn:
+    """Raise ``error``, what every rank raises for the agreed ``failure`` once its clean-up is done; on the rank
+    where the failure was an interrupt raised in a step (Ctrl-C, SIGTERM: ``failure.interrupt``), that interrupt,
+    from ``error``: it ends the program, after the same clean-up. Both publishers end a failed publish here."""
+    if failure.interrupt is not None:
+        raise failure.interrupt from error
+    raise error from None
 
 
 STEP_ATTR = "wsync_step"

@@ -20,7 +20,7 @@ from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger, progress_bar
 from bridge.metrics import SYNC, serve_metrics
 from bridge.process_group import default_backend
-from bridge.publisher.agreement import Agreement, describe, note_failure_time
+from bridge.publisher.agreement import Agreement, describe, note_failure_time, raise_agreed
 from bridge.publisher.bounded import (
     ABORT_WAIT_S,
     CLOSE_WAIT_S,
@@ -61,7 +61,6 @@ class WeightPublisher:
         self._versions = Versions(self._encoding)  # the last version, and what tells a retry of it safe
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
         self._sink: Sink | None = None  # what receives the buckets gathered to this rank (every rank), built with it
-        self._others: list[Sink] = []  # rank 0: other sinks this sync's buckets went to (a delta for real SGLang)
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
         sessions = config.session_options  # real SGLang's labels are recorded where its writer lock lives
         self._labels = Labels(self.run_id, sessions.writer_lock if sessions is not None else None)
@@ -119,9 +118,7 @@ class WeightPublisher:
             self._ended(plan, committed=False)
             failed = self._failed(version, e, began)
             SYNC.failed(self.config.transport, e.interrupt or failed)
-            if e.interrupt is not None:  # raised in a step on this rank: it ends the program, after the clean-up
-                raise e.interrupt from failed
-            raise failed from None
+            raise_agreed(e, failed)
         except BaseException as e:  # outside every step (a second Ctrl-C, a bug): leave, and clean up alone
             self._ended(plan, committed=False)
             SYNC.failed(self.config.transport, e)
@@ -293,8 +290,6 @@ class WeightPublisher:
         commit: failpoint "settle"); the fingerprint of this version is taken by then."""
 
         def settle():
-            for sink in self._others:
-                sink.settle()
             self._versions.fingerprinted()
             return self._sink.settle()
 
@@ -352,7 +347,6 @@ class WeightPublisher:
     def _send(self, plan: Plan) -> Transfer:
         """Steps "bucket k" (every rank): the encoding's buckets, each gathered to one rank and handed to its sink
         (rank 0's by default, which waits for bucket k-1 to arrive, then sends k)."""
-        self._others = []
         transfer = self._encoding.buckets(plan)
         last = len(transfer.buckets) - 1
         bar = progress_bar(self.config.progress and self._rank == 0, transfer.nbytes, f"sync v{plan.version}")
@@ -370,7 +364,7 @@ class WeightPublisher:
     def _send_bucket(self, k: int, out: Outgoing, version: int | None) -> None:
         """Every rank, bucket ``k``: its bytes into the buffer of the rank it goes to, whose sink sends it."""
         dst = self._sink.owner(k) if out.to_owner else 0
-        sink = (out.sink or self._sink) if self._rank == dst else None
+        sink = self._sink if self._rank == dst else None
         try:
             try:
                 failpoint(out.step.replace(" ", ":"), self._rank)
@@ -382,8 +376,6 @@ class WeightPublisher:
                 raise
             out.fill(buf, dst, self._gather_group)
             if sink is not None:
-                if sink is not self._sink and sink not in self._others:
-                    self._others.append(sink)
                 sink.send(k, out.bucket, buf, version)
         except BaseException as e:
             # Failed inside the step: leave the group now. Under gloo the ranks waiting in a gather or a
@@ -440,8 +432,7 @@ class WeightPublisher:
     # ---------------------------------------------------------------- helpers
 
     def _abort_sinks(self) -> None:
-        for sink in [*self._others, self._sink]:
-            sink.abort(ABORT_WAIT_S)
+        self._sink.abort(ABORT_WAIT_S)
 
     def _make_gather_group(self) -> None:
         self._gather_group = dist.new_group(backend=self.config.backend or default_backend(),

@@ -116,7 +116,7 @@ class Labels:
         check: dict[str, tuple[str | None, str | None]] = {}
         record: list[str] = []
         for c in fleet.group.clients:
-            real = not c.is_reference_server
+            real = not c.can.digests_weights
             if real and sets:
                 record.append(c.url)
             if new_run or fleet.served.get(c.url) != label:

@@ -46,7 +46,7 @@ def check_servers_serve(specs: Sequence[ParamSpec], clients: Sequence, serving_d
 
 def _sglang(specs: Sequence[ParamSpec], c, serving_dtype: str) -> str | None:
     """Why real SGLang at ``c`` cannot take ``specs``, as far as its server info and routes tell, or None."""
-    served = c.served_dtype
+    served = c.can.served_dtype
     if served is not None and served != serving_dtype:
         return (f"it serves {served} but serving_dtype={serving_dtype!r}; set serving_dtype={served!r} "
                 f"(wsync train --serving-dtype {served})")

@@ -89,7 +89,7 @@ def _ask(client, name: str, shape: tuple[int, ...] | None):
         if e.status == 400:
             return None
         raise
-    return got[0] if client.dp_size > 1 and isinstance(got, list) and got else got
+    return got[0] if client.can.dp_size > 1 and isinstance(got, list) and got else got
 
 
 def answered_dims(got) -> list[int]:

@@ -59,10 +59,12 @@ from urllib.parse import urlparse
 import torch
 
 from bridge.buckets import Bucket
+from bridge.codecs.delta import DELTA_FIELD
 from bridge.errors import ConfigError
 from bridge.log import get_logger
 from bridge.options import NoOptions, option
 from bridge.publisher.plan import Plan
+from bridge.transports.loader import LoaderSink
 from bridge.transports.sessions import (  # noqa: F401 (re-exported: a transport of one file imports them from here)
     ServerSessions,
     bucket_answers,
@@ -139,6 +141,7 @@ class Transport:
         """The servers' update sessions of the sync in progress, for a transport that pauses the servers and
         updates them in sessions (broadcast, colocated); None otherwise."""
         self._writer_lease = None
+        self._loader: LoaderSink | None = None  # the route of deltas into SGLang's loader (route)
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -166,6 +169,20 @@ class Transport:
 
     def begin(self, plan: Plan) -> Any:
         """Rank 0: open the sync; what it returns is handed to every rank's ``Sink.begin``."""
+
+    def route(self, bucket: Bucket) -> Sink | None:
+        """Rank 0: where ``bucket`` goes instead of this transport, or None (here). The one place a bucket's route is
+        decided, from what the bytes are and what the servers can do: a delta to servers that take it through
+        SGLang's custom loader goes there over HTTP (:class:`bridge.transports.loader.LoaderSink`), whatever the
+        transport, since SGLang has no route that takes a ``load_format`` with bytes from a group or a file."""
+        servers = self.servers
+        if not bucket.extra or DELTA_FIELD not in bucket.extra or servers is None or not servers.clients:
+            return None
+        if not all(c.can.delta == "loader" for c in servers.clients):
+            return None
+        if self._loader is None or self._loader.servers is not servers:
+            self._loader = LoaderSink(servers, self.config.http_timeout)
+        return self._loader
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
         """Rank 0: a uint8 tensor of ``bucket.nbytes`` for bucket ``k`` (CPU by default)."""

@@ -154,7 +154,7 @@ class BroadcastTransport(Transport):
             lambda c: c.update_weights_from_distributed(
                 **fields, group_name=self.group_name,
                 load_format="flattened_bucket" if self.load_format == "flattened_bucket" else None,
-                flush_cache=last, weight_version=str(version) if last and c.stages_updates else None,
+                flush_cache=last, weight_version=str(version) if last and c.can.staged else None,
                 timeout=cfg.group_timeout + cfg.http_timeout,
             )
         )
@@ -226,7 +226,7 @@ class BroadcastTransport(Transport):
         (auto and per_tensor load formats only: flattened_bucket asked for is kept)."""
         cfg = self.config
         if (plan.encoded is not None or cfg.load_format == "flattened_bucket" or not cfg.atomic_mb
-                or plan.nbytes > cfg.atomic_mb * 2**20 or all(c.stages_updates for c in self.servers.clients)):
+                or plan.nbytes > cfg.atomic_mb * 2**20 or all(c.can.staged for c in self.servers.clients)):
             return None
         return _WholeSync(plan)
 
@@ -241,7 +241,7 @@ class BroadcastTransport(Transport):
             whole.futures = self.servers.submit(
                 lambda c: c.update_weights_from_distributed(
                     **fields, group_name=self.group_name, load_format=None, flush_cache=True,
-                    weight_version=str(whole.version) if c.stages_updates else None,
+                    weight_version=str(whole.version) if c.can.staged else None,
                     timeout=len(whole.buckets) * (cfg.group_timeout + cfg.http_timeout),
                 )
             )

@@ -71,7 +71,7 @@ class ColocatedTransport(Transport):
 
     def __init__(self, config, servers):
         super().__init__(config, servers)
-        self.route = "files"  # files (reference server), cuda_ipc or shared (real SGLang): see _choose_route
+        self.handover = "files"  # files (reference server), cuda_ipc or shared (real SGLang): see _choose_handover
         self.device: torch.device | None = None  # the buckets' CUDA device (cuda_ipc)
         self._shared: SharedBuckets | None = None  # the two reused segments (shared)
         self._inflight = None  # (k, futures, path or buffer)
@@ -91,18 +91,18 @@ class ColocatedTransport(Transport):
 
     def begin(self, plan: Plan) -> None:
         self.check_servers(self.config, self.servers.urls)
-        self.route = self._choose_route()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.route == "cuda_ipc" else None
-        if self.route == "shared" and self._shared is None:
+        self.handover = self._choose_handover()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.handover == "cuda_ipc" else None
+        if self.handover == "shared" and self._shared is None:
             self._shared = SharedBuckets()
         self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
         self.sessions.open()
 
-    def _choose_route(self) -> str:
+    def _choose_handover(self) -> str:
         """``files`` when every server is the reference server; for real SGLang ``cuda_ipc`` from a trainer with
         CUDA, ``shared`` from one without; a ConfigError naming the server and the fix otherwise. Reads server
         info only."""
-        reference = self.servers.map(lambda c: c.is_reference_server)
+        reference = self.servers.map(lambda c: c.can.colocated == "files")
         if all(reference):
             return "files"
         real = [c for c, ref in zip(self.servers.clients, reference) if not ref]
@@ -132,9 +132,9 @@ class ColocatedTransport(Transport):
         return "cuda_ipc"
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
-        if self.route == "cuda_ipc":
+        if self.handover == "cuda_ipc":
             return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
-        if self.route == "shared":
+        if self.handover == "shared":
             return self._shared.buffer(k, bucket.nbytes)
         buf, path = shm_buffer(bucket.nbytes, k)
         self._paths.append(path)
@@ -142,11 +142,11 @@ class ColocatedTransport(Transport):
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
         cfg, last = self.config, version is not None
-        if self.route == "cuda_ipc":
+        if self.handover == "cuda_ipc":
             flattened = cfg.load_format != "per_tensor"
             entries = {c.url: cuda_ipc.serialize_bucket(bucket, buf, c.tp_size, flattened) for c in self.servers.clients}
             load_format, held = (cuda_ipc.FLATTENED if flattened else None), buf
-        elif self.route == "shared":
+        elif self.handover == "shared":
             entries = {c.url: self._shared.serialize(bucket, buf, c.tp_size) for c in self.servers.clients}
             load_format, held = None, buf
         else:
@@ -157,7 +157,7 @@ class ColocatedTransport(Transport):
         futures = self.servers.submit(
             lambda c: c.update_weights_from_tensor(
                 entries[c.url], load_format=load_format, flush_cache=last,
-                weight_version=str(version) if last and c.stages_updates else None, timeout=cfg.http_timeout,
+                weight_version=str(version) if last and c.can.staged else None, timeout=cfg.http_timeout,
             )
         )
         # The file (or the CUDA buffer the IPC handles point at) lives until every server answered.
@@ -181,7 +181,7 @@ class ColocatedTransport(Transport):
         inflight, self._inflight = self._inflight, None
         if self._shared is not None and inflight is not None and not all(f.done() for f in inflight[1]):
             self._shared.set_aside()  # a server that has not answered may still read them: never written again
-        if inflight is not None and self.route == "cuda_ipc":
+        if inflight is not None and self.handover == "cuda_ipc":
             # A server may still be reading the CUDA buffer; torch's contract is that the producer keeps a
             # shared CUDA tensor while a consumer uses it. Each call is bounded by http_timeout.
             cf.wait(inflight[1], timeout=self.config.http_timeout)

@@ -240,7 +240,7 @@ class DiskTransport(Transport):
 
         root = os.path.realpath(self.root)
         for c in self.servers.clients:
-            roots = c.disk_roots  # None: real SGLang, which loads any directory it can read
+            roots = c.can.disk_roots  # None: real SGLang, which loads any directory it can read
             if roots and not under_roots(root, roots):
                 raise ConfigError(
                     f"{c.url} loads snapshots only from {', '.join(roots)} (its --disk-root), and the snapshot root "

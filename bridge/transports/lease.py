@@ -87,7 +87,7 @@ class WriterLease:
             ServerError: ``reason`` ANOTHER_WRITER, naming the run and writer that hold a server.
         """
         clients = self.servers.clients
-        if pause is not None and len(clients) == 1 and clients[0].is_reference_server:
+        if pause is not None and len(clients) == 1 and clients[0].can.writer_lease:
             c = clients[0]
             with self._mutex:  # held before asking: an interrupted request is released by the abort
                 self._held[c.url] = "lease"
@@ -173,7 +173,7 @@ class WriterLease:
 
     def _take_one(self, c) -> BaseException | None:
         try:
-            if c.is_reference_server:
+            if c.can.writer_lease:
                 c.take_writer_lease(self.seconds, starts_sync=True)
                 kind = "lease"
             elif self.lock_url is not None:

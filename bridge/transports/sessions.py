@@ -82,7 +82,7 @@ class ServerSessions:
         try:
             c.begin_weight_update()
         except SessionAlreadyOpen:
-            if c.is_reference_server:
+            if c.can.writer_lease:
                 # The reference server discarded, when this writer took it, any session of a writer that no
                 # longer holds it; one still open belongs to a client that named no writer, or is live.
                 raise
@@ -126,7 +126,7 @@ class ServerSessions:
     def may_be_torn(self, c) -> bool:
         """True when ``c`` loads buckets as they arrive and was sent some during this sync (open, not committed),
         unless the transport knows it loaded nothing (:meth:`loaded_nothing`)."""
-        return (c.url in self._sent and not c.stages_updates and c.updates_sent > self._sent[c.url]
+        return (c.url in self._sent and not c.can.staged and c.updates_sent > self._sent[c.url]
                 and c.url not in self._untouched)
 
     def loaded_nothing(self, c) -> None:
@@ -157,7 +157,7 @@ class ServerSessions:
         if armed(f"commit:{i}", 0):
             cf.wait(earlier)
             failpoint(f"commit:{i}", 0)
-        if version is not None and not c.stages_updates and c.features.weight_version:
+        if version is not None and not c.can.staged and c.features.weight_version:
             c.update_weight_version(str(version))
         if in_session:
             c.end_weight_update()

@@ -3,8 +3,8 @@ its transport (:class:`TransportSink`).
 
 Every rank has one sink per publisher, chosen by its transport (``Transport.sink``): rank 0's is the transport
 itself by default; disk with ``disk_writers="all"`` gives every rank a writer of its own shards
-(:class:`bridge.transports.shard_writer.ShardWriter`); a delta for real SGLang goes to the loader's
-(:class:`bridge.encodings.delta_send.LoaderSink`). The publisher hands each bucket to the sink of the rank it
+(:class:`bridge.transports.shard_writer.ShardWriter`); rank 0's sends a bucket the way its transport routes it
+(``Transport.route``: a delta for real SGLang goes to the loader's, :class:`bridge.transports.loader.LoaderSink`). The publisher hands each bucket to the sink of the rank it
 was gathered to, always the same way:
 
 ============  ==================================================================================================
@@ -71,19 +71,41 @@ class Sink:
 
 
 class TransportSink(Sink):
-    """Rank 0's default sink: every bucket goes through its transport (``buffer``, ``send``, ``settle``), one
-    in flight at most. The transport's own ``abort`` (rank 0, after the agreement) undoes the sync."""
+    """Rank 0's default sink: every bucket goes the route its transport chooses (``Transport.route``: the transport
+    itself, or a delta for SGLang's loader over HTTP), one in flight at most on each. The transport's own ``abort``
+    (rank 0, after the agreement) undoes the sync."""
 
     def __init__(self, transport):
         """``transport``: rank 0's :class:`bridge.transports.Transport`."""
         self.transport = transport
+        self._routes: list[Sink] = []  # the other routes this sync's buckets took
+
+    def begin(self, opened: Any, plan: Plan) -> None:
+        self._routes = []
+
+    def _route(self, bucket: Bucket) -> Sink | None:
+        route = self.transport.route(bucket)
+        if route is not None and route not in self._routes:
+            self._routes.append(route)
+        return route
 
     def buffer(self, k: int, bucket: Bucket) -> torch.Tensor:
-        return self.transport.buffer(k, bucket)
+        route = self._route(bucket)
+        return route.buffer(k, bucket) if route is not None else self.transport.buffer(k, bucket)
 
     def send(self, k: int, bucket: Bucket, buf: torch.Tensor, version: int | None) -> None:
+        route = self._route(bucket)
+        if route is not None:
+            route.send(k, bucket, buf, version)
+            return
         self.transport.settle()  # bucket k-1 arrived first: one bucket in flight at most
         self.transport.send(k, bucket, buf, version)
 
     def settle(self) -> None:
+        for route in self._routes:
+            route.settle()
         self.transport.settle()
+
+    def abort(self, seconds: float) -> None:
+        for route in self._routes:
+            route.abort(seconds)

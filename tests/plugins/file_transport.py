@@ -66,7 +66,7 @@ class FileTransport(Transport):
         last = version is not None
         futures = self.servers.submit(lambda c: c.update_weights_from_tensor(
             [entry] * c.tp_size, load_format=SHM_LOAD_FORMAT, flush_cache=last,
-            weight_version=str(version) if last and c.stages_updates else None, timeout=self.config.http_timeout,
+            weight_version=str(version) if last and c.can.staged else None, timeout=self.config.http_timeout,
         ))
         self._inflight = (k, futures, path)
 
