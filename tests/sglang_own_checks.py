@@ -59,11 +59,14 @@ def long_tokens(url: str, clients: int = CLIENTS, waits: float = 3) -> int:
     """New tokens of a generation still running after SGLang's wait: what each of ``clients`` generations at once
     decodes on this server in ``waits`` waits (a machine whose load falls after the measure decodes faster), measured
     on ``clients`` decodes of 64 at once, as the checks run them (SGLang batches them; the reference server decodes
-    each on its own thread), at least 64, at most :data:`MOST_TOKENS`."""
+    each on its own thread), at least 64, at most the generations' share of the launcher's token pool
+    (:data:`MOST_TOKENS` each for :data:`CLIENTS`: one alone may take all of it, within the presets' context of 2048,
+    and on idle cores it decodes 900 tokens within the second a check waits)."""
     t = time.monotonic()
     with cf.ThreadPoolExecutor(clients) as pool:
         list(pool.map(lambda _: decode(url, max_new_tokens=64, ignore_eos=True), range(clients)))
-    return max(64, min(MOST_TOKENS, int(64 / (time.monotonic() - t) * waits * STARTED_S)))
+    most = min(2000, MOST_TOKENS * CLIENTS // max(1, clients))
+    return max(64, min(most, int(64 / (time.monotonic() - t) * waits * STARTED_S)))
 
 
 _SENDER = r"""
