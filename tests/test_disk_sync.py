@@ -38,7 +38,7 @@ def _publish_versions(url: str, nr_url: str, root: str, versions: list[int], han
                         time.sleep(0.05)
             engine.train_batch(make_batch(engine.tokenizer, 8, seed=v * 13 + engine.rank))
             res = pub.publish(engine, version=v)
-            reports.append((res.version, res.path, res.servers, sb.check_served(engine, [url], v)))
+            reports.append((res.version, res.path, res.servers, sb.check_served(engine, [url], v), res.phases))
     finally:
         pub.close()
         engine.destroy()
@@ -53,7 +53,9 @@ def _run(url, nr_url, root, versions, handshake=None, during=None):
     watcher.start()
     try:
         if during is None:
-            rank0, _ = run_ranks(_publish_versions, 2, args=(url, nr_url, root, versions, handshake), timeout=300)
+            rank0, rank1 = run_ranks(_publish_versions, 2, args=(url, nr_url, root, versions, handshake), timeout=300)
+            # The same result on every rank, the transport's own phases too (rank 0's commit outcome).
+            assert [r[4] for r in rank0] == [r[4] for r in rank1] and {"write", "announce", "load"} <= set(rank0[0][4])
         else:
             import concurrent.futures as cf
 
@@ -68,7 +70,7 @@ def _run(url, nr_url, root, versions, handshake=None, during=None):
 
 def _assert_loaded(rank0, url, versions, watcher):
     assert [r[0] for r in rank0] == versions
-    for version, path, servers, checks in rank0:
+    for version, path, servers, checks, _ in rank0:
         assert servers == {url: "ok"}
         assert os.path.basename(path) == f"v{version}"
         c = checks[url]

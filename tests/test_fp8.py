@@ -271,12 +271,12 @@ def test_fp8_plan_starts_with_small_buckets():
     served = [ParamSpec(f"model.layers.{i}.mlp.{p}_proj.weight", (256, 256), torch.bfloat16)
               for i in range(16) for p in ("gate", "up", "down")]  # 64 KiB each as FP8 (+ 16 bytes of scales)
     config = PublisherConfig(servers=["http://127.0.0.1:1"], encoding="fp8", bucket_mb=1, progress=False)
-    plan = SimpleNamespace(buckets=plan_buckets(served, config.bucket_bytes))
-    Fp8Encoding(config, 0, 1).plan(plan, [])
-    quantized = [sum(s.dtype == torch.float8_e4m3fn for s in b.specs) for b in plan.buckets]
-    assert quantized == [1, 3, 7, 15, 15, 7], [b.nbytes for b in plan.buckets]
-    assert sorted((s for b in plan.buckets for s in b.specs), key=lambda s: s.name) == \
+    planned = Fp8Encoding(config, 0, 1).plan(SimpleNamespace(buckets=plan_buckets(served, config.bucket_bytes)), [])
+    quantized = [sum(s.dtype == torch.float8_e4m3fn for s in b.specs) for b in planned.buckets]
+    assert quantized == [1, 3, 7, 15, 15, 7], [b.nbytes for b in planned.buckets]
+    assert sorted((s for b in planned.buckets for s in b.specs), key=lambda s: s.name) == \
         sorted(fp8_wire_specs(served, Fp8Rule()), key=lambda s: s.name)
+    assert "quantization_config" in planned.config_fields
 
 
 def test_each_kind_of_server_refuses_the_other_kind_of_bytes(fp8_server, ref_server):

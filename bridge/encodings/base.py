@@ -10,13 +10,14 @@ method            who       when / what
 ================  ========  =============================================================================
 ``prepare``       every     the prepare step, before anything moves: this rank's summary (a small picklable
                   rank      dataclass; every rank receives every rank's)
-``plan``          every     after prepare, given every rank's summary, identically on every rank: sets
-                  rank      ``plan.encoded`` (an :class:`~bridge.publisher.plan.Encoded` dataclass, or None); an
-                            encoding whose tensors travel otherwise than in the serving dtype plans
-                            ``plan.buckets`` again from what it sends (the servers are checked against
-                            them), and may add ``plan.config_fields`` to a snapshot's ``config.json``
-``decide``        rank 0    the begin step, servers paused: this sync's decision (``plan.decision`` on every
-                            rank; a delta or an anchor, say)
+``plan``          every     after prepare, given every rank's summary, identically on every rank: returns a
+                  rank      :class:`~bridge.publisher.plan.Planned`: its ``encoded`` (an
+                            :class:`~bridge.publisher.plan.Encoded` dataclass, or None); an encoding whose
+                            tensors travel otherwise than in the serving dtype plans the ``buckets`` again
+                            from what it sends (the servers are checked against them), and may add
+                            ``config_fields`` to a snapshot's ``config.json``
+``decide``        rank 0    the begin step, servers paused: returns this sync's decision (``plan.decision``
+                            on every rank; a delta or an anchor, say)
 ``buckets``       every     after begin: the buckets to send (:class:`Transfer`)
                   rank
 ``end``           every     the sync committed (``committed=True``) or failed at any step (False: undo what
@@ -49,7 +50,7 @@ import torch
 from bridge.buckets import Bucket
 from bridge.errors import ConfigError
 from bridge.options import NoOptions
-from bridge.publisher.plan import Plan
+from bridge.publisher.plan import Plan, Planned
 
 __all__ = ["Encoding", "Outgoing", "Transfer", "gathered"]
 
@@ -121,9 +122,11 @@ class Encoding:
         """Every rank: this rank's summary for :meth:`plan` (None: nothing to say)."""
         return None
 
-    def plan(self, plan: Plan, summaries: list) -> None:
-        """Every rank: what every rank's summary says, the same on every rank, into ``plan.encoded``; and what
-        travels (``plan.buckets``, ``plan.config_fields``) when it is not the serving-dtype tensors."""
+    def plan(self, plan: Plan, summaries: list) -> Planned:
+        """Every rank: what every rank's summary says, the same on every rank (``Planned.encoded``); and what travels
+        (``Planned.buckets``, ``Planned.config_fields``) when it is not the serving-dtype tensors. The publisher makes
+        the sync's plan from it (the encoding never writes into ``plan``)."""
+        return Planned()
 
     def decide(self, plan: Plan, servers) -> Any:
         """Rank 0, once the servers are paused (``servers``: the :class:`bridge.client.ServerGroup`, or None):

@@ -50,6 +50,7 @@ from bridge.encodings.delta_plan import (
 )
 from bridge.encodings.registry import register_encoding
 from bridge.log import fmt_bytes, get_logger
+from bridge.publisher.plan import Planned
 from bridge.tensors import ParamSpec
 
 __all__ = ["Decision", "DeltaBucket", "DeltaEncoding", "DeltaOptions", "DeltaPlan", "DeltaSummary"]
@@ -264,7 +265,7 @@ class DeltaEncoding(Encoding):
 
     # ------------------------------------------------------------------ plan: the same on every rank
 
-    def plan(self, plan, summaries: list[DeltaSummary]) -> None:
+    def plan(self, plan, summaries: list[DeltaSummary]) -> Planned:
         opts, world = self.config.encoding_options, len(summaries)
         changed, numel = sum(s.changed for s in summaries), sum(s.numel for s in summaries)
         whole = set(summaries[0].whole)
@@ -291,7 +292,7 @@ class DeltaEncoding(Encoding):
                           f"{fmt_bytes(plan.nbytes)}, over delta_max_fraction={opts.delta_max_fraction:g}")
         else:  # rank 0's measurements, so that every rank decides alike
             enc.reason = self._costlier_than_full(summaries[0].costs, total / max(1, plan.nbytes), None, plan.nbytes)
-        plan.encoded = enc
+        return Planned(enc)
 
     def _buckets(self, specs: list[ParamSpec], summaries: list[DeltaSummary], whole: set, crcs: dict) -> list[DeltaBucket]:
         budget, out, cur, size = self.config.bucket_bytes, [], [], 0

@@ -12,14 +12,14 @@ SGLang started on an FP8 checkpoint); a server that serves bf16 refuses the sync
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bridge.codecs.fp8 import Fp8Rule, plan_fp8_buckets, quantization_config
 from bridge.encodings.base import Encoding, Outgoing, Transfer
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError
 from bridge.options import option
-from bridge.publisher.plan import Encoded, EncodingReport
+from bridge.publisher.plan import Encoded, EncodingReport, Planned
 from bridge.sources.fp8 import gather_fp8_bucket
 from bridge.tensors import ParamSpec
 
@@ -67,23 +67,24 @@ class Fp8Encoding(Encoding):
         source.require(("local_shards",), "the fp8 encoding (it quantizes each rank's own rows)")
         return None
 
-    def plan(self, plan, summaries: list) -> None:
+    def plan(self, plan, summaries: list) -> Planned:
         """What travels: the FP8 tensors, in buckets of their own size (the first ones smaller:
         :func:`bridge.codecs.fp8.plan_fp8_buckets`); the snapshot's quantization_config."""
-        plan.encoded = Fp8Plan(plan_fp8_wire(plan, self.rule, self.config.bucket_bytes))
+        served, wire = plan_fp8_wire(plan, self.rule, self.config.bucket_bytes)
+        return replace(wire, encoded=Fp8Plan(served))
 
     def buckets(self, plan) -> Transfer:
         """Each bucket quantized on the ranks that hold its rows as it is gathered (every rank calls ``fill``)."""
         return Transfer(fp8_buckets(plan, plan.encoded.served))
 
 
-def plan_fp8_wire(plan, rule: Fp8Rule, bucket_bytes: int) -> dict[str, ParamSpec]:
-    """Replan ``plan``'s serving-dtype buckets as what travels in FP8 (:func:`bridge.codecs.fp8.plan_fp8_buckets`) and set
-    the snapshot's ``quantization_config``; the serving-dtype spec of every tensor, by name."""
+def plan_fp8_wire(plan, rule: Fp8Rule, bucket_bytes: int) -> tuple[dict[str, ParamSpec], Planned]:
+    """``plan``'s serving-dtype buckets planned again as what travels in FP8 (:func:`bridge.codecs.fp8.plan_fp8_buckets`),
+    with the snapshot's ``quantization_config``; and the serving-dtype spec of every tensor, by name."""
     served = [s for b in plan.buckets for s in b.specs]
-    plan.buckets = plan_fp8_buckets(served, rule, bucket_bytes)
-    plan.config_fields = {"quantization_config": quantization_config(served, rule)}
-    return {s.name: s for s in served}
+    wire = Planned(buckets=plan_fp8_buckets(served, rule, bucket_bytes),
+                   config_fields={"quantization_config": quantization_config(served, rule)})
+    return {s.name: s for s in served}, wire
 
 
 def fp8_buckets(plan, served: dict[str, ParamSpec]) -> list[Outgoing]:

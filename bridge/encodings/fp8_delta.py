@@ -26,7 +26,7 @@ the summary's ``extra``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +45,7 @@ from bridge.encodings.delta import DeltaEncoding, DeltaOptions
 from bridge.encodings.fp8 import Fp8Options, fp8_buckets, plan_fp8_wire
 from bridge.encodings.registry import register_encoding
 from bridge.errors import ConfigError
+from bridge.publisher.plan import Planned
 from bridge.sources import LocalShard
 from bridge.sources.fp8 import OwnScales, own_blocks
 from bridge.tensors import ParamSpec
@@ -184,20 +185,22 @@ class Fp8DeltaEncoding(DeltaEncoding):
         summary.extra["amax"] = self._amax
         return summary
 
-    def plan(self, plan, summaries: list) -> None:
+    def plan(self, plan, summaries: list) -> Planned:
         """The FP8 wire tensors (the anchor's buckets and the delta's table), the snapshot's quantization_config, the
         delta's buckets and decision; the agreed scales, and an anchor when they moved."""
-        self._served = plan_fp8_wire(plan, self.rule, self.config.bucket_bytes)
-        super().plan(plan, summaries)
+        self._served, wire = plan_fp8_wire(plan, self.rule, self.config.bucket_bytes)
+        delta = super().plan(plan.planned(wire), summaries)  # the delta of what travels, the FP8 tensors
+        enc = delta.encoded
         amax: dict[str, torch.Tensor] = {}
         for s in summaries:
             for name, g in s.extra.get("amax", {}).items():
                 amax[name] = g if name not in amax else torch.maximum(amax[name], g)
         self._agreed_scales = self._using = {n: block_scales(g) for n, g in amax.items()}
         moved = [n for n, g in self._agreed_scales.items() if n not in self._grids or not torch.equal(g, self._grids[n])]
-        if plan.encoded.reason is None and moved:
-            plan.encoded.reason = (f"the block scales of {len(moved)} weight(s) whose rows are not whole 128-row blocks "
-                                   f"on each rank changed ({moved[0]}), and their FP8 bytes were diffed against the old")
+        if enc.reason is None and moved:
+            enc.reason = (f"the block scales of {len(moved)} weight(s) whose rows are not whole 128-row blocks "
+                          f"on each rank changed ({moved[0]}), and their FP8 bytes were diffed against the old")
+        return replace(wire, encoded=enc)
 
     def decide(self, plan, servers):
         d = super().decide(plan, servers)

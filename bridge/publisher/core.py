@@ -6,6 +6,7 @@ import functools
 import logging
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -31,7 +32,7 @@ from bridge.publisher.bounded import (
     publish_call_bound,
 )
 from bridge.publisher.interrupts import held
-from bridge.publisher.labels import Labels
+from bridge.publisher.labels import LabelCheck, Labels
 from bridge.publisher.memory import PeakMemory
 from bridge.publisher.preflight import check_servers_serve
 from bridge.publisher.result import PublishResult
@@ -109,7 +110,7 @@ class WeightPublisher:
         try:
             plan = self._prepare(source, version, forced)
             began = True
-            self._begin(plan)
+            plan = self._begin(plan)
             with PeakMemory() as memory:
                 transfer = self._send(plan)
             reports = self._settle(transfer)
@@ -136,7 +137,7 @@ class WeightPublisher:
             bytes=enc.bytes if enc.bytes is not None else outcome.get("bytes", plan.nbytes),
             seconds=seconds, buckets=len(plan.buckets), servers=outcome["servers"],
             path=outcome.get("path"), retried=plan.retried or outcome.get("retried", False),
-            peak_extra_bytes=outcome["peak"], phases=plan.phases, encoding=enc.encoding, anchor_reason=enc.anchor_reason,
+            peak_extra_bytes=outcome["peak"], phases=dict(outcome.get("phases") or {}), encoding=enc.encoding, anchor_reason=enc.anchor_reason,
             changed_fraction=enc.changed_fraction, base_bytes=enc.base_bytes,
         )
         logger.log(
@@ -247,18 +248,21 @@ class WeightPublisher:
         results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
         specs = results[0][0]
         plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source, forced=forced)
-        self._encoding.plan(plan, [r[2] for r in results])
+        plan = plan.planned(self._encoding.plan(plan, [r[2] for r in results]))
         if retry:
             why = [f"rank {r}: {d}" for r, (_, d, _, _, _) in enumerate(results) if d]
             if why:
                 raise versions.refused(version, why)
-            plan.retried = True
+            plan = replace(plan, retried=True)
         labels, servers = results[0][3], results[0][4]
         if servers or labels is not None:
-            self._check(plan, mine[0], labels)
+            checked = self._check(plan, mine[0], labels)
+            if checked is not None:
+                plan = replace(plan, retried=plan.retried or checked.retried, served_digest=checked.served_digest,
+                               record_labels=checked.record_labels)
         return self._with_gather_group(plan)
 
-    def _check(self, plan: Plan, specs: list[ParamSpec], labels: dict | None) -> None:
+    def _check(self, plan: Plan, specs: list[ParamSpec], labels: dict | None) -> LabelCheck | None:
         """Step "check", once the encoding planned what travels (``plan.buckets``), before any server is paused:
         rank 0 checks that the servers serve it (:mod:`bridge.publisher.preflight`), and every rank adds its part of the
         digest the servers that already serve this version are compared with (:meth:`bridge.publisher.labels.Labels.check`)."""
@@ -272,18 +276,20 @@ class WeightPublisher:
 
         cfg = self.config
         parts = self._agree.step("check", check, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
-        if labels is not None:
-            self._labels.check(plan, parts, labels)
+        return self._labels.check(plan, parts, labels) if labels is not None else None
 
-    def _begin(self, plan: Plan) -> None:
-        """Step "begin" (rank 0): the transport opens the sync and the encoding decides; every rank's sink starts."""
+    def _begin(self, plan: Plan) -> Plan:
+        """Step "begin" (rank 0): the transport opens the sync and the encoding decides; every rank's sink starts.
+        The plan with the encoding's decision."""
         box: list = [None]
 
         def begin() -> None:
             box[0] = (self._transport.begin(plan), self._encoding.decide(plan, self._transport.servers))
 
-        opened, plan.decision = self._step("begin", lambda: begin(), self._begin_bound(), collect=lambda: box[0])[0]
+        opened, decision = self._step("begin", lambda: begin(), self._begin_bound(), collect=lambda: box[0])[0]
+        plan = replace(plan, decision=decision)
         self._sink.begin(opened, plan)
+        return plan
 
     def _settle(self, transfer: Transfer) -> list:
         """Step "settle" (every rank): every sink waits for what it sent and reports (each rank's vote on the

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from urllib.parse import quote
 
 import torch
@@ -28,7 +29,7 @@ from bridge.digest import served_digest_part
 from bridge.errors import BridgeError, NameEntryNotFound, VersionError
 from bridge.log import get_logger
 
-__all__ = ["Labels", "LabelRecords", "label_key", "local_digest_part", "refusal"]
+__all__ = ["LabelCheck", "Labels", "LabelRecords", "label_key", "local_digest_part", "refusal"]
 
 logger = get_logger(__name__)
 
@@ -91,6 +92,18 @@ def refusal(url: str, version: int, why: str | None) -> str:
     return f"server {url} already serves version {version}, and its weights cannot be compared with these ({why}); {fix}"
 
 
+@dataclass(frozen=True)
+class LabelCheck:
+    """What the check step learned of the servers that already serve this version (:meth:`Labels.check`)."""
+
+    retried: bool = False
+    """Servers serve these very weights under this version already: the sync is a safe retry."""
+    served_digest: str | None = None
+    """The digest of these weights as servers serve them, when it was taken."""
+    record_labels: list[str] = field(default_factory=list)
+    """Real SGLang servers whose label this sync records at commit, with ``served_digest``."""
+
+
 class Labels:
     """One publisher's label checks (see the module docstring): rank 0 finds what to compare in the prepare step,
     every rank compares in the check step, rank 0 records real SGLang's labels around the commit."""
@@ -136,7 +149,7 @@ class Labels:
                                     "the trainer that labelled it could not take the digest of its weights")
         return {"check": check, "record": record} if check or record else None
 
-    def check(self, plan, parts: list, labels: dict) -> None:
+    def check(self, plan, parts: list, labels: dict) -> LabelCheck:
         """Every rank, in the check step: the digest of these weights as servers serve them (``parts``: each rank's
         of its own rows), compared with what the servers that already serve this version serve. Other weights, or
         weights that cannot be compared, are a VersionError on every rank before anything moves; the same
@@ -150,8 +163,7 @@ class Labels:
                 problems.append(refusal(url, plan.version, why))
         if problems:
             raise VersionError("; ".join(problems))
-        plan.retried = plan.retried or bool(labels["check"])
-        plan.served_digest, plan.record_labels = digest, list(labels["record"])
+        return LabelCheck(retried=bool(labels["check"]), served_digest=digest, record_labels=list(labels["record"]))
 
     def _records(self) -> LabelRecords:
         """Rank 0: where the labels of real SGLang servers are recorded (:class:`LabelRecords`)."""

@@ -1,14 +1,19 @@
 """What one sync moves, known on every rank before the first byte moves: :class:`Plan`, with what the encoding
-planned (:class:`Encoded`), and what the encoding reports of it (:class:`EncodingReport`)."""
+planned (:class:`Planned`, :class:`Encoded`), and what the encoding reports of it (:class:`EncodingReport`).
+
+A plan is written by the publisher alone, and never changed once made: each step that learns something returns it
+as a typed result (the encoding's :class:`Planned`, the label check's
+:class:`~bridge.publisher.labels.LabelCheck`, the encoding's decision at begin, the transport's commit outcome), and
+the publisher makes the next plan from it (``dataclasses.replace``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bridge.buckets import Bucket
 
-__all__ = ["Encoded", "EncodingReport", "Plan"]
+__all__ = ["Encoded", "EncodingReport", "Plan", "Planned"]
 
 
 class Encoded:
@@ -33,9 +38,23 @@ class EncodingReport:
     """The bytes on the wire when the encoding formed them (a delta); None: the transport's or the plan's count."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class Planned:
+    """What an encoding's ``plan`` returns, the same on every rank (:mod:`bridge.encodings.base`)."""
+
+    encoded: Encoded | None = None
+    """What it planned for this sync (None for ``full``)."""
+    buckets: list[Bucket] | None = None
+    """What travels, when it is not the serving-dtype tensors (a quantized encoding's other dtypes and added
+    scales); None: the plan's buckets."""
+    config_fields: dict[str, Any] = field(default_factory=dict)
+    """Fields it adds to the model's ``config.json`` where a transport writes one (:attr:`Plan.config_fields`)."""
+
+
+@dataclass(frozen=True)
 class Plan:
-    """What one sync moves: known on every rank before the first byte moves."""
+    """What one sync moves: known on every rank before the first byte moves. Made by the publisher, never changed
+    (see the module docstring)."""
 
     version: int
     buckets: list[Bucket]
@@ -46,7 +65,6 @@ class Plan:
     """The :class:`bridge.sources.WeightSource` being published."""
     retried: bool = False
     """True when this republishes the last version with identical weights (a safe retry)."""
-    phases: dict[str, float] = field(default_factory=dict)
     forced: str | None = None
     """Why this sync must send every tensor, decided by the publisher (a server refused the delta of this
     version: :mod:`bridge.publisher.versions`); None otherwise."""
@@ -65,6 +83,13 @@ class Plan:
     def report(self) -> EncodingReport:
         """What :class:`bridge.publisher.result.PublishResult` reports of the encoding of this sync."""
         return self.encoded.report() if self.encoded is not None else EncodingReport()
+
+    def planned(self, planned: Planned | None) -> Plan:
+        """This plan with what the encoding planned."""
+        if planned is None:
+            return self
+        return replace(self, encoded=planned.encoded, buckets=planned.buckets if planned.buckets is not None else
+                       self.buckets, config_fields=dict(planned.config_fields))
 
     @property
     def model_config(self) -> Any:

@@ -198,7 +198,8 @@ class Transport:
     def commit(self, plan: Plan, reports: list) -> dict:
         """Rank 0: make ``plan.version`` live; ``reports`` are what every rank's sink returned at settle
         (rank order). Returns what :class:`PublishResult` reports (``servers``: url -> "ok" or its error;
-        optionally ``path``, ``bytes`` and ``retried``)."""
+        optionally ``path``, ``bytes``, ``retried`` and ``phases``, seconds by name of this transport's own phases),
+        which every rank receives."""
         raise NotImplementedError
 
     def abort(self, reason: str) -> str:

@@ -269,7 +269,7 @@ class DiskTransport(Transport):
         except SnapshotConflict as e:
             raise VersionError(f"version {plan.version} was already published with different weights; "
                                f"publish them under a higher version ({e})") from e
-        plan.phases["write"] = time.perf_counter() - self._t_write
+        phases = {"write": time.perf_counter() - self._t_write}
         t = time.perf_counter()
         ann = Announcement(version=plan.version, path=info.path, manifest_sha256=info.manifest_sha256,
                            total_bytes=info.total_bytes, created_at=time.time(), run=self.run)
@@ -284,13 +284,13 @@ class DiskTransport(Transport):
 
                 discard_version(self.root, plan.version)
             raise
-        plan.phases["announce"] = time.perf_counter() - t
+        phases["announce"] = time.perf_counter() - t
         logger.info("announced version %d at %s (%s)", plan.version, key, info.path)
         servers = {}
         if self.config.wait_loaded and self.servers is not None:
             t = time.perf_counter()
             servers, unloadable = self._wait_loaded(plan.version, ann.manifest_sha256)
-            plan.phases["load"] = time.perf_counter() - t
+            phases["load"] = time.perf_counter() - t
             if unloadable is not None:
                 # Nobody loaded it and nobody will: a version announced but served nowhere would be loaded by
                 # the next watcher to start (or fail it again); withdraw it, and its files, now.
@@ -307,7 +307,7 @@ class DiskTransport(Transport):
             # The version is announced and complete: a watcher will still load it. Say so.
             raise SyncError(f"version {plan.version} is announced at {info.path}, but servers did not load it: {failed}")
         return {"servers": servers, "path": info.path, "retried": info.existed,
-                "bytes": info.total_bytes}
+                "bytes": info.total_bytes, "phases": phases}
 
     def _withdraw(self, version: int) -> None:
         """Before garbage collection removes snapshot ``version``: delete its announcement, if it points at
