@@ -161,6 +161,12 @@ class PublisherConfig:
     metrics_port: int | None = option(None, "serve Prometheus metrics (sync seconds and bytes, failures, versions, "
                                             "servers excluded; bridge.metrics) at http://HOST:PORT/metrics from "
                                             "trainer rank 0 (default: off)", metavar="PORT")
+    guard_every: float = option(2.0, "seconds between two probes of the fleet between publishes, from trainer rank 0 "
+                                      "in the background, when servers are found in a router or a registry: a server "
+                                      "that restarted or joined on weights behind the fleet's is taken out of rotation "
+                                      "and paused at once (loaded from the newest snapshot where there is one), until "
+                                      "the next publish repairs it and puts it back (docs/fleet.md); 0: off",
+                                metavar="S")
     run: RunIdentity = option(help="which run this is", factory=RunIdentity)
     fleet: Fleet = option(help="the servers", factory=Fleet)
     timeouts: Timeouts = option(help="how long calls may take", factory=Timeouts)
@@ -230,6 +236,9 @@ class PublisherConfig:
         dtype_from_str(self.serving_dtype)
         if self.metrics_port is not None:
             check_metrics_port(self.metrics_port)
+        if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, (int, float)) or \
+                not 0 <= self.guard_every <= 3600:
+            raise ConfigError(f"guard_every must be 0 (off) to 3600 seconds, got {self.guard_every!r}")
         if self.backend not in (None, "nccl", "gloo"):
             raise ConfigError(f"backend must be nccl or gloo (or None: nccl with CUDA, gloo without), got {self.backend!r}")
 

@@ -102,25 +102,32 @@ def test_client_discovers_version_and_tp(servers):
     assert ServerClient(servers["old"].url).features.release == (0, 5, 2)
 
 
-def test_what_a_server_can_do_is_learned_again_at_each_probe():
-    """One object says what a server can do (``client.can``), learned again at every probe, which every publish
-    makes: a server restarted at the same URL as another release is spoken to as what it now is."""
+def test_what_a_server_can_do_is_learned_again_when_it_restarted_behind_the_fleet():
+    """One object says what a server can do (``client.can``), learned once, and again by a publish's fleet for a
+    server that answers behind the fleet's version: one restarted at the same URL as another release is spoken to
+    as what it now is."""
+    from bridge import PublisherConfig
+    from bridge.fleet import Fleet
     from tests.fixtures_server import launch_forked
 
     port = find_free_port()
     first = launch_forked(port=port)
-    c = ServerClient(first.url)
+    fleet = Fleet(PublisherConfig(servers=[first.url], progress=False, probe_timeout=10), "e/t")
     try:
+        fleet.prepare()
+        c = fleet.clients[first.url]
         assert c.can.extensions and c.can.staged and c.can.delta == "native" and c.can.features.needs_session
     finally:
         first.stop()
     again = launch_forked(port=port, extra_args=["--protocol-version", "0.5.8"])
     try:
-        assert c.can.staged, "learned once: nothing asks the server again until a probe"
-        assert c.probe(10.0) == "default"
+        assert c.probe(10.0) == "default" and c.can.staged, "learned once: a probe does not ask again"
+        fleet.version = "3"  # as a commit of version 3 leaves it: the restarted server is behind
+        fleet.prepare()
         assert c.can.version == "0.5.8" and not c.can.staged and not c.features.needs_session
         assert c.can.zstd_records  # the reference server reads or refuses zstd records whatever its dialect
     finally:
+        fleet.close()
         again.stop()
 
 

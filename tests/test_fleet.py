@@ -209,15 +209,19 @@ def test_through_real_routers_dead_restarted_and_new_servers_never_answer_stale(
     """sglang-router and smg in front of three servers, and etcd where new servers register: the routers
     are the rotation. A killed server leaves both routers' worker lists at the next publish; restarted, it
     stays out of them until the next publish brought it to the fleet's version; a new registered server
-    enters them only once it serves that version. Generations go on through both routers all along, and
-    none answers from an older version than the last one published."""
+    enters them only once it serves that version. A server restarted between two publishes while the routers still
+    list it (no publish saw it die) leaves them within the publisher's guard_every and a probe, with no publish, and
+    the next publish puts it back. Generations go on through both routers all along, and none answers from an older
+    version than the last one published, but for the restarted one's before the guard took it out."""
     trial = "routers"
     s1, s2, s3 = server_factory.many([dict(model=tiny_model_dir)] * 3)
     urls = sorted([s1.url, s2.url, s3.url])
     routers = [router_factory("sglang-router", urls), router_factory("smg", urls)]
     registries = [f"router+{r.url}" for r in routers] + [etcd_server.url]
     published = []
-    with WeightPublisher(_config(server_registry=registries, trial=trial)) as pub, Generations(routers) as gens:
+    guard = 0.5
+    with WeightPublisher(_config(server_registry=registries, trial=trial, guard_every=guard)) as pub, \
+            Generations(routers) as gens:
         def publish(v: int) -> dict:
             _train(model, v)
             servers = pub.publish(model, version=v).servers
@@ -240,8 +244,22 @@ def test_through_real_routers_dead_restarted_and_new_servers_never_answer_stale(
         assert all(s4.url not in r.workers() for r in routers)
         assert publish(4) == {u: "ok" for u in [*urls, s4.url]}
         assert all(r.workers() == sorted([*urls, s4.url]) for r in routers) and _serves(s4.url, _own(model))
+
+        everyone = sorted([*urls, s4.url])
+        _kill(s2)
+        s2 = server_factory(model=tiny_model_dir, port=_port(s2))  # on its base weights, still in both routers
+        back = time.monotonic()
+        while any(s2.url in r.workers() for r in routers) and time.monotonic() < back + 10 * guard + 10:
+            time.sleep(0.05)
+        out = time.monotonic()
+        assert all(s2.url not in r.workers() for r in routers), "the restarted server is still in rotation"
+        assert _version(s2.url) == "default"  # out of rotation, not yet repaired: a broadcast fleet has no snapshot
+        assert publish(5) == {u: "ok" for u in everyone}
+        assert all(r.workers() == everyone for r in routers) and _serves(s2.url, _own(model))
         time.sleep(0.5)
-    _check_no_stale_answers(gens.seen, published)
+    print(f"the restarted server left the routers {out - back:.2f} s after it answered (guard_every={guard:g} s)")
+    _check_no_stale_answers([a for a in gens.seen if not back - 5 <= a[0] <= out], published)
+    assert {tag for t, _, tag in gens.seen if back - 5 <= t <= out} <= {"4", "default"}
     assert {kind for _, kind, _ in gens.seen} == {"sglang-router", "smg"}
 
 

@@ -6,9 +6,12 @@ SGLang started with the delta loader takes a delta, only the reference server ta
 routes. Everything that differs by server is a field or property of this one object; the code that sends
 reads it (``client.can.staged``), and never asks which server it is.
 
-:meth:`bridge.client.ServerClient.learn` reads it from ``/server_info`` (``/get_server_info`` before 0.5.6);
-every publish learns it again when it probes its servers (:meth:`bridge.client.ServerClient.probe`), so a
-server restarted at the same URL as another release, or with other flags, is spoken to as what it now is.
+:meth:`bridge.client.ServerClient.learn` reads it from ``/server_info`` (``/get_server_info`` before 0.5.6), once
+per server, and again whenever the server may have restarted: a publish's fleet (:class:`bridge.fleet.Fleet`)
+makes a new client for a server that answers again after it did not, and learns again what a server that answers
+behind the fleet's version can do (it restarted on its base weights, maybe as another release or with other
+flags). Not at every probe: SGLang's ``/server_info`` waits for its scheduler, which a server in the middle of an
+update does not answer until the update ends.
 """
 
 from __future__ import annotations

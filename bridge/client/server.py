@@ -78,7 +78,7 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
     @property
     def can(self) -> Capabilities:
         """What this server can do (:class:`bridge.client.capabilities.Capabilities`), learned from its server info
-        at the first use and again at every :meth:`probe` (each publish)."""
+        at the first use, and again by :meth:`learn` (a fleet does when a server may have restarted)."""
         if self._can is None:
             self.learn()
         return self._can  # type: ignore[return-value]
@@ -162,13 +162,14 @@ class ServerClient(WeightUpdateRoutes, LoraRoutes):
             return self._http.call("GET", "/get_server_info", timeout=timeout)
 
     def probe(self, timeout: float) -> str:
-        """The weight version the server serves, every call within ``timeout`` seconds: whether a server is there to
-        sync, before anything waits on it. What it can do is learned again first (:meth:`learn`): once per publish.
+        """The weight version the server serves, every call within ``timeout`` seconds (what it can do too, the first
+        time): whether a server is there to sync, before anything waits on it.
 
         Raises:
             ServerError / SyncTimeout: it does not answer, or not as an SGLang server.
         """
-        self.learn(timeout)
+        if self._can is None:
+            self.learn(timeout)
         return str(self.model_info(timeout=timeout).get("weight_version"))
 
     def model_info(self, timeout: float | None = None) -> dict:

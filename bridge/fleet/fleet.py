@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from bridge.client import ServerClient, ServerGroup
 from bridge.errors import BridgeError, SyncError, SyncTimeout
-from bridge.fleet.discovery import RouterServers, ServerSource, open_sources
+from bridge.fleet.discovery import RouterServers, ServerSource, StaticServers, open_sources
 from bridge.log import get_logger
 from bridge.metrics import SYNC
 
@@ -96,6 +96,7 @@ class Fleet:
             tracked = self.clients[u].features.weight_version  # SGLang < 0.5.1 has no version to compare
             if why is None and fleet is not None and tracked and is_behind(found[u], fleet):
                 why = f"serves version {found[u]}, behind the fleet's {fleet}"
+                self._relearn(u)  # it restarted, maybe as another release or with other flags
             if why is None and u in self.out:
                 why = self.out[u]
             if why is not None:
@@ -159,6 +160,33 @@ class Fleet:
             SYNC.repaired.labels("publisher").inc()
             self.torn.pop(u, None)
             self._put_back(u)
+
+    # ------------------------------------------------------------------ between publishes
+
+    @property
+    def has_rotation(self) -> bool:
+        """Some source can take a server out of rotation (a router or a registry; a fixed list cannot)."""
+        return any(not isinstance(s, StaticServers) for s in self.sources)
+
+    def guard(self, snapshot: Callable[[], object] | None = None) -> list[str]:
+        """Between publishes (:class:`bridge.fleet.guard.FleetGuard`): every server the sources list is probed, and one
+        in rotation that serves a version behind the fleet's (it restarted, or joined, on its base weights) is taken
+        out of rotation and paused now, instead of at the next publish; where the transport has a complete snapshot
+        of the fleet's version it is loaded from it and put back at once. Returns the servers taken out."""
+        fleet = self.version
+        if fleet is None:
+            return []
+        urls = [u for u in self._discover() if u not in self.out and u not in self.excluded]
+        found = self._probe(urls)
+        behind = [u for u in urls if not isinstance(found[u], Down) and self.clients[u].features.weight_version
+                  and is_behind(found[u], fleet)]
+        for u in behind:
+            logger.warning("server %s serves version %s, behind the fleet's %s, between two publishes: out of "
+                           "rotation until it is repaired", u, found[u], fleet)
+            self._take_out(u, f"serves version {found[u]}, behind the fleet's {fleet}", pause=True)
+        if behind and snapshot is not None:
+            self._repair_from_snapshot(behind, snapshot, fleet)
+        return behind
 
     # ------------------------------------------------------------------ after the sync
 
@@ -252,6 +280,13 @@ class Fleet:
         if old is not None:
             old.close(clients=False)
         return self.group
+
+    def _relearn(self, url: str) -> None:
+        """What a server that may have restarted can do, learned again (a failure is left to the sync to meet)."""
+        try:
+            self.clients[url].learn(self.probe_timeout)
+        except BridgeError as e:
+            logger.debug("cannot learn again what %s can do: %s", url, e)
 
     def _too_few(self, urls: list[str], n: int) -> str:
         where = ", ".join(s.url for s in self.sources)

@@ -63,6 +63,8 @@ class WeightPublisher:
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
         self._sink: Sink | None = None  # what receives the buckets gathered to this rank (every rank), built with it
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
+        self._busy = threading.Lock()  # held by each publish: the fleet's guard probes only between publishes
+        self._guard = None  # rank 0: the fleet's guard between publishes (bridge.fleet.guard), from the first commit
         sessions = config.session_options  # real SGLang's labels are recorded where its writer lock lives
         self._labels = Labels(self.run_id, sessions.writer_lock if sessions is not None else None)
 
@@ -92,7 +94,7 @@ class WeightPublisher:
         """
         self._versions.check(version)
         checked = check_source(source)
-        with held(self._rank):  # Ctrl-C / SIGTERM: finish the step, clean up on every rank, then take effect
+        with held(self._rank), self._busy:  # Ctrl-C / SIGTERM: finish the step, clean up on every rank, then act
             try:
                 return self._publish(checked, version, self._versions.forced)
             except DeltaBaseMismatch as e:  # nothing was applied: the same version again, every tensor
@@ -126,6 +128,7 @@ class WeightPublisher:
             self._leave(e, began)
             raise
         self._ended(plan, committed=True)
+        self._guard_fleet()
         result = self._result(plan, outcome, time.perf_counter() - t0)
         SYNC.committed(result)
         return result
@@ -161,6 +164,9 @@ class WeightPublisher:
         """Tear the weight-update group down on both sides and stop background work, within
         ``CLOSE_WAIT_S`` (a server that does not answer is left to a background thread)."""
         deadline = time.monotonic() + CLOSE_WAIT_S
+        if self._guard is not None:
+            self._guard.stop(CLOSE_WAIT_S / 2)
+            self._guard = None
         while pending_aborts:  # a clean-up that outlived its sync: let it resume the servers it can
             pending_aborts.pop().join(max(0.0, deadline - time.monotonic()))
         transport, sink, servers = self._transport, self._sink, self._fleet
@@ -344,6 +350,17 @@ class WeightPublisher:
             self._transport = self._kind(cfg, servers)
         else:
             self._transport.use_servers(servers)
+
+    def _guard_fleet(self) -> None:
+        """Rank 0, after the first commit: the fleet's guard between publishes (:mod:`bridge.fleet.guard`), where
+        the fleet has a rotation to keep a server behind its version out of."""
+        fleet = self._fleet
+        if self._guard is None and fleet is not None and fleet.has_rotation and self.config.guard_every > 0:
+            from bridge.fleet.guard import FleetGuard
+
+            transport = self._transport
+            self._guard = FleetGuard(fleet, self.config.guard_every, self._busy,
+                                     transport.newest_snapshot if transport is not None else None)
 
     def _with_gather_group(self, plan: Plan) -> Plan:
         if self._agree.world > 1 and self._gather_group is None:
