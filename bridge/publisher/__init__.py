@@ -28,6 +28,13 @@ after each step every rank learns every rank's outcome (:mod:`bridge.publisher.a
    whether it may commit.
 5. **commit** (rank 0): the version goes live, given every rank's report.
 
+Each step returns what it learned as a typed result (the encoding's :class:`~bridge.publisher.plan.Planned`, the
+label check, the decision, the transport's outcome), and the publisher alone makes the next
+:class:`~bridge.publisher.plan.Plan` from it. Where a bucket goes is its transport's route (``Transport.route``: a
+delta for SGLang's loader goes over HTTP), never the encoding's; what each server can do is one object
+(``client.can``, :mod:`bridge.client.capabilities`). Between publishes, rank 0 keeps a server behind the fleet's
+version out of rotation (:mod:`bridge.fleet.guard`).
+
 Ctrl-C and SIGTERM are held until the step in progress ends, then fail the sync the same way before
 they take effect (:mod:`bridge.publisher.interrupts`). Any exception on any rank, of any type, in any step, makes
 every rank raise the same error (the first
