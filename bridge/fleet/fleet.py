@@ -93,10 +93,8 @@ class Fleet:
         fleet = self.version if self.version is not None else newest_version(found[u] for u in live)
         for u in live:
             why = self.torn.get(u)
-            tracked = self.clients[u].features.weight_version  # SGLang < 0.5.1 has no version to compare
-            if why is None and fleet is not None and tracked and is_behind(found[u], fleet):
-                why = f"serves version {found[u]}, behind the fleet's {fleet}"
-                self._relearn(u)  # it restarted, maybe as another release or with other flags
+            if why is None and fleet is not None:
+                why = self._behind(u, found[u], fleet)
             if why is None and u in self.out:
                 why = self.out[u]
             if why is not None:
@@ -178,12 +176,11 @@ class Fleet:
             return []
         urls = [u for u in self._discover() if u not in self.out and u not in self.excluded]
         found = self._probe(urls)
-        behind = [u for u in urls if not isinstance(found[u], Down) and self.clients[u].features.weight_version
-                  and is_behind(found[u], fleet)]
+        whys = {u: self._behind(u, found[u], fleet) for u in urls if not isinstance(found[u], Down)}
+        behind = [u for u, why in whys.items() if why is not None]
         for u in behind:
-            logger.warning("server %s serves version %s, behind the fleet's %s, between two publishes: out of "
-                           "rotation until it is repaired", u, found[u], fleet)
-            self._take_out(u, f"serves version {found[u]}, behind the fleet's {fleet}", pause=True)
+            logger.warning("server %s %s, between two publishes: out of rotation until it is repaired", u, whys[u])
+            self._take_out(u, whys[u], pause=True)
         if behind and snapshot is not None:
             self._repair_from_snapshot(behind, snapshot, fleet)
         return behind
@@ -281,12 +278,18 @@ class Fleet:
             old.close(clients=False)
         return self.group
 
-    def _relearn(self, url: str) -> None:
-        """What a server that may have restarted can do, learned again (a failure is left to the sync to meet)."""
+    def _behind(self, url: str, served: str, fleet: str) -> str | None:
+        """Why a server that answered ``served`` is behind the fleet's version, or None. One that is restarted, on
+        its base weights, maybe as another release or with other flags: what it can do is learned again (a failure
+        is left to the sync to meet). SGLang < 0.5.1 has no version to compare: never behind."""
+        c = self.clients[url]
+        if not c.features.weight_version or not is_behind(served, fleet):
+            return None
         try:
-            self.clients[url].learn(self.probe_timeout)
+            c.learn(self.probe_timeout)
         except BridgeError as e:
             logger.debug("cannot learn again what %s can do: %s", url, e)
+        return f"serves version {served}, behind the fleet's {fleet}"
 
     def _too_few(self, urls: list[str], n: int) -> str:
         where = ", ".join(s.url for s in self.sources)
