@@ -667,7 +667,7 @@ def _rank_dies_mid_sync(urls: list[str], first: int, died: str):
     from bridge import PublisherConfig, WeightPublisher
 
     engine = sb.engine(LLAMA)
-    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, progress=False, group_timeout=4, http_timeout=4))
+    pub = WeightPublisher(PublisherConfig(servers=urls, bucket_mb=0.05, progress=False, **BOUNDS))
     pub.publish(engine, version=first)
     before = own_full(engine)
     sb.train_step(engine, first)
@@ -695,7 +695,7 @@ def test_a_trainer_rank_killed_mid_sync(servers, tmp_path):
     assert r1 is None
     kind, message, seconds, states = r0
     assert kind in ("SyncError", "SyncTimeout"), message
-    bound = dead_rank_bound(PublisherConfig(servers=urls, group_timeout=4, http_timeout=4))
+    bound = dead_rank_bound(PublisherConfig(servers=urls, **BOUNDS))
     assert 0 < seconds < bound + 3, f"{seconds:.1f} s after the death against {bound:g} s: {message}"
     for url, state in states.items():
         assert_left(state, url)
