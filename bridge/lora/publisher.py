@@ -33,6 +33,7 @@ come before that.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -47,9 +48,9 @@ from bridge.log import get_logger
 from bridge.lora.config import AdapterPublisherConfig, AdapterPublishResult, adapter_key
 from bridge.lora.gather import DISK_WORK, Checksums, gather_adapter_tensors
 from bridge.lora.servers import AdapterServers
-from bridge.publisher.agreement import STEP_ATTR, Agreement, in_step, raise_agreed
+from bridge.publisher.agreement import STEP_ATTR, in_step, raise_agreed
 from bridge.publisher.bounded import SLACK_S
-from bridge.publisher.interrupts import held
+from bridge.publisher.lifecycle import Publisher
 from bridge.snapshot.adapter import (
     ADAPTER_FILE,
     CURRENT_LINK,
@@ -86,19 +87,16 @@ class _Published:
         return self.pending_checksums.result() if self.pending_checksums is not None else None
 
 
-class AdapterPublisher:
+class AdapterPublisher(Publisher):
     """Publishes versions of one LoRA adapter (see the module docstring). Collective: every rank builds it
-    and calls :meth:`publish` with the same version."""
+    and calls :meth:`publish` with the same version. What it shares with the weights' publisher (config, agreement,
+    version rule, Ctrl-C, run): :class:`bridge.publisher.lifecycle.Publisher`."""
+
+    config_class = AdapterPublisherConfig
 
     def __init__(self, config: AdapterPublisherConfig | None = None, **kwargs):
-        if config is None:
-            config = AdapterPublisherConfig(**kwargs)
-        elif kwargs:
-            raise ConfigError("pass either an AdapterPublisherConfig or keyword arguments, not both")
-        self.config = config
-        self._agree = Agreement.of_default_group()
-        self._rank = self._agree.rank
-        self._last: int | None = None
+        super().__init__(config, kwargs)
+        config = self.config
         self._tried = False  # a publish ran steps with the other ranks: close() meets them once more
         self._served: _Published | None = None  # rank 0
         self._warned: set[str] = set()  # real SGLang servers told that a tensors replace refuses generations
@@ -113,21 +111,16 @@ class AdapterPublisher:
         self._reusable: _Published | None = None  # rank 0: a gather's buffer no one uses any more, the next one's memory
         self._group = None  # rank 0, broadcast: the servers' weight-update group (bridge.lora.broadcast)
 
-    @property
-    def last_version(self) -> int | None:
-        return self._last
-
     def publish(self, source, version: int) -> AdapterPublishResult:
         """Publish ``source``'s adapter as ``version`` (collective: every trainer rank calls it).
 
         Raises (the same error on every rank):
-            VersionError: ``version`` is not above the last one published.
+            VersionError: ``version`` is older than the last one published, or the last one with other weights.
             ConfigError: the source has no adapter, or a setting is wrong.
             SyncError / SyncTimeout / SnapshotError / NameResolveError: the publish failed; every server
                 serves the previous adapter version.
         """
-        with held(self._rank):  # Ctrl-C / SIGTERM: the step ends and every rank cleans up, then it takes effect
-            return self._publish(source, version)
+        return super().publish(source, version)
 
     def _publish(self, source, version: int) -> AdapterPublishResult:
         """The three agreed steps (prepare, gather, load), each bounded, every rank raising the same error; a failure
@@ -139,8 +132,8 @@ class AdapterPublisher:
         self._loaded_into, self._announced = [], None
         began, self._at = False, "adapter:prepare"
         try:
-            specs = self._agree.step("adapter:prepare", lambda: self._part("adapter:prepare", lambda: self._prepare(
-                source, version)), timeout=SLACK_S + SLACK_S)[0]
+            prepare = functools.partial(self._part, "adapter:prepare", functools.partial(self._prepare, source, version))
+            specs = self._agreed("adapter:prepare", prepare, SLACK_S)[0]
             began = True
             return self._gather_and_load(source, version, specs, new, t0)
         except BridgeError as e:
@@ -162,15 +155,14 @@ class AdapterPublisher:
                              point_after=True) or {}
             new.config, new.pending_checksums = got.get("config", {}), got.get("checksums")
             new.tensors, new.buffer = got.get("tensors"), got.get("buffer")
-            if version == self._last:
+            if self._versions.is_retry(version):
                 return 0, self._part("adapter:retry", lambda: self._same_weights(new))
             found = self._part("adapter:servers", self._find_servers)
             self._part("adapter:lease", self._hold_servers)
             return found, None
 
         self._at = "adapter:gather"
-        found, served = self._agree.step(self._at, gather,
-                                         timeout=cfg.gather_timeout + cfg.http_timeout + SLACK_S)[0]
+        found, served = self._agreed(self._at, gather, cfg.gather_timeout + cfg.http_timeout)[0]
         if served is not None:  # the servers serve these weights under this version already: nothing to load
             self._reusable = _Published(version, None, {}, None, new.pending_checksums, new.buffer)
             return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
@@ -193,7 +185,7 @@ class AdapterPublisher:
         if cfg.via == "broadcast":  # + the group's rendezvous and the broadcast
             bound += 2 * cfg.group_timeout
         self._at = "adapter:load"
-        checksums = self._agree.step(self._at, deliver, timeout=bound + SLACK_S)[0]
+        checksums = self._agreed(self._at, deliver, bound)[0]
         self._committed(new)
         return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
                                     new.path, checksums, dict(self._phases))
@@ -205,7 +197,6 @@ class AdapterPublisher:
         if self._tried:
             self._agree.finish(SLACK_S)
             self._tried = False
-        self._last = None
         self._removed()
         if self._group is not None:
             self._group.teardown()
@@ -214,12 +205,6 @@ class AdapterPublisher:
         if self._name_resolve is not None:
             self._name_resolve.close()
         self._name_resolve = None
-
-    def __enter__(self) -> AdapterPublisher:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ---------------------------------------------------------------- steps
 
@@ -241,11 +226,6 @@ class AdapterPublisher:
             self._phases[name.removeprefix("adapter:")] = time.perf_counter() - t0
 
     def _prepare(self, source, version: int) -> list[tuple[str, int]]:
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ConfigError(f"version must be an int >= 0, got {version!r}")
-        if self._last is not None and version < self._last:
-            raise VersionError(f"adapter {self.config.name!r}: version {version} is older than the last one published "
-                               f"({self._last}); versions must strictly increase")
         if not callable(getattr(source, "gather_adapter", None)):
             raise ConfigError(f"{type(source).__name__} has no LoRA adapter to publish (no gather_adapter); train one "
                               "with EngineConfig(lora=LoraConfig(...))")
@@ -454,7 +434,7 @@ class AdapterPublisher:
 
     def _committed(self, new: _Published) -> None:
         """Every rank agreed: ``new`` is the version served (what a later failure goes back to)."""
-        self._last = new.version
+        self._versions.committed(new.version)
         if self._rank != 0:
             return
         self._fleet.release()

@@ -56,7 +56,8 @@ Example (one process, a reference server started with ``wsync serve --preset tin
     >>> result.version, result.servers                               # doctest: +SKIP
     (1, {'http://127.0.0.1:30000': 'ok'})
 
-The modules: :mod:`~bridge.publisher.core` (:class:`WeightPublisher`, the steps), :mod:`~bridge.publisher.agreement`
+The modules: :mod:`~bridge.publisher.lifecycle` (:class:`~bridge.publisher.lifecycle.Publisher`, what this publisher
+and the adapters' one share), :mod:`~bridge.publisher.core` (:class:`WeightPublisher`, the steps), :mod:`~bridge.publisher.agreement`
 (every rank learns every outcome of a step in bounded time), :mod:`~bridge.publisher.bounded` (calls that cannot
 hang the caller, and the bounds of one sync), :mod:`~bridge.publisher.versions` and :mod:`~bridge.publisher.labels`
 (which versions may be published), :mod:`~bridge.publisher.interrupts` (Ctrl-C and SIGTERM held to the end of a

@@ -16,12 +16,12 @@ from bridge.buckets import plan_buckets
 from bridge.config import PublisherConfig
 from bridge.encodings import encoding_class
 from bridge.encodings.base import Outgoing, Transfer
-from bridge.errors import BridgeError, ConfigError, DeltaBaseMismatch
+from bridge.errors import BridgeError, DeltaBaseMismatch
 from bridge.failpoints import failpoint
 from bridge.log import fmt_bytes, get_logger, progress_bar
 from bridge.metrics import SYNC, serve_metrics
 from bridge.process_group import default_backend
-from bridge.publisher.agreement import Agreement, describe, note_failure_time, raise_agreed
+from bridge.publisher.agreement import describe, note_failure_time, raise_agreed
 from bridge.publisher.bounded import (
     ABORT_WAIT_S,
     CLOSE_WAIT_S,
@@ -31,8 +31,8 @@ from bridge.publisher.bounded import (
     pending_aborts,
     publish_call_bound,
 )
-from bridge.publisher.interrupts import held
 from bridge.publisher.labels import LabelCheck, Labels
+from bridge.publisher.lifecycle import Publisher
 from bridge.publisher.memory import PeakMemory
 from bridge.publisher.preflight import check_servers_serve
 from bridge.publisher.result import PublishResult
@@ -45,17 +45,24 @@ __all__ = ["PublishResult", "PublisherConfig", "WeightPublisher"]
 
 logger = get_logger(__name__)
 
-class WeightPublisher:
-    """Publishes versioned weights to a set of servers. See the module docstring for the steps."""
+class WeightPublisher(Publisher):
+    """Publishes versioned weights to a set of servers. See the module docstring for the steps; what it shares
+    with the adapters' publisher: :class:`bridge.publisher.lifecycle.Publisher`.
+
+    ``publish(source, version)``, collective (every trainer rank calls it), returns a :class:`PublishResult` (the
+    same figures on every rank), or raises the same error on every rank:
+
+    - VersionError: ``version`` is older than the last published one, or equal with other weights;
+    - SyncError / SyncTimeout / ConfigError: the sync failed; servers keep their previous version;
+    - KeyboardInterrupt / SystemExit (only on the rank it came to, the others raise SyncError): Ctrl-C, SIGTERM or an
+      interrupt raised in a step, after the same clean-up (:mod:`bridge.publisher.interrupts`).
+    """
+
+    config_class = PublisherConfig
 
     def __init__(self, config: PublisherConfig | None = None, **kwargs):
-        if config is None:
-            config = PublisherConfig(**kwargs)
-        elif kwargs:
-            raise ConfigError("pass either a PublisherConfig or keyword arguments, not both")
-        self.config = config
-        self._agree = Agreement.of_default_group()
-        self._rank = self._agree.rank
+        super().__init__(config, kwargs)
+        config = self.config
         self._fleet = None  # rank 0: where the servers are found, which answer, which are in rotation
         self._kind = transport_class(config.transport)
         self._encoding = encoding_class(config.encoding)(config, self._rank, self._agree.world)
@@ -63,7 +70,6 @@ class WeightPublisher:
         self._transport: Transport | None = None  # rank 0 only, built at the first publish
         self._sink: Sink | None = None  # what receives the buckets gathered to this rank (every rank), built with it
         self._gather_group = None  # the group the flat gathers run on, bounded by group_timeout
-        self._busy = threading.Lock()  # held by each publish: the fleet's guard probes only between publishes
         self._guard = None  # rank 0: the fleet's guard between publishes (bridge.fleet.guard), from the first commit
         sessions = config.session_options  # real SGLang's labels are recorded where its writer lock lives
         self._labels = Labels(self.run_id, sessions.writer_lock if sessions is not None else None)
@@ -76,41 +82,16 @@ class WeightPublisher:
         (rank 0 only talks to them; None elsewhere and before the first publish)."""
         return self._fleet.group if self._fleet is not None else None
 
-    @property
-    def run_id(self) -> str:
-        """The run this publisher's versions belong to, as servers and watchers see it: ``experiment/trial``."""
-        return f"{self.config.experiment}/{self.config.trial}"
-
-    def publish(self, source: WeightSource | torch.nn.Module, version: int) -> PublishResult:
-        """Publish ``source``'s weights as ``version``. Collective: every trainer rank calls it.
-
-        Returns:
-            A :class:`PublishResult` (the same figures on every rank).
-        Raises (the same error on every rank):
-            VersionError: ``version`` is older than the last published one, or equal with other weights.
-            SyncError / SyncTimeout / ConfigError: the sync failed; servers keep their previous version.
-            KeyboardInterrupt / SystemExit (only on the rank it came to, the others raise SyncError): Ctrl-C,
-                SIGTERM or an interrupt raised in a step, after the same clean-up (:mod:`bridge.publisher.interrupts`).
-        """
-        self._versions.check(version)
-        checked = check_source(source)
-        with held(self._rank), self._busy:  # Ctrl-C / SIGTERM: finish the step, clean up on every rank, then act
-            try:
-                return self._publish(checked, version, self._versions.forced)
-            except DeltaBaseMismatch as e:  # nothing was applied: the same version again, every tensor
-                return self._publish(checked, version, self._versions.encoding_refused(e))
-
-    @property
-    def last_version(self) -> int | None:
-        """The last version this publisher published (None before the first)."""
-        return self._versions.last
-
-    def _publish(self, source: CheckedSource, version: int, forced: str | None) -> PublishResult:
-        """One sync: the five steps, each agreed by every rank (see the module docstring)."""
+    def _publish(self, source: WeightSource | torch.nn.Module | CheckedSource, version: int,
+                 refused: str | None = None) -> PublishResult:
+        """One sync: the five steps, each agreed by every rank (see the module docstring). A sync that a server
+        refused for its encoding before applying anything is published again at once, the same version with every
+        tensor (:meth:`bridge.publisher.versions.Versions.encoding_refused`)."""
         t0 = time.perf_counter()
+        source = check_source(source)
         plan, began = None, False
         try:
-            plan = self._prepare(source, version, forced)
+            plan = self._prepare(source, version, refused or self._versions.forced)
             began = True
             plan = self._begin(plan)
             with PeakMemory() as memory:
@@ -121,6 +102,8 @@ class WeightPublisher:
             self._ended(plan, committed=False)
             failed = self._failed(version, e, began)
             SYNC.failed(self.config.transport, e.interrupt or failed)
+            if isinstance(e, DeltaBaseMismatch) and e.interrupt is None and refused is None:
+                return self._publish(source, version, self._versions.encoding_refused(failed))
             raise_agreed(e, failed)
         except BaseException as e:  # outside every step (a second Ctrl-C, a bug): leave, and clean up alone
             self._ended(plan, committed=False)
@@ -189,12 +172,6 @@ class WeightPublisher:
             logger.warning("closing the publisher: a server did not answer within %g s; left to a background thread",
                            CLOSE_WAIT_S)
 
-    def __enter__(self) -> WeightPublisher:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ---------------------------------------------------------------- the steps
 
     def _step(self, name: str, on_rank0, bound: float, on_every_rank=None, collect=None) -> list:
@@ -209,7 +186,7 @@ class WeightPublisher:
                 on_rank0()
             return collect() if collect is not None else None
 
-        return self._agree.step(name, run, timeout=bound + SLACK_S, on_failure=self._give_back)
+        return self._agreed(name, run, bound, on_failure=self._give_back)
 
     def _give_back(self) -> None:
         """This rank's own step failed, so the sync cannot complete: on rank 0, give the servers back now
@@ -251,7 +228,7 @@ class WeightPublisher:
                 versions.fingerprint(source)
             return ours, differs, summary, labels, servers
 
-        results = self._agree.step("prepare", prepare, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
+        results = self._agreed("prepare", prepare, cfg.group_timeout + cfg.http_timeout)
         specs = results[0][0]
         plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source, forced=forced)
         plan = plan.planned(self._encoding.plan(plan, [r[2] for r in results]))
@@ -281,7 +258,7 @@ class WeightPublisher:
             return local_digest_part(plan.source, specs) if labels is not None else None
 
         cfg = self.config
-        parts = self._agree.step("check", check, timeout=cfg.group_timeout + cfg.http_timeout + SLACK_S)
+        parts = self._agreed("check", check, cfg.group_timeout + cfg.http_timeout)
         return self._labels.check(plan, parts, labels) if labels is not None else None
 
     def _begin(self, plan: Plan) -> Plan:
@@ -322,7 +299,7 @@ class WeightPublisher:
                 outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
             return {**outcome, "peak": peak}
 
-        return self._agree.step("commit", commit, timeout=self._commit_bound() + SLACK_S, on_failure=self._give_back)[0]
+        return self._agreed("commit", commit, self._commit_bound(), on_failure=self._give_back)[0]
 
     def _check_every_rank_called(self, version: int) -> None:
         """Every rank is in publish(): a rank that does not call it is named within ``group_timeout``
@@ -376,8 +353,8 @@ class WeightPublisher:
         try:
             for k, out in enumerate(transfer.buckets):
                 version = plan.version if k == last else None
-                self._agree.step(out.step, functools.partial(self._send_bucket, k, out, version),
-                                 timeout=self._bucket_bound() + SLACK_S, on_failure=self._give_back)
+                self._agreed(out.step, functools.partial(self._send_bucket, k, out, version), self._bucket_bound(),
+                             on_failure=self._give_back)
                 if self._rank == 0:
                     bar.update(out.bucket.nbytes)
         finally:

@@ -21,9 +21,11 @@ __all__ = ["Versions"]
 
 
 class Versions:
-    """One rank's record of the last version it published, and what tells a retry of it safe."""
+    """One rank's record of the last version it published, and what tells a retry of it safe. ``encoding``: the
+    weights' encoding, which may keep what it published (an adapter publisher has none: it tells a retry by the
+    checksums of what it sent)."""
 
-    def __init__(self, encoding):
+    def __init__(self, encoding=None):
         self.encoding = encoding
         self.last: int | None = None
         self.forced: str | None = None  # why the next sync must send every tensor (a server refused a delta)
@@ -60,7 +62,7 @@ class Versions:
 
     def fingerprint(self, source) -> None:
         """Every rank, in the prepare step of a new version: start taking this rank's digest (on a thread)."""
-        self._taken = self.encoding.fingerprints
+        self._taken = self.encoding is not None and self.encoding.fingerprints
         self._taking = source.digest_in_background() if self._taken else None
 
     def fingerprinted(self) -> None:
