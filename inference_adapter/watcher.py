@@ -99,6 +99,8 @@ class DiskWatcher:
         root: the key root (``names``' default ``wsync``).
         abort_all_requests: passed to ``/update_weights_from_disk`` (in-flight requests are aborted first).
         request_timeout: seconds per load request (None: the client's default).
+        writer_lock: the trainers' ``writer_lock`` (a name-resolution URL): each :meth:`heal` gives back a server a
+            dead trainer left paused (:mod:`bridge.fleet.abandoned`). None: not looked for.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class DiskWatcher:
         root: str = "wsync",
         abort_all_requests: bool = False,
         request_timeout: float | None = None,
+        writer_lock: str | None = None,
     ) -> None:
         self._owns_nr = isinstance(name_resolve, str)
         self.nr = make_name_resolve(name_resolve) if self._owns_nr else name_resolve
@@ -133,6 +136,9 @@ class DiskWatcher:
         self.on_loaded = on_loaded
         self.abort_all_requests = abort_all_requests
         self.request_timeout = request_timeout
+        self.writer_lock = writer_lock
+        self._locks: NameResolve | None = None  # writer_lock's name resolution, opened at the first heal
+        self._reported: set = set()  # servers left paused and torn by a dead trainer, reported once each
         self.latencies: list[float] = []
         """Seconds from each loaded announcement's ``created_at`` to its first load request."""
         self._status: dict[str, int | None] = dict.fromkeys(targets)
@@ -251,6 +257,9 @@ class DiskWatcher:
         self._unregister()
         if self._owns_nr:
             self.nr.close()
+        if self._locks is not None:
+            self._locks.close()
+            self._locks = None
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -406,6 +415,20 @@ class DiskWatcher:
 
     # -- a fleet that changes --------------------------------------------------------------------
 
+    def give_back_abandoned(self) -> dict[str, str]:
+        """With ``writer_lock``: every server a trainer that died mid-sync left paused is resumed, from the loaded
+        snapshot where that sync may have torn it (:func:`bridge.fleet.abandoned.give_back_abandoned`); url -> what
+        was done, for each one found."""
+        if self.writer_lock is None or self._group is None:
+            return {}
+        from bridge.fleet.abandoned import give_back_abandoned
+
+        with self._load_lock:
+            if self._locks is None:
+                self._locks = make_name_resolve(self.writer_lock)
+            return give_back_abandoned(self._group.clients, self._locks, self.writer_lock, self._loaded,
+                                       self._reported)
+
     def follow(self, urls: list[str]) -> None:
         """Load into exactly ``urls`` from now on (the servers a registry lists now: ``wsync watch
         --server-registry``); a server that joins is brought to the loaded version by the next :meth:`heal`."""
@@ -431,11 +454,13 @@ class DiskWatcher:
                  f"; gone {gone}" if gone else "")
 
     def heal(self, probe_timeout: float = 5.0) -> list[str]:
-        """Bring every server that serves another version than the loaded one (one that joined, or restarted on
-        its base weights) to it, from its snapshot; a server ahead of it, or that does not answer within
-        ``probe_timeout``, is left alone. Returns the URLs brought to it."""
+        """Give back every server a dead trainer left paused (:meth:`give_back_abandoned`); then bring every server
+        that serves another version than the loaded one (one that joined, or restarted on its base weights) to it,
+        from its snapshot; a server ahead of it, or that does not answer within ``probe_timeout``, is left alone.
+        Returns the URLs brought to the loaded version."""
         if self._group is None:
             return []
+        self.give_back_abandoned()
         with self._load_lock:
             ann = self._loaded
             if ann is None or not self._group.clients:

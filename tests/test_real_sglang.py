@@ -710,6 +710,56 @@ def test_a_trainer_rank_killed_mid_sync(servers, tmp_path):
         assert_left(state, url)
 
 
+def _dies_holding(url: str, lock: str, trial: str, first: int, saved: str):
+    """Rank 0 alone, holding ``url`` through the writer lock ``lock``: publish ``first`` (its weights saved to
+    ``saved``), train, then SIGKILL itself at bucket 2 of ``first + 1``, the server paused mid-sync."""
+    from bridge import PublisherConfig, WeightPublisher
+    from bridge.failpoints import ENV
+
+    engine = sb.engine(LLAMA)
+    pub = WeightPublisher(PublisherConfig(servers=[url], trial=trial, bucket_mb=0.05, progress=False, writer_lock=lock,
+                                          writer_lease=3, **DEAD_RANK_BOUNDS))
+    pub.publish(engine, version=first)
+    torch.save(own_full(engine), saved)
+    sb.train_step(engine, first)
+    os.environ[ENV] = "bucket:2@0=SIGKILL"
+    pub.publish(engine, version=first + 1)
+
+
+def test_a_server_a_dead_trainer_left_paused_is_resumed_by_wsync_watch(servers, etcd_server, tmp_path):
+    """A trainer holding real SGLang through ``writer_lock`` is SIGKILLed mid-sync: SGLang stays paused (it has no
+    watchdog) and no publish follows. ``wsync watch --writer-lock`` finds the dead writer's mark without its lock and
+    resumes the server (one request for the whole sync: its weights were never touched): it answers on the last
+    complete version, every tensor that version's."""
+    url, trial, saved = servers.spare.url, f"abandoned{os.getpid()}", str(tmp_path / "first.pt")
+    assert run_ranks(_dies_holding, 1, args=(url, etcd_server.url, trial, 7000, saved), timeout=300,
+                     may_die=(0,)) == [None]
+    first = torch.load(saved)
+    from bridge.client import ServerClient
+    from bridge.errors import BridgeError
+
+    c = ServerClient(url, timeout=3)
+    with pytest.raises(BridgeError):  # paused: a generation waits
+        c.generate(input_ids=[1, 4, 5], sampling_params={"max_new_tokens": 1})
+    watch = subprocess.Popen([sys.executable, "-m", "wsync", "watch", "--server", url, "--name-resolve",
+                              etcd_server.url, "--trial", trial, "--writer-lock", etcd_server.url, "--heal-every", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the watcher resumed it
+            try:
+                c.generate(input_ids=[1, 4, 5], sampling_params={"max_new_tokens": 1})
+                break
+            except BridgeError as e:
+                assert time.monotonic() < deadline and watch.poll() is None, f"never resumed: {e}"
+        state = left_as_it_was(url, 7000, first)
+    finally:
+        watch.send_signal(signal.SIGINT)
+        log = watch.communicate(timeout=60)[0]
+    assert "was left paused by a dead writer" in log and f"run 'default/{trial}'" in log, log[-3000:]
+    assert_left(state, url)
+
+
 def _interrupted_mid_sync(urls: list[str], first: int):
     """Every rank: publish ``first``, train; then rank 0 gets a real SIGINT at bucket 2 of ``first + 1``."""
     from bridge import PublisherConfig, WeightPublisher

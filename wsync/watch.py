@@ -4,7 +4,8 @@ The command line around ``inference_adapter.DiskWatcher``: it follows announceme
 SIGTERM, and ends with one line and a non-zero status when the watcher stops by itself (etcd
 unreachable, for instance) or when ``--once`` loads nothing. With ``--server-registry`` the servers are the
 ones the registry lists, re-read every ``--heal-every`` seconds; every round, a server that serves another
-version than the loaded one (it joined, or restarted on its base weights) is brought to it from its snapshot.
+version than the loaded one (it joined, or restarted on its base weights) is brought to it from its snapshot, and,
+with ``--writer-lock``, a server a trainer that died mid-sync left paused is given back (:mod:`bridge.fleet.abandoned`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heal-every", type=float, default=2.0, metavar="S",
                    help="every S seconds, bring each server that serves another version than the loaded one (one "
                         "that joined, or restarted on its base weights) to it from its snapshot; 0: never")
+    p.add_argument("--writer-lock", default=None, metavar="URL",
+                   help="the trainers' --writer-lock (etcd://host:port or file:///dir): every --heal-every seconds, "
+                        "a real SGLang server a trainer that died mid-sync left paused is resumed (from the loaded "
+                        "snapshot where that sync may have torn it); default: not looked for")
     p.add_argument("--root", default="wsync", help="key root in name resolution")
     p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one server may take to load a version")
@@ -61,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     sources = open_sources(args.servers, args.registries, args.experiment, args.trial)
     group = ServerGroup(_urls(sources), api_key=args.api_key, timeout=args.timeout, allow_empty=True)
     watcher = DiskWatcher(args.name_resolve, args.experiment, args.trial, group, root=args.root,
-                          abort_all_requests=args.abort_all_requests, request_timeout=args.timeout)
+                          abort_all_requests=args.abort_all_requests, request_timeout=args.timeout,
+                          writer_lock=args.writer_lock)
     try:
         if args.once:
             return _once(watcher, args)

@@ -78,6 +78,7 @@ class AdapterServers:
             cfg = self.config
             self._lease = WriterLease(servers, run_id=f"{cfg.experiment}/{cfg.trial}", seconds=cfg.writer_lease,
                                       lock_url=cfg.writer_lock)
+            self._lease.may_tear = False  # each server loads an adapter in one request
         else:
             self._lease.use_servers(servers)
         self._lease.take()

@@ -134,7 +134,9 @@ class BroadcastTransport(Transport):
         self._whole = self._whole_sync(plan)
         if self._whole is not None:
             self.load_format = "per_tensor"
-        self.sessions = ServerSessions(self.servers, self.config.pause_mode, self.writer_lease())
+        lease = self.writer_lease()
+        lease.may_tear = self._whole is None and not all(c.can.staged for c in self.servers.clients)
+        self.sessions = ServerSessions(self.servers, self.config.pause_mode, lease)
         self.sessions.open()
         t = time.perf_counter()
         self._ensure_group()

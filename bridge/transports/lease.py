@@ -17,6 +17,11 @@ sync runs (a thread, every third of the lease), and releases it when the sync en
 Either way a writer that dies holds its servers for at most its lease (``writer_lease``, 10 s by default)
 after its last renewal; a live one keeps them as long as it works, so another trainer (a zombie's
 replacement, say) is refused, told which run holds the server, and never takes a live sync over.
+
+Beside each lock the writer leaves a mark with no lease, ``wsync/writer_held/<url>`` (its run, its name, since when,
+and whether its sync may tear the server: :attr:`WriterLease.may_tear`), removed when it lets go of the server. A
+mark without its lock is the sign of a writer that died holding the server, which real SGLang then keeps paused:
+``wsync watch --writer-lock`` gives such a server back (:mod:`bridge.fleet.abandoned`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import os
 import socket
 import threading
+import time
 import uuid
 from urllib.parse import quote
 
@@ -34,7 +40,7 @@ from bridge.log import get_logger
 from bridge.protocol import ANOTHER_WRITER
 from bridge.publisher.bounded import each_within
 
-__all__ = ["WriterLease", "lock_key"]
+__all__ = ["WriterLease", "held_key", "lock_key"]
 
 logger = get_logger(__name__)
 
@@ -42,6 +48,11 @@ logger = get_logger(__name__)
 def lock_key(url: str) -> str:
     """The name-resolution key of the writer lock of the server at ``url``."""
     return f"wsync/writer_lock/{quote(url, safe='')}"
+
+
+def held_key(url: str) -> str:
+    """The name-resolution key of the mark a writer leaves beside its lock while it holds the server at ``url``."""
+    return f"wsync/writer_held/{quote(url, safe='')}"
 
 
 class WriterLease:
@@ -64,6 +75,9 @@ class WriterLease:
         self._mutex = threading.Lock()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        self.may_tear = True
+        """Whether this sync may leave a server that loads as it receives with part of its weights changed (its
+        transport says, before it takes the servers): what a writer that died holding a server leaves in its mark."""
 
     def use_servers(self, servers) -> None:
         """The servers of the next sync (the fleet found another set): each new client is told this writer's name."""
@@ -147,6 +161,10 @@ class WriterLease:
             if kind == "lease":
                 client.release_writer_lease()
             elif kind == "lock" and nr is not None:  # None: closed meanwhile (an abort's late thread)
+                try:  # the mark first: a mark without a lock says its writer died
+                    nr.delete(held_key(client.url))
+                except NameEntryNotFound:
+                    pass
                 nr.delete(lock_key(client.url))
         except (BridgeError, OSError) as e:
             logger.warning("%s: could not release the writer %s (it runs out within %g s): %s", client.url, kind,
@@ -199,7 +217,6 @@ class WriterLease:
         for _ in range(3):
             try:
                 self._nr.add(lock_key(c.url), value, ttl=self.seconds, keepalive=True, replace=False)
-                return
             except NameEntryExists:
                 try:
                     other = json.loads(self._nr.get(lock_key(c.url)))
@@ -210,6 +227,14 @@ class WriterLease:
                     other = {}
                 who = f"run {other.get('run_id')!r}, writer {other.get('writer')!r}"
                 break
+            else:
+                mark = {"writer": self.writer, "run_id": self.run_id, "since": time.time(), "may_tear": self.may_tear}
+                try:
+                    self._nr.add(held_key(c.url), json.dumps(mark), replace=True)
+                except BaseException:
+                    self._nr.delete(lock_key(c.url))
+                    raise
+                return
         raise ServerError(
             c.url, f"another writer holds this server ({ANOTHER_WRITER}): {who}, by its lock in {self.lock_url} "
             f"(a lease of at most the holder's writer_lease after its last renewal). A server takes weight changes "
