@@ -728,7 +728,7 @@ def _dies_holding(url: str, lock: str, trial: str, first: int, saved: str):
 
 def test_a_server_a_dead_trainer_left_paused_is_resumed_by_wsync_watch(servers, etcd_server, tmp_path):
     """A trainer holding real SGLang through ``writer_lock`` is SIGKILLed mid-sync: SGLang stays paused (it has no
-    watchdog) and no publish follows. ``wsync watch --writer-lock`` finds the dead writer's mark without its lock and
+    watchdog) and no publish follows; ``wsync status --writer-lock`` says who left it so. ``wsync watch --writer-lock`` finds the dead writer's mark without its lock and
     resumes the server (one request for the whole sync: its weights were never touched): it answers on the last
     complete version, every tensor that version's."""
     url, trial, saved = servers.spare.url, f"abandoned{os.getpid()}", str(tmp_path / "first.pt")
@@ -739,8 +739,11 @@ def test_a_server_a_dead_trainer_left_paused_is_resumed_by_wsync_watch(servers, 
     from bridge.errors import BridgeError
 
     c = ServerClient(url, timeout=3)
-    with pytest.raises(BridgeError):  # paused: a generation waits
-        c.generate(input_ids=[1, 4, 5], sampling_params={"max_new_tokens": 1})
+    status = subprocess.run([sys.executable, "-m", "wsync", "status", "--server", url, "--writer-lock", etcd_server.url,
+                             "--timeout", "3", "--json"], capture_output=True, text=True, timeout=120)
+    row = json.loads(status.stdout)["servers"][0]
+    assert status.returncode == 1 and row["state"] == "paused", status.stdout  # a generation waits
+    assert f"left by a dead writer of run 'default/{trial}'" in row["why"] and "maybe torn" not in row["why"], row
     watch = subprocess.Popen([sys.executable, "-m", "wsync", "watch", "--server", url, "--name-resolve",
                               etcd_server.url, "--trial", trial, "--writer-lock", etcd_server.url, "--heal-every", "1"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name-resolve", metavar="URL",
                    help="where disk versions are announced (etcd://host:port, file:///dir): their newest is the "
                         "fleet's newest (default: the newest any server serves)")
+    p.add_argument("--writer-lock", default=None, metavar="URL",
+                   help="the trainers' --writer-lock: a paused server a trainer that died mid-sync left is named so")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds each server has to answer")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--watch", type=float, metavar="S", help="refresh every S seconds until Ctrl-C")
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--watch must be a positive number of seconds, got {args.watch}")
     while True:
         status = fleet_status(args.servers, args.registries, experiment=args.experiment, trial=args.trial,
-                              name_resolve=args.name_resolve, timeout=args.timeout)
+                              name_resolve=args.name_resolve, timeout=args.timeout, writer_lock=args.writer_lock)
         print(status.to_json() if args.json else status.table(), flush=True)
         if args.watch is None:
             return 0 if status.healthy else 1

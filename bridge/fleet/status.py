@@ -80,10 +80,12 @@ class FleetStatus:
 
 
 def fleet_status(servers: Sequence[str] = (), registries: Sequence[str] = (), *, experiment: str = DEFAULT_EXPERIMENT,
-                 trial: str = DEFAULT_TRIAL, name_resolve: str | None = None, timeout: float = 5.0) -> FleetStatus:
+                 trial: str = DEFAULT_TRIAL, name_resolve: str | None = None, timeout: float = 5.0,
+                 writer_lock: str | None = None) -> FleetStatus:
     """The state of every server listed in ``servers`` or found in ``registries`` (etcd://, file://, router+http://;
     as a publisher finds them), each asked within ``timeout`` seconds, at once. ``name_resolve``: where disk versions
-    are announced (their newest is then the fleet's newest)."""
+    are announced (their newest is then the fleet's newest). ``writer_lock``: the trainers' writer lock, where a
+    paused server a dead trainer left is told (:mod:`bridge.fleet.abandoned`)."""
     sources = open_sources(list(servers), list(registries), experiment, trial, timeout=timeout)
     try:
         listed = {src: src.urls() for src in sources}  # (each asked once: a router's list is an HTTP call)
@@ -104,6 +106,7 @@ def fleet_status(servers: Sequence[str] = (), registries: Sequence[str] = (), *,
     announced = _announced(name_resolve, experiment, trial) if name_resolve else None
     with cf.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
         answers = dict(zip(urls, pool.map(lambda u: _ask(u, timeout), urls)))
+    dead = _dead_writers(writer_lock, [u for u, (v, healthy) in answers.items() if v is not None and not healthy])
     served = [v for v, _ in answers.values() if v is not None]
     newest = newest_version([*served, None if announced is None else str(announced)])
     rows = []
@@ -119,13 +122,31 @@ def fleet_status(servers: Sequence[str] = (), registries: Sequence[str] = (), *,
         elif in_rotation is False:
             state, why = "out", why or "not listed by the router"
         elif not healthy:
-            state = "paused"
+            state, why = "paused", dead.get(url, why)
         elif newest is not None and is_behind(version, newest):
             state = "behind"
         else:
             state = "ok"
         rows.append(ServerStatus(url, state, version, behind, in_rotation, why, since))
     return FleetStatus(newest, rows, str(announced) if announced is not None else None)
+
+
+def _dead_writers(writer_lock: str | None, urls: list[str]) -> dict[str, str]:
+    """url -> why, for each of ``urls`` a writer that died holding it left paused (its mark in ``writer_lock``)."""
+    if not writer_lock or not urls:
+        return {}
+    from bridge.fleet.abandoned import abandoned_mark
+    from bridge.name_resolve import make_name_resolve
+
+    nr = make_name_resolve(writer_lock)
+    try:
+        marks = {u: abandoned_mark(nr, u) for u in urls}
+    finally:
+        nr.close()
+    return {u: (f"left by a dead writer of run {m.get('run_id')!r}"
+                + (", maybe torn" if m.get("may_tear", True) else "")
+                + ": `wsync watch --writer-lock` gives it back")
+            for u, m in marks.items() if m is not None}
 
 
 def _ask(url: str, timeout: float) -> tuple[str | None, bool]:
