@@ -710,15 +710,21 @@ def test_a_trainer_rank_killed_mid_sync(servers, tmp_path):
         assert_left(state, url)
 
 
-def _dies_holding(url: str, lock: str, trial: str, first: int, saved: str):
+def _dies_holding(url: str, lock: str, trial: str, first: int, saved: str, torn: bool, root: str):
     """Rank 0 alone, holding ``url`` through the writer lock ``lock``: publish ``first`` (its weights saved to
-    ``saved``), train, then SIGKILL itself at bucket 2 of ``first + 1``, the server paused mid-sync."""
+    ``saved``), train, then SIGKILL itself at bucket 2 of ``first + 1``, the server paused mid-sync. ``torn``: ``first``
+    is also written as a snapshot (under ``root``, announced in ``lock``'s name resolution) and both go bucket by bucket
+    (``atomic_mb=0``), so the server has loaded the first buckets of ``first + 1``; else each goes as one request."""
     from bridge import PublisherConfig, WeightPublisher
     from bridge.failpoints import ENV
 
     engine = sb.engine(LLAMA)
-    pub = WeightPublisher(PublisherConfig(servers=[url], trial=trial, bucket_mb=0.05, progress=False, writer_lock=lock,
-                                          writer_lease=3, **DEAD_RANK_BOUNDS))
+    common = dict(trial=trial, bucket_mb=0.05, progress=False, **DEAD_RANK_BOUNDS)
+    if torn:  # the snapshot of ``first``, announced for no server yet
+        with WeightPublisher(PublisherConfig(transport="disk", name_resolve=lock, snapshot_root=root, **common)) as disk:
+            disk.publish(engine, version=first)
+    pub = WeightPublisher(PublisherConfig(servers=[url], atomic_mb=0 if torn else 1024, writer_lock=lock, writer_lease=3,
+                                          **common))
     pub.publish(engine, version=first)
     torch.save(own_full(engine), saved)
     sb.train_step(engine, first)
@@ -726,27 +732,31 @@ def _dies_holding(url: str, lock: str, trial: str, first: int, saved: str):
     pub.publish(engine, version=first + 1)
 
 
-def test_a_server_a_dead_trainer_left_paused_is_resumed_by_wsync_watch(servers, etcd_server, tmp_path):
+@pytest.mark.parametrize("torn", [False, True], ids=["one-request", "torn"])
+def test_a_server_a_dead_trainer_left_paused_is_resumed_by_wsync_watch(servers, etcd_server, tmp_path, torn):
     """A trainer holding real SGLang through ``writer_lock`` is SIGKILLed mid-sync: SGLang stays paused (it has no
-    watchdog) and no publish follows; ``wsync status --writer-lock`` says who left it so. ``wsync watch --writer-lock`` finds the dead writer's mark without its lock and
-    resumes the server (one request for the whole sync: its weights were never touched): it answers on the last
-    complete version, every tensor that version's."""
-    url, trial, saved = servers.spare.url, f"abandoned{os.getpid()}", str(tmp_path / "first.pt")
-    assert run_ranks(_dies_holding, 1, args=(url, etcd_server.url, trial, 7000, saved), timeout=300,
-                     may_die=(0,)) == [None]
-    first = torch.load(saved)
+    watchdog) and no publish follows; ``wsync status --writer-lock`` says who left it so, and whether that sync may
+    have torn it. ``wsync watch --writer-lock`` finds the dead writer's mark without its lock and resumes the server:
+    at once where the sync went as one request (its weights were never touched), from the snapshot of its version
+    where it went bucket by bucket. It answers on the last complete version, every tensor that version's."""
     from bridge.client import ServerClient
     from bridge.errors import BridgeError
 
-    c = ServerClient(url, timeout=3)
+    url, trial, saved = servers.spare.url, f"abandoned{os.getpid()}{torn:d}", str(tmp_path / "first.pt")
+    version = 7100 if torn else 7000
+    assert run_ranks(_dies_holding, 1, args=(url, etcd_server.url, trial, version, saved, torn, str(tmp_path / "snap")),
+                     timeout=300, may_die=(0,)) == [None]
+    first = torch.load(saved)
     status = subprocess.run([sys.executable, "-m", "wsync", "status", "--server", url, "--writer-lock", etcd_server.url,
                              "--timeout", "3", "--json"], capture_output=True, text=True, timeout=120)
     row = json.loads(status.stdout)["servers"][0]
     assert status.returncode == 1 and row["state"] == "paused", status.stdout  # a generation waits
-    assert f"left by a dead writer of run 'default/{trial}'" in row["why"] and "maybe torn" not in row["why"], row
+    assert f"left by a dead writer of run 'default/{trial}'" in row["why"], row
+    assert ("maybe torn" in row["why"]) == torn, row
     watch = subprocess.Popen([sys.executable, "-m", "wsync", "watch", "--server", url, "--name-resolve",
                               etcd_server.url, "--trial", trial, "--writer-lock", etcd_server.url, "--heal-every", "1"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    c = ServerClient(url, timeout=3)
     try:
         deadline = time.monotonic() + 60
         while True:  # until the watcher resumed it
@@ -755,11 +765,12 @@ def test_a_server_a_dead_trainer_left_paused_is_resumed_by_wsync_watch(servers, 
                 break
             except BridgeError as e:
                 assert time.monotonic() < deadline and watch.poll() is None, f"never resumed: {e}"
-        state = left_as_it_was(url, 7000, first)
+        state = left_as_it_was(url, version, first)
     finally:
         watch.send_signal(signal.SIGINT)
         log = watch.communicate(timeout=60)[0]
     assert "was left paused by a dead writer" in log and f"run 'default/{trial}'" in log, log[-3000:]
+    assert ("resumed from its snapshot" in log) == torn, log[-3000:]
     assert_left(state, url)
 
 
