@@ -481,27 +481,35 @@ def _differences(url: str) -> dict:
         out["aborted"] = running.result()["meta_info"]["finish_reason"]
     info = c.model_info()
     label = info["weight_version"]
-    with cf.ThreadPoolExecutor(1) as pool:  # a weight change while a generation is parked by retract
-        running = pool.submit(c.generate, input_ids=[1, 4, 5], sampling_params={
-            "temperature": 0, "max_new_tokens": alone, "ignore_eos": True})
-        time.sleep(1.0)
-        post("/pause_generation", {"mode": "retract"})
-        out["retract_update"] = post("/update_weights_from_disk", {"model_path": info["model_path"],
-                                                                  "weight_version": "898", "flush_cache": False})
-        post("/continue_generation", {})
-        out["retract_spans"] = [span["version"] for span in running.result()["meta_info"]["weight_versions"]]
-    # A relabel while a generation runs unpaused: posted once the streamed generation gave its first tokens (it then
-    # runs for seconds more), read to its end; the last chunk is the whole answer.
-    with cf.ThreadPoolExecutor(1) as pool, requests.post(url + "/generate", json={
-            "input_ids": [1, 4, 5], "stream": True, "sampling_params": {
-                "temperature": 0, "max_new_tokens": alone, "ignore_eos": True}}, timeout=120, stream=True) as r:
-        relabel, last = None, None
-        for line in r.iter_lines(decode_unicode=True):
-            if line.startswith("data: {"):
-                last = json.loads(line[6:])
-                relabel = relabel or pool.submit(post, "/update_weight_version", {"new_version": "899"})
-        relabel.result()
-        out["spans"] = [span["version"] for span in last["meta_info"]["weight_versions"]]
+
+    def spans_across(*changes: tuple[str, dict]) -> tuple[list[str], list[str], list]:
+        """The version spans of two generations across ``changes`` (route, body), posted in order once they run: a
+        plain one, then a streamed one, which tells when they run (its first tokens; both then run for most of a
+        second more, and the changes take milliseconds); the spans of each (the plain one's first), and the changes'
+        answers."""
+        body = {"input_ids": [1, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": max(64, alone // 4),
+                                                             "ignore_eos": True}}
+        with cf.ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(c.generate, **body)
+            with requests.post(url + "/generate", json={**body, "stream": True}, timeout=120, stream=True) as r:
+                answers, last = None, None
+                for line in r.iter_lines(decode_unicode=True):
+                    if line.startswith("data: {"):
+                        last = json.loads(line[6:])
+                        answers = answers or pool.submit(lambda: [post(route, body) for route, body in changes])
+            spans = [[span["version"] for span in a["meta_info"]["weight_versions"]] for a in (plain.result(), last)]
+            return spans[0], spans[1], answers.result()
+
+    def parked(mode: str, version: str) -> tuple[list[str], list[str], tuple[int, str]]:
+        """A weight change while generations are parked by ``mode``: their spans, and the update's answer."""
+        plain, streamed, answers = spans_across(("/pause_generation", {"mode": mode}), ("/update_weights_from_disk", {
+            "model_path": info["model_path"], "weight_version": version, "flush_cache": False}),
+            ("/continue_generation", {}))
+        return plain, streamed, answers[1]
+
+    out["retract_spans"], out["retract_streamed"], out["retract_update"] = parked("retract", "897")
+    out["in_place_spans"], _, out["in_place_update"] = parked("in_place", "898")
+    out["spans"] = spans_across(("/update_weight_version", {"new_version": "899"}))[0]  # unpaused: a relabel
     out["relabel"] = post("/update_weight_version", {"new_version": "900"})
     out["older"] = post("/update_weight_version", {"new_version": "899"})
     out["checker"] = post("/weights_checker", {})
@@ -543,8 +551,12 @@ def test_what_real_sglang_does_differently_from_the_reference_server(servers, se
     # A generation parked by retract across a weight change: SGLang keeps its tokens (their span, then the new
     # version's); the reference server starts it again from its prompt (the new version's span only).
     assert real["retract_update"][0] == emulated["retract_update"][0] == 200, (real, emulated)
-    assert real["retract_spans"] == [real["retract_spans"][0], "898"] != ["898"], (real, emulated)
-    assert emulated["retract_spans"] == ["898"], (real, emulated)
+    assert real["retract_spans"] == [real["retract_spans"][0], "897"] != ["897"], (real, emulated)
+    assert emulated["retract_spans"] == ["897"], (real, emulated)
+    assert real["retract_streamed"] == emulated["retract_streamed"] == real["retract_spans"], (real, emulated)  # (sent)
+    # Parked in_place across a weight change: both keep the generation's tokens and go on under the new weights.
+    assert real["in_place_update"][0] == emulated["in_place_update"][0] == 200, (real, emulated)
+    assert real["in_place_spans"] == emulated["in_place_spans"] == ["897", "898"], (real, emulated)
     # Where they answer alike: /generate streams the answer so far as it grows, a chunk per token where the decoding
     # loop keeps up (real SGLang's detokenizer sends two tokens in one chunk when it falls behind); an abort says
     # "Aborted".
