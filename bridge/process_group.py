@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import random
 import socket
 from collections.abc import Collection
 from datetime import timedelta
@@ -41,13 +42,43 @@ def default_backend() -> str:
 
 def find_free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
     """A TCP port that is free on ``host`` right now, and not one of ``avoid`` (ports picked for something
-    that has not bound them yet: the kernel may hand out a port again as soon as its probe is closed)."""
+    that has not bound them yet).
+
+    Picked at random below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``): a port the kernel hands
+    out is in that range, where any outgoing connection may take it as its own local port before the caller binds
+    it (``EADDRINUSE`` on listen, seen in the suite); below it, only another listener can. The kernel's choice when
+    no port there is free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    for port in _RANDOM.sample(range(_LOWEST_PICKED, low), min(64, max(0, low - _LOWEST_PICKED))):
+        if port in avoid:
+            continue
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
     while True:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        with socket.socket(family) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
         if port not in avoid:
             return port
+
+
+_LOWEST_PICKED = 15000
+"""The lowest port :func:`find_free_port` picks (above the well-known and registered services' usual ports)."""
+_RANDOM = random.SystemRandom()  # the OS's randomness: forked processes do not share a sequence
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def route_source(host: str, port: int = 9) -> str:
