@@ -483,20 +483,28 @@ def _differences(url: str) -> dict:
     label = info["weight_version"]
 
     def spans_across(*changes: tuple[str, dict]) -> tuple[list[str], list[str], list]:
-        """The version spans of two generations across ``changes`` (route, body), posted in order once they run: a
-        plain one, then a streamed one, which tells when they run (its first tokens; both then run for most of a
-        second more, and the changes take milliseconds); the spans of each (the plain one's first), and the changes'
-        answers."""
-        body = {"input_ids": [1, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": max(64, alone // 4),
+        """The version spans of two long generations across ``changes`` (route, body): a plain one, then a streamed
+        one, which tells when they run. Once it gave its first tokens the changes are posted in order; once they
+        answered and it gave 8 tokens more (or 5 s after its first tokens: a change may wait for the generations, as
+        the reference server's relabel does), both are aborted, which ends them with their spans. The spans of each
+        (the plain one's first), and the changes' answers."""
+        body = {"input_ids": [1, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 1500,
                                                              "ignore_eos": True}}
         with cf.ThreadPoolExecutor(2) as pool:
             plain = pool.submit(c.generate, **body)
             with requests.post(url + "/generate", json={**body, "stream": True}, timeout=120, stream=True) as r:
-                answers, last = None, None
+                answers = last = first = answered = aborted = None
                 for line in r.iter_lines(decode_unicode=True):
-                    if line.startswith("data: {"):
-                        last = json.loads(line[6:])
-                        answers = answers or pool.submit(lambda: [post(route, body) for route, body in changes])
+                    if not line.startswith("data: {"):
+                        continue
+                    last, now = json.loads(line[6:]), time.monotonic()
+                    n = len(last["output_ids"])
+                    if answers is None:
+                        answers, first = pool.submit(lambda: [post(route, body) for route, body in changes]), now
+                    if answered is None and answers.done():
+                        answered = n
+                    if aborted is None and ((answered is not None and n >= answered + 8) or now - first > 5):
+                        aborted = post("/abort_request", {"abort_all": True})
             spans = [[span["version"] for span in a["meta_info"]["weight_versions"]] for a in (plain.result(), last)]
             return spans[0], spans[1], answers.result()
 
