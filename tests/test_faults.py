@@ -616,8 +616,16 @@ def test_a_receive_that_gives_up_leaves_nothing_waiting_in_the_group(tmp_path):
     assert seconds < 5, f"dropping the group waited {seconds:.1f} s for the receive that had given up"
 
 
-def _stop_server_mid_sync(urls: list[str], pid: int):
+def _stop_server_mid_sync(urls: list[str], pid: int, stopped_at: str):
+    """Every rank: publish, train, then publish again while rank 0 SIGSTOPs the server half-way through the gather,
+    noting that moment (``time.monotonic()``, one clock for the host) in ``stopped_at``; what each rank raised and
+    how long after the stop."""
     from bridge import PublisherConfig, WeightPublisher
+
+    def stop() -> None:
+        with open(stopped_at, "w") as f:
+            f.write(repr(time.monotonic()))
+        os.kill(pid, signal.SIGSTOP)
 
     engine = sb.engine()
     # A short writer lease: the one the trainer cannot release on the stopped server runs out soon after.
@@ -625,13 +633,12 @@ def _stop_server_mid_sync(urls: list[str], pid: int):
                                           writer_lease=2))
     try:
         before, after = sb.publish_then_train(pub, engine, 81)
-        stop = sb.Sabotage(engine, after=len(engine.param_specs()) // 2, act=lambda: os.kill(pid, signal.SIGSTOP))
-        t = time.monotonic()
         try:
-            pub.publish(stop, version=82)
+            pub.publish(sb.Sabotage(engine, after=len(engine.param_specs()) // 2, act=stop), version=82)
             return ("ok", "", 0.0, before, after, 0.0)
         except Exception as e:
-            seconds = time.monotonic() - t
+            with open(stopped_at) as f:
+                seconds = time.monotonic() - float(f.read())
             t = time.monotonic()
             pub.close()  # the stopped server answers nothing: close() still returns within 5 s
             return (type(e).__name__, str(e), seconds, before, after, time.monotonic() - t)
@@ -640,10 +647,11 @@ def _stop_server_mid_sync(urls: list[str], pid: int):
         engine.destroy()
 
 
-def test_a_server_stopped_mid_broadcast(server_factory, tiny_model_dir):
+def test_a_server_stopped_mid_broadcast(server_factory, tiny_model_dir, tmp_path):
     (victim,) = server_factory.many([dict(model=tiny_model_dir)])
     try:
-        r0, r1 = run_ranks(_stop_server_mid_sync, 2, args=([victim.url], victim.process.pid), timeout=200)
+        r0, r1 = run_ranks(_stop_server_mid_sync, 2, args=([victim.url], victim.process.pid, str(tmp_path / "stopped")),
+                           timeout=200)
     finally:
         os.kill(victim.process.pid, signal.SIGCONT)
     kind, message, seconds, before, after, close_s = r0
@@ -651,7 +659,7 @@ def test_a_server_stopped_mid_broadcast(server_factory, tiny_model_dir):
     # The bucket's bound ran out, or a request to the stopped server failed first (about 1 run in 4: the
     # connection it was sent on gave up before the bound): either way the error names the stopped server.
     assert "group_timeout + http_timeout" in message or f"cannot reach {victim.url}" in message, message
-    assert max(r0[2], r1[2]) < 4 + 4 + 5 + 3, r0  # the bucket's bound, the abort's wait, slack
+    assert max(r0[2], r1[2]) < 4 + 4 + 5 + 3, r0  # from the stop: the bucket's bound, the abort's wait, slack
     assert close_s < 5, close_s
     # Resumed, the server finds its group gone, drops what it staged and lifts the pause by itself (the
     # trainer could not reach it while it was stopped).

@@ -236,7 +236,11 @@ class EtcdNameResolve(NameResolve):
                     outage = True
 
     def _regrant(self, key: str, k: _Kept) -> None:
-        """The lease ran out (etcd was unreachable for longer than the TTL): put the key back on a new one."""
+        """The lease ran out (etcd was unreachable for longer than the TTL): put the key back on a new one; unless
+        it was deleted meanwhile (a lock released: putting it back would hold it for a TTL more, kept by no one)."""
+        with self._lock:
+            if self._kept.get(key) is not k:
+                return
         try:
             c = self._client
             lease = c.lease(k.ttl)
@@ -253,10 +257,14 @@ class EtcdNameResolve(NameResolve):
                         self._kept.pop(key, None)
                     return
                 c.put(key, k.value, lease=lease)
-            log.warning("etcd %s: lease of %s had expired; re-created it and put the key back", self.url, key)
             with self._lock:
-                if key in self._kept:
-                    self._kept[key].lease_id = lease.id
+                still = self._kept.get(key) is k
+                if still:
+                    k.lease_id = lease.id
+            if not still:  # deleted while it was put back: its new lease goes, and the key with it
+                lease.revoke()
+                return
+            log.warning("etcd %s: lease of %s had expired; re-created it and put the key back", self.url, key)
         except Exception as e:
             log.warning("etcd %s: re-creating the lease of %s failed (%s); retrying", self.url, key, self._describe(e))
 
