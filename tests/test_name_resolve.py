@@ -383,3 +383,20 @@ def test_taking_an_expired_directory_entry_is_exclusive(tmp_path):
         assert check.get(key) != "expired"
         check.delete(key)
         check.close()
+
+
+def test_etcd_a_key_deleted_while_its_lost_lease_is_renewed_stays_deleted(etcd_server, prefix):
+    """The keep-alive thread read the keys it keeps and found one's lease lost; before it put the key back, the key
+    was deleted (a writer lock released). It must stay deleted: put back, it would hold the lock for a TTL, kept alive
+    by no one, and refuse its own writer's next sync (seen in the suite under load)."""
+    nr = make_name_resolve(etcd_server.url)
+    try:
+        key = f"{prefix}/lock"
+        nr.add(key, "writer", ttl=30, keepalive=True)
+        kept = nr._kept[key]  # what the keep-alive thread read, before the delete
+        nr.delete(key)
+        nr._regrant(key, kept)  # what it does then for a lease it found lost
+        with pytest.raises(NameEntryNotFound):
+            nr.get(key)
+    finally:
+        nr.close()
