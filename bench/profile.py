@@ -16,6 +16,9 @@ rank 0 times the pieces of each sync instead of the sync alone:
 The wrappers only read the clock around the real calls; nothing is replaced. A cProfile of rank 0 over
 the timed syncs (top functions by cumulative time) is kept with the figures. One warm-up sync first.
 
+``--kernels`` times the trainer's CPU work instead (:mod:`bench.kernels`): each rank's diff and FP8 quantization
+against a plain copy of the same bytes, in bytes per second.
+
 ``--link RATE`` puts the servers behind a shaped link, as ``wsync bench --link`` does, so that what the link hides
 and what it does not are timed where bytes cost; ``--method fp8-32MiB`` and ``delta-lr<LR>`` time the FP8 bucket
 fills and the delta encoding's steps too.
@@ -23,6 +26,7 @@ fills and the delta encoding's steps too.
 Example:
     python -m bench.profile --size many --method per-tensor --repeats 3
     python -m bench.profile --size medium --method fp8-32MiB --link 1gbit
+    python -m bench.profile --size medium --kernels
 """
 
 from __future__ import annotations
@@ -57,8 +61,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="WARNING", help="log level of every process (the servers' INFO lines time "
                                                          "each request); with --keep-run their logs stay")
     p.add_argument("--keep-run", action="store_true", help="keep the run folder (logs)")
+    p.add_argument("--kernels", action="store_true", help="time the trainer's CPU kernels instead (the delta's diff, "
+                                                            "the FP8 quantization) against a plain copy, per rank "
+                                                            "(bench.kernels)")
+    p.add_argument("--lr", type=float, default=1e-6, help="with --kernels: the step each element takes (default 1e-6)")
     p.add_argument("--_link-spec", dest="link_spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.kernels:
+        from bench.kernels import format_kernels, measure_kernels
+
+        ranks = measure_kernels(args.size, args.nproc, args.lr, args.repeats)
+        print(format_kernels(ranks, args.size, args.lr))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(ranks, f, indent=1)
+        return 0
     if args.link and not args.link_spec:
         return _run_linked(args, argv if argv is not None else sys.argv[1:])
     link = json.loads(args.link_spec) if args.link_spec else None

@@ -23,8 +23,9 @@ rank's rows of each quantized weight are whole 128-row blocks (FSDP2 row chunks 
 on ``medium`` with 2 ranks, and on ``small`` but for its 128-row k/v projections; any weight on one rank),
 each rank quantizes its rows in one pass, taking each block's absmax as it goes, and its rows of the scales
 travel with its FP8 bytes; otherwise each rank takes the absmax of its own rows per block and one
-``all_reduce(MAX)`` of those (1/16384 of the elements) gives every rank the scales first. The FP8 bytes (half the bf16 bytes) are gathered to the rank that sends the bucket. Never the whole
-model on one rank.
+``all_reduce(MAX)`` of those (1/16384 of the elements) gives every rank the scales first. The FP8 bytes (half the
+bf16 bytes) are gathered to the rank that sends the bucket. Never the whole model on one rank. Block-aligned float32
+rows on the CPU are quantized by the C kernel (:func:`bridge.codecs.kernels.quantize_blocks`, the same bytes).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from bridge.buckets import Bucket, plan_buckets
+from bridge.codecs import kernels
 from bridge.errors import ConfigError
 from bridge.tensors import ParamSpec, kept_buffer
 
@@ -191,8 +193,10 @@ def quantize_rows(rows: torch.Tensor, row0: int, scale: torch.Tensor, out: torch
         # clamp: |w| <= absmax and 1/scale rounds to within 2**-23 of 448/absmax, so |w/scale| < 448.001, which
         # rounds to 448 (the same bytes as clamping first).
         b0, kb = row0 // BLOCK, k // BLOCK
-        inv = 1.0 / scale[b0: b0 + n // BLOCK]
         out = torch.empty(n, k, dtype=FP8_DTYPE, device=rows.device) if out is None else out
+        if kernels.quantize_blocks(rows, served, out, scale[b0: b0 + n // BLOCK].contiguous(), False, AMAX_FLOOR):
+            return out  # (the C kernel, the same bytes in two passes per block row)
+        inv = 1.0 / scale[b0: b0 + n // BLOCK]
         # The product in fp32 of fp32 operands: torch.mul of a bf16 and an fp32 tensor into fp32 computes the same
         # values but takes a slower path on CPU than a copy into fp32 followed by an fp32 multiply.
         for b, tmp in fp32_block_rows(rows, served):

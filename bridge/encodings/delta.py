@@ -2,13 +2,15 @@
 
 Every trainer rank keeps the serving-dtype bytes of its own shard as last committed, *the base*: 2 bytes
 per parameter of its shard in bf16, on the parameters' device (``base_bytes``). At each publish, in the
-prepare step, a rank casts its shard, compares it bit for bit with the base, and for each tensor it holds
-picks the smallest record (gaps, indices or bitmask + values, zstd where it pays; :mod:`bridge.codecs.delta`);
+prepare step, a rank casts its shard, compares it bit for bit with the base (one pass per tensor on the CPU, the
+C kernel of :mod:`bridge.codecs.kernels`), and for each tensor it holds picks the smallest record (gaps, indices or bitmask + values, zstd where it pays; :mod:`bridge.codecs.delta`);
 it writes the new bytes into the base at once and keeps what it overwrote (an undo log: the changed
 positions and old values of each tensor, or a copy of a tensor that changed almost entirely), so a failed
 sync puts the base back exactly and a committed one only drops the log. The base therefore moves only when
 a publish commits. During a sync a rank also holds its encoded records (no larger than the changed values and
-their positions) and two scratch buffers as large as its largest piece (the cast piece and its change mask).
+their positions) and scratch reused from tensor to tensor: the kernel's positions and values (room for a quarter of
+its largest piece; 2.5 bytes per element of it in bf16), or, where the kernel does not apply, the cast piece and its
+change mask.
 
 Every rank learns every rank's encoded sizes, so all of them plan the same *delta buckets* (whole tensors,
 up to ``bucket_mb`` of encoded bytes each) and decide alike whether this sync must be an *anchor*, a full
@@ -34,6 +36,7 @@ import time
 
 import torch
 
+from bridge.codecs import kernels
 from bridge.codecs.delta import DENSE, HEADER_BYTES, choose, encode_sparse, record_nbytes, write_record
 from bridge.codecs.delta_cost import SyncCosts
 from bridge.codecs.diff import INTS, differing_lanes, flatnonzero
@@ -86,7 +89,9 @@ class DeltaEncoding(Encoding):
         self.probes: dict[str, list] = {}  # name -> [(flat position, base bits)]: for the SGLang loader's check
         self.anchor_next: str | None = None  # rank 0: the next sync is an anchor, for this reason
         self._crcs: cf.Future | None = None
-        self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the cast piece, its change mask)
+        self._buffers: dict[tuple, torch.Tensor] = {}  # scratch of _diff (the kernel's positions and values; or the
+        # cast piece and its change mask)
+        self._kernels = kernels.available()  # the one-pass diff, built here (once per machine) if it is not yet
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
         self.zstd = True  # records may take the zstd stage (each sync's decision says whether the servers read it)
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
@@ -207,31 +212,60 @@ class DeltaEncoding(Encoding):
 
     def _diff(self, spec: ParamSpec, local: torch.Tensor, start: int) -> Change | None:
         n = local.numel()
-        new = self._cast(spec, local)
-        itemsize = new.element_size()
         held = self.base.get(spec.name)
-        if held is None or held.start != start or held.base.shape != new.shape or held.base.dtype != new.dtype:
+        if held is None or held.start != start or held.base.numel() != n or held.base.dtype != spec.dtype:
+            new = self._cast(spec, local)
             self.base[spec.name] = BasePiece(start, new.clone())
-            return Change(DENSE, n, record_nbytes(DENSE, n, n, itemsize))
-        positions = self._changed(new, held.base, itemsize)
+            return Change(DENSE, n, record_nbytes(DENSE, n, n, new.element_size()))
+        positions, values = self._changes(spec, local, held.base)
         count = positions.numel()
         if not count:
             return None
+        itemsize = held.base.element_size()
         bits = held.base.view(INTS[itemsize])
         first = int(positions[0])
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
-        values, t = new.index_select(0, positions), time.perf_counter()
+        t = time.perf_counter()
         kind, body = encode_sparse(n, positions, values, zstd=self.zstd)
         self._timed[1] += time.perf_counter() - t
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
             old = held.base.clone()
-            held.base.copy_(new)
+            bits.index_copy_(0, positions, values.view(bits.dtype))
             return Change(kind, count, record_nbytes(DENSE, n, n, itemsize), old=old)
         old = held.base.index_select(0, positions)
         bits.index_copy_(0, positions, values.view(bits.dtype))  # the base moves where it changed (the rest is equal)
-        if n < 2**31:  # (kept for the undo: half the bytes)
-            positions = positions.to(torch.int32)
+        # (kept for the undo: int32 is half the bytes; either way a copy, not a view of the scratch)
+        positions = positions.to(torch.int32) if n < 2**31 else positions.clone()
         return Change(kind, count, HEADER_BYTES + body.numel(), positions, old, body)
+
+    def _changes(self, spec: ParamSpec, local: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 positions, new values) of the elements of ``local`` cast to the serving dtype that differ from
+        ``base`` bit for bit, positions increasing: in one pass by the C kernel (:mod:`bridge.codecs.kernels`, the
+        cast fused) where it applies, else cast, compared and gathered in torch."""
+        if self._plain_cast(spec):
+            found = self._kernel_diff(local.detach().reshape(-1), base)
+            if found is not None:
+                return found
+        return self._diff_cast(self._cast(spec, local), base)
+
+    def _plain_cast(self, spec: ParamSpec) -> bool:
+        """Whether a piece's base values are its local values cast to the serving dtype (the kernel casts them itself)."""
+        return True
+
+    def _diff_cast(self, new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_changes` of a piece already in the serving dtype."""
+        found = self._kernel_diff(new, base)
+        if found is not None:
+            return found
+        positions = self._changed(new, base, new.element_size())
+        return positions, new.index_select(0, positions)
+
+    def _kernel_diff(self, new: torch.Tensor, base: torch.Tensor):
+        if not self._kernels:
+            return None
+        n = kernels.room(new.numel())
+        return kernels.diff(new, base, self._scratch("positions", n, torch.int64, base.device),
+                            self._scratch("values", n, base.dtype, base.device))
 
     def _changed(self, new: torch.Tensor, base: torch.Tensor, itemsize: int) -> torch.Tensor:
         """The int64 positions where ``new`` and ``base`` (flat, same dtype) differ bit for bit, increasing.

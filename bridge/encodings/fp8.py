@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from bridge.codecs import kernels
 from bridge.codecs.fp8 import Fp8Rule, plan_fp8_buckets, quantization_config
 from bridge.encodings.base import Encoding, Outgoing, Transfer
 from bridge.encodings.registry import register_encoding
@@ -62,6 +63,7 @@ class Fp8Encoding(Encoding):
     def __init__(self, config, rank: int, world: int):
         super().__init__(config, rank, world)
         self.rule = Fp8Rule(config.encoding_options.fp8_skip)
+        kernels.available()  # the one-pass quantization, built here (once per machine), not inside a publish
 
     def prepare(self, source, specs):
         source.require(("local_shards",), "the fp8 encoding (it quantizes each rank's own rows)")

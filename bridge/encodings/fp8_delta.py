@@ -155,6 +155,11 @@ class Fp8DeltaEncoding(DeltaEncoding):
             return self._grid(q).reshape(-1)[q.scale_at: q.scale_at + local.numel()].contiguous()
         return super()._cast(spec, local)
 
+    def _plain_cast(self, spec: ParamSpec) -> bool:
+        """A quantized weight's FP8 rows and its scales are quantized, not cast: the kernel diffs their bytes once
+        :meth:`_cast` made them."""
+        return spec.name.removesuffix(SCALE_SUFFIX) not in self._q
+
     def _grid(self, q: _Quantized) -> torch.Tensor:
         """The scales an agreed-scale weight is quantized with now (the base's while diffing, this sync's agreed ones
         once planned; with none yet, this rank's own, which the anchor's commit replaces)."""

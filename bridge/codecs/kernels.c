@@ -1,0 +1,198 @@
+/* The delta's diff in one pass per tensor (bridge/codecs/kernels.py builds and loads this file).
+ *
+ * Each function reads a piece of the new weights and the base once and writes the positions and new values of the
+ * elements that differ, bit for bit: no cast buffer, no change mask, no second pass over the differing words. Each
+ * block of BLOCK elements is compared in a loop the compiler vectorizes, into a bit mask of its differing elements
+ * (one multiply per eight); a block whose mask is 0 writes nothing, the others append their differing elements.
+ * A call has room for `cap` entries and gives up (returns -1) once they would not fit: the caller then diffs that
+ * piece the plain way.
+ *
+ * Plain C, no headers beyond the standard library: any C compiler builds it in a fraction of a second.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 64
+
+/* float32 -> bfloat16 bits as torch's vectorized CPU cast makes them (ATen's cvtfp32_bf16): round to nearest, ties to
+ * even, and every NaN to 0xFFFF (torch's scalar cast, which does the last few elements of a tensor, writes 0x7FC0). */
+static inline uint16_t bf16_bits(uint32_t u) {
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0xffff : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* BLOCK flags (0 or 1 each) as a BLOCK-bit mask, bit i for flag i: eight at a time, one multiply each (the
+ * multiplier moves byte i's low bit to bit 56 + i, every other product lands elsewhere, and none carries). */
+static inline uint64_t mask_of(const uint8_t *flags) {
+    uint64_t mask = 0;
+    for (int g = 0; g < BLOCK / 8; g++) {
+        uint64_t w;
+        memcpy(&w, flags + 8 * g, 8);
+        mask |= ((w * 0x0102040810204080ull) >> 56) << (8 * g);
+    }
+    return mask;
+}
+
+/* Append the positions and values of the set bits of `mask` (block `at` of values `v`); -1 when `cap` is short. */
+#define APPEND(v)                                                                                                  \
+    do {                                                                                                           \
+        if (!mask)                                                                                                 \
+            continue;                                                                                              \
+        if (c + __builtin_popcountll(mask) > cap)                                                                    \
+            return -1;                                                                                             \
+        while (mask) {                                                                                             \
+            const int i = __builtin_ctzll(mask);                                                                     \
+            pos[c] = offset + at + i;                                                                              \
+            val[c++] = (v)[i];                                                                                     \
+            mask &= mask - 1;                                                                                      \
+        }                                                                                                          \
+    } while (0)
+
+/* `n` float32 `src` cast to bfloat16 and compared with the bfloat16 bits `base`. */
+int64_t wsync_diff_f32_bf16(const uint32_t *src, const uint16_t *base, int64_t n, int64_t offset,
+                            int64_t *pos, uint16_t *val, int64_t cap) {
+    uint16_t tmp[BLOCK];
+    uint8_t ne[BLOCK];
+    int64_t c = 0;
+    for (int64_t at = 0; at < n; at += BLOCK) {
+        const int64_t m = n - at < BLOCK ? n - at : BLOCK;
+        const uint32_t *s = src + at;
+        const uint16_t *b = base + at;
+        if (m == BLOCK) {
+            for (int i = 0; i < BLOCK; i++) {
+                tmp[i] = bf16_bits(s[i]);
+                ne[i] = tmp[i] != b[i];
+            }
+        } else {
+            memset(ne, 0, sizeof ne);
+            for (int i = 0; i < m; i++) {
+                tmp[i] = bf16_bits(s[i]);
+                ne[i] = tmp[i] != b[i];
+            }
+        }
+        uint64_t mask = mask_of(ne);
+        APPEND(tmp);
+    }
+    return c;
+}
+
+/* `n` elements of `src` and `base` of one width compared bit for bit (the piece is already in the serving dtype). */
+#define SAME_WIDTH(NAME, T)                                                                                        \
+    int64_t NAME(const T *src, const T *base, int64_t n, int64_t offset, int64_t *pos, T *val, int64_t cap) {     \
+        uint8_t ne[BLOCK];                                                                                         \
+        int64_t c = 0;                                                                                             \
+        for (int64_t at = 0; at < n; at += BLOCK) {                                                                \
+            const int64_t m = n - at < BLOCK ? n - at : BLOCK;                                                     \
+            const T *s = src + at;                                                                                 \
+            const T *b = base + at;                                                                                \
+            if (m == BLOCK) {                                                                                      \
+                for (int i = 0; i < BLOCK; i++)                                                                    \
+                    ne[i] = s[i] != b[i];                                                                          \
+            } else {                                                                                               \
+                memset(ne, 0, sizeof ne);                                                                          \
+                for (int i = 0; i < m; i++)                                                                        \
+                    ne[i] = s[i] != b[i];                                                                          \
+            }                                                                                                      \
+            uint64_t mask = mask_of(ne);                                                                           \
+            APPEND(s);                                                                                             \
+        }                                                                                                          \
+        return c;                                                                                                  \
+    }
+
+SAME_WIDTH(wsync_diff_same_1, uint8_t)
+SAME_WIDTH(wsync_diff_same_2, uint16_t)
+SAME_WIDTH(wsync_diff_same_4, uint32_t)
+SAME_WIDTH(wsync_diff_same_8, uint64_t)
+
+/* ---------------------------------------------------------------------------------------------------------------------
+ * Block FP8: e4m3fn bytes and one float32 scale per 128x128 block, as bridge/codecs/fp8.py makes them in torch.
+ */
+#define QBLOCK 128
+
+/* float32 -> float8_e4m3fn bits exactly as torch casts (torch/headeronly/util/Float8_e4m3fn.h,
+ * fp8e4m3fn_from_fp32_value, and its AVX-512 twin): round to nearest even, saturate to 448, NaN to 0x7F. */
+static inline uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float as_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Every case computed, then chosen with masks: no branch, so the loop that calls it vectorizes (with `?:` gcc keeps
+ * a branch around the float addition). */
+static inline uint32_t e4m3_bits(uint32_t f_bits) {
+    const uint32_t sign = f_bits & 0x80000000u;
+    const uint32_t a = f_bits ^ sign;
+    const uint32_t denormal = bits_of(as_float(a) + as_float(141u << 23)) - (141u << 23);
+    uint32_t normal = (a + ((uint32_t)(7 - 127) << 23) + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+    normal -= normal == 0x7f; /* rounding may carry into the NaN pattern: saturate to 0x7E */
+    const int32_t m = (int32_t)a; /* (the sign is off: signed compares, which SIMD has, order it as unsigned) */
+    const uint32_t small = -(uint32_t)(m < (int32_t)(121u << 23));
+    const uint32_t over = -(uint32_t)(m >= (int32_t)(1087u << 20));
+    const uint32_t r = (((denormal & small) | (normal & ~small)) & ~over) | ((0x7eu + (m > 0x7f800000)) & over);
+    return r | (sign >> 24);
+}
+
+/* The value a float32 element serves as: itself, or its bfloat16 cast (`bf16`) back in float32. */
+static inline float served(uint32_t u, int bf16) {
+    return bf16 ? as_float((uint32_t)bf16_bits(u) << 16) : as_float(u);
+}
+
+/* Block-aligned float32 `rows` ([n, k], both multiples of 128, row-major), served as bfloat16 (`bf16`) or float32,
+ * quantized per block into `out` ([n, k] e4m3fn). `grid` ([n / 128, k / 128] float32) holds the blocks' scales: taken
+ * here (`take`: max(absmax, floor) / 448 of the served values, torch's block_amax and block_scales) or given. One block
+ * row at a time: its absmax pass leaves it in cache for the quantizing pass. */
+void wsync_quantize_blocks(const uint32_t *rows, int64_t n, int64_t k, int bf16, int take, float floor,
+                           float *grid, uint8_t *out) {
+    const int64_t kb = k / QBLOCK;
+    float inv[kb > 0 ? kb : 1];
+    for (int64_t b = 0; b < n / QBLOCK; b++) {
+        const uint32_t *block = rows + b * QBLOCK * k;
+        float *scales = grid + b * kb;
+        if (take) {
+            for (int64_t j = 0; j < kb; j++) {
+                float top[QBLOCK] = {0}; /* a running maximum per column: a loop the compiler vectorizes */
+                uint32_t nan[QBLOCK] = {0}; /* a NaN makes the scale NaN, as torch's amax does */
+                for (int64_t r = 0; r < QBLOCK; r++) {
+                    const uint32_t *s = block + r * k + j * QBLOCK;
+                    for (int i = 0; i < QBLOCK; i++) {
+                        const float m = as_float(s[i] & 0x7fffffffu);
+                        top[i] = m > top[i] ? m : top[i];
+                        nan[i] |= m != m;
+                    }
+                }
+                for (int i = 1; i < QBLOCK; i++) {
+                    top[0] = top[i] > top[0] ? top[i] : top[0];
+                    nan[0] |= nan[i];
+                }
+                const float amax = served(nan[0] ? 0x7fc00000u : bits_of(top[0]), bf16);
+                scales[j] = (amax < floor ? floor : amax) / 448.0f;
+            }
+        }
+        for (int64_t j = 0; j < kb; j++)
+            inv[j] = 1.0f / scales[j];
+        for (int64_t r = 0; r < QBLOCK; r++) {
+            const uint32_t *s = block + r * k;
+            uint8_t *o = out + (b * QBLOCK + r) * k;
+            for (int64_t j = 0; j < kb; j++) {
+                const float f = inv[j];
+                const uint32_t *x = s + j * QBLOCK;
+                uint8_t *q = o + j * QBLOCK;
+                uint32_t wide[QBLOCK]; /* (32-bit lanes throughout, then one narrowing: fewer shuffles) */
+                if (bf16) { /* (two loops, so that each vectorizes) */
+                    for (int i = 0; i < QBLOCK; i++)
+                        wide[i] = e4m3_bits(bits_of(as_float((uint32_t)bf16_bits(x[i]) << 16) * f));
+                } else {
+                    for (int i = 0; i < QBLOCK; i++)
+                        wide[i] = e4m3_bits(bits_of(as_float(x[i]) * f));
+                }
+                for (int i = 0; i < QBLOCK; i++)
+                    q[i] = (uint8_t)wide[i];
+            }
+        }
+    }
+}
