@@ -87,7 +87,7 @@ def _one_rank(args) -> dict:
         def run():
             changed[0] = 0
             for n, (_, _, after) in weights.items():
-                positions, _ = enc._changes(ParamSpec(n, after.shape, torch.bfloat16), after, bases[n])
+                positions, _, _ = enc._changes(ParamSpec(n, after.shape, torch.bfloat16), after, bases[n])
                 changed[0] += positions.numel()
         return run
 

@@ -1,5 +1,5 @@
-"""The one-pass diff (:mod:`bridge.codecs.kernels`, C built on this machine) finds what the plain torch diff finds, bit
-for bit, on every kind of float; it builds once per machine, and without a compiler the delta diffs in torch and says
+"""The one-pass diff (:mod:`bridge.codecs.kernels`, C built on this machine) finds what the plain torch diff finds (the
+positions, new and old values), bit for bit, on every kind of float; it builds once per machine, and without a compiler the delta diffs in torch and says
 so. The delta publishes of ``tests/test_delta.py``, ``tests/test_fp8_delta.py`` and the SGLang tiers run through it."""
 
 from __future__ import annotations
@@ -17,15 +17,21 @@ from bridge.codecs.diff import INTS
 
 
 def _plain(new: torch.Tensor, base: torch.Tensor):
+    """(positions, new values, old values) the torch way."""
     cast = new.to(base.dtype)
     ints = INTS[base.element_size()]
     positions = torch.nonzero(cast.view(ints) != base.view(ints)).squeeze(1)
-    return positions, cast[positions]
+    return positions, cast[positions], base[positions]
 
 
 def _kernel(new: torch.Tensor, base: torch.Tensor):
     n = kernels.room(new.numel())
-    return kernels.diff(new, base, torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=base.dtype))
+    return kernels.diff(new, base, torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=base.dtype),
+                        torch.empty(n, dtype=base.dtype))
+
+
+def _same(got, want, ints=torch.int16) -> bool:
+    return torch.equal(got[0], want[0]) and all(torch.equal(g.view(ints), w.view(ints)) for g, w in zip(got[1:], want[1:]))
 
 
 def _every_float32(n: int, g: torch.Generator) -> torch.Tensor:
@@ -55,8 +61,7 @@ def test_the_fused_cast_and_diff_is_torchs_cast_and_compare(threads, monkeypatch
             flip = torch.rand(n, generator=g) < frac
             changed.view(torch.int16)[flip] ^= 1
             got, want = _kernel(new, changed), _plain(new, changed)
-            assert torch.equal(got[0], want[0]), (n, start, frac)
-            assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16)), (n, start, frac)
+            assert _same(got, want), (n, start, frac)
 
 
 def test_a_nan_weight_is_sent_as_a_nan():
@@ -65,7 +70,7 @@ def test_a_nan_weight_is_sent_as_a_nan():
     new = torch.full((64,), float("nan"))
     base = torch.full((64,), -1, dtype=torch.int16)  # 0xFFFF
     base[:8] = 0x7FC0
-    positions, values = _kernel(new, base.view(torch.bfloat16))
+    positions, values, _ = _kernel(new, base.view(torch.bfloat16))
     assert positions.tolist() == list(range(8))
     assert (values.view(torch.int16) == -1).all()
 
@@ -82,7 +87,7 @@ def test_pieces_already_in_the_serving_dtype_are_compared_bit_for_bit(dtype):
         new.view(ints)[torch.rand(n, generator=g) < 0.05] ^= 1
         new.view(ints)[0] = base.view(ints)[0] ^ (1 << (8 * dtype.itemsize - 1))  # the sign bit (-0.0 vs 0.0)
         got, want = _kernel(new, base), _plain(new, base)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(ints), want[1].view(ints)), (dtype, n)
+        assert _same(got, want, ints), (dtype, n)
 
 
 def test_a_piece_mostly_changed_is_left_to_the_plain_diff():
@@ -96,9 +101,9 @@ def test_a_piece_mostly_changed_is_left_to_the_plain_diff():
     assert _kernel(new, base) is None
     enc = DeltaEncoding.__new__(DeltaEncoding)
     enc._buffers, enc._kernels = {}, True
-    got = enc._changes(ParamSpec("w", (10_000,), torch.bfloat16), new, base)
-    want = _plain(new, base)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
+    positions, values, old = enc._changes(ParamSpec("w", (10_000,), torch.bfloat16), new, base)
+    assert old is None  # (the plain way leaves the old values to the caller)
+    assert _same((positions, values), _plain(new, base)[:2])
 
 
 _PROBE = textwrap.dedent("""
@@ -112,7 +117,7 @@ _PROBE = textwrap.dedent("""
     new = torch.arange(100, dtype=torch.float32)
     base = new.to(torch.bfloat16)
     base[7] = 0
-    positions, values = enc._changes(ParamSpec("w", (100,), torch.bfloat16), new, base)
+    positions, values, _ = enc._changes(ParamSpec("w", (100,), torch.bfloat16), new, base)
     print("kernel", enc._kernels, "changed", positions.tolist(), values.tolist())
 """)
 

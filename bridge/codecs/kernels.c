@@ -1,8 +1,8 @@
-/* The delta's diff in one pass per tensor (bridge/codecs/kernels.py builds and loads this file).
+/* The trainer's CPU work per tensor in one pass (bridge/codecs/kernels.py builds and loads this file).
  *
- * Each function reads a piece of the new weights and the base once and writes the positions and new values of the
- * elements that differ, bit for bit: no cast buffer, no change mask, no second pass over the differing words. Each
- * block of BLOCK elements is compared in a loop the compiler vectorizes, into a bit mask of its differing elements
+ * The delta's diff: each function reads a piece of the new weights and the base once and writes the positions and new
+ * values of the elements that differ, bit for bit, and the base's values there (the undo log): no cast buffer, no
+ * change mask, no second pass over the differing words. Each block of BLOCK elements is compared in a loop the compiler vectorizes, into a bit mask of its differing elements
  * (one multiply per eight); a block whose mask is 0 writes nothing, the others append their differing elements.
  * A call has room for `cap` entries and gives up (returns -1) once they would not fit: the caller then diffs that
  * piece the plain way.
@@ -32,24 +32,24 @@ static inline uint64_t mask_of(const uint8_t *flags) {
     return mask;
 }
 
-/* Append the positions and values of the set bits of `mask` (block `at` of values `v`); -1 when `cap` is short. */
+/* Append the position, new value (of `v`) and old value (of the base block `b`) of each set bit of `mask`, for block
+ * `at`; -1 when `cap` is short. */
 #define APPEND(v)                                                                                                  \
-    do {                                                                                                           \
-        if (!mask)                                                                                                 \
-            continue;                                                                                              \
-        if (c + __builtin_popcountll(mask) > cap)                                                                    \
+    if (mask) {                                                                                                    \
+        if (c + __builtin_popcountll(mask) > cap)                                                                  \
             return -1;                                                                                             \
         while (mask) {                                                                                             \
-            const int i = __builtin_ctzll(mask);                                                                     \
+            const int i = __builtin_ctzll(mask);                                                                   \
             pos[c] = offset + at + i;                                                                              \
+            old[c] = b[i];                                                                                         \
             val[c++] = (v)[i];                                                                                     \
             mask &= mask - 1;                                                                                      \
         }                                                                                                          \
-    } while (0)
+    }
 
 /* `n` float32 `src` cast to bfloat16 and compared with the bfloat16 bits `base`. */
 int64_t wsync_diff_f32_bf16(const uint32_t *src, const uint16_t *base, int64_t n, int64_t offset,
-                            int64_t *pos, uint16_t *val, int64_t cap) {
+                            int64_t *pos, uint16_t *val, uint16_t *old, int64_t cap) {
     uint16_t tmp[BLOCK];
     uint8_t ne[BLOCK];
     int64_t c = 0;
@@ -77,7 +77,8 @@ int64_t wsync_diff_f32_bf16(const uint32_t *src, const uint16_t *base, int64_t n
 
 /* `n` elements of `src` and `base` of one width compared bit for bit (the piece is already in the serving dtype). */
 #define SAME_WIDTH(NAME, T)                                                                                        \
-    int64_t NAME(const T *src, const T *base, int64_t n, int64_t offset, int64_t *pos, T *val, int64_t cap) {     \
+    int64_t NAME(const T *src, const T *base, int64_t n, int64_t offset, int64_t *pos, T *val, T *old,            \
+                 int64_t cap) {                                                                                    \
         uint8_t ne[BLOCK];                                                                                         \
         int64_t c = 0;                                                                                             \
         for (int64_t at = 0; at < n; at += BLOCK) {                                                                \

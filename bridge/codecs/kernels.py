@@ -101,7 +101,7 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int64]
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.wsync_quantize_blocks.restype = None
     lib.wsync_quantize_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                           ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
@@ -155,32 +155,33 @@ def _kernel(new: torch.Tensor, base: torch.Tensor):
     return None
 
 
-def diff(new: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, values: torch.Tensor):
-    """(int64 positions, values) of the elements where ``new`` cast to ``base``'s dtype differs from ``base`` bit for
-    bit, positions increasing, both views into the scratch ``positions`` (int64) and ``values`` (``base``'s dtype),
-    each of :func:`room` entries at least; None where the kernel does not apply (not built, not on the CPU, not
-    contiguous, a cast other than float32 to bfloat16, or more than a quarter of the piece changed): diff it the
-    plain way."""
+def diff(new: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor):
+    """(int64 positions, values, old values) of the elements where ``new`` cast to ``base``'s dtype differs from
+    ``base`` bit for bit: positions increasing, ``new``'s values and ``base``'s there, views into the scratch
+    ``positions`` (int64), ``values`` and ``old`` (``base``'s dtype), each of :func:`room` entries at least; None where
+    the kernel does not apply (not built, not on the CPU, not contiguous, a cast other than float32 to bfloat16, or
+    more than a quarter of the piece changed): diff it the plain way."""
     fn = _kernel(new, base)
     n = new.numel()
-    if fn is None or base.numel() != n or positions.numel() < room(n) or values.numel() < room(n):
+    if fn is None or base.numel() != n or min(positions.numel(), values.numel(), old.numel()) < room(n):
         return None
     parts = _threads(n)
     bounds = [n * i // parts for i in range(parts + 1)]
     cap = (positions.numel() // parts) if parts > 1 else positions.numel()
+    width = base.element_size()
 
     def one(i: int) -> int:
         lo, hi = bounds[i], bounds[i + 1]
-        return fn(new.data_ptr() + lo * new.element_size(), base.data_ptr() + lo * base.element_size(), hi - lo, lo,
-                  positions.data_ptr() + i * cap * 8, values.data_ptr() + i * cap * values.element_size(), cap)
+        return fn(new.data_ptr() + lo * new.element_size(), base.data_ptr() + lo * width, hi - lo, lo,
+                  positions.data_ptr() + i * cap * 8, values.data_ptr() + i * cap * width,
+                  old.data_ptr() + i * cap * width, cap)
 
     counts = [one(0)] if parts == 1 else list(_pool().map(one, range(parts)))  # (ctypes lets go of the GIL)
     if min(counts) < 0:
         return None
     if parts == 1:
-        return positions[: counts[0]], values[: counts[0]]
-    return (torch.cat([positions[i * cap : i * cap + c] for i, c in enumerate(counts)]),
-            torch.cat([values[i * cap : i * cap + c] for i, c in enumerate(counts)]))
+        return positions[: counts[0]], values[: counts[0]], old[: counts[0]]
+    return tuple(torch.cat([t[i * cap : i * cap + c] for i, c in enumerate(counts)]) for t in (positions, values, old))
 
 
 _SERVED = {torch.float32: 0, torch.bfloat16: 1}

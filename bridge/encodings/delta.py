@@ -8,8 +8,8 @@ it writes the new bytes into the base at once and keeps what it overwrote (an un
 positions and old values of each tensor, or a copy of a tensor that changed almost entirely), so a failed
 sync puts the base back exactly and a committed one only drops the log. The base therefore moves only when
 a publish commits. During a sync a rank also holds its encoded records (no larger than the changed values and
-their positions) and scratch reused from tensor to tensor: the kernel's positions and values (room for a quarter of
-its largest piece; 2.5 bytes per element of it in bf16), or, where the kernel does not apply, the cast piece and its
+their positions) and scratch reused from tensor to tensor: the kernel's positions, new and old values (room for a
+quarter of its largest piece; 3 bytes per element of it in bf16), or, where the kernel does not apply, the cast piece and its
 change mask.
 
 Every rank learns every rank's encoded sizes, so all of them plan the same *delta buckets* (whole tensors,
@@ -217,7 +217,7 @@ class DeltaEncoding(Encoding):
             new = self._cast(spec, local)
             self.base[spec.name] = BasePiece(start, new.clone())
             return Change(DENSE, n, record_nbytes(DENSE, n, n, new.element_size()))
-        positions, values = self._changes(spec, local, held.base)
+        positions, values, old = self._changes(spec, local, held.base)
         count = positions.numel()
         if not count:
             return None
@@ -232,16 +232,17 @@ class DeltaEncoding(Encoding):
             old = held.base.clone()
             bits.index_copy_(0, positions, values.view(bits.dtype))
             return Change(kind, count, record_nbytes(DENSE, n, n, itemsize), old=old)
-        old = held.base.index_select(0, positions)
+        old = held.base.index_select(0, positions) if old is None else old.clone()
         bits.index_copy_(0, positions, values.view(bits.dtype))  # the base moves where it changed (the rest is equal)
         # (kept for the undo: int32 is half the bytes; either way a copy, not a view of the scratch)
         positions = positions.to(torch.int32) if n < 2**31 else positions.clone()
         return Change(kind, count, HEADER_BYTES + body.numel(), positions, old, body)
 
-    def _changes(self, spec: ParamSpec, local: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int64 positions, new values) of the elements of ``local`` cast to the serving dtype that differ from
-        ``base`` bit for bit, positions increasing: in one pass by the C kernel (:mod:`bridge.codecs.kernels`, the
-        cast fused) where it applies, else cast, compared and gathered in torch."""
+    def _changes(self, spec: ParamSpec, local: torch.Tensor, base: torch.Tensor):
+        """(int64 positions, new values, old values or None) of the elements of ``local`` cast to the serving dtype
+        that differ from ``base`` bit for bit, positions increasing: in one pass by the C kernel
+        (:mod:`bridge.codecs.kernels`, the cast fused, the old values taken on the way) where it applies, else cast,
+        compared and gathered in torch (no old values: the caller takes them)."""
         if self._plain_cast(spec):
             found = self._kernel_diff(local.detach().reshape(-1), base)
             if found is not None:
@@ -252,20 +253,21 @@ class DeltaEncoding(Encoding):
         """Whether a piece's base values are its local values cast to the serving dtype (the kernel casts them itself)."""
         return True
 
-    def _diff_cast(self, new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _diff_cast(self, new: torch.Tensor, base: torch.Tensor):
         """:meth:`_changes` of a piece already in the serving dtype."""
         found = self._kernel_diff(new, base)
         if found is not None:
             return found
         positions = self._changed(new, base, new.element_size())
-        return positions, new.index_select(0, positions)
+        return positions, new.index_select(0, positions), None
 
     def _kernel_diff(self, new: torch.Tensor, base: torch.Tensor):
         if not self._kernels:
             return None
         n = kernels.room(new.numel())
         return kernels.diff(new, base, self._scratch("positions", n, torch.int64, base.device),
-                            self._scratch("values", n, base.dtype, base.device))
+                            self._scratch("values", n, base.dtype, base.device),
+                            self._scratch("old", n, base.dtype, base.device))
 
     def _changed(self, new: torch.Tensor, base: torch.Tensor, itemsize: int) -> torch.Tensor:
         """The int64 positions where ``new`` and ``base`` (flat, same dtype) differ bit for bit, increasing.
