@@ -136,6 +136,9 @@ def delta_fields(rec: dict, items: dict, floor: str, floor_median: float | None)
         "ratio": floor_median / med if floor_median else None, "floor": floor, "floor_seconds": floor_median,
         "sent": sent,
         "base_bytes": runs[0].get("base_bytes"),
+        # the syncs sent as deltas that took longer than the full sync's median in the same run
+        "slower_than_full": sum(r["encoding"] == "delta" and r["seconds"] > flat_s for r in runs) if flat_s else None,
+        "deltas": sum(r["encoding"] == "delta" for r in runs),
     }
     fp8 = runs[0].get("fp8_bytes")
     if fp8:  # an FP8 delta: also against the FP8 full sync (its anchor) of the same bucket size (bench.fp8)
@@ -182,7 +185,9 @@ def delta_notes(rows) -> list[str]:
             out.append(f"{r['size']} {r['method']}: {r['changed_fraction']:.2%} of the elements changed per step, "
                        f"{r['bytes'] / 1e6:.2f} MB moved ({r['bytes_fraction']:.1%} of {r['full_bytes'] / 1e6:.1f} MB){fp8}, "
                        f"{_x(r.get('speedup_vs_full'))} vs {r['full_method']} ({_f3(r.get('full_seconds'))} s), "
-                       f"{_f2(r.get('ratio'))} of the broadcast floor; sent: {'; '.join(sent)}")
+                       f"{_f2(r.get('ratio'))} of the broadcast floor; sent: {'; '.join(sent)}"
+                       + (f"; {r['slower_than_full']} of {r['deltas']} deltas slower than the full sync"
+                          if r.get("slower_than_full") is not None else ""))
     return out
 
 

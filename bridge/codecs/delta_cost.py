@@ -9,7 +9,8 @@ Each trainer rank measures its own publishes, from the start of the prepare step
   rank's shard and the encoding's per changed element; and the rest of its seconds against its bytes.
 
 A delta of ``delta_bytes`` is expected to take ``diff + fixed + delta_bytes * per_byte`` and the full
-sync ``full_bytes * s_per_byte``: a delta goes when that is shorter. ``diff`` is ``compare * elements +
+sync ``full_bytes * s_per_byte``: a delta goes when that is shorter by a margin (:data:`MARGIN`), since the costs
+are the last syncs' and a load that rises between two syncs slows a delta's CPU work, not the full sync's bytes. ``diff`` is ``compare * elements +
 encode * changed``. ``fixed`` and ``per_byte`` are a least-squares line through the last deltas' (bytes,
 seconds after the diff), which AdamW's first steps spread widely (its per-byte cost includes the servers'
 scattered writes, which a link rate does not see); until two deltas of different sizes are measured,
@@ -20,7 +21,9 @@ much larger than the ones before is priced at the link's rate; once it is measur
 whose saved bytes outweigh its diff and writes. Before diffing (each rank, from a sample that estimates
 the changed elements) the diff counts; once diffed, it is spent and only the rest counts. Each figure is
 from the last :data:`KEEP` syncs of its kind. With no full sync measured yet nothing is decided here
-(there is always one: the first sync is an anchor).
+(there is always one: the first sync is an anchor). Every committed delta is also checked against what the full sync
+would have taken then: one that took longer is counted (:attr:`SyncCosts.slower` of :attr:`SyncCosts.deltas`) and
+logged, and its costs price the next syncs.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-__all__ = ["KEEP", "SyncCosts"]
+__all__ = ["KEEP", "MARGIN", "SyncCosts"]
 
 KEEP = 5
+MARGIN = 1.25
+"""A delta goes only when expected to take at most ``1 / MARGIN`` of the full sync's time (four fifths)."""
 
 
 class SyncCosts:
@@ -43,18 +48,30 @@ class SyncCosts:
         self._sent: deque = deque(maxlen=KEEP)  # a delta's (bytes, seconds after its diff)
         self.full_bytes = 0
         """The full sync's bytes, as the last sync planned them."""
+        self.deltas = 0
+        """Committed deltas measured against a full sync."""
+        self.slower = 0
+        """Of those, the ones that took longer than the full sync would have then."""
 
-    def record(self, mode: str, nbytes: int, seconds: float, diff: tuple[float, float, int, int]) -> None:
+    def record(self, mode: str, nbytes: int, seconds: float, diff: tuple[float, float, int, int]) -> float | None:
         """One committed sync: ``mode`` ``anchor`` (``nbytes``: the full bytes) or ``delta``; ``diff``: the
         seconds of its diff and of the encoding in it, the elements compared and changed (a diff before an
-        anchor was decided is not the full sync's cost)."""
+        anchor was decided is not the full sync's cost). A delta that took longer than the full sync would have
+        (``full_bytes`` at the last full syncs' rate): that full sync's seconds, and it is counted; else None."""
         diff_s, encode_s, numel, changed = diff
         if mode == "anchor" and nbytes > 0 and seconds > diff_s:
             self._full.append((seconds - diff_s) / nbytes)
         elif mode == "delta" and numel:
+            full_s = statistics.median(self._full) * self.full_bytes if self._full and self.full_bytes else None
             self._compare.append(max(0.0, diff_s - encode_s) / numel)
             self._encode.append(encode_s / max(1, changed))
             self._sent.append((nbytes, max(0.0, seconds - diff_s)))
+            if full_s is not None:
+                self.deltas += 1
+                if seconds > full_s:
+                    self.slower += 1
+                    return full_s
+        return None
 
     def state(self) -> dict:
         """The medians, as plain numbers (rank 0's travel in its summary, so that every rank decides alike)."""
@@ -77,11 +94,12 @@ class SyncCosts:
         sent = state.get("per_byte")
         delta_s = diff_s + (delta_bytes * per_byte if sent is None else state["fixed"] + delta_bytes * sent)
         full_s = full_bytes * per_byte
-        if delta_s < full_s:
+        if delta_s * MARGIN <= full_s:
             return None
         return (f"the delta would take about {delta_s:.3f} s ({delta_bytes / max(1, full_bytes):.1%} of the bytes"
                 + ("" if diff is None else f" and its diff, {diff_s:.3f} s") + f"), the full sync {full_s:.3f} s, at "
-                f"{8 / per_byte / 1e6:.0f} Mbit/s, what the last full syncs achieved (delta_cost)")
+                f"{8 / per_byte / 1e6:.0f} Mbit/s, what the last full syncs achieved; a delta goes under "
+                f"{full_s / MARGIN:.3f} s (delta_cost)")
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float | None]:

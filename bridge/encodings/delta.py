@@ -426,9 +426,13 @@ class DeltaEncoding(Encoding):
         self.base_version = plan.version
         self.since_anchor = 0 if enc.mode == "anchor" else self.since_anchor + 1
         if not plan.retried:
-            self.costs.full_bytes = enc.full_bytes
-            self.costs.record(enc.mode, enc.full_bytes if enc.mode == "anchor" else enc.nbytes,
-                              time.perf_counter() - self._t0, tuple(self._timed))
+            self.costs.full_bytes, seconds = enc.full_bytes, time.perf_counter() - self._t0
+            full_s = self.costs.record(enc.mode, enc.full_bytes if enc.mode == "anchor" else enc.nbytes, seconds,
+                                       tuple(self._timed))
+            if full_s is not None and self.rank == 0:
+                logger.warning(f"v{plan.version}: the delta took {seconds:.3f} s, longer than the {full_s:.3f} s of a "
+                               f"full sync at the last full syncs' rate ({self.costs.slower} of {self.costs.deltas} "
+                               "deltas so far); the next syncs are priced with it")
         pieces = [(name, h.start, h.base) for name, h in self.base.items()]
         self._crcs = _in_background(lambda: [(n, s, b.numel(), piece_crc(b, 0, b.numel())) for n, s, b in pieces])
 
