@@ -170,13 +170,13 @@ def diff(new: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, values:
     cap = (positions.numel() // parts) if parts > 1 else positions.numel()
     width = base.element_size()
 
-    def one(i: int) -> int:
+    def diff_part(i: int) -> int:
         lo, hi = bounds[i], bounds[i + 1]
         return fn(new.data_ptr() + lo * new.element_size(), base.data_ptr() + lo * width, hi - lo, lo,
                   positions.data_ptr() + i * cap * 8, values.data_ptr() + i * cap * width,
                   old.data_ptr() + i * cap * width, cap)
 
-    counts = [one(0)] if parts == 1 else list(_pool().map(one, range(parts)))  # (ctypes lets go of the GIL)
+    counts = [diff_part(0)] if parts == 1 else list(_pool().map(diff_part, range(parts)))  # (ctypes lets go of the GIL)
     if min(counts) < 0:
         return None
     if parts == 1:
@@ -206,13 +206,13 @@ def quantize_blocks(rows: torch.Tensor, served: torch.dtype, out: torch.Tensor, 
     parts = max(1, min(_threads(rows.numel()), blocks))
     bounds = [blocks * i // parts for i in range(parts + 1)]
 
-    def one(i: int) -> None:
+    def quantize_part(i: int) -> None:
         b0, b1 = bounds[i], bounds[i + 1]
         lib.wsync_quantize_blocks(rows.data_ptr() + b0 * 128 * k * 4, (b1 - b0) * 128, k, _SERVED[served], int(take),
                                   floor, grid.data_ptr() + b0 * (k // 128) * 4, out.data_ptr() + b0 * 128 * k)
 
     if parts == 1:
-        one(0)
+        quantize_part(0)
     else:
-        list(_pool().map(one, range(parts)))
+        list(_pool().map(quantize_part, range(parts)))
     return True

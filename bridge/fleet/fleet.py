@@ -324,7 +324,7 @@ def list_servers(registries, experiment: str, trial: str, timeout: float = 5.0) 
         for src in sources:
             src.close()
 
-    def one(url: str) -> str | None:
+    def version_of(url: str) -> str | None:
         c = ServerClient(url, timeout=timeout)
         try:
             return c.probe(timeout)
@@ -334,14 +334,14 @@ def list_servers(registries, experiment: str, trial: str, timeout: float = 5.0) 
             c.close()
 
     with cf.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
-        return dict(zip(urls, pool.map(one, urls)))
+        return dict(zip(urls, pool.map(version_of, urls)))
 
 
 def probe_servers(urls: list[str], client_of: Callable[[str], ServerClient], timeout: float,
                   pool: cf.Executor) -> dict[str, str | Down]:
     """url -> the version the server serves, or why it does not count (a :class:`Down`): every server asked at once
     on ``pool``, each within ``timeout`` seconds (``probe_timeout``)."""
-    def one(url: str):
+    def probe(url: str):
         try:
             return client_of(url).probe(timeout)
         except SyncTimeout:
@@ -349,7 +349,7 @@ def probe_servers(urls: list[str], client_of: Callable[[str], ServerClient], tim
         except BridgeError as e:
             return Down(str(e))
 
-    futures = {u: pool.submit(one, u) for u in urls}
+    futures = {u: pool.submit(probe, u) for u in urls}
     return {u: f.result() for u, f in futures.items()}
 
 

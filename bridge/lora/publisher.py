@@ -133,7 +133,7 @@ class AdapterPublisher(Publisher):
         began, self._at = False, "adapter:prepare"
         try:
             prepare = functools.partial(self._part, "adapter:prepare", functools.partial(self._prepare, source, version))
-            specs = self._agreed("adapter:prepare", prepare, SLACK_S)[0]
+            specs = self._step_on_every_rank("adapter:prepare", prepare, SLACK_S)[0]
             began = True
             return self._gather_and_load(source, version, specs, new, t0)
         except BridgeError as e:
@@ -162,7 +162,7 @@ class AdapterPublisher(Publisher):
             return found, None
 
         self._at = "adapter:gather"
-        found, served = self._agreed(self._at, gather, cfg.gather_timeout + cfg.http_timeout)[0]
+        found, served = self._step_on_every_rank(self._at, gather, cfg.gather_timeout + cfg.http_timeout)[0]
         if served is not None:  # the servers serve these weights under this version already: nothing to load
             self._reusable = _Published(version, None, {}, None, new.pending_checksums, new.buffer)
             return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
@@ -185,7 +185,7 @@ class AdapterPublisher(Publisher):
         if cfg.via == "broadcast":  # + the group's rendezvous and the broadcast
             bound += 2 * cfg.group_timeout
         self._at = "adapter:load"
-        checksums = self._agreed(self._at, deliver, bound)[0]
+        checksums = self._step_on_every_rank(self._at, deliver, bound)[0]
         self._committed(new)
         return AdapterPublishResult(cfg.name, version, cfg.via, sum(s[1] for s in specs), time.perf_counter() - t0,
                                     new.path, checksums, dict(self._phases))

@@ -186,7 +186,7 @@ class WeightPublisher(Publisher):
                 on_rank0()
             return collect() if collect is not None else None
 
-        return self._agreed(name, run, bound, on_failure=self._give_back)
+        return self._step_on_every_rank(name, run, bound, on_failure=self._give_back)
 
     def _give_back(self) -> None:
         """This rank's own step failed, so the sync cannot complete: on rank 0, give the servers back now
@@ -228,7 +228,7 @@ class WeightPublisher(Publisher):
                 versions.fingerprint(source)
             return ours, differs, summary, labels, servers
 
-        results = self._agreed("prepare", prepare, cfg.group_timeout + cfg.http_timeout)
+        results = self._step_on_every_rank("prepare", prepare, cfg.group_timeout + cfg.http_timeout)
         specs = results[0][0]
         plan = Plan(version=version, buckets=plan_buckets(specs, cfg.bucket_bytes), source=source, forced=forced)
         plan = plan.planned(self._encoding.plan(plan, [r[2] for r in results]))
@@ -258,7 +258,7 @@ class WeightPublisher(Publisher):
             return local_digest_part(plan.source, specs) if labels is not None else None
 
         cfg = self.config
-        parts = self._agreed("check", check, cfg.group_timeout + cfg.http_timeout)
+        parts = self._step_on_every_rank("check", check, cfg.group_timeout + cfg.http_timeout)
         return self._labels.check(plan, parts, labels) if labels is not None else None
 
     def _begin(self, plan: Plan) -> Plan:
@@ -299,7 +299,7 @@ class WeightPublisher(Publisher):
                 outcome["servers"] = self._fleet.committed(version, outcome.get("servers", {}))
             return {**outcome, "peak": peak}
 
-        return self._agreed("commit", commit, self._commit_bound(), on_failure=self._give_back)[0]
+        return self._step_on_every_rank("commit", commit, self._commit_bound(), on_failure=self._give_back)[0]
 
     def _check_every_rank_called(self, version: int) -> None:
         """Every rank is in publish(): a rank that does not call it is named within ``group_timeout``
@@ -353,7 +353,7 @@ class WeightPublisher(Publisher):
         try:
             for k, out in enumerate(transfer.buckets):
                 version = plan.version if k == last else None
-                self._agreed(out.step, functools.partial(self._send_bucket, k, out, version), self._bucket_bound(),
+                self._step_on_every_rank(out.step, functools.partial(self._send_bucket, k, out, version), self._bucket_bound(),
                              on_failure=self._give_back)
                 if self._rank == 0:
                     bar.update(out.bucket.nbytes)

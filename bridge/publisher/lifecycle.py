@@ -68,7 +68,7 @@ class Publisher:
     def _publish(self, source, version: int):
         raise NotImplementedError
 
-    def _agreed(self, name: str, fn, bound: float, on_failure=None) -> list:
+    def _step_on_every_rank(self, name: str, fn, bound: float, on_failure=None) -> list:
         """One agreed step: ``fn`` on every rank, within ``bound`` plus the slack every step has; what each rank's
         ``fn`` returned, or the same error on every rank."""
         return self._agree.step(name, fn, timeout=bound + SLACK_S, on_failure=on_failure)

@@ -149,12 +149,12 @@ def _read_verified(path: str, expected_manifest_sha256: str | None) -> dict[str,
     t0 = time.perf_counter()
     manifest, _, by_file = _checked_manifest(path, expected_manifest_sha256)
 
-    def one(fname: str, fentry: dict) -> list[tuple[str, torch.Tensor]]:
+    def read_file(fname: str, fentry: dict) -> list[tuple[str, torch.Tensor]]:
         keep = fname.endswith(".safetensors")
         ranges, data = _verify_file(path, fname, fentry, by_file.get(fname, {}), keep=keep)
         return [(tname, _tensor_at(data, begin, end, dtype, shape)) for tname, begin, end, dtype, shape in ranges] if keep else []
 
-    out = {name: t for part in _each_file(manifest, one) for name, t in part}
+    out = {name: t for part in _each_file(manifest, read_file) for name, t in part}
     log.debug("snapshot %s verified and read: %s in %.2f s", path, fmt_bytes(manifest["total_bytes"]),
               time.perf_counter() - t0)
     return out

@@ -168,13 +168,13 @@ class ServerSessions:
         status = {c.url: "ok" for c in self.servers.clients}
         lease = self.lease if release else None
 
-        def one(c) -> None:
+        def resume_one(c) -> None:
             with_lease = lease is not None and lease.releases_on_resume(c)
             c.continue_generation(release_lease=with_lease)
             if with_lease:
                 lease.forget(c)
 
-        done, errors = self._each(one, self.paused)
+        done, errors = self._each(resume_one, self.paused)
         for c, e in errors:
             status[c.url] = f"could not resume generation: {e}"
             logger.warning("%s: continue_generation failed: %s", c.url, e)
@@ -195,7 +195,7 @@ class ServerSessions:
         lease = self.lease
         taken = lease.held() if lease is not None else {}  # released once, by this abort
 
-        def one(c) -> None:
+        def give_back(c) -> None:
             for what, call, needed in (("clean up", first, first is not None),
                                        ("discard the update session", discard_session, c in in_session)):
                 if not needed:
@@ -222,7 +222,7 @@ class ServerSessions:
             if c.url in taken:  # let go of the server, once it is resumed (or held paused)
                 lease.release_one(c, taken[c.url])
 
-        each_within(one, self.servers.clients, seconds, thread_name="wsync-abort-server")
+        each_within(give_back, self.servers.clients, seconds, thread_name="wsync-abort-server")
         if lease is not None:
             lease.stop_renewing()  # a server whose thread is still stuck: its lease runs out on its own
 
