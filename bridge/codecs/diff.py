@@ -67,7 +67,7 @@ def differing_lanes(new_words: torch.Tensor, base_words: torch.Tensor, words: to
     ``new_words``/``base_words`` are two flat tensors seen as 8-byte words, ``words`` the increasing int64
     indices of the words that differ. Each differing word holds ``8 // itemsize`` elements; the positions come
     out increasing. On the CPU numpy does it in a few passes over the differing words alone (torch's gathers and
-    boolean indexing took three times as long)."""
+    boolean indexing go over them more often)."""
     per = 8 // itemsize
     shift = per.bit_length() - 1
     np = numpy_or_none(words.device.type == "cpu")
