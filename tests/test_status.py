@@ -75,3 +75,51 @@ def test_wsync_status_shows_each_server_and_exits_0_only_when_the_fleet_is_healt
 def test_wsync_status_needs_servers_and_says_so():
     out = subprocess.run([sys.executable, "-m", "wsync", "status"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "give --server URL or --server-registry URL" in out.stderr, out
+
+
+def test_a_server_a_dead_writer_may_have_torn_with_no_snapshot_of_its_version_stays_paused_and_is_said_once(
+        ref_server, etcd_server, caplog):
+    """A writer's mark without its lock (the writer died mid-sync, its lock ran out), saying the sync may have torn the
+    server, and no snapshot of the version the server is labelled with: the serving side does not resume it (it
+    could serve torn weights), says so once however often it looks, and ``wsync status --writer-lock`` shows it
+    paused and maybe torn. With a snapshot of another version, the same. (The repair from a snapshot of its version,
+    and the resume of an untorn one, run against real SGLang in ``tests/test_real_sglang.py``.)"""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from bridge.client import ServerClient
+    from bridge.fleet.abandoned import give_back_abandoned
+    from bridge.name_resolve import make_name_resolve
+    from bridge.transports.lease import held_key
+
+    url = ref_server.url
+    c, nr = ServerClient(url, timeout=5), make_name_resolve(etcd_server.url)
+    served = str(c.model_info()["weight_version"])
+    mark = {"writer": "rank0@trainer-host", "run_id": "default/torn-run", "since": time.time() - 5, "may_tear": True}
+    c.pause_generation()
+    nr.add(held_key(url), json.dumps(mark), replace=True)
+    try:
+        reported: set = set()
+        with caplog.at_level(logging.ERROR, logger="bridge.fleet.abandoned"):
+            first = give_back_abandoned([c], nr, etcd_server.url, snapshot=None, reported=reported)
+            again = give_back_abandoned([c], nr, etcd_server.url, snapshot=None, reported=reported)
+            other = give_back_abandoned([c], nr, etcd_server.url, reported=reported,
+                                        snapshot=SimpleNamespace(version=f"{served}9", path="/nonexistent"))
+        assert first == again == {url: f"torn: left paused (no snapshot; it is labelled {served})"}, (first, again)
+        assert other == {url: f"torn: left paused (the newest snapshot is version {served}9; it is labelled "
+                              f"{served})"}, other
+        said = [r.getMessage() for r in caplog.records if "left paused until a publish repairs it" in r.getMessage()]
+        assert len(said) == 1 and "may have torn it" in said[0] and "default/torn-run" in said[0], said
+        assert c.server_info()["internal_states"][0]["paused"] is True  # not resumed
+        assert nr.get(held_key(url))  # the mark stays: the next publish, or a snapshot of its version, repairs it
+        out = subprocess.run([sys.executable, "-m", "wsync", "status", "--server", url, "--writer-lock", etcd_server.url,
+                              "--timeout", "3", "--json"], capture_output=True, text=True, timeout=120)
+        row = json.loads(out.stdout)["servers"][0]
+        assert out.returncode == 1 and row["state"] == "paused", out.stdout
+        assert "left by a dead writer of run 'default/torn-run', maybe torn" in row["why"], row
+    finally:
+        nr.delete(held_key(url))
+        c.continue_generation()
+        c.close()
+        nr.close()
