@@ -34,8 +34,8 @@ from collections import deque
 __all__ = ["KEEP", "MARGIN", "SyncCosts"]
 
 KEEP = 5
-MARGIN = 1.25
-"""A delta goes only when expected to take at most ``1 / MARGIN`` of the full sync's time (four fifths)."""
+MARGIN = 1.1
+"""A delta goes only when expected to take at most ``1 / MARGIN`` of the full sync's time (about nine tenths)."""
 
 
 class SyncCosts:
