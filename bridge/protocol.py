@@ -38,6 +38,7 @@ __all__ = [
     "SHM_LOAD_FORMAT",
     "SNAPSHOT_INVALID",
     "DELTA_BASE_MISMATCH",
+    "WAITING_FOR_WEIGHTS",
     "PICKLE_REFUSED",
     "VERSION_GOES_BACK",
     "BeginWeightUpdateReq",
@@ -102,6 +103,11 @@ not started with ``--quantization fp8``), or bf16 bytes for a tensor it serves a
 DELTA_BASE_MISMATCH = "delta_base_mismatch"
 """``wsync_reason`` of the reference server's 400 for a delta whose base (version and digest) is not what it
 serves; nothing was applied, and the publisher answers with an anchor (a full sync)."""
+
+WAITING_FOR_WEIGHTS = "waiting_for_weights"
+"""``wsync_reason`` of the reference server's 503 to a generation while it waits for its first weights (``wsync serve
+--wait-for-weights``: restarted or new in a fleet, it answers nothing on its base weights); a router retries it on
+another server."""
 
 DELTA_LOADER = "bridge.serving.sglang_delta_loader.load_delta"
 """The loader real SGLang calls for a delta (:mod:`bridge.serving.sglang_delta_loader`): ``--custom-weight-loader``

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bridge.protocol import SamplingParams
+from bridge.protocol import WAITING_FOR_WEIGHTS, SamplingParams
 from inference_adapter.errors import RequestError
 from inference_adapter.lora import using
 
@@ -92,6 +92,7 @@ class GenerationMixin:
 
     def _init_generation(self) -> None:
         self._cv = threading.Condition()  # guards _paused, _gens
+        self.waiting_for_weights = False  # (ModelState: --wait-for-weights)
         self._paused = False
         self._pause_mode = "abort"
         self._gens: set[_Gen] = set()
@@ -186,6 +187,12 @@ class GenerationMixin:
                     g.decode.events.append((old, len(g.decode.out)))
 
     def check_sampling(self, prompt: list[int], sp: SamplingParams) -> None:
+        """Refuse a generation before it starts (the routes call it before a stream begins): the server waits for its
+        first weights (``--wait-for-weights``), or the prompt or sampling parameters are out of range."""
+        if self.waiting_for_weights:
+            raise RequestError(f"this server waits for the fleet's weights (--wait-for-weights) and serves its base "
+                               f"weights, version {self.weights.version}, which it does not answer from; a publish or "
+                               "`wsync watch` gives it a version", status=503, reason=WAITING_FOR_WEIGHTS)
         vocab = self.model.config.vocab_size
         if not prompt:
             raise RequestError("the prompt is empty; send non-empty text or input_ids")

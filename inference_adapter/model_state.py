@@ -116,6 +116,7 @@ class ModelState(GenerationMixin):
         allow_version_rollback: bool = False,
         quantization: str | None = None,
         lora: dict | None = None,
+        wait_for_weights: bool = False,
     ):
         self.model = model.eval()
         for p in self.model.parameters():
@@ -142,6 +143,10 @@ class ModelState(GenerationMixin):
         """LoRA adapters (``--enable-lora``; :mod:`inference_adapter.lora`), apart from the base weights."""
         self._init_generation()
         self.weights.on_version_change.append(self._record_version_change)
+        self.waiting_for_weights = bool(wait_for_weights)
+        """``--wait-for-weights``: no generation is answered until a weight update labels a version (a publish, a disk
+        load): a server that joins or restarts in a fleet answers nothing on its base weights."""
+        self.weights.on_version_change.append(self._weights_came)
         self.updates = WeightUpdates(
             weights=self.weights, generation=self, features=self.features, log=self.log,
             group_timeout=float(group_timeout), receive_timeout=float(receive_timeout), disk_roots=self.disk_roots,
@@ -170,11 +175,17 @@ class ModelState(GenerationMixin):
     def paused(self) -> bool:
         return self._paused
 
+    def _weights_came(self, old: str, new: str) -> None:
+        if self.waiting_for_weights:
+            self.waiting_for_weights = False
+            self.log.info("weight version %s came (it was %s): generations are answered from now on", new, old)
+
     def internal_state(self) -> dict:
         with self._cv:
             running = len(self._gens)
         groups = self.updates.groups
         return {"weight_version": self.version, "paused": self._paused, "running_requests": running,
+                "waiting_for_weights": self.waiting_for_weights,
                 "released_memory": self.released_memory(),
                 "update_session_open": self.updates.session is not None, "weight_update_groups": groups.names(),
                 "receiving_on_group": groups.receiving, "writer_lease": self.updates.writers.state()}

@@ -132,6 +132,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     "adapter may adapt (q_proj, ...; 'all' or none given: every Linear)")
     g = p.add_argument_group("registration", "be found by publishers (PublisherConfig(server_registry=URL), wsync train "
                                              "--server-registry URL)")
+    g.add_argument("--wait-for-weights", action="store_true",
+                   help="answer no generation (503, wsync_reason waiting_for_weights; a router retries it elsewhere) "
+                        "until a publish or `wsync watch` has given this server a version: for a server that joins or "
+                        "restarts in a fleet, which would otherwise answer on its base weights until then")
     g.add_argument("--register", metavar="URL", help="while this server answers, keep an entry for it in this registry "
                    "(etcd://host:port or file:///dir) under wsync/<experiment>/<trial>/servers/<host:port>; deleted on a "
                    "clean exit, gone within --register-ttl after a crash")
@@ -220,16 +224,17 @@ def _auth(api_key: str | None, admin_api_key: str | None):
 async def _refused(request: Request, e):
     """A :class:`~inference_adapter.errors.RequestError` as SGLang answers a refusal: OpenAI's error shape on
     ``/generate`` and SGLang's ``ErrorResponse`` on ``/v1/*``, ``{"success": false, "message"}`` (with the
-    project's ``wsync_reason``) elsewhere."""
+    project's ``wsync_reason``, which the first two carry beside it too) elsewhere."""
     from fastapi.responses import JSONResponse
 
     request.app.state.served.log.warning("%s -> %d: %s", request.url.path, e.status, e.message)
+    extra = {"wsync_reason": e.reason} if e.reason else {}
     if request.url.path == "/generate":
-        return JSONResponse({"error": {"message": e.message, "type": "BadRequest", "code": e.status}}, status_code=e.status)
+        return JSONResponse({"error": {"message": e.message, "type": "BadRequest", "code": e.status}, **extra},
+                            status_code=e.status)
     if request.url.path.startswith("/v1/"):
         return JSONResponse({"object": "error", "message": e.message, "type": "BadRequest", "param": None,
-                             "code": e.status}, status_code=e.status)
-    extra = {"wsync_reason": e.reason} if e.reason else {}
+                             "code": e.status, **extra}, status_code=e.status)
     return JSONResponse({"success": False, "message": e.message, **extra}, status_code=e.status)
 
 
@@ -260,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
                        protocol_version=args.protocol_version, group_timeout=args.group_timeout,
                        served_model_name=args.served_model_name, receive_timeout=args.receive_timeout,
                        disk_roots=args.disk_roots, allow_version_rollback=args.allow_version_rollback,
-                       quantization=args.quantization, lora=_lora_args(args))
+                       quantization=args.quantization, lora=_lora_args(args), wait_for_weights=args.wait_for_weights)
     _preload_adapters(state, args)
     n = sum(p.numel() for p in model.parameters())
     state.log.info("loaded %s (%s, %.2f M params, %s) in %.1f s", model_path, type(model).__name__, n / 1e6, args.dtype,

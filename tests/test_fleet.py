@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import requests
 import torch
 
 from bridge import PublisherConfig, SyncError, WeightPublisher
@@ -211,8 +212,9 @@ def test_through_real_routers_dead_restarted_and_new_servers_never_answer_stale(
     stays out of them until the next publish brought it to the fleet's version; a new registered server
     enters them only once it serves that version. A server restarted between two publishes while the routers still
     list it (no publish saw it die) leaves them within the publisher's guard_every and a probe, with no publish, and
-    the next publish puts it back. Generations go on through both routers all along, and none answers from an older
-    version than the last one published, but for the restarted one's before the guard took it out."""
+    the next publish puts it back; restarted with ``--wait-for-weights`` it answers no generation meanwhile (503, which
+    the routers retry elsewhere or pass on). Generations go on through both routers all along, and none answers from
+    an older version than the last one published."""
     trial = "routers"
     s1, s2, s3 = server_factory.many([dict(model=tiny_model_dir)] * 3)
     urls = sorted([s1.url, s2.url, s3.url])
@@ -248,8 +250,12 @@ def test_through_real_routers_dead_restarted_and_new_servers_never_answer_stale(
         everyone = sorted([*urls, s4.url])
         dead = time.monotonic()
         _kill(s2)
-        s2 = server_factory(model=tiny_model_dir, port=_port(s2))  # on its base weights, still in both routers
+        # On its base weights, still in both routers, but answering no generation until it has the fleet's weights.
+        s2 = server_factory(model=tiny_model_dir, port=_port(s2), extra_args=["--wait-for-weights"])
         back = time.monotonic()
+        refused = requests.post(f"{s2.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
+                                timeout=30)
+        assert refused.status_code == 503 and refused.json()["wsync_reason"] == "waiting_for_weights", refused.text
         while any(s2.url in r.workers() for r in routers) and time.monotonic() < back + 10 * guard + 10:
             time.sleep(0.05)
         out = time.monotonic()
@@ -258,10 +264,41 @@ def test_through_real_routers_dead_restarted_and_new_servers_never_answer_stale(
         assert publish(5) == {u: "ok" for u in everyone}
         assert all(r.workers() == everyone for r in routers) and _serves(s2.url, _own(model))
         time.sleep(0.5)
-    print(f"the restarted server left the routers {out - back:.2f} s after it answered (guard_every={guard:g} s)")
-    # Only the restarted server's base weights, only until the guard took it out, answered below the published.
-    _check_no_stale_answers([a for a in gens.seen if not (dead <= a[0] <= out and a[2] == "default")], published)
+    print(f"the restarted server left the routers {out - back:.2f} s after it answered (guard_every={guard:g} s); "
+          f"{len(gens.errors)} generations the routers did not answer meanwhile")
+    assert dead < out
+    _check_no_stale_answers(gens.seen, published)  # (the restarted server's base weights answered none)
     assert {kind for _, kind, _ in gens.seen} == {"sglang-router", "smg"}
+
+
+def test_a_server_waiting_for_weights_answers_no_generation_until_a_version_is_labelled(server_factory, tmp_path,
+                                                                                        tiny_model_dir, model):
+    """``wsync serve --wait-for-weights``: on its base weights every generation route answers 503 with
+    ``wsync_reason: waiting_for_weights`` (the OpenAI routes too, and before any stream starts), ``/health`` answers
+    (so it registers and is found); a disk load of a labelled snapshot, as ``wsync watch`` makes, opens it, and it
+    answers from that version."""
+    from bridge import PublisherConfig as Config
+    from bridge.client import ServerClient
+
+    s = server_factory(model=tiny_model_dir, extra_args=["--wait-for-weights", "--disk-root", str(tmp_path)])
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    for route, req in (("/generate", body), ("/generate", {**body, "stream": True}),
+                       ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})):
+        r = requests.post(f"{s.url}{route}", json=req, timeout=30)
+        assert r.status_code == 503 and r.json()["wsync_reason"] == "waiting_for_weights", (route, r.text)
+    assert requests.get(f"{s.url}/health", timeout=10).status_code == 200
+    c = ServerClient(s.url)
+    assert c.server_info()["internal_states"][0]["waiting_for_weights"] is True
+    _train(model, 7)
+    with WeightPublisher(Config(transport="disk", snapshot_root=str(tmp_path), name_resolve=f"file://{tmp_path}/nr",
+                                experiment=EXP, trial="waiting", progress=False)) as pub:
+        path = pub.publish(model, version=7).path  # no servers: a snapshot, announced, as a fleet's publisher leaves it
+    c.update_weights_from_disk(path, weight_version="7")  # what `wsync watch` does for a server that joined
+    assert c.server_info()["internal_states"][0]["waiting_for_weights"] is False
+    assert c.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})["meta_info"]["weight_version"] == "7"
+    assert _serves(s.url, _own(model))
+    c.close()
 
 
 # ------------------------------------------------------------------ torn and split servers
