@@ -64,7 +64,7 @@ def _one_rank(args) -> dict:
     from bridge.codecs import kernels
     from bridge.codecs.fp8 import BLOCK, FP8_DTYPE, Fp8Rule, block_amax, block_scales, quantize_rows
     from bridge.encodings.delta import DeltaEncoding
-    from bridge.sources.fp8 import _quantize_own_blocks
+    from bridge.sources.fp8 import quantize_own_blocks
     from bridge.tensors import ParamSpec
 
     weights = _rank_weights(preset, rank, world, lr)
@@ -98,7 +98,7 @@ def _one_rank(args) -> dict:
     def quantize():  # as the fp8 encodings do: in one go where the rank's rows are whole blocks, else scales first
         for n, (_, _, after) in quantized.items():
             if after.shape[0] % BLOCK == 0 and after.shape[1] % BLOCK == 0:
-                _quantize_own_blocks(after, fp8_out[n], torch.bfloat16)
+                quantize_own_blocks(after, fp8_out[n], torch.bfloat16)
                 continue
             scale = block_scales(block_amax(after, 0, -(-after.shape[0] // BLOCK), torch.bfloat16))
             quantize_rows(after, 0, scale, out=fp8_out[n], served=torch.bfloat16)

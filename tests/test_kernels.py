@@ -160,7 +160,7 @@ def test_the_fp8_kernel_makes_torchs_bytes_and_scales(served, monkeypatch):
     """Block FP8 by the kernel (scales taken, or given) against the torch path of :mod:`bridge.codecs.fp8`: the same
     e4m3fn bytes and float32 scales, bit for bit, on one thread and split across three."""
     from bridge.codecs.fp8 import AMAX_FLOOR, FP8_DTYPE, block_amax, block_scales, quantize_rows
-    from bridge.sources.fp8 import _quantize_own_blocks
+    from bridge.sources.fp8 import quantize_own_blocks
 
     g = torch.Generator().manual_seed(11)
     w = _every_weight((512, 640), g)
@@ -170,7 +170,7 @@ def test_the_fp8_kernel_makes_torchs_bytes_and_scales(served, monkeypatch):
         want_scales = block_scales(block_amax(w, 0, 4, served))
         want = quantize_rows(w, 0, want_scales, served=served)
         want_own = torch.empty_like(want)
-        want_own_scales = _quantize_own_blocks(w, want_own, served)
+        want_own_scales = quantize_own_blocks(w, want_own, served)
     finally:
         monkeypatch.delenv("WSYNC_KERNELS")
         kernels._library.cache_clear()
@@ -185,7 +185,7 @@ def test_the_fp8_kernel_makes_torchs_bytes_and_scales(served, monkeypatch):
         assert kernels.quantize_blocks(w, served, given, want_scales.clone(), False, AMAX_FLOOR)
         assert torch.equal(given.view(torch.uint8), want.view(torch.uint8)), threads
     got_own = torch.empty_like(want)
-    assert torch.equal(_quantize_own_blocks(w, got_own, served), want_scales)
+    assert torch.equal(quantize_own_blocks(w, got_own, served), want_scales)
     assert torch.equal(got_own.view(torch.uint8), want.view(torch.uint8))
 
 

@@ -21,7 +21,7 @@ from bridge.codecs.fp8 import (
 )
 from bridge.tensors import ParamSpec
 
-__all__ = ["OwnScales", "gather_fp8_bucket", "own_blocks"]
+__all__ = ["OwnScales", "gather_fp8_bucket", "own_blocks", "quantize_own_blocks"]
 
 
 def gather_fp8_bucket(source, bucket, out: torch.Tensor | None, by_name: dict[str, ParamSpec], group=None,
@@ -100,7 +100,7 @@ class OwnScales:
     def quantize(self, out: torch.Tensor) -> None:
         """This rank's rows as e4m3fn into ``out`` (``[rows, K]``), in one pass when the scales are not known yet."""
         if self.grid is None and whole_blocks(self.rows, self.row0):
-            self.grid = _quantize_own_blocks(self.rows, out, self.spec.dtype)
+            self.grid = quantize_own_blocks(self.rows, out, self.spec.dtype)
             return
         grid = torch.zeros(-(-self.spec.shape[0] // BLOCK), -(-self.spec.shape[1] // BLOCK), dtype=torch.float32)
         b0 = self.row0 // BLOCK
@@ -108,7 +108,7 @@ class OwnScales:
         quantize_rows(self.rows, self.row0, grid.to(self.rows.device), out=out, served=self.spec.dtype)
 
 
-def _quantize_own_blocks(rows: torch.Tensor, out: torch.Tensor, served: torch.dtype) -> torch.Tensor:
+def quantize_own_blocks(rows: torch.Tensor, out: torch.Tensor, served: torch.dtype) -> torch.Tensor:
     """Block-aligned ``rows`` cast to ``served`` as e4m3fn into ``out``, each block row's absmax taken from the
     same fp32 buffer that is then scaled (the values and bytes of :func:`block_amax` then :func:`quantize_rows`:
     the absmax of the cast values, no clamp needed); the scales of these rows' blocks."""
