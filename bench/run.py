@@ -241,6 +241,9 @@ def run_bench(cfg: BenchConfig, *, json_path: str | None = None, plot_path: str 
     warmups = rep.build_warmups(sizes)
     meta = _meta(cfg, sizes, time.perf_counter() - t0, etcd is not None, place)
     table = rep.format_table(rows, targets, warmups)
+    if not meta["kernels"]:
+        table += ("\n\nthe delta's diff and the FP8 quantization ran in torch (no C compiler, or WSYNC_KERNELS=0): "
+                  "slower than with the one-pass kernels (docs/benchmark.md)")
     if link is not None:
         meta["link"] = link
         table += "\n\n" + rep.format_link(rows, link)
@@ -455,7 +458,11 @@ def _raise_interrupt(*_):
 def _meta(cfg: BenchConfig, sizes: list[dict], seconds: float, etcd: bool, place: dict) -> dict:
     import torch
 
+    from bridge.codecs import kernels
+
     return {
+        # whether the delta's diff and the FP8 quantization ran in the one-pass C kernels (WSYNC_KERNELS=0: torch)
+        "kernels": kernels.available(),
         "config": asdict(cfg), "seconds": seconds, "etcd": etcd, "torch": torch.__version__,
         "python": platform.python_version(), "host": platform.node(), "cpus": os.cpu_count(),
         "cuda": torch.cuda.is_available(), "device": place["device"], "placement_note": place["note"],
@@ -472,4 +479,5 @@ def _title(meta: dict) -> str:
     where = (f"{meta['gpus'][0] if meta.get('gpus') else 'CUDA'}, gathers {meta['backend']}, trainer->server "
              f"{meta.get('server_backend')}" if meta.get("device") == "cuda" else "CPU/gloo")
     return (f"wsync bench: {meta['cpus']} CPUs, {where}, torch {meta['torch']}, "
-            f"{c['nproc']} FSDP ranks, {c['repeats']} repeats, serving {c['serving_dtype']}, {meta['date']}")
+            f"{c['nproc']} FSDP ranks, {c['repeats']} repeats, serving {c['serving_dtype']}, "
+            f"{'C kernels' if meta.get('kernels') else 'no C kernels'}, {meta['date']}")
