@@ -45,8 +45,8 @@ _THREAD_MIN = 1 << 21
 
 
 def room(n: int) -> int:
-    """Entries :func:`diff` needs for a piece of ``n`` elements: up to a quarter of them changed (a delta with more is
-    larger than its bitmask, and such a piece is diffed the plain way)."""
+    """Entries :func:`diff` needs for a piece of ``n`` elements: up to a quarter of them changed (more is rare between
+    two syncs, and such a piece is diffed the plain way)."""
     return n // 4 + 1
 
 
