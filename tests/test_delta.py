@@ -191,6 +191,16 @@ def _engine(lr: float):
     return e
 
 
+def without_cost_model() -> None:
+    """In this rank's process: the delta's measured costs never send a full sync instead of a delta. For the tests whose
+    point is the delta's path, not which sync is faster here (on 2 loaded cores a loopback delta of the tiny model can
+    cost about what its full sync does). The cost model is tested on its own (``tests/test_delta_codec.py``) and in
+    ``test_at_lr_1e6_a_delta_moves_at_most_3_percent``."""
+    from bridge.encodings.delta import DeltaEncoding
+
+    DeltaEncoding._costlier_than_full = lambda self, *a, **k: None
+
+
 def _publisher(transport: str, urls: list[str], **kw):
     from bridge import PublisherConfig, WeightPublisher
 
@@ -218,6 +228,7 @@ def _row(engine, urls: list[str], res) -> dict:
 def _twenty_deltas(urls: list[str], transport: str, publishes: int):
     from tests import sync_bodies as sb
 
+    without_cost_model()
     engine = _engine(1e-5)
     pub = _publisher(transport, urls)
     rows = []
@@ -256,14 +267,11 @@ def _restart_tamper_fail(url: str, pid: int, model_dir: str):
     import signal
     from urllib.parse import urlparse
 
-    from bridge.encodings.delta import DeltaEncoding
     from bridge.errors import SyncError
     from inference_adapter.launcher import launch_server
     from tests import sync_bodies as sb
 
-    # Failures inside a delta's bucket are the point: the measured costs must not send a full sync instead (beside
-    # the rest of the suite they did once, and delta:0@1 never fired). The cost model is tested on its own.
-    DeltaEncoding._costlier_than_full = lambda self, *a, **k: None
+    without_cost_model()  # failures inside a delta's bucket are the point (once the costs sent a full sync instead)
     engine = _engine(1e-5)
     # Colocated (broadcast's delta syncs are tested above; a restarted server's new group under broadcast is
     # tests/test_broadcast.py's): the encoding's choices are the same on both.
@@ -414,13 +422,10 @@ def _anchors_decided_early(url: str):
     early anchor); v5 again after a step: refused."""
     import os
 
-    from bridge.encodings.delta import DeltaEncoding
     from bridge.errors import SyncError, VersionError
     from tests import sync_bodies as sb
 
-    # Which versions are anchors is the point: the measured costs must not send a full sync instead (under the
-    # suite's load they did once, for v3). The cost model is tested on its own.
-    DeltaEncoding._costlier_than_full = lambda self, *a, **k: None
+    without_cost_model()  # which versions are anchors is the point (once the costs sent v3 in full)
     engine = _engine(1e-5)
     rows, retried = [], []
     for kw, versions in (({"delta_anchor_every": 3}, range(1, 6)), ({"delta_max_fraction": 0.01}, range(6, 9))):

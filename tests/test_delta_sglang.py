@@ -37,8 +37,9 @@ def _served_rows(url: str, publishes: int, harness_url: str):
     from bridge.digest import tensor_checksum
     from tests import sync_bodies as sb
     from tests.sglang_harness.serve import sglang_layout
-    from tests.test_delta import _engine, _publisher
+    from tests.test_delta import _engine, _publisher, without_cost_model
 
+    without_cost_model()  # the loader's path is the point, every sync after the first a delta
     engine = _engine(1e-5)
     pub = _publisher("broadcast", [url])
     rows = []

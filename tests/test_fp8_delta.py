@@ -80,8 +80,10 @@ def _exact(engine, url: str) -> list[str]:
 
 def _publish(url: str) -> list[dict]:
     from bridge import PublisherConfig, WeightPublisher
+    from tests.test_delta import without_cost_model
     from trainer import EngineConfig, FSDPEngine, OptimizerConfig
 
+    without_cost_model()  # the FP8 delta's path and its anchors are the point
     engine = FSDPEngine(EngineConfig(preset="small", optimizer=OptimizerConfig(lr=1e-6)))
     engine.initialize()
     pub = WeightPublisher(PublisherConfig(transport="broadcast", servers=[url], bucket_mb=8, encoding="fp8_delta",
@@ -140,8 +142,10 @@ def _tiny_anchor_every(url: str) -> list[dict]:
     twice with the same weights (a retry, told safe from the FP8 base), then again after a step (refused)."""
     from bridge import PublisherConfig, WeightPublisher
     from bridge.errors import SyncError, VersionError
+    from tests.test_delta import without_cost_model
     from trainer import EngineConfig, FSDPEngine, OptimizerConfig
 
+    without_cost_model()  # which versions are anchors, and the failure inside a delta bucket, are the point
     engine = FSDPEngine(EngineConfig(preset="tiny", optimizer=OptimizerConfig(lr=1e-6)))
     engine.initialize()
     pub = WeightPublisher(PublisherConfig(transport="broadcast", servers=[url], bucket_mb=0.1, encoding="fp8_delta",
