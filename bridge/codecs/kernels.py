@@ -143,6 +143,11 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="wsync-diff")
 
 
+def _each_part(fn, parts: int) -> list:
+    """``fn(i)`` for each part ``i``: here for one, else on the pool's threads (ctypes lets go of the GIL)."""
+    return [fn(0)] if parts == 1 else list(_pool().map(fn, range(parts)))
+
+
 def _kernel(new: torch.Tensor, base: torch.Tensor):
     lib = _library()
     if lib is None or new.device.type != "cpu" or base.device.type != "cpu" or not new.is_contiguous() \
@@ -176,7 +181,7 @@ def diff(new: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, values:
                   positions.data_ptr() + i * cap * 8, values.data_ptr() + i * cap * width,
                   old.data_ptr() + i * cap * width, cap)
 
-    counts = [diff_part(0)] if parts == 1 else list(_pool().map(diff_part, range(parts)))  # (ctypes lets go of the GIL)
+    counts = _each_part(diff_part, parts)
     if min(counts) < 0:
         return None
     if parts == 1:
@@ -211,8 +216,5 @@ def quantize_blocks(rows: torch.Tensor, served: torch.dtype, out: torch.Tensor, 
         lib.wsync_quantize_blocks(rows.data_ptr() + b0 * 128 * k * 4, (b1 - b0) * 128, k, _SERVED[served], int(take),
                                   floor, grid.data_ptr() + b0 * (k // 128) * 4, out.data_ptr() + b0 * 128 * k)
 
-    if parts == 1:
-        quantize_part(0)
-    else:
-        list(_pool().map(quantize_part, range(parts)))
+    _each_part(quantize_part, parts)
     return True
