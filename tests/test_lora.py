@@ -7,6 +7,7 @@ holds, and the gathered adapter, which rank 0 loads into its own unsharded PEFT 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -689,8 +690,10 @@ def _publish_to_a_registry(registry: str, trial: str, second: str):
             from bridge.fleet.discovery import Registry
             from bridge.name_resolve import DEFAULT_EXPERIMENT
 
+            listed = Registry(registry, DEFAULT_EXPERIMENT, trial)
+            out["out_of_rotation"] = [json.loads(v)["url"] for v in listed.nr.get_subtree(listed.out_prefix)]
             out["served"] = {}
-            for u in Registry(registry, DEFAULT_EXPERIMENT, trial).urls():
+            for u in listed.urls():
                 if u == DEAD:
                     continue
                 c = ServerClient(u)
@@ -704,8 +707,8 @@ def _publish_to_a_registry(registry: str, trial: str, second: str):
 
 def test_adapter_publishes_find_their_servers_in_a_registry(lora_server, second_lora_server, tmp_path):
     """server_registry (file://): the servers are found again at every publish; a server registered after
-    version 1 gets version 2, and a dead one registered with it is excluded from the publish as from a full one;
-    fewer servers answering than min_servers fails the publish on every rank, naming the dead one, and changes
+    version 1 gets version 2, and a dead one registered with it is excluded from the publish and taken out of
+    rotation as by a full one (the same Fleet); fewer servers answering than min_servers fails the publish on every rank, naming the dead one, and changes
     nothing."""
     registry = f"file://{tmp_path}/registry"
     _register(registry, "lora-fleet", lora_server.url)
@@ -713,7 +716,8 @@ def test_adapter_publishes_find_their_servers_in_a_registry(lora_server, second_
                              timeout=120)
     assert rank0["failed"] and rank0["failed"] == rank1["failed"], "every rank raises the same error"
     assert "min_servers=3" in rank0["failed"] and "2 of 3 server(s)" in rank0["failed"], rank0["failed"]
-    assert f"{DEAD} excluded" in rank0["failed"], rank0["failed"]
+    assert f"{DEAD}: excluded" in rank0["failed"], rank0["failed"]
+    assert rank0["out_of_rotation"] == [DEAD], "the dead server is marked out of rotation in the registry, none other"
     assert "publish failed at adapter:servers" in rank0["failed"], "the error names the part of the step that failed"
     assert sorted(rank0["served"]) == sorted([lora_server.url, second_lora_server.url])
     for url, served in rank0["served"].items():

@@ -17,6 +17,10 @@ Rank 0 of a :class:`bridge.WeightPublisher` drives it:
 3. ``failed`` (after a failed sync): the servers the transport left paused (torn, or not known to be
    clean) are taken out of rotation until a publish repairs them.
 
+An :class:`bridge.AdapterPublisher` drives the same fleet with ``follows_version=False`` (:mod:`bridge.lora.servers`):
+found, probed, dead servers excluded and out of rotation, ``min_servers``, back in rotation once they took an
+adapter version; the weights' version is not its concern, so no server is paused for it.
+
 "In rotation" means: listed by the router (``router+http://``), not marked under ``out_of_rotation/`` in a
 registry, and not paused. A server taken out is remembered, so it is probed again at every publish even
 once no source lists it (a router from which it was removed) until it is back.
@@ -49,9 +53,12 @@ def registries_of(config) -> list[str]:
 class Fleet:
     """The servers one publisher syncs (rank 0 only); see the module docstring."""
 
-    def __init__(self, config, run_id: str):
+    def __init__(self, config, run_id: str, follows_version: bool = True):
         self.config = config
         self.run_id = run_id
+        self.follows_version = follows_version
+        """Whether a server behind the fleet's weight version is taken out of rotation and paused until the sync
+        brings it there (the weights' publisher); an adapter publisher's fleet does not (it loads no weights)."""
         self.probe_timeout = min(config.probe_timeout, config.http_timeout)
         self.sources: list[ServerSource] = open_sources(config.servers, registries_of(config), config.experiment,
                                                         config.trial, timeout=self.probe_timeout)
@@ -69,7 +76,7 @@ class Fleet:
         """url -> the version it served when the last ``prepare`` probed it (the servers that answered)."""
         self.status: dict[str, str] = {}
         self._listed: dict[int, list[str]] = {}  # source index -> what it listed at the last publish
-        self._new_run = config.new_run
+        self._new_run = getattr(config, "new_run", False)
         self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="wsync-fleet")
 
     # ------------------------------------------------------------------ before the sync
@@ -91,6 +98,8 @@ class Fleet:
             elif self.excluded.pop(u, None) is not None:
                 logger.warning("server %s answers again (serves version %s)", u, found[u])
         fleet = self.version if self.version is not None else newest_version(found[u] for u in live)
+        if not self.follows_version:
+            fleet = None
         for u in live:
             why = self.torn.get(u)
             if why is None and fleet is not None:
@@ -98,7 +107,7 @@ class Fleet:
             if why is None and u in self.out:
                 why = self.out[u]
             if why is not None:
-                self._take_out(u, why, pause=True)
+                self._take_out(u, why, pause=self.follows_version)
         if snapshot is not None and fleet is not None:
             self._repair_from_snapshot([u for u in live if u in self.out], snapshot, fleet)
         if len(live) < self.config.min_servers:
@@ -196,7 +205,7 @@ class Fleet:
             SyncError: fewer than ``min_servers`` took the version (the ones that did serve it).
         """
         ok = [u for u, s in statuses.items() if s == "ok"]
-        if ok:
+        if ok and self.follows_version:
             self.version = str(version)
         for u, s in statuses.items():
             if s == "ok":

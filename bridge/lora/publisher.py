@@ -437,7 +437,7 @@ class AdapterPublisher(Publisher):
         self._versions.committed(new.version)
         if self._rank != 0:
             return
-        self._fleet.release()
+        self._fleet.committed(new.version)  # (back) in rotation, then let go
         old, self._served, self._loaded_into, self._announced = self._served, new, [], None
         if old is not None and old.tensors is not None and old.copied:  # by tensors: no server holds its buffer
             self._reusable = old
