@@ -126,10 +126,14 @@ def test_wsync_watch_metrics_show_the_loaded_version_and_its_lag(server_factory,
     pub = WeightPublisher(PublisherConfig(transport="disk", servers=[s.url], name_resolve=nr, snapshot_root=root,
                                           experiment="m", trial="t", progress=False, wait_loaded_timeout=60))
     try:
+        from bridge.name_resolve import make_name_resolve, names
+
+        registry = make_name_resolve(nr)  # the watcher serves its metrics, then registers: a publish waits for both
         deadline = time.monotonic() + 60
-        while _scrape_or_empty(metrics) == {}:
+        while _scrape_or_empty(metrics) == {} or not registry.find_subtree(names.watchers("m", "t")):
             assert watch.poll() is None and time.monotonic() < deadline, watch.stderr.read() if watch.poll() else ""
             time.sleep(0.2)
+        registry.close()
         for v in (1, 2):
             _train(model, v)
             pub.publish(model, version=v)  # returns once the server serves it; the watcher counts it just after

@@ -184,15 +184,17 @@ def send(args) -> dict:
     buckets = plan_buckets(specs, bucket_bytes=64 * 1024)
     flattened = args.load_format == "flattened_bucket"
     c = ServerClient(args.url)
+    # Every bucket serialized before the session opens: the first serialization imports SGLang's serializer, which on
+    # a loaded machine took longer than the server waits for a session's first request (--group-timeout).
+    bufs = [flatten_tensors(bucket, weights) for bucket in buckets]
+    payloads = [serialize_bucket(bucket, buf, tp_size=c.tp_size, flattened=flattened) for bucket, buf in zip(buckets, bufs)]
     c.begin_weight_update()
-    for k, bucket in enumerate(buckets):
-        buf = flatten_tensors(bucket, weights)
-        entries = serialize_bucket(bucket, buf, tp_size=c.tp_size, flattened=flattened)
+    for k, entries in enumerate(payloads):
         last = k == len(buckets) - 1
         c.update_weights_from_tensor(entries, load_format="flattened_bucket" if flattened else None, flush_cache=last,
                                      weight_version="ipc1" if last else None, timeout=60)
-        del buf  # the server answered: it copied the bytes out
     c.end_weight_update()
+    del bufs  # the server answered every bucket: it copied the bytes out
     from tests.sglang_harness.serve import sglang_layout
 
     # as SGLang's Qwen2 serves them: q/k/v and gate/up stacked
