@@ -205,6 +205,7 @@ def _publisher(transport: str, urls: list[str], **kw):
     from bridge import PublisherConfig, WeightPublisher
 
     kw.setdefault("delta_max_fraction", 0.5)  # lr 1e-5 changes about a quarter of the tiny model's elements
+    kw.setdefault("delta_zstd", "on")  # the stage auto leaves to slow links: its records go through the server too
     return WeightPublisher(PublisherConfig(transport=transport, servers=urls, bucket_mb=0.25, encoding="delta",
                                            group_timeout=20, http_timeout=20, progress=False, **kw))
 

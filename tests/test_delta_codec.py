@@ -194,3 +194,30 @@ def test_a_delta_goes_only_well_under_the_full_sync_and_one_that_took_longer_is_
     assert costs.record("delta", 2_000_000, 0.4, (0.1, 0.01, 50_000_000, 1_000_000)) is None
     assert costs.record("delta", 2_000_000, 1.3, (0.1, 0.01, 50_000_000, 1_000_000)) == 1.0
     assert (costs.slower, costs.deltas) == (1, 2)
+
+
+def test_the_zstd_stage_goes_by_delta_zstd_and_in_auto_only_below_its_link_rate():
+    """``delta_zstd``: ``on`` and ``off`` as said; ``auto`` (the default) takes the zstd stage only once the last full
+    syncs ran below ``ZSTD_AUTO_BELOW_BITS`` end to end (a 100 Mbit/s link, not a 1 Gbit/s one, nor before any full
+    sync was measured); never where a server cannot read it. A wrong value is refused, naming the choices."""
+    from bridge import PublisherConfig
+    from bridge.encodings.delta import DeltaEncoding
+    from bridge.encodings.delta_plan import ZSTD_AUTO_BELOW_BITS
+    from bridge.errors import ConfigError
+
+    full = 100_000_000
+    assert 100e6 < ZSTD_AUTO_BELOW_BITS < 1e9
+
+    def stage(mode: str, full_s: float | None, readable: bool = True) -> bool:
+        enc = DeltaEncoding(PublisherConfig(transport="broadcast", servers=["http://127.0.0.1:1"], encoding="delta", delta_zstd=mode), 0, 1)
+        if full_s is not None:
+            enc.costs.record("anchor", full, full_s, (0.0, 0.0, 1, 0))
+        enc.zstd = readable
+        return enc._zstd_stage()
+
+    slow, fast = full * 8 / 100e6, full * 8 / 1e9  # seconds of the full sync at 100 Mbit/s and 1 Gbit/s
+    assert stage("auto", slow) and not stage("auto", fast) and not stage("auto", None)
+    assert stage("on", fast) and stage("on", None) and not stage("off", slow)
+    assert not stage("on", slow, readable=False) and not stage("auto", slow, readable=False)
+    with pytest.raises(ConfigError, match="delta_zstd must be one of auto, on, off"):
+        PublisherConfig(transport="broadcast", servers=["http://127.0.0.1:1"], encoding="delta", delta_zstd="yes")

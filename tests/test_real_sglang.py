@@ -214,9 +214,11 @@ def test_a_colocated_bucket_leaves_nothing_mapped_or_waiting(servers):
 def test_deltas_through_sglangs_loader_with_anchors(servers):
     """The delta encoding into real SGLang started with ``--custom-weight-loader bridge.serving.sglang_delta_loader.load_delta``:
     anchors where due (the first sync, every third), deltas between them, and every served tensor the trainer's. (On
-    loopback a delta of this small model is not clearly faster than the full sync, so the cost model is off here.)"""
+    loopback a delta of this small model is not clearly faster than the full sync, so the cost model is off here; the
+    zstd stage, which ``auto`` leaves to slow links, is on, so SGLang's scheduler decodes it too.)"""
     rank0, _ = run_ranks(_publish_and_read_back, 2, args=(servers.llama.url, 300, 6, dict(
-        transport="broadcast", encoding="delta", delta_anchor_every=3, delta_max_fraction=1.0, cost_model=False)),
+        transport="broadcast", encoding="delta", delta_anchor_every=3, delta_max_fraction=1.0, cost_model=False,
+        delta_zstd="on")),
         timeout=300)
     kinds = [r["encoding"] for r in rank0["results"]]
     assert kinds[0] == "anchor" and "delta" in kinds and kinds.count("anchor") >= 2, kinds

@@ -3,7 +3,7 @@
 Every trainer rank keeps the serving-dtype bytes of its own shard as last committed, *the base*: 2 bytes
 per parameter of its shard in bf16, on the parameters' device (``base_bytes``). At each publish, in the
 prepare step, a rank casts its shard, compares it bit for bit with the base (one pass per tensor on the CPU, the
-C kernel of :mod:`bridge.codecs.kernels`), and for each tensor it holds picks the smallest record (gaps, indices or bitmask + values, zstd where it pays; :mod:`bridge.codecs.delta`);
+C kernel of :mod:`bridge.codecs.kernels`), and for each tensor it holds picks the smallest record (gaps, indices or bitmask + values, zstd where ``delta_zstd`` says; :mod:`bridge.codecs.delta`);
 it writes the new bytes into the base at once and keeps what it overwrote (an undo log: the changed
 positions and old values of each tensor, or a copy of a tensor that changed almost entirely), so a failed
 sync puts the base back exactly and a committed one only drops the log. The base therefore moves only when
@@ -43,6 +43,7 @@ from bridge.codecs.diff import INTS, differing_lanes, flatnonzero
 from bridge.codecs.pieces import combine_digest, piece_crc
 from bridge.encodings.base import Encoding, Transfer, gathered
 from bridge.encodings.delta_plan import (
+    ZSTD_AUTO_BELOW_BITS,
     BasePiece,
     Change,
     Decision,
@@ -94,6 +95,7 @@ class DeltaEncoding(Encoding):
         self._kernels = kernels.available()  # the one-pass diff, built here (once per machine) if it is not yet
         self._into_real_sglang = False  # rank 0: the sync in progress reached servers that load as bytes arrive
         self.zstd = True  # records may take the zstd stage (each sync's decision says whether the servers read it)
+        self._zstd_now = False  # this sync's records take it (:meth:`_zstd_stage`)
         self._stale: list | None = None  # an anchor decided early: the shards the base takes once they are sent
         self._refresh: cf.Future | None = None  # ... and that copy, from the settle step until the commit
         self.costs, self._t0, self._timed = SyncCosts(), 0.0, [0.0, 0.0, 0, 0]  # what syncs cost: the anchor decision
@@ -141,6 +143,7 @@ class DeltaEncoding(Encoding):
             return DeltaSummary(skip=reason, whole=whole, changed=changed, numel=numel, crcs=crcs,
                                 costs=self.costs.state())
         sizes, changed, numel, fresh, t_diff = {}, 0, 0, False, time.perf_counter()
+        self._zstd_now = self._zstd_stage()
         for sh in shards:
             if sh.local is None:
                 continue
@@ -155,6 +158,17 @@ class DeltaEncoding(Encoding):
         self._timed[0], self._timed[2:] = time.perf_counter() - t_diff, [numel, changed]
         return DeltaSummary(skip=None, sizes=sizes, whole=whole, changed=changed, numel=numel, fresh=fresh, crcs=crcs,
                             probes=self.probes, costs=self.costs.state())
+
+    def _zstd_stage(self) -> bool:
+        """Whether this sync's records may take the zstd stage: every server reads it (the last decision said so) and
+        ``delta_zstd`` is ``on``, or ``auto`` where the last full syncs this rank measured ran below
+        :data:`~bridge.encodings.delta_plan.ZSTD_AUTO_BELOW_BITS` end to end. (Each record says whether it took the
+        stage, so ranks that measured differently need not agree.)"""
+        mode = self.config.encoding_options.delta_zstd
+        if not self.zstd or mode == "off":
+            return False
+        per_byte = self.costs.state()["s_per_byte"]
+        return mode == "on" or (per_byte is not None and 8 / per_byte < ZSTD_AUTO_BELOW_BITS)
 
     def _anchor_ahead(self, owned: list) -> tuple[str, int, int] | None:
         """(why, estimated changed elements, elements) when this rank knows before diffing that the sync will be
@@ -226,7 +240,7 @@ class DeltaEncoding(Encoding):
         first = int(positions[0])
         self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
         t = time.perf_counter()
-        kind, body = encode_sparse(n, positions, values, zstd=self.zstd)
+        kind, body = encode_sparse(n, positions, values, zstd=self._zstd_now)
         self._timed[1] += time.perf_counter() - t
         if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
             old = held.base.clone()

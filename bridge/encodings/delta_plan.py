@@ -13,7 +13,14 @@ from bridge.options import option
 from bridge.publisher.plan import Encoded, EncodingReport
 from bridge.tensors import ParamSpec
 
-__all__ = ["BasePiece", "Change", "Decision", "DeltaBucket", "DeltaOptions", "DeltaPlan", "DeltaSummary"]
+__all__ = ["ZSTD_AUTO_BELOW_BITS", "ZSTD_CHOICES", "BasePiece", "Change", "Decision", "DeltaBucket", "DeltaOptions", "DeltaPlan",
+           "DeltaSummary"]
+
+
+ZSTD_CHOICES = ("auto", "on", "off")
+ZSTD_AUTO_BELOW_BITS = 250e6
+"""``delta_zstd="auto"``: the zstd stage only where the last full syncs moved fewer bits per second than this, end to
+end (docs/delta.md, "The zstd stage": where it pays)."""
 
 
 @dataclass
@@ -135,7 +142,14 @@ class DeltaOptions:
                                             "against the last full syncs' time). Each rank estimates it from a "
                                             "sample first, so a sync that will be full skips the diff", metavar="F")
 
+    delta_zstd: str = option("auto", "the zstd stage of the delta's records: auto = only where the last full syncs "
+                                     "ran below 250 Mbit/s end to end (on faster links its compression on the ranks "
+                                     "and decompression on the servers cost more than the bytes it saves), on, off",
+                             choices=ZSTD_CHOICES)
+
     def __post_init__(self) -> None:
+        if self.delta_zstd not in ZSTD_CHOICES:
+            raise ConfigError(f"delta_zstd must be one of {', '.join(ZSTD_CHOICES)}, got {self.delta_zstd!r}")
         if isinstance(self.delta_anchor_every, bool) or not isinstance(self.delta_anchor_every, int) \
                 or self.delta_anchor_every < 1:
             raise ConfigError(f"delta_anchor_every must be an integer >= 1, got {self.delta_anchor_every!r}")
