@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from bridge.codecs import kernels
 from bridge.codecs.delta import DELTA_TENSOR, DeltaFormatError, apply_record, iter_records
 from bridge.codecs.pieces import combine_digest, piece_crc, pieces_of
 from bridge.protocol import DELTA_BASE_MISMATCH
@@ -98,6 +99,9 @@ class Deltas:
 
     def __init__(self, weights):
         self.weights = weights
+        # The C kernels that check and apply gap records in one pass, loaded (or built, once per machine) before the
+        # first delta rather than inside it; without them the records are decoded in numpy.
+        threading.Thread(target=kernels.available, name="wsync-kernels", daemon=True).start()
         self._crcs: dict[tuple, list] = {}
         self._epoch = -1
         self._layout: tuple[int, set] | None = None  # (world, whole names) of the last delta

@@ -205,3 +205,32 @@ def test_e4m3_rounding_of_every_scaled_value():
     out, grid = torch.empty(values.shape, dtype=FP8_DTYPE), torch.ones(1, values.shape[1] // 128)
     assert kernels.quantize_blocks(values.contiguous(), torch.float32, out, grid, False, AMAX_FLOOR)
     assert torch.equal(out.view(torch.uint8), values.to(FP8_DTYPE).view(torch.uint8))
+
+
+def test_gap_records_in_one_pass_are_the_numpy_bytes():
+    """The delta's gap records by the C kernels: the gaps written of random increasing positions (distances of every
+    size, escapes of 8- and 16-bit gaps among them) are the numpy encoder's, counted back to the same number and last
+    position, applied to the same bytes as ``index_copy_`` at the decoded positions, and a position at or past the
+    piece's end is found (-1) before anything is written."""
+    from bridge.codecs.delta import GAP_KINDS, _distances, _gap_entries
+
+    g = torch.Generator().manual_seed(5)
+    for trial in range(40):
+        length = int(torch.randint(1, 400_000, (1,), generator=g))
+        k = int(torch.randint(0, min(length, 4000) + 1, (1,), generator=g))
+        positions = torch.randperm(length, generator=g)[:k].sort().values
+        top, escapes = kernels.gaps_stats(positions)
+        distances = _distances(positions)
+        assert top == (int(distances.max()) if k else 0), trial
+        for (kind, dtype), esc in zip(GAP_KINDS.items(), escapes):
+            gaps = torch.empty(k + esc, dtype=dtype)
+            assert kernels.gaps_write(positions, gaps) == k + esc
+            assert torch.equal(gaps.to(torch.int64), _gap_entries(kind, distances).to(torch.int64)), (trial, kind)
+            assert kernels.gaps_count(gaps, length) == (k, int(positions[-1]) if k else -1)
+            values = torch.randint(-2**15, 2**15, (k,), generator=g, dtype=torch.int16)
+            got, want = torch.zeros(length, dtype=torch.int16), torch.zeros(length, dtype=torch.int16)
+            assert kernels.gaps_apply(gaps, values, got)
+            want.index_copy_(0, positions, values)
+            assert torch.equal(got, want), (trial, kind)
+            if k:
+                assert kernels.gaps_count(gaps, int(positions[-1]))[0] == -1

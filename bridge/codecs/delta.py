@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bridge.codecs import kernels
 from bridge.codecs.diff import INTS, as_ints, flatnonzero, numpy_or_none, pack_bits, unpack_bits
 
 __all__ = [
@@ -204,8 +205,10 @@ def encode_sparse(length: int, positions: torch.Tensor, values: torch.Tensor,
     import numpy as np
 
     count, itemsize = positions.numel(), values.element_size()
-    distances = _distances(positions)
-    kind, nbytes = _smallest(length, count, itemsize, _escapes(length, count, distances))
+    stats = kernels.gaps_stats(positions)  # one pass in C; else numpy's distances
+    distances = _distances(positions) if stats is None else None
+    escapes = _escapes(length, count, distances) if stats is None else dict(zip(GAP_KINDS, stats[1]))
+    kind, nbytes = _smallest(length, count, itemsize, escapes)
     if kind == DENSE:
         return DENSE, None
     if kind == BITMASK:
@@ -213,8 +216,12 @@ def encode_sparse(length: int, positions: torch.Tensor, values: torch.Tensor,
         mask[positions.to(torch.int64)] = True
         head = [pack_bits(mask).cpu().numpy()]
     elif kind in GAP_KINDS:
-        entries = _gap_entries(kind, distances).numpy()
-        head = [np.array([entries.size], dtype=np.int64).view(np.uint8), entries.view(np.uint8)]
+        if stats is None:
+            gaps = _gap_entries(kind, distances)
+        else:
+            gaps = torch.empty(count + escapes[kind], dtype=GAP_KINDS[kind])
+            kernels.gaps_write(positions, gaps)
+        head = [np.array([gaps.numel()], dtype=np.int64).view(np.uint8), gaps.view(torch.uint8).numpy()]
     else:
         head = [positions.detach().cpu().numpy().astype(np.int32 if kind == SPARSE32 else np.int64).view(np.uint8)]
     n_head = sum(h.size for h in head)
@@ -316,7 +323,9 @@ class Record:
     length: int
     count: int
     positions: torch.Tensor | None
-    """int32/int64 positions (sparse and gap kinds: decoded), packed bits (``BITMASK``), None (``DENSE``)."""
+    """int32/int64 positions (sparse kinds; a gap kind decoded without the C kernel), the gaps themselves (a gap kind
+    whose gaps the kernel checked: uint8, uint16 or uint32, applied by it in one pass), packed bits (``BITMASK``),
+    None (``DENSE``)."""
     values: torch.Tensor
     """The new values (``count`` of them, or ``length`` for ``DENSE``), as raw bytes until typed by
     :func:`iter_records`."""
@@ -327,6 +336,8 @@ class Record:
             return None
         if self.kind == BITMASK:
             local = unpack_bits(self.positions, self.length).nonzero().squeeze(1)
+        elif _raw_gaps(self):
+            local = _gap_positions(self.kind, self.positions)
         else:
             local = self.positions.to(torch.int64)
         return local + self.start
@@ -405,10 +416,16 @@ def _sections(body: torch.Tensor, kind: int, length: int, count: int, itemsize: 
         at = 8 + _pad8(max(0, entries) * width)
         if entries < count or body.numel() < at + count * itemsize:
             raise DeltaFormatError(f"{where}: its gaps and values do not fit its {body.numel()} bytes")
-        positions = _gap_positions(kind, body[8 : 8 + entries * width].view(GAP_KINDS[kind]))
-        if positions.numel() != count or (count and int(positions[-1]) >= length):
-            raise DeltaFormatError(f"{where}: its gaps mark {positions.numel()} positions up to "
-                                   f"{int(positions[-1]) if positions.numel() else -1}; it changes {count} of {length}")
+        gaps = body[8 : 8 + entries * width].view(GAP_KINDS[kind])
+        counted = kernels.gaps_count(gaps, length)  # one pass in C, the gaps kept; else the positions decoded
+        if counted is None:
+            positions = _gap_positions(kind, gaps)
+            counted = positions.numel(), int(positions[-1]) if positions.numel() else -1
+        else:
+            positions = gaps
+        if counted[0] != count or counted[1] >= length:
+            marked = "positions past the piece" if counted[0] < 0 else f"{counted[0]} positions up to {counted[1]}"
+            raise DeltaFormatError(f"{where}: its gaps mark {marked}; it changes {count} of {length}")
         return positions, body[at : at + count * itemsize]
     width = 4 if kind == SPARSE32 else 8
     if body.numel() < _pad8(count * width) + count * itemsize:
@@ -430,7 +447,18 @@ def apply_record(flat: torch.Tensor, rec: Record) -> None:
         piece.copy_(values)
     elif rec.kind == BITMASK:
         piece.masked_scatter_(unpack_bits(rec.positions, rec.length).to(flat.device), values)
+    elif _raw_gaps(rec):
+        if not kernels.gaps_apply(rec.positions, values, piece):  # (a piece off the CPU)
+            piece.index_copy_(0, _gap_positions(rec.kind, rec.positions).to(flat.device), values)
     else:  # (index_copy_: faster than assigning through an index)
         piece.index_copy_(0, rec.positions.to(flat.device, torch.int64), values)
 
 
+
+
+def _raw_gaps(rec: Record) -> bool:
+    """A gap record whose positions are still its gaps (the C kernel checked them; it applies them too)."""
+    return rec.kind in GAP_KINDS and rec.positions is not None and rec.positions.dtype in _GAP_DTYPES
+
+
+_GAP_DTYPES = tuple(GAP_KINDS.values())

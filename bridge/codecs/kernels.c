@@ -197,3 +197,119 @@ void wsync_quantize_blocks(const uint32_t *rows, int64_t n, int64_t k, int bf16,
         }
     }
 }
+
+/* ---- the delta's gap records (bridge/codecs/delta.py: GAPS8/16/32). A gap g > 0 moves the position by g and marks
+ * it; a gap 0 (the escape) moves it by the type's largest value and marks nothing. Reading from position -1. Each
+ * loop is written once per gap type and item size (macros), so that the compiler makes each a plain loop. */
+
+#define GAPS_COUNT(T)                                                                                              \
+    static int64_t gaps_count_##T(const T *gaps, int64_t entries, int64_t length, int64_t *last) {                 \
+        const int64_t top = (T)~(T)0;                                                                              \
+        int64_t p = -1, c = 0;                                                                                     \
+        for (int64_t i = 0; i < entries; i++) {                                                                    \
+            const int64_t g = gaps[i];                                                                             \
+            p += g ? g : top;                                                                                      \
+            c += g != 0;                                                                                           \
+            if (p >= length)                                                                                       \
+                return -1;                                                                                         \
+        }                                                                                                          \
+        *last = c ? p : -1;                                                                                        \
+        return c;                                                                                                  \
+    }
+GAPS_COUNT(uint8_t)
+GAPS_COUNT(uint16_t)
+GAPS_COUNT(uint32_t)
+
+/* The positions `entries` gaps of `width` bytes mark: how many, the last in *last (-1 for none); -1 as soon as one
+ * reaches `length` (the record would write outside its piece). */
+int64_t wsync_gaps_count(const void *gaps, int width, int64_t entries, int64_t length, int64_t *last) {
+    if (width == 1)
+        return gaps_count_uint8_t(gaps, entries, length, last);
+    if (width == 2)
+        return gaps_count_uint16_t(gaps, entries, length, last);
+    return gaps_count_uint32_t(gaps, entries, length, last);
+}
+
+#define GAPS_APPLY(T, V)                                                                                           \
+    static void gaps_apply_##T##_##V(const T *gaps, int64_t entries, const V *values, V *target) {                 \
+        const int64_t top = (T)~(T)0;                                                                              \
+        int64_t p = -1;                                                                                            \
+        for (int64_t i = 0; i < entries; i++) {                                                                    \
+            const int64_t g = gaps[i];                                                                             \
+            if (g) {                                                                                               \
+                p += g;                                                                                            \
+                target[p] = *values++;                                                                             \
+            } else                                                                                                 \
+                p += top;                                                                                          \
+        }                                                                                                          \
+    }
+#define GAPS_APPLY_ALL(T) GAPS_APPLY(T, uint8_t) GAPS_APPLY(T, uint16_t) GAPS_APPLY(T, uint32_t) GAPS_APPLY(T, uint64_t)
+GAPS_APPLY_ALL(uint8_t)
+GAPS_APPLY_ALL(uint16_t)
+GAPS_APPLY_ALL(uint32_t)
+
+#define GAPS_APPLY_TO(T)                                                                                           \
+    switch (itemsize) {                                                                                            \
+    case 1: gaps_apply_##T##_uint8_t(gaps, entries, values, target); return;                                       \
+    case 2: gaps_apply_##T##_uint16_t(gaps, entries, values, target); return;                                      \
+    case 4: gaps_apply_##T##_uint32_t(gaps, entries, values, target); return;                                      \
+    default: gaps_apply_##T##_uint64_t(gaps, entries, values, target); return;                                     \
+    }
+
+/* Assign the values (`itemsize` bytes each: 1, 2, 4 or 8, in position order) at the positions the gaps mark, into
+ * the piece `target`; the gaps were checked with wsync_gaps_count. */
+void wsync_gaps_apply(const void *gaps, int width, int64_t entries, const void *values, int itemsize, void *target) {
+    if (width == 1) {
+        GAPS_APPLY_TO(uint8_t)
+    } else if (width == 2) {
+        GAPS_APPLY_TO(uint16_t)
+    } else {
+        GAPS_APPLY_TO(uint32_t)
+    }
+}
+
+/* The distances between `n` increasing positions (from -1) for the encoder's choice: the largest in *top, and for
+ * each gap width (1, 2, 4 bytes) the escapes it would need, in esc[0..2] (a distance d needs (d - 1) / M of them). */
+void wsync_gaps_stats(const int64_t *pos, int64_t n, int64_t *top, int64_t *esc) {
+    int64_t prev = -1, m = 0, e1 = 0, e2 = 0, e4 = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t d = pos[i] - prev;
+        prev = pos[i];
+        m = d > m ? d : m;
+        if (d > 0xff) { /* (rare where gaps pay: no division otherwise) */
+            e1 += (d - 1) / 0xff;
+            e2 += (d - 1) / 0xffff;
+            e4 += (d - 1) / 0xffffffffll;
+        }
+    }
+    *top = m;
+    esc[0] = e1;
+    esc[1] = e2;
+    esc[2] = e4;
+}
+
+#define GAPS_WRITE(T)                                                                                              \
+    static int64_t gaps_write_##T(const int64_t *pos, int64_t n, T *out) {                                         \
+        const int64_t top = (T)~(T)0;                                                                              \
+        int64_t prev = -1, e = 0;                                                                                  \
+        for (int64_t i = 0; i < n; i++) {                                                                          \
+            int64_t d = pos[i] - prev;                                                                             \
+            prev = pos[i];                                                                                         \
+            for (; d > top; d -= top) /* an escape: the type's largest value, nothing marked */                    \
+                out[e++] = 0;                                                                                      \
+            out[e++] = (T)d;                                                                                       \
+        }                                                                                                          \
+        return e;                                                                                                  \
+    }
+GAPS_WRITE(uint8_t)
+GAPS_WRITE(uint16_t)
+GAPS_WRITE(uint32_t)
+
+/* The gaps of `n` increasing positions in `width` bytes each (escapes included) into `out`; how many. */
+int64_t wsync_gaps_write(const int64_t *pos, int64_t n, int width, void *out) {
+    if (width == 1)
+        return gaps_write_uint8_t(pos, n, out);
+    if (width == 2)
+        return gaps_write_uint16_t(pos, n, out);
+    return gaps_write_uint32_t(pos, n, out);
+}

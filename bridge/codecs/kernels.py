@@ -1,4 +1,5 @@
-"""The trainer's CPU work per tensor in one pass: the delta's diff and the block FP8 quantization, in a small C library
+"""The CPU work per tensor in one pass: the delta's diff, its gap records (written by the trainer, read and applied by
+the servers) and the block FP8 quantization, in a small C library
 (``kernels.c`` beside this file) built once per machine with the C compiler it has and loaded with :mod:`ctypes`.
 
 The plain way to diff a piece (cast it to the serving dtype, compare it with the base, take the positions, then the
@@ -33,7 +34,7 @@ import torch
 
 from bridge.log import get_logger
 
-__all__ = ["available", "diff", "quantize_blocks", "room"]
+__all__ = ["available", "diff", "gaps_apply", "gaps_count", "gaps_stats", "gaps_write", "quantize_blocks", "room"]
 
 logger = get_logger(__name__)
 
@@ -102,6 +103,15 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.wsync_gaps_count.restype = ctypes.c_int64
+    lib.wsync_gaps_count.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.wsync_gaps_apply.restype = None
+    lib.wsync_gaps_apply.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                     ctypes.c_void_p]
+    lib.wsync_gaps_stats.restype = None
+    lib.wsync_gaps_stats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.wsync_gaps_write.restype = ctypes.c_int64
+    lib.wsync_gaps_write.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     lib.wsync_quantize_blocks.restype = None
     lib.wsync_quantize_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                           ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
@@ -218,3 +228,54 @@ def quantize_blocks(rows: torch.Tensor, served: torch.dtype, out: torch.Tensor, 
 
     _each_part(quantize_part, parts)
     return True
+
+
+# ------------------------------------------------------------------ the delta's gap records
+
+
+def _cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def gaps_count(gaps: torch.Tensor, length: int) -> tuple[int, int] | None:
+    """(how many positions a gap record's ``gaps`` mark, the last of them or -1 for none), reading from position -1;
+    the count is -1 when a position reaches ``length``. ``gaps``: the record's uint8, uint16 or uint32 gaps. None
+    without the kernel (or off the CPU): decode them the plain way."""
+    lib = _library()
+    if lib is None or not _cpu(gaps):
+        return None
+    last = ctypes.c_int64(-1)
+    count = lib.wsync_gaps_count(gaps.data_ptr(), gaps.element_size(), gaps.numel(), length, ctypes.byref(last))
+    return count, last.value
+
+
+def gaps_apply(gaps: torch.Tensor, values: torch.Tensor, target: torch.Tensor) -> bool:
+    """Assign ``values`` (in position order) at the positions ``gaps`` mark in ``target`` (the record's piece, flat,
+    of the values' item size), in one pass with no positions made; the gaps were checked by :func:`gaps_count`. False,
+    having done nothing, without the kernel."""
+    lib = _library()
+    if lib is None or not _cpu(gaps, values, target) or values.element_size() != target.element_size():
+        return False
+    lib.wsync_gaps_apply(gaps.data_ptr(), gaps.element_size(), gaps.numel(), values.data_ptr(), values.element_size(),
+                         target.data_ptr())
+    return True
+
+
+def gaps_stats(positions: torch.Tensor) -> tuple[int, tuple[int, int, int]] | None:
+    """(the largest distance between the increasing int64 ``positions``, read from -1; the escapes gaps of 1, 2 and 4
+    bytes would need), in one pass; None without the kernel."""
+    lib = _library()
+    if lib is None or positions.dtype != torch.int64 or not _cpu(positions):
+        return None
+    top, esc = ctypes.c_int64(0), (ctypes.c_int64 * 3)()
+    lib.wsync_gaps_stats(positions.data_ptr(), positions.numel(), ctypes.byref(top), esc)
+    return top.value, (esc[0], esc[1], esc[2])
+
+
+def gaps_write(positions: torch.Tensor, out: torch.Tensor) -> int | None:
+    """The gaps of the increasing int64 ``positions`` (escapes included) written into ``out`` (uint8, uint16 or
+    uint32, room for them all: :func:`gaps_stats` counts the escapes); how many. None without the kernel."""
+    lib = _library()
+    if lib is None or positions.dtype != torch.int64 or not _cpu(positions, out):
+        return None
+    return lib.wsync_gaps_write(positions.data_ptr(), positions.numel(), out.element_size(), out.data_ptr())
