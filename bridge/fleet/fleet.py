@@ -53,7 +53,7 @@ def registries_of(config) -> list[str]:
 class Fleet:
     """The servers one publisher syncs (rank 0 only); see the module docstring."""
 
-    def __init__(self, config, run_id: str, follows_version: bool = True):
+    def __init__(self, config, run_id: str, follows_version: bool = True, new_run: bool = False):
         self.config = config
         self.run_id = run_id
         self.follows_version = follows_version
@@ -76,7 +76,7 @@ class Fleet:
         """url -> the version it served when the last ``prepare`` probed it (the servers that answered)."""
         self.status: dict[str, str] = {}
         self._listed: dict[int, list[str]] = {}  # source index -> what it listed at the last publish
-        self._new_run = getattr(config, "new_run", False)
+        self._new_run = new_run  # the first publish may start the run over (PublisherConfig.new_run)
         self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="wsync-fleet")
 
     # ------------------------------------------------------------------ before the sync

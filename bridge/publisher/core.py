@@ -320,7 +320,7 @@ class WeightPublisher(Publisher):
         if self._fleet is None and (cfg.servers or cfg.server_registry):
             from bridge.fleet import Fleet
 
-            self._fleet = Fleet(cfg, self.run_id)
+            self._fleet = Fleet(cfg, self.run_id, new_run=cfg.new_run)
         snapshot = self._transport.newest_snapshot if self._transport is not None else None
         servers = self._fleet.prepare(snapshot) if self._fleet is not None else None
         if self._transport is None:
