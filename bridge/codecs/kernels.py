@@ -9,7 +9,8 @@ e4m3); :func:`quantize_blocks` takes two, the second from cache. The results are
 (bf16: its vectorized one, round to nearest even, NaN as 0xFFFF; e4m3fn: round to nearest even, saturated), and the
 tests compare both ways on every kind of float.
 
-Built at the first :func:`available` (a delta or FP8 encoding calls it when it is made, before any publish), in a
+Built at the first :func:`available` (a delta or FP8 encoding calls it when it is made, before any publish, and the
+reference server at its start, for the gap records it applies), in a
 fraction of a second, into ``$WSYNC_KERNEL_CACHE`` (default ``~/.cache/wsync/kernels``) under a name that hashes the
 source, the compiler and its flags, so a process that finds it there only loads it. The compiler is ``$CC``, else
 ``cc``, else ``gcc``. Without one, or with ``WSYNC_KERNELS=0``, the same work runs in torch; one log line says so.
