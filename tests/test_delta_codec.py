@@ -224,7 +224,7 @@ def test_the_zstd_stage_goes_by_delta_zstd_and_in_auto_only_below_its_link_rate(
         if full_s is not None:
             enc.costs.record("anchor", full, full_s, (0.0, 0.0, 1, 0))
         enc.zstd = readable
-        return enc._zstd_stage()
+        return enc._zstd_stage(enc.costs.state())
 
     slow, fast = full * 8 / 100e6, full * 8 / 1e9  # seconds of the full sync at 100 Mbit/s and 1 Gbit/s
     assert stage("auto", slow) and not stage("auto", fast) and not stage("auto", None)

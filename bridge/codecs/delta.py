@@ -205,9 +205,9 @@ def encode_sparse(length: int, positions: torch.Tensor, values: torch.Tensor,
     import numpy as np
 
     count, itemsize = positions.numel(), values.element_size()
-    stats = kernels.gaps_stats(positions)  # one pass in C; else numpy's distances
-    distances = _distances(positions) if stats is None else None
-    escapes = _escapes(length, count, distances) if stats is None else dict(zip(GAP_KINDS, stats[1]))
+    counted = kernels.gaps_escapes(positions)  # one pass in C; else from numpy's distances
+    distances = _distances(positions) if counted is None else None
+    escapes = _escapes(length, count, distances) if counted is None else dict(zip(GAP_KINDS, counted))
     kind, nbytes = _smallest(length, count, itemsize, escapes)
     if kind == DENSE:
         return DENSE, None
@@ -216,7 +216,7 @@ def encode_sparse(length: int, positions: torch.Tensor, values: torch.Tensor,
         mask[positions.to(torch.int64)] = True
         head = [pack_bits(mask).cpu().numpy()]
     elif kind in GAP_KINDS:
-        if stats is None:
+        if counted is None:
             gaps = _gap_entries(kind, distances)
         else:
             gaps = torch.empty(count + escapes[kind], dtype=GAP_KINDS[kind])
@@ -452,8 +452,6 @@ def apply_record(flat: torch.Tensor, rec: Record) -> None:
             piece.index_copy_(0, _gap_positions(rec.kind, rec.positions).to(flat.device), values)
     else:  # (index_copy_: faster than assigning through an index)
         piece.index_copy_(0, rec.positions.to(flat.device, torch.int64), values)
-
-
 
 
 def _raw_gaps(rec: Record) -> bool:

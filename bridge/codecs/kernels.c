@@ -268,21 +268,19 @@ void wsync_gaps_apply(const void *gaps, int width, int64_t entries, const void *
     }
 }
 
-/* The distances between `n` increasing positions (from -1) for the encoder's choice: the largest in *top, and for
- * each gap width (1, 2, 4 bytes) the escapes it would need, in esc[0..2] (a distance d needs (d - 1) / M of them). */
-void wsync_gaps_stats(const int64_t *pos, int64_t n, int64_t *top, int64_t *esc) {
-    int64_t prev = -1, m = 0, e1 = 0, e2 = 0, e4 = 0;
+/* For the encoder's choice: the escapes each gap width (1, 2, 4 bytes) would need between `n` increasing positions
+ * (from -1), in esc[0..2] (a distance d needs (d - 1) / M of them). */
+void wsync_gaps_escapes(const int64_t *pos, int64_t n, int64_t *esc) {
+    int64_t prev = -1, e1 = 0, e2 = 0, e4 = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t d = pos[i] - prev;
         prev = pos[i];
-        m = d > m ? d : m;
         if (d > 0xff) { /* (rare where gaps pay: no division otherwise) */
             e1 += (d - 1) / 0xff;
             e2 += (d - 1) / 0xffff;
             e4 += (d - 1) / 0xffffffffll;
         }
     }
-    *top = m;
     esc[0] = e1;
     esc[1] = e2;
     esc[2] = e4;

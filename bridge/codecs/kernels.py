@@ -35,7 +35,7 @@ import torch
 
 from bridge.log import get_logger
 
-__all__ = ["available", "diff", "gaps_apply", "gaps_count", "gaps_stats", "gaps_write", "quantize_blocks", "room"]
+__all__ = ["available", "diff", "gaps_apply", "gaps_count", "gaps_escapes", "gaps_write", "quantize_blocks", "room"]
 
 logger = get_logger(__name__)
 
@@ -109,8 +109,8 @@ def _library() -> ctypes.CDLL | None:
     lib.wsync_gaps_apply.restype = None
     lib.wsync_gaps_apply.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                      ctypes.c_void_p]
-    lib.wsync_gaps_stats.restype = None
-    lib.wsync_gaps_stats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.wsync_gaps_escapes.restype = None
+    lib.wsync_gaps_escapes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.wsync_gaps_write.restype = ctypes.c_int64
     lib.wsync_gaps_write.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     lib.wsync_quantize_blocks.restype = None
@@ -159,10 +159,14 @@ def _each_part(fn, parts: int) -> list:
     return [fn(0)] if parts == 1 else list(_pool().map(fn, range(parts)))
 
 
+def _cpu(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is one the kernels can read or write: contiguous, on the CPU."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
 def _kernel(new: torch.Tensor, base: torch.Tensor):
     lib = _library()
-    if lib is None or new.device.type != "cpu" or base.device.type != "cpu" or not new.is_contiguous() \
-            or not base.is_contiguous():
+    if lib is None or not _cpu(new, base):
         return None
     if new.dtype == base.dtype:
         return getattr(lib, f"wsync_diff_same_{base.element_size()}", None)
@@ -214,7 +218,7 @@ def quantize_blocks(rows: torch.Tensor, served: torch.dtype, out: torch.Tensor, 
     lib = _library()
     n, k = rows.shape if rows.dim() == 2 else (0, 0)
     if lib is None or rows.dtype != torch.float32 or served not in _SERVED or not n or n % 128 or k % 128 \
-            or any(t.device.type != "cpu" or not t.is_contiguous() for t in (rows, out, grid)) \
+            or not _cpu(rows, out, grid) \
             or out.shape != rows.shape or out.element_size() != 1 or grid.dtype != torch.float32 \
             or tuple(grid.shape) != (n // 128, k // 128):
         return False
@@ -232,10 +236,6 @@ def quantize_blocks(rows: torch.Tensor, served: torch.dtype, out: torch.Tensor, 
 
 
 # ------------------------------------------------------------------ the delta's gap records
-
-
-def _cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 def gaps_count(gaps: torch.Tensor, length: int) -> tuple[int, int] | None:
@@ -262,20 +262,20 @@ def gaps_apply(gaps: torch.Tensor, values: torch.Tensor, target: torch.Tensor) -
     return True
 
 
-def gaps_stats(positions: torch.Tensor) -> tuple[int, tuple[int, int, int]] | None:
-    """(the largest distance between the increasing int64 ``positions``, read from -1; the escapes gaps of 1, 2 and 4
-    bytes would need), in one pass; None without the kernel."""
+def gaps_escapes(positions: torch.Tensor) -> tuple[int, int, int] | None:
+    """The escapes gaps of 1, 2 and 4 bytes would need between the increasing int64 ``positions`` (read from -1), in
+    one pass; None without the kernel."""
     lib = _library()
     if lib is None or positions.dtype != torch.int64 or not _cpu(positions):
         return None
-    top, esc = ctypes.c_int64(0), (ctypes.c_int64 * 3)()
-    lib.wsync_gaps_stats(positions.data_ptr(), positions.numel(), ctypes.byref(top), esc)
-    return top.value, (esc[0], esc[1], esc[2])
+    esc = (ctypes.c_int64 * 3)()
+    lib.wsync_gaps_escapes(positions.data_ptr(), positions.numel(), esc)
+    return esc[0], esc[1], esc[2]
 
 
 def gaps_write(positions: torch.Tensor, out: torch.Tensor) -> int | None:
     """The gaps of the increasing int64 ``positions`` (escapes included) written into ``out`` (uint8, uint16 or
-    uint32, room for them all: :func:`gaps_stats` counts the escapes); how many. None without the kernel."""
+    uint32, room for them all: :func:`gaps_escapes` counts the escapes); how many. None without the kernel."""
     lib = _library()
     if lib is None or positions.dtype != torch.int64 or not _cpu(positions, out):
         return None

@@ -143,7 +143,8 @@ class DeltaEncoding(Encoding):
             return DeltaSummary(skip=reason, whole=whole, changed=changed, numel=numel, crcs=crcs,
                                 costs=self.costs.state())
         sizes, changed, numel, fresh, t_diff = {}, 0, 0, False, time.perf_counter()
-        self._zstd_now = self._zstd_stage()
+        costs = self.costs.state()  # (this sync's records change them only at its end)
+        self._zstd_now = self._zstd_stage(costs)
         for sh in shards:
             if sh.local is None:
                 continue
@@ -157,17 +158,17 @@ class DeltaEncoding(Encoding):
             fresh |= ch.old is None
         self._timed[0], self._timed[2:] = time.perf_counter() - t_diff, [numel, changed]
         return DeltaSummary(skip=None, sizes=sizes, whole=whole, changed=changed, numel=numel, fresh=fresh, crcs=crcs,
-                            probes=self.probes, costs=self.costs.state())
+                            probes=self.probes, costs=costs)
 
-    def _zstd_stage(self) -> bool:
+    def _zstd_stage(self, costs: dict) -> bool:
         """Whether this sync's records may take the zstd stage: every server reads it (the last decision said so) and
-        ``delta_zstd`` is ``on``, or ``auto`` where the last full syncs this rank measured ran below
+        ``delta_zstd`` is ``on``, or ``auto`` where the last full syncs this rank measured (``costs``) ran below
         :data:`~bridge.encodings.delta_plan.ZSTD_AUTO_BELOW_BITS` end to end. (Each record says whether it took the
         stage, so ranks that measured differently need not agree.)"""
         mode = self.config.encoding_options.delta_zstd
         if not self.zstd or mode == "off":
             return False
-        per_byte = self.costs.state()["s_per_byte"]
+        per_byte = costs["s_per_byte"]
         return mode == "on" or (per_byte is not None and 8 / per_byte < ZSTD_AUTO_BELOW_BITS)
 
     def _anchor_ahead(self, owned: list) -> tuple[str, int, int] | None:

@@ -20,7 +20,7 @@ __all__ = ["ZSTD_AUTO_BELOW_BITS", "ZSTD_CHOICES", "BasePiece", "Change", "Decis
 ZSTD_CHOICES = ("auto", "on", "off")
 ZSTD_AUTO_BELOW_BITS = 250e6
 """``delta_zstd="auto"``: the zstd stage only where the last full syncs moved fewer bits per second than this, end to
-end (docs/delta.md, "The zstd stage": where it pays)."""
+end (docs/benchmark.md, "The zstd stage and the gap records": where it pays)."""
 
 
 @dataclass

@@ -97,9 +97,9 @@ class Fleet:
                 self._exclude(u, found[u])
             elif self.excluded.pop(u, None) is not None:
                 logger.warning("server %s answers again (serves version %s)", u, found[u])
-        fleet = self.version if self.version is not None else newest_version(found[u] for u in live)
-        if not self.follows_version:
-            fleet = None
+        fleet = None  # the version every server in rotation must serve (none for a fleet that does not follow it)
+        if self.follows_version:
+            fleet = self.version if self.version is not None else newest_version(found[u] for u in live)
         for u in live:
             why = self.torn.get(u)
             if why is None and fleet is not None:
