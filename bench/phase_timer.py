@@ -25,6 +25,9 @@ def profile_method(bench, method: str, repeats: int = 5, top: int = 30) -> dict 
     if method not in items:
         raise SystemExit(f"unknown method {method!r}; choose one of {', '.join(n for n in items if not n.startswith('raw'))}")
     fn = items[method]
+    if method.startswith("fp8+delta-lr"):  # its row publishes the step the delta row took: here it takes its own
+        row, lr = fn, float(method[len("fp8+delta-lr"):])
+        fn = lambda: (bench.delta._step(lr), row())[1]  # noqa: E731 (the record is the publish's alone)
     dist.barrier()
     rec = fn()  # warm-up: groups, connections, first allocations (rank 0: its record)
     # The same bucket plan's gather alone, timed between the syncs: how much slower it is inside one.

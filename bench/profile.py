@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="many", help="preset (default many)")
     p.add_argument("--method", default="flat-32MiB", help="flat-<N>MiB, per-tensor, colocated-<N>MiB, disk-dir or "
-                                                          "delta-lr<LR> (e.g. delta-lr1e-06), lora-tensors or lora-disk (rank 16)")
+                                                          "delta-lr<LR> (e.g. delta-lr1e-06), fp8+delta-lr<LR>, lora-tensors or lora-disk (rank 16)")
     p.add_argument("--bucket-mb", type=float, default=32.0, help="the flat/colocated bucket size (default 32)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2)
@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return _run_linked(args, argv if argv is not None else sys.argv[1:])
     link = json.loads(args.link_spec) if args.link_spec else None
     kw = {"workdir": args.workdir} if args.workdir else {}
-    # delta-lr<LR>: the delta rows' publisher (bench.delta), one optimizer step at LR before each timed sync.
-    lrs = [float(args.method[len("delta-lr"):])] if args.method.startswith("delta-lr") else []
+    # delta-lr<LR> and fp8+delta-lr<LR>: the delta rows' publishers (bench.delta), one optimizer step at LR before each
+# timed sync.
+    lrs = [float(args.method.split("delta-lr")[1])] if "delta-lr" in args.method else []
     cfg = BenchConfig(sizes=[args.size], bucket_mb=[args.bucket_mb], repeats=args.repeats, nproc=args.nproc, etcd=False,
                       delta_lrs=lrs, lora_rank=16 if args.method.startswith("lora-") else 0,
                       colocated=link is None, log_level=args.log_level, keep_run=args.keep_run, **kw)

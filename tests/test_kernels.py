@@ -90,6 +90,31 @@ def test_pieces_already_in_the_serving_dtype_are_compared_bit_for_bit(dtype):
         assert _same(got, want, ints), (dtype, n)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_with_write_the_base_moves_in_the_same_pass_and_a_piece_that_does_not_fit_stays_as_it_was(threads, monkeypatch):
+    """``write``: the base takes the new values where they differ (what the publish's base must hold after it), and
+    the old values come back for the undo; a piece with more changes than the room (in every part, or in one of
+    three threads' parts while the others fit and wrote theirs) comes back None with the base bit for bit as it was."""
+    monkeypatch.setattr(kernels, "_threads", lambda n: threads if n > 1000 else 1)
+    g = torch.Generator().manual_seed(11)
+    new = _every_float32(30_000, g)
+    for frac, part_two in ((0.05, False), (0.6, False), (0.05, True)):
+        base = new.to(torch.bfloat16)
+        flip = torch.rand(new.numel(), generator=g) < frac
+        if part_two:  # only the second of three parts changed beyond its room
+            flip[10_000:20_000] = torch.rand(10_000, generator=g) < 0.9
+        base.view(torch.int16)[flip] ^= 1
+        before, want = base.clone(), _plain(new, base)
+        n = kernels.room(new.numel())
+        got = kernels.diff(new, base, torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.bfloat16),
+                           torch.empty(n, dtype=torch.bfloat16), write=True)
+        if frac > 0.25 or (part_two and threads > 1) or (part_two and int(flip.sum()) > n):
+            assert got is None and torch.equal(base.view(torch.int16), before.view(torch.int16)), (frac, part_two)
+            continue
+        assert _same(got, want), (frac, part_two)
+        assert torch.equal(base.view(torch.int16), new.to(torch.bfloat16).view(torch.int16))
+
+
 def test_a_piece_mostly_changed_is_left_to_the_plain_diff():
     """More than a quarter changed does not fit the kernel's room: it says so (None) and the delta diffs that piece
     in torch, with the same result."""
@@ -187,6 +212,36 @@ def test_the_fp8_kernel_makes_torchs_bytes_and_scales(served, monkeypatch):
     got_own = torch.empty_like(want)
     assert torch.equal(quantize_own_blocks(w, got_own, served), want_scales)
     assert torch.equal(got_own.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fp8_quantized_and_diffed_in_one_pass_is_the_quantization_then_the_diff(threads, monkeypatch):
+    """The FP8 delta's fused pass (:func:`kernels.quantize_diff`) against the quantization and then the byte diff: the
+    same scales, positions, new and old bytes, and with ``write`` the base becomes the new bytes; a weight with more
+    changes than the room comes back False with the base as it was."""
+    from bridge.codecs.fp8 import AMAX_FLOOR, FP8_DTYPE
+
+    monkeypatch.setattr(kernels, "_threads", lambda n: threads)
+    g = torch.Generator().manual_seed(17)
+    w = _every_weight((512, 640), g)
+    want, want_scales = torch.empty(w.shape, dtype=FP8_DTYPE), torch.empty(4, 5)
+    assert kernels.quantize_blocks(w, torch.bfloat16, want, want_scales, True, AMAX_FLOOR)
+    n = kernels.room(w.numel())
+    for frac in (0.0, 0.02, 0.2, 0.5):
+        base = want.clone().view(-1)
+        flip = torch.rand(w.numel(), generator=g) < frac
+        base.view(torch.uint8)[flip] ^= 2
+        before = base.clone()
+        expected = _kernel(want.view(-1), base.clone())
+        grid = torch.empty(4, 5)
+        got = kernels.quantize_diff(w, torch.bfloat16, grid, True, AMAX_FLOOR, base, torch.empty(n, dtype=torch.int64),
+                                    torch.empty(n, dtype=FP8_DTYPE), torch.empty(n, dtype=FP8_DTYPE), True)
+        if expected is None or (threads > 1 and frac == 0.2):  # (the last part holds half the rows: over its third)
+            assert got is False and torch.equal(base.view(torch.uint8), before.view(torch.uint8)), frac
+            continue
+        assert torch.equal(grid, want_scales), frac
+        assert _same(got, expected, torch.uint8), frac
+        assert torch.equal(base.view(torch.uint8), want.view(-1).view(torch.uint8)), frac
 
 
 def test_e4m3_rounding_of_every_scaled_value():

@@ -1,11 +1,12 @@
 /* The trainer's CPU work per tensor in one pass (bridge/codecs/kernels.py builds and loads this file).
  *
  * The delta's diff: each function reads a piece of the new weights and the base once and writes the positions and new
- * values of the elements that differ, bit for bit, and the base's values there (the undo log): no cast buffer, no
- * change mask, no second pass over the differing words. Each block of BLOCK elements is compared in a loop the compiler vectorizes, into a bit mask of its differing elements
+ * values of the elements that differ, bit for bit, and the base's values there (the undo log), and with `write` moves
+ * the base to the new values there as it goes (a publish's base moves where it changed): no cast buffer, no change
+ * mask, no second pass over the differing words or the base. Each block of BLOCK elements is compared in a loop the compiler vectorizes, into a bit mask of its differing elements
  * (one multiply per eight); a block whose mask is 0 writes nothing, the others append their differing elements.
- * A call has room for `cap` entries and gives up (returns -1) once they would not fit: the caller then diffs that
- * piece the plain way.
+ * A call has room for `cap` entries and gives up (returns -1, the base as it was) once they would not fit: the caller
+ * then diffs that piece the plain way.
  *
  * Plain C, no headers beyond the standard library: any C compiler builds it in a fraction of a second.
  */
@@ -33,30 +34,36 @@ static inline uint64_t mask_of(const uint8_t *flags) {
 }
 
 /* Append the position, new value (of `v`) and old value (of the base block `b`) of each set bit of `mask`, for block
- * `at`; -1 when `cap` is short. */
+ * `at`, and with `write` put the new value into the base there (it is in cache: the undo log has the old one); -1 when
+ * `cap` is short, with the base as it was. */
 #define APPEND(v)                                                                                                  \
     if (mask) {                                                                                                    \
-        if (c + __builtin_popcountll(mask) > cap)                                                                  \
+        if (c + __builtin_popcountll(mask) > cap) {                                                                \
+            for (int64_t j = 0; write && j < c; j++) /* the base as it was: the caller diffs the plain way */     \
+                base[pos[j] - offset] = old[j];                                                                    \
             return -1;                                                                                             \
+        }                                                                                                          \
         while (mask) {                                                                                             \
             const int i = __builtin_ctzll(mask);                                                                   \
             pos[c] = offset + at + i;                                                                              \
             old[c] = b[i];                                                                                         \
             val[c++] = (v)[i];                                                                                     \
+            if (write)                                                                                             \
+                b[i] = (v)[i];                                                                                     \
             mask &= mask - 1;                                                                                      \
         }                                                                                                          \
     }
 
 /* `n` float32 `src` cast to bfloat16 and compared with the bfloat16 bits `base`. */
-int64_t wsync_diff_f32_bf16(const uint32_t *src, const uint16_t *base, int64_t n, int64_t offset,
-                            int64_t *pos, uint16_t *val, uint16_t *old, int64_t cap) {
+int64_t wsync_diff_f32_bf16(const uint32_t *src, uint16_t *base, int64_t n, int64_t offset,
+                            int64_t *pos, uint16_t *val, uint16_t *old, int64_t cap, int write) {
     uint16_t tmp[BLOCK];
     uint8_t ne[BLOCK];
     int64_t c = 0;
     for (int64_t at = 0; at < n; at += BLOCK) {
         const int64_t m = n - at < BLOCK ? n - at : BLOCK;
         const uint32_t *s = src + at;
-        const uint16_t *b = base + at;
+        uint16_t *b = base + at;
         if (m == BLOCK) {
             for (int i = 0; i < BLOCK; i++) {
                 tmp[i] = bf16_bits(s[i]);
@@ -77,14 +84,14 @@ int64_t wsync_diff_f32_bf16(const uint32_t *src, const uint16_t *base, int64_t n
 
 /* `n` elements of `src` and `base` of one width compared bit for bit (the piece is already in the serving dtype). */
 #define SAME_WIDTH(NAME, T)                                                                                        \
-    int64_t NAME(const T *src, const T *base, int64_t n, int64_t offset, int64_t *pos, T *val, T *old,            \
-                 int64_t cap) {                                                                                    \
+    int64_t NAME(const T *src, T *base, int64_t n, int64_t offset, int64_t *pos, T *val, T *old, int64_t cap,     \
+                 int write) {                                                                                      \
         uint8_t ne[BLOCK];                                                                                         \
         int64_t c = 0;                                                                                             \
         for (int64_t at = 0; at < n; at += BLOCK) {                                                                \
             const int64_t m = n - at < BLOCK ? n - at : BLOCK;                                                     \
             const T *s = src + at;                                                                                 \
-            const T *b = base + at;                                                                                \
+            T *b = base + at;                                                                                      \
             if (m == BLOCK) {                                                                                      \
                 for (int i = 0; i < BLOCK; i++)                                                                    \
                     ne[i] = s[i] != b[i];                                                                          \
@@ -143,6 +150,43 @@ static inline float served(uint32_t u, int bf16) {
     return bf16 ? as_float((uint32_t)bf16_bits(u) << 16) : as_float(u);
 }
 
+/* The scales of one block row (128 rows of `k` float32 at `block`, `kb` blocks): max(absmax, floor) / 448 of the
+ * served values, as torch's block_amax and block_scales take them. */
+static void block_row_scales(const uint32_t *block, int64_t k, int64_t kb, int bf16, float floor, float *scales) {
+    for (int64_t j = 0; j < kb; j++) {
+        float top[QBLOCK] = {0}; /* a running maximum per column: a loop the compiler vectorizes */
+        uint32_t nan[QBLOCK] = {0}; /* a NaN makes the scale NaN, as torch's amax does */
+        for (int64_t r = 0; r < QBLOCK; r++) {
+            const uint32_t *s = block + r * k + j * QBLOCK;
+            for (int i = 0; i < QBLOCK; i++) {
+                const float m = as_float(s[i] & 0x7fffffffu);
+                top[i] = m > top[i] ? m : top[i];
+                nan[i] |= m != m;
+            }
+        }
+        for (int i = 1; i < QBLOCK; i++) {
+            top[0] = top[i] > top[0] ? top[i] : top[0];
+            nan[0] |= nan[i];
+        }
+        const float amax = served(nan[0] ? 0x7fc00000u : bits_of(top[0]), bf16);
+        scales[j] = (amax < floor ? floor : amax) / 448.0f;
+    }
+}
+
+/* 128 float32 `x`, served as bfloat16 (`bf16`) or float32, times `f` (a block's 1 / scale) as e4m3fn into `q`. */
+static inline void quantize_run(const uint32_t *x, float f, int bf16, uint8_t *q) {
+    uint32_t wide[QBLOCK]; /* (32-bit lanes throughout, then one narrowing: fewer shuffles) */
+    if (bf16) { /* (two loops, so that each vectorizes) */
+        for (int i = 0; i < QBLOCK; i++)
+            wide[i] = e4m3_bits(bits_of(as_float((uint32_t)bf16_bits(x[i]) << 16) * f));
+    } else {
+        for (int i = 0; i < QBLOCK; i++)
+            wide[i] = e4m3_bits(bits_of(as_float(x[i]) * f));
+    }
+    for (int i = 0; i < QBLOCK; i++)
+        q[i] = (uint8_t)wide[i];
+}
+
 /* Block-aligned float32 `rows` ([n, k], both multiples of 128, row-major), served as bfloat16 (`bf16`) or float32,
  * quantized per block into `out` ([n, k] e4m3fn). `grid` ([n / 128, k / 128] float32) holds the blocks' scales: taken
  * here (`take`: max(absmax, floor) / 448 of the served values, torch's block_amax and block_scales) or given. One block
@@ -154,48 +198,51 @@ void wsync_quantize_blocks(const uint32_t *rows, int64_t n, int64_t k, int bf16,
     for (int64_t b = 0; b < n / QBLOCK; b++) {
         const uint32_t *block = rows + b * QBLOCK * k;
         float *scales = grid + b * kb;
-        if (take) {
-            for (int64_t j = 0; j < kb; j++) {
-                float top[QBLOCK] = {0}; /* a running maximum per column: a loop the compiler vectorizes */
-                uint32_t nan[QBLOCK] = {0}; /* a NaN makes the scale NaN, as torch's amax does */
-                for (int64_t r = 0; r < QBLOCK; r++) {
-                    const uint32_t *s = block + r * k + j * QBLOCK;
-                    for (int i = 0; i < QBLOCK; i++) {
-                        const float m = as_float(s[i] & 0x7fffffffu);
-                        top[i] = m > top[i] ? m : top[i];
-                        nan[i] |= m != m;
-                    }
-                }
-                for (int i = 1; i < QBLOCK; i++) {
-                    top[0] = top[i] > top[0] ? top[i] : top[0];
-                    nan[0] |= nan[i];
-                }
-                const float amax = served(nan[0] ? 0x7fc00000u : bits_of(top[0]), bf16);
-                scales[j] = (amax < floor ? floor : amax) / 448.0f;
-            }
-        }
+        if (take)
+            block_row_scales(block, k, kb, bf16, floor, scales);
+        for (int64_t j = 0; j < kb; j++)
+            inv[j] = 1.0f / scales[j];
+        for (int64_t r = 0; r < QBLOCK; r++)
+            for (int64_t j = 0; j < kb; j++)
+                quantize_run(block + r * k + j * QBLOCK, inv[j], bf16, out + (b * QBLOCK + r) * k + j * QBLOCK);
+    }
+}
+
+/* The FP8 delta's diff of a weight whose rows are whole blocks, fused with its quantization: `rows` quantized as
+ * wsync_quantize_blocks does (the same bytes; `take`: the scales too), each run of 128 bytes compared with the FP8 base
+ * there (`base`, [n, k] e4m3fn) and its differing bytes appended as the diff appends them (APPEND: positions from
+ * `offset`, new bytes, old bytes; `write` moves the base): no FP8 copy of the weight is written or read again. -1 when
+ * `cap` is short, with the base as it was (and the scales of the block rows after it not taken). */
+int64_t wsync_quantize_diff(const uint32_t *rows, int64_t n, int64_t k, int bf16, int take, float floor, float *grid,
+                            uint8_t *base, int64_t offset, int64_t *pos, uint8_t *val, uint8_t *old, int64_t cap,
+                            int write) {
+    const int64_t kb = k / QBLOCK;
+    float inv[kb > 0 ? kb : 1];
+    uint8_t tmp[QBLOCK], ne[BLOCK];
+    int64_t c = 0;
+    for (int64_t bi = 0; bi < n / QBLOCK; bi++) {
+        const uint32_t *block = rows + bi * QBLOCK * k;
+        float *scales = grid + bi * kb;
+        if (take)
+            block_row_scales(block, k, kb, bf16, floor, scales);
         for (int64_t j = 0; j < kb; j++)
             inv[j] = 1.0f / scales[j];
         for (int64_t r = 0; r < QBLOCK; r++) {
-            const uint32_t *s = block + r * k;
-            uint8_t *o = out + (b * QBLOCK + r) * k;
             for (int64_t j = 0; j < kb; j++) {
-                const float f = inv[j];
-                const uint32_t *x = s + j * QBLOCK;
-                uint8_t *q = o + j * QBLOCK;
-                uint32_t wide[QBLOCK]; /* (32-bit lanes throughout, then one narrowing: fewer shuffles) */
-                if (bf16) { /* (two loops, so that each vectorizes) */
-                    for (int i = 0; i < QBLOCK; i++)
-                        wide[i] = e4m3_bits(bits_of(as_float((uint32_t)bf16_bits(x[i]) << 16) * f));
-                } else {
-                    for (int i = 0; i < QBLOCK; i++)
-                        wide[i] = e4m3_bits(bits_of(as_float(x[i]) * f));
+                quantize_run(block + r * k + j * QBLOCK, inv[j], bf16, tmp);
+                for (int h = 0; h < QBLOCK / BLOCK; h++) {
+                    const int64_t at = (bi * QBLOCK + r) * k + j * QBLOCK + h * BLOCK;
+                    const uint8_t *v = tmp + h * BLOCK;
+                    uint8_t *b = base + at;
+                    for (int i = 0; i < BLOCK; i++)
+                        ne[i] = v[i] != b[i];
+                    uint64_t mask = mask_of(ne);
+                    APPEND(v);
                 }
-                for (int i = 0; i < QBLOCK; i++)
-                    q[i] = (uint8_t)wide[i];
             }
         }
     }
+    return c;
 }
 
 /* ---- the delta's gap records (bridge/codecs/delta.py: GAPS8/16/32). A gap g > 0 moves the position by g and marks

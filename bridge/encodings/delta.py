@@ -232,57 +232,65 @@ class DeltaEncoding(Encoding):
             new = self._cast(spec, local)
             self.base[spec.name] = BasePiece(start, new.clone())
             return Change(DENSE, n, record_nbytes(DENSE, n, n, new.element_size()))
-        positions, values, old = self._changes(spec, local, held.base)
+        positions, values, old = self._changes(spec, local, held.base, write=True)
         count = positions.numel()
         if not count:
             return None
         itemsize = held.base.element_size()
         bits = held.base.view(INTS[itemsize])
-        first = int(positions[0])
-        self.probes[spec.name] = [(start, int(bits[0])), (start + first, int(bits[first]))]
+        moved = old is not None  # the kernel moved the base where it changed (the rest is equal), keeping the old values
+        if old is None:
+            old = held.base.index_select(0, positions)
+        first, was = int(positions[0]), old.view(bits.dtype)
+        self.probes[spec.name] = [(start, int(was[0]) if first == 0 else int(bits[0])), (start + first, int(was[0]))]
         t = time.perf_counter()
         kind, body = encode_sparse(n, positions, values, zstd=self._zstd_now)
         self._timed[1] += time.perf_counter() - t
-        if kind == DENSE:  # (nearly) all changed: the undo is a copy, the record the base itself
-            old = held.base.clone()
+        if not moved:
             bits.index_copy_(0, positions, values.view(bits.dtype))
-            return Change(kind, count, record_nbytes(DENSE, n, n, itemsize), old=old)
-        old = held.base.index_select(0, positions) if old is None else old.clone()
-        bits.index_copy_(0, positions, values.view(bits.dtype))  # the base moves where it changed (the rest is equal)
+        if kind == DENSE:  # (nearly) all changed: the undo is a copy of the old base, the record the base itself
+            undo = held.base.clone()
+            undo.view(bits.dtype).index_copy_(0, positions, was)
+            return Change(kind, count, record_nbytes(DENSE, n, n, itemsize), old=undo)
+        old = old.clone() if moved else old  # (the kernel's old values are scratch)
         # (kept for the undo: int32 is half the bytes; either way a copy, not a view of the scratch)
         positions = positions.to(torch.int32) if n < 2**31 else positions.clone()
         return Change(kind, count, HEADER_BYTES + body.numel(), positions, old, body)
 
-    def _changes(self, spec: ParamSpec, local: torch.Tensor, base: torch.Tensor):
+    def _changes(self, spec: ParamSpec, local: torch.Tensor, base: torch.Tensor, write: bool = False):
         """(int64 positions, new values, old values or None) of the elements of ``local`` cast to the serving dtype
         that differ from ``base`` bit for bit, positions increasing: in one pass by the C kernel
-        (:mod:`bridge.codecs.kernels`, the cast fused, the old values taken on the way) where it applies, else cast,
-        compared and gathered in torch (no old values: the caller takes them)."""
+        (:mod:`bridge.codecs.kernels`, the cast fused, the old values taken on the way, and with ``write`` the base
+        moved to the new values there) where it applies, else cast, compared and gathered in torch (no old values:
+        the caller takes them, and the base is as it was)."""
         if self._plain_cast(spec):
-            found = self._kernel_diff(local.detach().reshape(-1), base)
+            found = self._kernel_diff(local.detach().reshape(-1), base, write)
             if found is not None:
                 return found
-        return self._diff_cast(self._cast(spec, local), base)
+        return self._diff_cast(self._cast(spec, local), base, write)
 
     def _plain_cast(self, spec: ParamSpec) -> bool:
         """Whether a piece's base values are its local values cast to the serving dtype (the kernel casts them itself)."""
         return True
 
-    def _diff_cast(self, new: torch.Tensor, base: torch.Tensor):
+    def _diff_cast(self, new: torch.Tensor, base: torch.Tensor, write: bool = False):
         """:meth:`_changes` of a piece already in the serving dtype."""
-        found = self._kernel_diff(new, base)
+        found = self._kernel_diff(new, base, write)
         if found is not None:
             return found
         positions = self._changed(new, base, new.element_size())
         return positions, new.index_select(0, positions), None
 
-    def _kernel_diff(self, new: torch.Tensor, base: torch.Tensor):
+    def _kernel_diff(self, new: torch.Tensor, base: torch.Tensor, write: bool):
         if not self._kernels:
             return None
-        n = kernels.room(new.numel())
-        return kernels.diff(new, base, self._scratch("positions", n, torch.int64, base.device),
-                            self._scratch("values", n, base.dtype, base.device),
-                            self._scratch("old", n, base.dtype, base.device))
+        return kernels.diff(new, base, *self._room(base), write)
+
+    def _room(self, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernels' scratch for a piece like ``base``: its positions, new and old values (:func:`kernels.room`)."""
+        n = kernels.room(base.numel())
+        return (self._scratch("positions", n, torch.int64, base.device), self._scratch("values", n, base.dtype, base.device),
+                self._scratch("old", n, base.dtype, base.device))
 
     def _changed(self, new: torch.Tensor, base: torch.Tensor, itemsize: int) -> torch.Tensor:
         """The int64 positions where ``new`` and ``base`` (flat, same dtype) differ bit for bit, increasing.
