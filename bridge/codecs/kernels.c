@@ -145,6 +145,17 @@ static inline uint32_t e4m3_bits(uint32_t f_bits) {
     return r | (sign >> 24);
 }
 
+/* e4m3_bits of a value below 456 in magnitude and not NaN, where torch's cast neither saturates nor makes a NaN: a
+ * block's values scaled by its own absmax (448 at most, and a rounding of it), in two thirds of the work. */
+static inline uint32_t e4m3_bits_in_range(uint32_t f_bits) {
+    const uint32_t sign = f_bits & 0x80000000u;
+    const uint32_t a = f_bits ^ sign;
+    const uint32_t denormal = bits_of(as_float(a) + as_float(141u << 23)) - (141u << 23);
+    const uint32_t normal = (a + ((uint32_t)(7 - 127) << 23) + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+    const uint32_t small = -(uint32_t)((int32_t)a < (int32_t)(121u << 23));
+    return ((denormal & small) | (normal & ~small)) | (sign >> 24);
+}
+
 /* The value a float32 element serves as: itself, or its bfloat16 cast (`bf16`) back in float32. */
 static inline float served(uint32_t u, int bf16) {
     return bf16 ? as_float((uint32_t)bf16_bits(u) << 16) : as_float(u);
@@ -154,29 +165,34 @@ static inline float served(uint32_t u, int bf16) {
  * served values, as torch's block_amax and block_scales take them. */
 static void block_row_scales(const uint32_t *block, int64_t k, int64_t kb, int bf16, float floor, float *scales) {
     for (int64_t j = 0; j < kb; j++) {
-        float top[QBLOCK] = {0}; /* a running maximum per column: a loop the compiler vectorizes */
-        uint32_t nan[QBLOCK] = {0}; /* a NaN makes the scale NaN, as torch's amax does */
+        /* A running maximum per column (a loop the compiler vectorizes) of the magnitudes' bits: they order as the
+         * magnitudes do, and every NaN above infinity, so a NaN makes the scale NaN, as torch's amax does. */
+        uint32_t top[QBLOCK] = {0};
         for (int64_t r = 0; r < QBLOCK; r++) {
             const uint32_t *s = block + r * k + j * QBLOCK;
             for (int i = 0; i < QBLOCK; i++) {
-                const float m = as_float(s[i] & 0x7fffffffu);
+                const uint32_t m = s[i] & 0x7fffffffu;
                 top[i] = m > top[i] ? m : top[i];
-                nan[i] |= m != m;
             }
         }
-        for (int i = 1; i < QBLOCK; i++) {
+        for (int i = 1; i < QBLOCK; i++)
             top[0] = top[i] > top[0] ? top[i] : top[0];
-            nan[0] |= nan[i];
-        }
-        const float amax = served(nan[0] ? 0x7fc00000u : bits_of(top[0]), bf16);
+        const float amax = served(top[0] > 0x7f800000u ? 0x7fc00000u : top[0], bf16);
         scales[j] = (amax < floor ? floor : amax) / 448.0f;
     }
 }
 
-/* 128 float32 `x`, served as bfloat16 (`bf16`) or float32, times `f` (a block's 1 / scale) as e4m3fn into `q`. */
-static inline void quantize_run(const uint32_t *x, float f, int bf16, uint8_t *q) {
+/* 128 float32 `x`, served as bfloat16 (`bf16`) or float32, times `f` (a block's 1 / scale) as e4m3fn into `q`;
+ * `own`: `f` is the block's own (1 / scale of its absmax, finite), so every value is in e4m3_bits_in_range's range. */
+static inline void quantize_run(const uint32_t *x, float f, int bf16, int own, uint8_t *q) {
     uint32_t wide[QBLOCK]; /* (32-bit lanes throughout, then one narrowing: fewer shuffles) */
-    if (bf16) { /* (two loops, so that each vectorizes) */
+    if (own && bf16) { /* (one loop per case, so that each vectorizes) */
+        for (int i = 0; i < QBLOCK; i++)
+            wide[i] = e4m3_bits_in_range(bits_of(as_float((uint32_t)bf16_bits(x[i]) << 16) * f));
+    } else if (own) {
+        for (int i = 0; i < QBLOCK; i++)
+            wide[i] = e4m3_bits_in_range(bits_of(as_float(x[i]) * f));
+    } else if (bf16) {
         for (int i = 0; i < QBLOCK; i++)
             wide[i] = e4m3_bits(bits_of(as_float((uint32_t)bf16_bits(x[i]) << 16) * f));
     } else {
@@ -195,54 +211,20 @@ void wsync_quantize_blocks(const uint32_t *rows, int64_t n, int64_t k, int bf16,
                            float *grid, uint8_t *out) {
     const int64_t kb = k / QBLOCK;
     float inv[kb > 0 ? kb : 1];
+    int own[kb > 0 ? kb : 1];
     for (int64_t b = 0; b < n / QBLOCK; b++) {
         const uint32_t *block = rows + b * QBLOCK * k;
         float *scales = grid + b * kb;
         if (take)
             block_row_scales(block, k, kb, bf16, floor, scales);
-        for (int64_t j = 0; j < kb; j++)
+        for (int64_t j = 0; j < kb; j++) {
             inv[j] = 1.0f / scales[j];
+            own[j] = take && scales[j] - scales[j] == 0.0f && inv[j] - inv[j] == 0.0f; /* (both finite) */
+        }
         for (int64_t r = 0; r < QBLOCK; r++)
             for (int64_t j = 0; j < kb; j++)
-                quantize_run(block + r * k + j * QBLOCK, inv[j], bf16, out + (b * QBLOCK + r) * k + j * QBLOCK);
+                quantize_run(block + r * k + j * QBLOCK, inv[j], bf16, own[j], out + (b * QBLOCK + r) * k + j * QBLOCK);
     }
-}
-
-/* The FP8 delta's diff of a weight whose rows are whole blocks, fused with its quantization: `rows` quantized as
- * wsync_quantize_blocks does (the same bytes; `take`: the scales too), each run of 128 bytes compared with the FP8 base
- * there (`base`, [n, k] e4m3fn) and its differing bytes appended as the diff appends them (APPEND: positions from
- * `offset`, new bytes, old bytes; `write` moves the base): no FP8 copy of the weight is written or read again. -1 when
- * `cap` is short, with the base as it was (and the scales of the block rows after it not taken). */
-int64_t wsync_quantize_diff(const uint32_t *rows, int64_t n, int64_t k, int bf16, int take, float floor, float *grid,
-                            uint8_t *base, int64_t offset, int64_t *pos, uint8_t *val, uint8_t *old, int64_t cap,
-                            int write) {
-    const int64_t kb = k / QBLOCK;
-    float inv[kb > 0 ? kb : 1];
-    uint8_t tmp[QBLOCK], ne[BLOCK];
-    int64_t c = 0;
-    for (int64_t bi = 0; bi < n / QBLOCK; bi++) {
-        const uint32_t *block = rows + bi * QBLOCK * k;
-        float *scales = grid + bi * kb;
-        if (take)
-            block_row_scales(block, k, kb, bf16, floor, scales);
-        for (int64_t j = 0; j < kb; j++)
-            inv[j] = 1.0f / scales[j];
-        for (int64_t r = 0; r < QBLOCK; r++) {
-            for (int64_t j = 0; j < kb; j++) {
-                quantize_run(block + r * k + j * QBLOCK, inv[j], bf16, tmp);
-                for (int h = 0; h < QBLOCK / BLOCK; h++) {
-                    const int64_t at = (bi * QBLOCK + r) * k + j * QBLOCK + h * BLOCK;
-                    const uint8_t *v = tmp + h * BLOCK;
-                    uint8_t *b = base + at;
-                    for (int i = 0; i < BLOCK; i++)
-                        ne[i] = v[i] != b[i];
-                    uint64_t mask = mask_of(ne);
-                    APPEND(v);
-                }
-            }
-        }
-    }
-    return c;
 }
 
 /* ---- the delta's gap records (bridge/codecs/delta.py: GAPS8/16/32). A gap g > 0 moves the position by g and marks

@@ -36,8 +36,7 @@ import torch
 from bridge.codecs.diff import INTS
 from bridge.log import get_logger
 
-__all__ = ["available", "diff", "gaps_apply", "gaps_count", "gaps_escapes", "gaps_write", "quantize_blocks",
-           "quantize_diff", "room"]
+__all__ = ["available", "diff", "gaps_apply", "gaps_count", "gaps_escapes", "gaps_write", "quantize_blocks", "room"]
 
 logger = get_logger(__name__)
 
@@ -115,10 +114,6 @@ def _library() -> ctypes.CDLL | None:
     lib.wsync_gaps_escapes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.wsync_gaps_write.restype = ctypes.c_int64
     lib.wsync_gaps_write.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
-    lib.wsync_quantize_diff.restype = ctypes.c_int64
-    lib.wsync_quantize_diff.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                                        ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.wsync_quantize_blocks.restype = None
     lib.wsync_quantize_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                           ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
@@ -204,7 +199,17 @@ def diff(new: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, values:
                   positions.data_ptr() + i * cap * 8, values.data_ptr() + i * cap * width,
                   old.data_ptr() + i * cap * width, cap, int(write))
 
-    return _gathered(_each_part(diff_part, parts), cap, base, positions, values, old, write) or None
+    counts = _each_part(diff_part, parts)
+    if min(counts) < 0:
+        if write:  # (a part that gave up put its own back; the others wrote theirs)
+            bits = base.view(INTS[width])
+            for i, c in enumerate(counts):
+                if c > 0:
+                    bits.index_copy_(0, positions[i * cap: i * cap + c], old[i * cap: i * cap + c].view(bits.dtype))
+        return None
+    if parts == 1:
+        return positions[: counts[0]], values[: counts[0]], old[: counts[0]]
+    return tuple(torch.cat([t[i * cap : i * cap + c] for i, c in enumerate(counts)]) for t in (positions, values, old))
 
 
 _SERVED = {torch.float32: 0, torch.bfloat16: 1}
@@ -219,11 +224,15 @@ def quantize_blocks(rows: torch.Tensor, served: torch.dtype, out: torch.Tensor, 
     :func:`~bridge.codecs.fp8.quantize_rows`, in two passes per block row instead of six. False, having done nothing,
     where it does not apply (no kernel, not float32 on the CPU, not contiguous, another served dtype)."""
     lib = _library()
-    if not _quantizable(lib, rows, served, out, grid) or out.shape != rows.shape:
+    n, k = rows.shape if rows.dim() == 2 else (0, 0)
+    if lib is None or rows.dtype != torch.float32 or served not in _SERVED or not n or n % 128 or k % 128 \
+            or not _cpu(rows, out, grid) \
+            or out.shape != rows.shape or out.element_size() != 1 or grid.dtype != torch.float32 \
+            or tuple(grid.shape) != (n // 128, k // 128):
         return False
-    k = rows.shape[1]
-    bounds = _block_parts(rows)
-    parts = len(bounds) - 1
+    blocks = n // 128
+    parts = max(1, min(_threads(rows.numel()), blocks))
+    bounds = [blocks * i // parts for i in range(parts + 1)]
 
     def quantize_part(i: int) -> None:
         b0, b1 = bounds[i], bounds[i + 1]
@@ -232,61 +241,6 @@ def quantize_blocks(rows: torch.Tensor, served: torch.dtype, out: torch.Tensor, 
 
     _each_part(quantize_part, parts)
     return True
-
-
-def _quantizable(lib, rows: torch.Tensor, served: torch.dtype, out: torch.Tensor, grid: torch.Tensor) -> bool:
-    n, k = rows.shape if rows.dim() == 2 else (0, 0)
-    return lib is not None and rows.dtype == torch.float32 and served in _SERVED and bool(n) and not n % 128 \
-        and not k % 128 and _cpu(rows, out, grid) and tuple(out.shape) in ((n, k), (n * k,)) \
-        and out.element_size() == 1 and grid.dtype == torch.float32 and tuple(grid.shape) == (n // 128, k // 128)
-
-
-def _block_parts(rows: torch.Tensor) -> list[int]:
-    """Bounds, in 128-row blocks, of the parts the threads take (the blocks split evenly)."""
-    blocks = rows.shape[0] // 128
-    parts = max(1, min(_threads(rows.numel()), blocks))
-    return [blocks * i // parts for i in range(parts + 1)]
-
-
-def quantize_diff(rows: torch.Tensor, served: torch.dtype, grid: torch.Tensor, take: bool, floor: float,
-                  base: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor, write: bool):
-    """:func:`quantize_blocks` of ``rows`` fused with :func:`diff` of its FP8 bytes against ``base`` (the weight's
-    e4m3fn bytes as last sent, flat or ``[n, k]``): (positions, new bytes, old bytes) as :func:`diff` gives them, and
-    with ``write`` the base moved; no FP8 copy of the weight is written. None, having done nothing, where it does not
-    apply (as :func:`quantize_blocks`); False where more than the room changed: the base is as it was, the scales
-    not all taken."""
-    lib = _library()
-    n = rows.numel()
-    if not _quantizable(lib, rows, served, base, grid) or min(positions.numel(), values.numel(), old.numel()) < room(n):
-        return None
-    k = rows.shape[1]
-    bounds = _block_parts(rows)
-    parts = len(bounds) - 1
-    cap = positions.numel() // parts
-
-    def part(i: int) -> int:
-        lo = bounds[i] * 128 * k
-        return lib.wsync_quantize_diff(rows.data_ptr() + lo * 4, (bounds[i + 1] - bounds[i]) * 128, k, _SERVED[served],
-                                       int(take), floor, grid.data_ptr() + bounds[i] * (k // 128) * 4,
-                                       base.data_ptr() + lo, lo, positions.data_ptr() + i * cap * 8,
-                                       values.data_ptr() + i * cap, old.data_ptr() + i * cap, cap, int(write))
-
-    return _gathered(_each_part(part, parts), cap, base, positions, values, old, write)
-
-
-def _gathered(counts: list[int], cap: int, base, positions, values, old, write: bool):
-    """The parts' entries, each part's ``counts[i]`` of them at ``i * cap``, as one (positions, values, old); False,
-    with the base put back where a part wrote it, when a part ran out of room."""
-    if min(counts) < 0:
-        if write:  # (a part that gave up put its own back; the others wrote theirs)
-            bits = base.view(-1).view(INTS[base.element_size()])
-            for i, c in enumerate(counts):
-                if c > 0:
-                    bits.index_copy_(0, positions[i * cap: i * cap + c], old[i * cap: i * cap + c].view(bits.dtype))
-        return False
-    if len(counts) == 1:
-        return positions[: counts[0]], values[: counts[0]], old[: counts[0]]
-    return tuple(torch.cat([t[i * cap: i * cap + c] for i, c in enumerate(counts)]) for t in (positions, values, old))
 
 
 # ------------------------------------------------------------------ the delta's gap records

@@ -155,16 +155,6 @@ class Fp8DeltaEncoding(DeltaEncoding):
             return self._grid(q).reshape(-1)[q.scale_at: q.scale_at + local.numel()].contiguous()
         return super()._cast(spec, local)
 
-    def _changes(self, spec: ParamSpec, local: torch.Tensor, base: torch.Tensor, write: bool = False):
-        """A quantized weight whose rows are whole blocks is quantized and diffed in one pass (no FP8 copy of it
-        made); every other piece as :meth:`_cast` makes it."""
-        q = self._q.get(spec.name)
-        if q is not None and q.own is not None and spec.dtype == FP8_DTYPE and self._kernels:
-            found = q.own.quantize_diff(base, *self._room(base), write)
-            if found is not None:
-                return found
-        return super()._changes(spec, local, base, write)
-
     def _plain_cast(self, spec: ParamSpec) -> bool:
         """A quantized weight's FP8 rows and its scales are quantized, not cast: the kernel diffs their bytes once
         :meth:`_cast` made them."""

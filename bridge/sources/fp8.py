@@ -97,22 +97,6 @@ class OwnScales:
             self.grid = grid[self.row0 // BLOCK: -(-(self.row0 + self.rows.shape[0]) // BLOCK)]
         return self.grid
 
-    def quantize_diff(self, base: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor,
-                      write: bool):
-        """This rank's rows quantized and diffed against their FP8 ``base`` in one pass, when the scales are not known
-        yet (:func:`bridge.codecs.kernels.quantize_diff`: positions, new and old bytes, the base moved with ``write``);
-        None where it does not apply or did not fit (then :meth:`quantize` and the plain diff)."""
-        if self.grid is not None or not whole_blocks(self.rows, self.row0):
-            return None
-        n, k = self.rows.shape
-        grid = torch.empty(n // BLOCK, k // BLOCK, dtype=torch.float32, device=self.rows.device)
-        found = kernels.quantize_diff(self.rows, self.spec.dtype, grid, True, AMAX_FLOOR, base, positions, values, old,
-                                      write)
-        if not found:
-            return None
-        self.grid = grid
-        return found
-
     def quantize(self, out: torch.Tensor) -> None:
         """This rank's rows as e4m3fn into ``out`` (``[rows, K]``), in one pass when the scales are not known yet."""
         if self.grid is None and whole_blocks(self.rows, self.row0):
