@@ -186,9 +186,9 @@ static void block_row_scales(const uint32_t *block, int64_t k, int64_t kb, int b
  * `own`: `f` is the block's own (1 / scale of its absmax, finite), so every value is in e4m3_bits_in_range's range. */
 static inline void quantize_run(const uint32_t *x, float f, int bf16, int own, uint8_t *q) {
     uint32_t wide[QBLOCK]; /* (32-bit lanes throughout, then one narrowing: fewer shuffles) */
-    if (own && bf16) { /* (one loop per case, so that each vectorizes) */
+    if (own && bf16) { /* (one loop per case, so that each vectorizes; no NaN to cast in a block of finite scale) */
         for (int i = 0; i < QBLOCK; i++)
-            wide[i] = e4m3_bits_in_range(bits_of(as_float((uint32_t)bf16_bits(x[i]) << 16) * f));
+            wide[i] = e4m3_bits_in_range(bits_of(as_float((x[i] + 0x7fffu + ((x[i] >> 16) & 1u)) & 0xffff0000u) * f));
     } else if (own) {
         for (int i = 0; i < QBLOCK; i++)
             wide[i] = e4m3_bits_in_range(bits_of(as_float(x[i]) * f));
