@@ -4,7 +4,7 @@ Every trainer rank keeps the serving-dtype bytes of its own shard as last commit
 per parameter of its shard in bf16, on the parameters' device (``base_bytes``). At each publish, in the
 prepare step, a rank casts its shard, compares it bit for bit with the base (one pass per tensor on the CPU, the
 C kernel of :mod:`bridge.codecs.kernels`), and for each tensor it holds picks the smallest record (gaps, indices or bitmask + values, zstd where ``delta_zstd`` says; :mod:`bridge.codecs.delta`);
-it writes the new bytes into the base at once and keeps what it overwrote (an undo log: the changed
+it writes the new bytes into the base at once (the kernel, in the diff's own pass) and keeps what it overwrote (an undo log: the changed
 positions and old values of each tensor, or a copy of a tensor that changed almost entirely), so a failed
 sync puts the base back exactly and a committed one only drops the log. The base therefore moves only when
 a publish commits. During a sync a rank also holds its encoded records (no larger than the changed values and
