@@ -495,9 +495,11 @@ def _differences(url: str) -> dict:
     def spans_across(*changes: tuple[str, dict]) -> tuple[list[str], list[str], list]:
         """The version spans of two long generations across ``changes`` (route, body): a plain one, then a streamed
         one, which tells when they run. Once it gave its first tokens the changes are posted in order; once they
-        answered and it gave 8 tokens more (or 5 s after its first tokens: a change may wait for the generations, as
-        the reference server's relabel does), both are aborted, which ends them with their spans. The spans of each
-        (the plain one's first), and the changes' answers."""
+        answered and it gave 8 tokens more (or, while they are unanswered, 15 s after its first tokens: a change may
+        wait for the generations, as the reference server's relabel does), both are aborted, which ends them with their
+        spans. (Counted from the answers, not from the first tokens: on a loaded machine real SGLang's relabel once
+        answered near a 5 s cut, which then left the streamed one no token on the new label.) The spans of each (the
+        plain one's first), and the changes' answers."""
         body = {"input_ids": [1, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 1500,
                                                              "ignore_eos": True}}
         with cf.ThreadPoolExecutor(2) as pool:
@@ -513,7 +515,8 @@ def _differences(url: str) -> dict:
                         answers, first = pool.submit(lambda: [post(route, body) for route, body in changes]), now
                     if answered is None and answers.done():
                         answered = n
-                    if aborted is None and ((answered is not None and n >= answered + 8) or now - first > 5):
+                    if aborted is None and ((answered is not None and n >= answered + 8)
+                                            or (answered is None and now - first > 15)):
                         aborted = post("/abort_request", {"abort_all": True})
             spans = [[span["version"] for span in a["meta_info"]["weight_versions"]] for a in (plain.result(), last)]
             return spans[0], spans[1], answers.result()
