@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_linked(args, argv if argv is not None else sys.argv[1:])
     link = json.loads(args.link_spec) if args.link_spec else None
     kw = {"workdir": args.workdir} if args.workdir else {}
-    # delta-lr<LR> and fp8+delta-lr<LR>: the delta rows' publishers (bench.delta), one optimizer step at LR before each
-# timed sync.
+    # delta-lr<LR> and fp8+delta-lr<LR>: the delta rows' publishers (bench.delta), one optimizer step at LR before
+    # each timed sync.
     lrs = [float(args.method.split("delta-lr")[1])] if "delta-lr" in args.method else []
     cfg = BenchConfig(sizes=[args.size], bucket_mb=[args.bucket_mb], repeats=args.repeats, nproc=args.nproc, etcd=False,
                       delta_lrs=lrs, lora_rank=16 if args.method.startswith("lora-") else 0,

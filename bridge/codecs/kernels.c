@@ -3,8 +3,9 @@
  * The delta's diff: each function reads a piece of the new weights and the base once and writes the positions and new
  * values of the elements that differ, bit for bit, and the base's values there (the undo log), and with `write` moves
  * the base to the new values there as it goes (a publish's base moves where it changed): no cast buffer, no change
- * mask, no second pass over the differing words or the base. Each block of BLOCK elements is compared in a loop the compiler vectorizes, into a bit mask of its differing elements
- * (one multiply per eight); a block whose mask is 0 writes nothing, the others append their differing elements.
+ * mask, no second pass over the differing words or the base. Each block of BLOCK elements is compared in a loop the
+ * compiler vectorizes, into a bit mask of its differing elements (one multiply per eight); a block whose mask is 0
+ * writes nothing, the others append their differing elements.
  * A call has room for `cap` entries and gives up (returns -1, the base as it was) once they would not fit: the caller
  * then diffs that piece the plain way.
  *

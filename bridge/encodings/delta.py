@@ -284,13 +284,10 @@ class DeltaEncoding(Encoding):
     def _kernel_diff(self, new: torch.Tensor, base: torch.Tensor, write: bool):
         if not self._kernels:
             return None
-        return kernels.diff(new, base, *self._room(base), write)
-
-    def _room(self, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The kernels' scratch for a piece like ``base``: its positions, new and old values (:func:`kernels.room`)."""
-        n = kernels.room(base.numel())
-        return (self._scratch("positions", n, torch.int64, base.device), self._scratch("values", n, base.dtype, base.device),
-                self._scratch("old", n, base.dtype, base.device))
+        n = kernels.room(new.numel())
+        return kernels.diff(new, base, self._scratch("positions", n, torch.int64, base.device),
+                            self._scratch("values", n, base.dtype, base.device),
+                            self._scratch("old", n, base.dtype, base.device), write)
 
     def _changed(self, new: torch.Tensor, base: torch.Tensor, itemsize: int) -> torch.Tensor:
         """The int64 positions where ``new`` and ``base`` (flat, same dtype) differ bit for bit, increasing.
